@@ -1,0 +1,145 @@
+"""Small helpers so that codegen reads like the loops it makes."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import llvmlite.ir as ir
+import numpy as np
+
+I1 = ir.IntType(1)
+I8 = ir.IntType(8)
+I32 = ir.IntType(32)
+I64 = ir.IntType(64)
+F32 = ir.FloatType()
+F64 = ir.DoubleType()
+PTR = ir.PointerType()
+VOID = ir.VoidType()
+
+
+def i64(v: int) -> ir.Constant:
+    return ir.Constant(I64, int(v))
+
+
+def llvm_type(dtype: np.dtype) -> ir.Type:
+    """The LLVM type that stores one element of `dtype` (bool is an i8 0/1)."""
+    dt = np.dtype(dtype)
+    if dt == np.float32:
+        return F32
+    if dt == np.float64:
+        return F64
+    if dt == np.float16:
+        return ir.HalfType()
+    if dt.name == "bfloat16":
+        return ir.BFloatType() if hasattr(ir, "BFloatType") else ir.IntType(16)
+    if dt == np.bool_:
+        return I8
+    if dt.kind in "iu":
+        return ir.IntType(dt.itemsize * 8)
+    raise NotImplementedError(f"no LLVM type for dtype {dt}")
+
+
+def is_float(dtype: np.dtype) -> bool:
+    return np.dtype(dtype).kind == "f" or np.dtype(dtype).name == "bfloat16"
+
+
+def is_signed(dtype: np.dtype) -> bool:
+    return np.dtype(dtype).kind == "i"
+
+
+@contextmanager
+def for_range(b: ir.IRBuilder, start: ir.Value | int, stop: ir.Value | int,
+              step: int = 1, name: str = "i") -> Iterator[ir.Value]:
+    """`with for_range(b, 0, n) as i:` emits a counted loop; the body is emitted inside."""
+    start = i64(start) if isinstance(start, int) else start
+    stop = i64(stop) if isinstance(stop, int) else stop
+    pre = b.block
+    fn = b.function
+    cond_bb = fn.append_basic_block(f"{name}.cond")
+    body_bb = fn.append_basic_block(f"{name}.body")
+    end_bb = fn.append_basic_block(f"{name}.end")
+    b.branch(cond_bb)
+    b.position_at_end(cond_bb)
+    iv = b.phi(I64, name=name)
+    iv.add_incoming(start, pre)
+    b.cbranch(b.icmp_signed("<", iv, stop), body_bb, end_bb)
+    b.position_at_end(body_bb)
+    yield iv
+    nxt = b.add(iv, i64(step), name=f"{name}.next")
+    iv.add_incoming(nxt, b.block)
+    b.branch(cond_bb)
+    b.position_at_end(end_bb)
+
+
+def gep(b: ir.IRBuilder, ptr: ir.Value, index: ir.Value | int, ty: ir.Type) -> ir.Value:
+    idx = i64(index) if isinstance(index, int) else index
+    return b.gep(ptr, [idx], source_etype=ty)
+
+
+def load_arg(b: ir.IRBuilder, args: ir.Value, i: int) -> ir.Value:
+    """The i-th pointer of the kernel's argument array."""
+    return b.load(gep(b, args, i, PTR), typ=PTR)
+
+
+def vec(ty: ir.Type, n: int) -> ir.VectorType:
+    return ir.VectorType(ty, n)
+
+
+def splat(b: ir.IRBuilder, scalar: ir.Value, n: int) -> ir.Value:
+    vt = ir.VectorType(scalar.type, n)
+    if isinstance(scalar, ir.Constant):
+        return ir.Constant(vt, [scalar.constant] * n)
+    v = b.insert_element(ir.Constant(vt, ir.Undefined), scalar, ir.Constant(I32, 0))
+    return b.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(I32, n), [0] * n))
+
+
+def const_like(value: float | int, ty: ir.Type) -> ir.Constant:
+    if isinstance(ty, ir.VectorType):
+        return ir.Constant(ty, [_scalar_const(value, ty.element)] * ty.count)
+    return ir.Constant(ty, _scalar_const(value, ty))
+
+
+def _scalar_const(value: float | int, ty: ir.Type) -> float | int:
+    if isinstance(ty, ir.IntType):
+        return int(value)
+    return float(value)
+
+
+def intrinsic(b: ir.IRBuilder, name: str, args: list[ir.Value],
+              ret: ir.Type | None = None) -> ir.Value:
+    """Call an overloaded LLVM intrinsic such as 'llvm.fma' on the type of args[0]."""
+    t = args[0].type
+    suffix = _mangle(t)
+    full = f"{name}.{suffix}"
+    mod = b.module
+    fn = mod.globals.get(full)
+    if fn is None:
+        fnty = ir.FunctionType(ret or t, [a.type for a in args])
+        fn = ir.Function(mod, fnty, name=full)
+    return b.call(fn, args)
+
+
+def _mangle(t: ir.Type) -> str:
+    if isinstance(t, ir.VectorType):
+        return f"v{t.count}{_mangle(t.element)}"
+    if isinstance(t, ir.FloatType):
+        return "f32"
+    if isinstance(t, ir.DoubleType):
+        return "f64"
+    if isinstance(t, ir.HalfType):
+        return "f16"
+    if isinstance(t, ir.IntType):
+        return f"i{t.width}"
+    return str(t)
+
+
+def internalise(module: ir.Module, keep: str) -> None:
+    """Give every definition but the kernel entry internal linkage, so that the
+    objects of many kernels can be loaded into one engine without clashes."""
+    for gv in module.global_values:
+        if gv.name == keep or gv.name.startswith("llvm."):
+            continue
+        if isinstance(gv, ir.Function) and gv.is_declaration:
+            continue
+        gv.linkage = "internal"

@@ -1,0 +1,212 @@
+"""The one owner of LLVM state: initialisation, the host target, optimisation,
+object emission, the on-disk object cache and JIT loading.
+
+Lifecycle of a kernel module: build IR -> verify -> optimise -> verify ->
+emit object -> cache -> load. A fresh TargetMachine is made per engine and per
+emission (llvmlite's MCJIT takes ownership of the one it is given).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import llvmlite
+import llvmlite.binding as llvm
+import llvmlite.ir as ir
+
+from .. import config
+from ..errors import CompileError
+
+_init_lock = threading.Lock()
+_initialised = False
+CODEGEN_VERSION = "1"
+
+
+def init() -> None:
+    global _initialised
+    with _init_lock:
+        if not _initialised:
+            llvm.initialize_native_target()
+            llvm.initialize_native_asmprinter()
+            _initialised = True
+
+
+@dataclass(frozen=True)
+class HostTarget:
+    triple: str
+    cpu: str
+    features: str
+
+    @property
+    def fingerprint(self) -> str:
+        return hashlib.sha256(
+            f"{self.triple}|{self.cpu}|{self.features}|llvmlite {llvmlite.__version__}|"
+            f"cg {CODEGEN_VERSION}".encode()
+        ).hexdigest()[:16]
+
+    def has(self, feature: str) -> bool:
+        return f"+{feature}" in self.features.split(",")
+
+    @property
+    def vector_bytes(self) -> int:
+        return 64 if self.has("avx512f") else 32 if self.has("avx2") else 16
+
+    def machine(self, opt: int = 3) -> llvm.TargetMachine:
+        init()
+        return llvm.Target.from_triple(self.triple).create_target_machine(
+            cpu=self.cpu, features=self.features, opt=opt, reloc="pic", codemodel="default"
+        )
+
+
+_host: HostTarget | None = None
+
+
+def host() -> HostTarget:
+    global _host
+    if _host is None:
+        init()
+        _host = HostTarget(
+            llvm.get_process_triple(), llvm.get_host_cpu_name(),
+            llvm.get_host_cpu_features().flatten(),
+        )
+    return _host
+
+
+def new_module(name: str) -> ir.Module:
+    m = ir.Module(name=name)
+    m.triple = host().triple
+    return m
+
+
+def optimise_and_emit(module_ir: str, name: str, speed_level: int = 2) -> bytes:
+    """Parse, verify, optimise, verify and emit an object file for host."""
+    tgt = host()
+    try:
+        mod = llvm.parse_assembly(module_ir)
+        mod.verify()
+    except RuntimeError as e:
+        if config.DUMP_DIR:
+            _dump(name, module_ir)
+        raise CompileError(f"invalid LLVM IR for kernel {name}: {e}") from e
+    tm = tgt.machine()
+    mod.triple = tgt.triple
+    mod.data_layout = str(tm.target_data)
+    pto = llvm.create_pipeline_tuning_options(speed_level=speed_level)
+    pto.loop_vectorization = speed_level >= 2
+    pto.slp_vectorization = speed_level >= 2
+    pb = llvm.create_pass_builder(tm, pto)
+    pb.getModulePassManager().run(mod, pb)
+    mod.verify()
+    if config.DUMP_DIR:
+        _dump(name, str(mod))
+        _dump(name + ".s", tgt.machine().emit_assembly(mod), ext="")
+    return tm.emit_object(mod)
+
+
+def _dump(name: str, text: str, ext: str = ".ll") -> None:
+    d = Path(config.DUMP_DIR)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"{name}{ext}").write_text(text)
+
+
+# ---------------------------------------------------------------------------
+# object cache: content-addressed, checksummed, safe against damaged entries
+# ---------------------------------------------------------------------------
+
+_MAGIC = b"CNCOBJ1\n"
+
+
+class ObjectCache:
+    def __init__(self, root: str | Path | None) -> None:
+        self.root = Path(root) if root else None
+        self.memory: dict[str, bytes] = {}
+        self.hits = 0
+        self.misses = 0
+        self.rebuilt_damaged = 0
+
+    def key(self, module_ir: str, speed_level: int) -> str:
+        h = hashlib.sha256()
+        h.update(host().fingerprint.encode())
+        h.update(str(speed_level).encode())
+        h.update(module_ir.encode())
+        return h.hexdigest()
+
+    def _path(self, key: str) -> Path:
+        assert self.root is not None
+        return self.root / key[:2] / f"{key}.o"
+
+    def get(self, key: str) -> bytes | None:
+        if key in self.memory:
+            return self.memory[key]
+        if self.root is None:
+            return None
+        p = self._path(key)
+        try:
+            data = p.read_bytes()
+        except OSError:
+            return None
+        if len(data) < len(_MAGIC) + 32 or not data.startswith(_MAGIC):
+            self.rebuilt_damaged += 1
+            return None
+        digest, payload = data[len(_MAGIC):len(_MAGIC) + 32], data[len(_MAGIC) + 32:]
+        if hashlib.sha256(payload).digest() != digest:
+            self.rebuilt_damaged += 1
+            return None
+        self.memory[key] = payload
+        return payload
+
+    def put(self, key: str, obj: bytes) -> None:
+        self.memory[key] = obj
+        if self.root is None:
+            return
+        p = self._path(key)
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            tmp = p.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
+            tmp.write_bytes(_MAGIC + hashlib.sha256(obj).digest() + obj)
+            os.replace(tmp, p)
+        except OSError:
+            pass  # a read-only or full cache only costs speed
+
+    def compile(self, module_ir: str, name: str, speed_level: int = 2) -> bytes:
+        key = self.key(module_ir, speed_level)
+        obj = self.get(key)
+        if obj is not None:
+            self.hits += 1
+            return obj
+        self.misses += 1
+        obj = optimise_and_emit(module_ir, name, speed_level)
+        self.put(key, obj)
+        return obj
+
+
+_default_cache: ObjectCache | None = None
+
+
+def default_cache() -> ObjectCache:
+    global _default_cache
+    if _default_cache is None:
+        _default_cache = ObjectCache(config.cache_dir())
+    return _default_cache
+
+
+class JitLibrary:
+    """A set of object files loaded into one MCJIT engine."""
+
+    def __init__(self, objects: list[bytes]) -> None:
+        init()
+        self._engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), host().machine())
+        for obj in objects:
+            self._engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
+        self._engine.finalize_object()
+        self._engine.run_static_constructors()
+
+    def address(self, name: str) -> int:
+        addr = self._engine.get_function_address(name)
+        if not addr:
+            raise CompileError(f"symbol {name} missing from compiled objects")
+        return addr

@@ -1,0 +1,160 @@
+"""ONNX ModelProto -> ir.Graph, with every check that can be made up front."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ..errors import ModelError
+from ..ir.graph import Graph, Node
+from ..ir.types import Dim, TensorType, np_dtype
+
+MIN_OPSET = 7
+
+
+def load_model_proto(model: Any) -> tuple[onnx.ModelProto, str | None]:
+    """Accept a path, bytes or ModelProto; external data is loaded."""
+    base_dir = None
+    try:
+        if isinstance(model, onnx.ModelProto):
+            proto = model
+        elif isinstance(model, (bytes, bytearray, memoryview)):
+            proto = onnx.load_from_string(bytes(model))
+        elif isinstance(model, (str, os.PathLike)):
+            path = Path(model)
+            if not path.exists():
+                raise ModelError(f"model file not found: {path}")
+            base_dir = str(path.parent)
+            proto = onnx.load(str(path), load_external_data=False)
+            if _uses_external_data(proto):
+                from onnx.external_data_helper import load_external_data_for_model
+                load_external_data_for_model(proto, base_dir)
+        else:
+            raise ModelError(f"expected a path, bytes or onnx.ModelProto, got {type(model).__name__}")
+    except ModelError:
+        raise
+    except Exception as e:  # protobuf DecodeError, OSError, ...
+        raise ModelError(f"cannot read the model: {type(e).__name__}: {e}") from e
+    return proto, base_dir
+
+
+def _uses_external_data(proto: onnx.ModelProto) -> bool:
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
+
+
+def check_model(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """The ONNX checker plus shape inference; returns the model with inferred value_info."""
+    if not proto.graph.node and not proto.graph.output:
+        raise ModelError("the model has an empty graph")
+    opset = opset_of(proto)
+    if opset < MIN_OPSET:
+        raise ModelError(f"opset {opset} is older than the oldest supported ({MIN_OPSET}); "
+                         "convert it with onnx.version_converter")
+    try:
+        onnx.checker.check_model(proto)
+    except onnx.checker.ValidationError as e:
+        msg = str(e).strip().splitlines()
+        raise ModelError("the model fails the ONNX checker: " + " ".join(msg[:6])) from e
+    except ValueError as e:  # > 2 GiB models: check what we can
+        if "2GB" not in str(e) and "2 GB" not in str(e):
+            raise ModelError(f"the model fails the ONNX checker: {e}") from e
+    try:
+        return onnx.shape_inference.infer_shapes(proto, strict_mode=False)
+    except Exception as e:
+        raise ModelError(f"ONNX shape inference failed: {e}") from e
+
+
+def opset_of(proto: onnx.ModelProto) -> int:
+    for o in proto.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            return o.version
+    return 1
+
+
+def _tensor_type(vi: onnx.ValueInfoProto, where: str) -> TensorType | None:
+    t = vi.type
+    if not t.HasField("tensor_type"):
+        raise ModelError(f"{where} {vi.name!r} is not a tensor (sequence/map/optional types "
+                         "are not supported)")
+    tt = t.tensor_type
+    try:
+        dt = np_dtype(tt.elem_type)
+    except KeyError as e:
+        raise ModelError(f"{where} {vi.name!r} has unsupported element type {e}") from e
+    if not tt.HasField("shape"):
+        return TensorType(dt, ())  if where == "never" else TensorType(dt, ("?",))
+    dims: list[Dim] = []
+    for i, d in enumerate(tt.shape.dim):
+        if d.HasField("dim_value"):
+            dims.append(int(d.dim_value))
+        elif d.HasField("dim_param") and d.dim_param:
+            dims.append(d.dim_param)
+        else:
+            dims.append(f"{vi.name}_dim{i}")
+    return TensorType(dt, tuple(dims))
+
+
+def attr_value(a: onnx.AttributeProto) -> Any:
+    if a.type == onnx.AttributeProto.TENSOR:
+        return numpy_helper.to_array(a.t)
+    if a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS):
+        return a  # kept as proto; ops that take subgraphs are not lowered
+    v = helper.get_attribute_value(a)
+    if isinstance(v, bytes):
+        return v.decode("utf-8", "replace")
+    if isinstance(v, list) and v and isinstance(v[0], bytes):
+        return [x.decode("utf-8", "replace") for x in v]
+    return v
+
+
+def import_model(model: Any) -> tuple[Graph, onnx.ModelProto]:
+    """Read, check and import a model. Returns the IR graph (symbolic shapes kept)
+    and the checked ModelProto (with inferred shapes)."""
+    proto, _ = load_model_proto(model)
+    inferred = check_model(proto)
+    g = Graph(proto.graph.name or "graph")
+    for o in proto.opset_import:
+        g.opsets[o.domain or ""] = o.version
+    init_names = set()
+    for t in proto.graph.initializer:
+        try:
+            arr = numpy_helper.to_array(t)
+        except Exception as e:
+            raise ModelError(f"cannot read initializer {t.name!r}: {e}") from e
+        g.set_constant(t.name, arr)
+        init_names.add(t.name)
+    for vi in proto.graph.input:
+        if vi.name in init_names:
+            continue  # old exporters list initializers as inputs too
+        tt = _tensor_type(vi, "graph input")
+        g.values[vi.name] = tt
+        g.inputs.append(vi.name)
+    for vi in list(inferred.graph.value_info) + list(inferred.graph.output):
+        if vi.name not in g.values and vi.type.HasField("tensor_type"):
+            try:
+                g.values[vi.name] = _tensor_type(vi, "value")
+            except ModelError:
+                pass
+    seen: set[str] = set()
+    for i, n in enumerate(proto.graph.node):
+        name = n.name or f"{n.op_type}_{i}"
+        while name in seen:
+            name = f"{name}_{i}"
+        seen.add(name)
+        attrs = {a.name: attr_value(a) for a in n.attribute}
+        g.add_node(Node(name=name, op_type=n.op_type, inputs=tuple(n.input),
+                        outputs=tuple(n.output), attrs=attrs, domain=n.domain,
+                        opset=g.opsets.get(n.domain or "", 1), proto=n))
+    g.outputs = [o.name for o in proto.graph.output]
+    defined = set(g.inputs) | set(g.constants) | {o for n in g.nodes() for o in n.outputs}
+    for o in g.outputs:
+        if o not in defined:
+            raise ModelError(f"graph output {o!r} is not produced by any node")
+    if not g.outputs:
+        raise ModelError("the model has no outputs")
+    return g, inferred

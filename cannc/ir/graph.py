@@ -1,0 +1,196 @@
+"""The cannc IR: a dataflow graph over a networkx multigraph.
+
+Nodes of the networkx graph are operation names; an edge producer -> consumer
+carries the name of the value that flows along it (key = value name). Values
+(name -> TensorType), constants (name -> ndarray), graph inputs and outputs are
+kept beside it. Node attributes are plain Python values (ints, floats, strings,
+lists, ndarrays) read once at import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import networkx as nx
+import numpy as np
+
+from .types import TensorType
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    op_type: str
+    inputs: tuple[str, ...]        # '' marks an absent optional input
+    outputs: tuple[str, ...]
+    attrs: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    domain: str = ""
+    opset: int = 0                 # the opset version of the node's domain
+    proto: Any = field(default=None, hash=False, compare=False, repr=False)  # onnx.NodeProto
+
+    def replace(self, **kw: Any) -> "Node":
+        return dataclasses.replace(self, **kw)
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        return self.attrs.get(name, default)
+
+
+class Graph:
+    def __init__(self, name: str = "graph") -> None:
+        self.name = name
+        self.g = nx.MultiDiGraph()
+        self.values: dict[str, TensorType] = {}
+        self.constants: dict[str, np.ndarray] = {}
+        self.inputs: list[str] = []
+        self.outputs: list[str] = []
+        self.opsets: dict[str, int] = {}
+        self._producer: dict[str, str] = {}
+        self._consumers: dict[str, set[str]] = {}
+        self._counter = 0
+
+    # ---- construction -------------------------------------------------
+    def add_node(self, node: Node, order: float | None = None) -> Node:
+        if node.name in self.g:
+            raise ValueError(f"duplicate node name {node.name!r}")
+        if order is None:
+            self._counter += 1
+            order = self._counter
+        self.g.add_node(node.name, node=node, order=order)
+        for v in node.outputs:
+            if v:
+                self._producer[v] = node.name
+        for v in node.inputs:
+            if v:
+                self._consumers.setdefault(v, set()).add(node.name)
+                p = self._producer.get(v)
+                if p is not None and p != node.name:
+                    self.g.add_edge(p, node.name, key=v)
+        for v in node.outputs:
+            for c in self._consumers.get(v, ()):
+                if c != node.name:
+                    self.g.add_edge(node.name, c, key=v)
+        return node
+
+    def remove_node(self, name: str) -> None:
+        node = self.node(name)
+        for v in node.outputs:
+            if self._producer.get(v) == name:
+                del self._producer[v]
+        for v in node.inputs:
+            if v and v in self._consumers:
+                self._consumers[v].discard(name)
+        self.g.remove_node(name)
+
+    def replace_node(self, old: str, new: Node) -> None:
+        order = self.g.nodes[old].get("order")
+        self.remove_node(old)
+        self.add_node(new, order=order)
+
+    def set_constant(self, name: str, value: np.ndarray) -> None:
+        value = np.asarray(value)
+        if not value.flags.c_contiguous:
+            value = value.copy(order="C")  # (np.ascontiguousarray would turn 0-d into 1-d)
+        self.constants[name] = value
+        self.values[name] = TensorType(value.dtype, tuple(int(d) for d in value.shape))
+
+    def replace_uses(self, old: str, new: str) -> None:
+        """Make every consumer of value `old` (and graph outputs) read `new` instead."""
+        for cname in self.consumers(old):
+            n = self.node(cname)
+            ins = tuple(new if v == old else v for v in n.inputs)
+            self.replace_node(cname, n.replace(inputs=ins))
+        self.outputs = [new if v == old else v for v in self.outputs]
+
+    # ---- queries ------------------------------------------------------
+    def node(self, name: str) -> Node:
+        return self.g.nodes[name]["node"]
+
+    def nodes(self) -> Iterator[Node]:
+        for n in list(nx.lexicographical_topological_sort(self.g, key=self._order_key)):
+            yield self.node(n)
+
+    def _order_key(self, name: str) -> Any:
+        return self.g.nodes[name].get("order", 0), name
+
+    def num_nodes(self) -> int:
+        return self.g.number_of_nodes()
+
+    def producer(self, value: str) -> Node | None:
+        p = self._producer.get(value)
+        return self.node(p) if p is not None else None
+
+    def consumers(self, value: str) -> list[str]:
+        return sorted(self._consumers.get(value, ()))
+
+    def is_constant(self, value: str) -> bool:
+        return value in self.constants
+
+    def type(self, value: str) -> TensorType:
+        return self.values[value]
+
+    def copy(self) -> "Graph":
+        g = Graph(self.name)
+        g.g = self.g.copy()
+        g.values = dict(self.values)
+        g.constants = dict(self.constants)
+        g.inputs = list(self.inputs)
+        g.outputs = list(self.outputs)
+        g.opsets = dict(self.opsets)
+        g._producer = dict(self._producer)
+        g._consumers = {k: set(v) for k, v in self._consumers.items()}
+        g._counter = self._counter
+        return g
+
+    def used_values(self) -> set[str]:
+        used = set(self.outputs)
+        for n in self.g.nodes(data=True):
+            used.update(v for v in n[1]["node"].inputs if v)
+        return used
+
+    def dump(self) -> str:
+        lines = [f"graph {self.name}("]
+        lines += [f"    {i}: {self.values.get(i)}" for i in self.inputs]
+        lines.append(") {")
+        for n in self.nodes():
+            outs = ", ".join(f"{o}: {self.values.get(o)}" for o in n.outputs)
+            ins = ", ".join(
+                (f"const {i}" if i in self.constants else i) if i else "_" for i in n.inputs
+            )
+            attrs = ", ".join(f"{k}={_short(v)}" for k, v in sorted(n.attrs.items()))
+            lines.append(f"    {outs} = {n.op_type}[{attrs}]({ins})  # {n.name}")
+        lines.append(f"    return {', '.join(self.outputs)}")
+        lines.append("}")
+        return "\n".join(lines)
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, np.ndarray):
+        return f"array{list(v.shape)}" if v.size > 8 else repr(v.tolist())
+    s = repr(v)
+    return s if len(s) < 60 else s[:57] + "..."
+
+
+def verify(graph: Graph) -> None:
+    """Check the IR's invariants; raise AssertionError naming the first broken one."""
+    defined = set(graph.inputs) | set(graph.constants)
+    for n in graph.nodes():
+        for v in n.inputs:
+            if v and v not in defined:
+                raise AssertionError(f"node {n.name!r} reads {v!r} before it is defined")
+        for v in n.outputs:
+            if v in defined:
+                raise AssertionError(f"value {v!r} defined twice (at node {n.name!r})")
+            if v and v not in graph.values:
+                raise AssertionError(f"value {v!r} of node {n.name!r} has no type")
+            defined.add(v)
+    for o in graph.outputs:
+        if o not in defined:
+            raise AssertionError(f"graph output {o!r} is never defined")
+    if not nx.is_directed_acyclic_graph(graph.g):
+        raise AssertionError("graph has a cycle")
+
+
+def iter_attrs(items: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    return dict(items)

@@ -1,0 +1,8 @@
+"""Op families. Importing this package registers every op with the registry."""
+
+from . import elementwise  # noqa: F401
+from . import shape_ops  # noqa: F401
+from . import movement  # noqa: F401
+from . import reduce  # noqa: F401
+from . import contraction  # noqa: F401
+from . import conv  # noqa: F401

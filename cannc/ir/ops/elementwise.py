@@ -1,0 +1,313 @@
+"""Elementwise and broadcasting ops: one expression each, one shared loop nest.
+
+Each op's `expr(E, node, operands)` builds its result from typed values with
+the dtype-aware helpers of `Expr`; the shared emitter (codegen/elementwise.py)
+turns it into a vectorised, broadcasting loop nest, and fusion composes the
+same expressions into bigger kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ...codegen.elementwise import TV, Expr, emit_map
+from ..registry import Category, OpDef, register
+
+FLOATS = frozenset({"float32", "float64", "float16"})
+NUMERIC = FLOATS | {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
+ALL = NUMERIC | {"bool"}
+
+ExprFn = Callable[[Expr, Any, Sequence[TV]], Sequence[TV]]
+
+
+def _lower_map(ctx: Any) -> None:
+    op = ctx.opdef
+    present = [i for i, v in enumerate(ctx.node.inputs) if v]
+    types = [ctx.in_types[i] for i in present]
+    emit_map(ctx, types, ctx.out_types, lambda E, vals: op.extra["expr"](E, ctx, _spread(ctx, vals)),
+             operand_slots=present)
+    ctx.flops = ctx.out_types[0].numel * op.extra.get("flops_per_elem", 1)
+
+
+def _spread(ctx: Any, vals: Sequence[TV]) -> list[TV | None]:
+    """Operands back at their input positions (None for absent optional inputs)."""
+    it = iter(vals)
+    return [next(it) if v else None for v in ctx.node.inputs]
+
+
+def defmap(name: str, expr: ExprFn, dtypes: frozenset[str] = FLOATS,
+           category: Category = Category.BROADCAST, flops: int = 1, **kw: Any) -> None:
+    register(OpDef(name=name, category=category, lower=_lower_map, dtypes=dtypes,
+                   fusible=True, extra={"expr": expr, "flops_per_elem": flops}, **kw))
+
+
+def unary(name: str, fn: Callable[[Expr, TV, Any], TV], dtypes: frozenset[str] = FLOATS,
+          flops: int = 1) -> None:
+    defmap(name, lambda E, n, xs: [fn(E, xs[0], n)], dtypes, Category.ELEMENTWISE, flops)
+
+
+class _VMath:
+    """Late-bound access to codegen.vmath (imported on first use by a lowering)."""
+
+    def __getattr__(self, name: str) -> Any:
+        from ...codegen import vmath as m
+        return getattr(m, name)
+
+
+vmath = _VMath()
+
+
+def _vm(name: str) -> Callable[[Expr, TV, Any], TV]:
+    return lambda E, x, n: TV(getattr(vmath, name)(E.b, x.v), x.dtype)
+
+
+def _c(E: Expr, value: float, like: TV) -> TV:
+    return E.const(value, like.dtype)
+
+
+# -- arithmetic -----------------------------------------------------------------
+defmap("Add", lambda E, n, xs: [E.add(xs[0], xs[1])], NUMERIC)
+defmap("Sub", lambda E, n, xs: [E.sub(xs[0], xs[1])], NUMERIC)
+defmap("Mul", lambda E, n, xs: [E.mul(xs[0], xs[1])], NUMERIC)
+defmap("Div", lambda E, n, xs: [E.div(xs[0], xs[1])], NUMERIC)
+
+
+def _pow(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
+    x, y = xs
+    out_dt = n.out_types[0].dtype
+    c = n.const(1)
+    if c is not None and c.size == 1 and E.is_float(x):
+        e = float(c.reshape(-1)[0])
+        if e == 2.0:
+            return [E.mul(x, x)]
+        if e == 3.0:
+            return [E.mul(E.mul(x, x), x)]
+        if e == 1.0:
+            return [x]
+        if e == 0.5:
+            return [E.call("llvm.sqrt", x)]
+    if not E.is_float(x):
+        # integer base: compute in float64 and convert back (exact for the usual ranges)
+        xf, yf = E.cast(x, np.float64), E.cast(y, np.float64)
+        return [E.cast(TV(vmath.pow(E.b, xf.v, yf.v), np.dtype(np.float64)), out_dt)]
+    y = E.cast(y, x.dtype)
+    return [TV(vmath.pow(E.b, x.v, y.v), x.dtype)]
+
+
+defmap("Pow", _pow, NUMERIC, flops=10)
+
+
+def _sum(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
+    acc = xs[0]
+    for x in xs[1:]:
+        acc = E.add(acc, x)
+    return [acc]
+
+
+def _mean(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
+    s = _sum(E, n, xs)[0]
+    return [E.div(s, _c(E, len(xs), s))]
+
+
+def _fold(f: Callable[[Expr, TV, TV], TV]) -> ExprFn:
+    def expr(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
+        acc = xs[0]
+        for x in xs[1:]:
+            acc = f(E, acc, x)
+        return [acc]
+    return expr
+
+
+defmap("Sum", _sum, NUMERIC)
+defmap("Mean", _mean, FLOATS)
+defmap("Min", _fold(lambda E, a, b: E.min(a, b)), NUMERIC)
+defmap("Max", _fold(lambda E, a, b: E.max(a, b)), NUMERIC)
+
+
+def _mod(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
+    x, y = xs
+    if E.is_float(x):
+        if n.attr("fmod", 0):
+            return [TV(E.b.frem(x.v, y.v), x.dtype)]
+        r = TV(E.b.frem(x.v, y.v), x.dtype)
+        # python-style: result takes the sign of the divisor
+        zero = _c(E, 0.0, x)
+        fix = E.and_(E.cmp("!=", r, zero), E.xor(E.cmp("<", r, zero), E.cmp("<", y, zero)))
+        return [E.select(fix, E.add(r, y), r)]
+    zero = E.const(0, x.dtype)
+    one = E.const(1, x.dtype)
+    ys = E.select(E.cmp("==", y, zero), one, y)
+    signed = np.dtype(x.dtype).kind == "i"
+    r = TV(E.b.srem(x.v, ys.v) if signed else E.b.urem(x.v, ys.v), x.dtype)
+    if n.attr("fmod", 0) or not signed:
+        return [r]
+    fix = E.and_(E.cmp("!=", r, zero), E.xor(E.cmp("<", r, zero), E.cmp("<", ys, zero)))
+    return [E.select(fix, E.add(r, ys), r)]
+
+
+defmap("Mod", _mod, NUMERIC)
+
+# -- unary math ---------------------------------------------------------------------
+unary("Neg", lambda E, x, n: E.neg(x), NUMERIC - {"uint8", "uint16", "uint32", "uint64"})
+unary("Abs", lambda E, x, n: E.abs(x), NUMERIC)
+unary("Sqrt", lambda E, x, n: E.call("llvm.sqrt", x))
+unary("Reciprocal", lambda E, x, n: E.div(_c(E, 1.0, x), x))
+unary("Exp", _vm("exp"), flops=10)
+unary("Log", _vm("log"), flops=10)
+unary("Erf", _vm("erf"), flops=15)
+unary("Tanh", _vm("tanh"), flops=15)
+unary("Sigmoid", _vm("sigmoid"), flops=12)
+unary("Sin", _vm("sin"), flops=15)
+unary("Cos", _vm("cos"), flops=15)
+unary("Floor", lambda E, x, n: E.call("llvm.floor", x))
+unary("Ceil", lambda E, x, n: E.call("llvm.ceil", x))
+unary("Round", lambda E, x, n: E.call("llvm.roundeven", x))
+unary("Softplus", _vm("softplus"), flops=20)
+unary("Relu", lambda E, x, n: E.max(x, E.const(0, x.dtype)),
+      NUMERIC - {"uint8", "uint16", "uint32", "uint64"})
+
+
+def _sign(E: Expr, x: TV, n: Any) -> TV:
+    zero, one = E.const(0, x.dtype), E.const(1, x.dtype)
+    pos = E.select(E.cmp(">", x, zero), one, zero)
+    if np.dtype(x.dtype).kind == "u":
+        return pos
+    neg = E.select(E.cmp("<", x, zero), E.neg(one), zero)
+    r = E.add(pos, neg)
+    if E.is_float(x):  # NaN stays NaN
+        r = E.select(TV(E.b.fcmp_unordered("uno", x.v, x.v), np.dtype(np.bool_)), x, r)
+    return r
+
+
+unary("Sign", _sign, NUMERIC)
+
+
+def _leaky(E: Expr, x: TV, n: Any) -> TV:
+    a = _c(E, n.attr("alpha", 0.01), x)
+    return E.select(E.cmp("<", x, _c(E, 0.0, x)), E.mul(x, a), x)
+
+
+unary("LeakyRelu", _leaky)
+
+
+def _elu(E: Expr, x: TV, n: Any) -> TV:
+    a = _c(E, n.attr("alpha", 1.0), x)
+    em1 = E.sub(TV(vmath.exp(E.b, x.v), x.dtype), _c(E, 1.0, x))
+    return E.select(E.cmp("<", x, _c(E, 0.0, x)), E.mul(a, em1), x)
+
+
+unary("Elu", _elu, flops=12)
+
+
+def _selu(E: Expr, x: TV, n: Any) -> TV:
+    a = _c(E, n.attr("alpha", 1.67326319217681884765625), x)
+    g = _c(E, n.attr("gamma", 1.05070102214813232421875), x)
+    em1 = E.sub(TV(vmath.exp(E.b, x.v), x.dtype), _c(E, 1.0, x))
+    return E.mul(g, E.select(E.cmp("<=", x, _c(E, 0.0, x)), E.mul(a, em1), x))
+
+
+unary("Selu", _selu, flops=12)
+
+
+def _celu(E: Expr, x: TV, n: Any) -> TV:
+    a = n.attr("alpha", 1.0)
+    em1 = E.sub(TV(vmath.exp(E.b, E.div(x, _c(E, a, x)).v), x.dtype), _c(E, 1.0, x))
+    neg = E.min(_c(E, 0.0, x), E.mul(_c(E, a, x), em1))
+    return E.add(E.max(_c(E, 0.0, x), x), neg)
+
+
+unary("Celu", _celu, flops=12)
+
+
+def _thresholded(E: Expr, x: TV, n: Any) -> TV:
+    return E.select(E.cmp(">", x, _c(E, n.attr("alpha", 1.0), x)), x, _c(E, 0.0, x))
+
+
+unary("ThresholdedRelu", _thresholded)
+
+
+def _hardsigmoid(E: Expr, x: TV, n: Any) -> TV:
+    a, b = n.attr("alpha", 0.2), n.attr("beta", 0.5)
+    y = E.fma(x, _c(E, a, x), _c(E, b, x))
+    return E.min(E.max(y, _c(E, 0.0, x)), _c(E, 1.0, x))
+
+
+unary("HardSigmoid", _hardsigmoid)
+
+
+def _hardswish(E: Expr, x: TV, n: Any) -> TV:
+    y = E.fma(x, _c(E, 1.0 / 6.0, x), _c(E, 0.5, x))
+    return E.mul(x, E.min(E.max(y, _c(E, 0.0, x)), _c(E, 1.0, x)))
+
+
+unary("HardSwish", _hardswish)
+
+
+def _mish(E: Expr, x: TV, n: Any) -> TV:
+    return E.mul(x, TV(vmath.tanh(E.b, vmath.softplus(E.b, x.v)), x.dtype))
+
+
+unary("Mish", _mish, flops=30)
+
+
+def _gelu(E: Expr, x: TV, n: Any) -> TV:
+    if n.attr("approximate", "none") == "tanh":
+        return TV(vmath.gelu_tanh(E.b, x.v), x.dtype)
+    return TV(vmath.gelu_erf(E.b, x.v), x.dtype)
+
+
+unary("Gelu", _gelu, flops=20)
+
+
+def _swish(E: Expr, x: TV, n: Any) -> TV:
+    a = n.attr("alpha", 1.0)
+    return E.mul(x, TV(vmath.sigmoid(E.b, E.mul(x, _c(E, a, x)).v), x.dtype))
+
+
+unary("Swish", _swish, flops=14)
+
+
+def _clip(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
+    x = xs[0]
+    if n.opset < 11:
+        lo = n.attr("min", -math.inf)
+        hi = n.attr("max", math.inf)
+        return [E.min(E.max(x, _c(E, lo, x)), _c(E, hi, x))]
+    y = x
+    if len(xs) > 1 and xs[1] is not None:
+        y = E.max(y, xs[1])
+    if len(xs) > 2 and xs[2] is not None:
+        y = E.min(y, xs[2])
+    return [y]
+
+
+defmap("Clip", _clip, NUMERIC, Category.ELEMENTWISE)
+
+# -- comparisons, logic, selection ---------------------------------------------------
+for _name, _op in (("Equal", "=="), ("Less", "<"), ("Greater", ">"),
+                   ("LessOrEqual", "<="), ("GreaterOrEqual", ">=")):
+    defmap(_name, (lambda op: lambda E, n, xs: [E.cmp(op, xs[0], xs[1])])(_op), ALL)
+
+defmap("Not", lambda E, n, xs: [E.not_(xs[0])], frozenset({"bool"}), Category.ELEMENTWISE)
+defmap("And", lambda E, n, xs: [E.and_(xs[0], xs[1])], frozenset({"bool"}))
+defmap("Or", lambda E, n, xs: [E.or_(xs[0], xs[1])], frozenset({"bool"}))
+defmap("Xor", lambda E, n, xs: [E.xor(xs[0], xs[1])], frozenset({"bool"}))
+defmap("Where", lambda E, n, xs: [E.select(xs[0], xs[1], xs[2])], ALL)
+
+
+def _isnan(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
+    return [TV(E.b.fcmp_unordered("uno", xs[0].v, xs[0].v), np.dtype(np.bool_))]
+
+
+defmap("IsNaN", _isnan, FLOATS, Category.ELEMENTWISE)
+
+
+def _cast(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
+    return [E.cast(xs[0], n.out_types[0].dtype)]
+
+
+defmap("Cast", _cast, ALL, Category.ELEMENTWISE)
+defmap("CastLike", _cast, ALL, Category.ELEMENTWISE)

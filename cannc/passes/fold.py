@@ -1,0 +1,173 @@
+"""Type inference and constant folding over concrete shapes.
+
+Once the input shapes are bound, every Shape is a constant, so the
+Shape -> Gather -> Concat -> Reshape chains PyTorch exports fold away here,
+together with everything else computed only from initializers. Output types
+come from ONNX's own per-node inference (so each opset version is read with its
+own semantics); folding uses the op's NumPy reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ..errors import ModelError, ShapeError
+from ..ir.graph import Graph, Node
+from ..ir.registry import Category, lookup
+from ..ir.types import NP_TO_ONNX, TensorType, np_dtype
+from .manager import graph_pass
+
+FOLD_LIMIT_ELEMS = 1 << 26
+NONDETERMINISTIC = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
+                    "Multinomial", "Bernoulli"}
+_SHAPE_INPUT_LIMIT = 1 << 16
+
+
+def node_proto(n: Node) -> onnx.NodeProto:
+    if n.proto is not None and tuple(n.proto.input) == n.inputs \
+            and tuple(n.proto.output) == n.outputs:
+        return n.proto
+    attrs = {k: v for k, v in n.attrs.items()}
+    p = helper.make_node(n.op_type, list(n.inputs), list(n.outputs), name=n.name,
+                         domain=n.domain or None)
+    for k, v in attrs.items():
+        if isinstance(v, onnx.AttributeProto):
+            p.attribute.append(v)
+        elif isinstance(v, np.ndarray):
+            p.attribute.append(helper.make_attribute(k, numpy_helper.from_array(v)))
+        else:
+            p.attribute.append(helper.make_attribute(k, v))
+    return p
+
+
+def reference_eval(graph: Graph, n: Node, inputs: list[np.ndarray | None]) -> list[np.ndarray]:
+    """Run one node with the ONNX reference implementation (NumPy)."""
+    op = lookup(n.op_type, n.domain)
+    if op is not None and op.reference is not None:
+        return op.reference(n, inputs)
+    from onnx.reference import ReferenceEvaluator
+
+    p = node_proto(n)
+    opsets = {d: v for d, v in graph.opsets.items()}
+    ev = ReferenceEvaluator(p, opsets=opsets)
+    feeds = {name: arr for name, arr in zip(n.inputs, inputs) if name}
+    outs = ev.run(None, feeds)
+    return [np.asarray(o) for o in outs]
+
+
+def _type_proto(t: TensorType) -> onnx.TypeProto:
+    return helper.make_tensor_type_proto(NP_TO_ONNX[np.dtype(t.dtype)], list(t.shape))
+
+
+def infer_node(graph: Graph, n: Node) -> list[TensorType]:
+    """Concrete output types of node n from its (concrete) input types and constants."""
+    try:
+        schema = onnx.defs.get_schema(n.op_type, n.opset, n.domain or "")
+    except onnx.defs.SchemaError as e:
+        raise ModelError(f"unknown op {n.op_type} (domain '{n.domain or 'ai.onnx'}', "
+                         f"opset {n.opset}) at node '{n.name}'") from e
+    in_types = {}
+    data = {}
+    for v in n.inputs:
+        if not v:
+            continue
+        t = graph.values[v]
+        in_types[v] = _type_proto(t)
+        c = graph.constants.get(v)
+        if c is not None and c.size <= _SHAPE_INPUT_LIMIT:
+            data[v] = numpy_helper.from_array(c, v)
+    opsets = [helper.make_opsetid(d, ver) for d, ver in graph.opsets.items()]
+    try:
+        out = onnx.shape_inference.infer_node_outputs(schema, node_proto(n), in_types, data,
+                                                      opset_imports=opsets)
+    except Exception as e:
+        shapes = ", ".join(str(graph.values[v]) for v in n.inputs if v)
+        msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise ShapeError(f"{n.op_type} at node '{n.name}' rejects its inputs ({shapes}): "
+                         f"{msg}") from e
+    types = []
+    for v in n.outputs:
+        if not v:
+            types.append(None)
+            continue
+        tp = out.get(v)
+        if tp is None or not tp.tensor_type.HasField("shape"):
+            raise ShapeError(f"cannot infer the shape of '{v}' produced by {n.op_type} "
+                             f"at node '{n.name}' (data-dependent shape?)")
+        dims = []
+        for d in tp.tensor_type.shape.dim:
+            if not d.HasField("dim_value"):
+                raise ShapeError(f"the shape of '{v}' produced by {n.op_type} at node "
+                                 f"'{n.name}' depends on data")
+            dims.append(int(d.dim_value))
+        types.append(TensorType(np_dtype(tp.tensor_type.elem_type), tuple(dims)))
+    return types
+
+
+def _foldable(graph: Graph, n: Node) -> bool:
+    if n.op_type in NONDETERMINISTIC:
+        return False
+    present = [v for v in n.inputs if v]
+    if all(v in graph.constants for v in present):
+        return True
+    op = lookup(n.op_type, n.domain)
+    return op is not None and op.category == Category.SHAPE and "fold" in op.extra
+
+
+@graph_pass("infer_and_fold")
+def infer_and_fold(graph: Graph) -> bool:
+    """Infer concrete types node by node and fold every node whose result is known."""
+    changed = False
+    for n in list(graph.nodes()):
+        if _foldable(graph, n):
+            ins = [graph.constants.get(v) if v else None for v in n.inputs]
+            op = lookup(n.op_type, n.domain)
+            if op is not None and op.category == Category.SHAPE and op.extra.get("fold"):
+                outs = op.extra["fold"](n, [graph.values[v] if v else None for v in n.inputs])
+            else:
+                try:
+                    outs = reference_eval(graph, n, ins)
+                except Exception as e:
+                    raise ModelError(f"cannot evaluate constant node '{n.name}' "
+                                     f"({n.op_type}): {type(e).__name__}: {e}") from e
+            if all(o.size <= FOLD_LIMIT_ELEMS for o in outs):
+                graph.remove_node(n.name)
+                for v, o in zip(n.outputs, outs):
+                    if v:
+                        graph.set_constant(v, o)
+                changed = True
+                continue
+        for v, t in zip(n.outputs, infer_node(graph, n)):
+            if v and t is not None:
+                graph.values[v] = t
+    return changed
+
+
+@graph_pass("dce")
+def dead_code_elimination(graph: Graph) -> bool:
+    """Remove nodes none of whose outputs is used, and unused constants."""
+    changed = False
+    used = set(graph.outputs)
+    for n in reversed(list(graph.nodes())):
+        if not any(o in used for o in n.outputs if o):
+            graph.remove_node(n.name)
+            changed = True
+        else:
+            used.update(v for v in n.inputs if v)
+    for c in list(graph.constants):
+        if c not in used:
+            del graph.constants[c]
+            changed = True
+    return changed
+
+
+def bind_input_shapes(graph: Graph, shapes: dict[str, tuple[int, ...]]) -> None:
+    for name in graph.inputs:
+        t = graph.values[name]
+        graph.values[name] = TensorType(t.dtype, tuple(shapes[name]))
+
+

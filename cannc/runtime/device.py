@@ -1,0 +1,104 @@
+"""The simulated accelerator: AI Cores (worker threads) and device memory.
+
+Core 0 is the calling thread; cores 1..N-1 are persistent worker threads. A
+launch hands every core the same native entry point (the dispatcher) and its
+core index; the cores then synchronise among themselves in native code, so
+Python is involved once per launch, not once per kernel or tile.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+from typing import Callable
+
+import numpy as np
+
+PAGE = mmap.PAGESIZE
+
+
+def usable_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover
+        return max(1, os.cpu_count() or 1)
+
+
+def aligned_empty(nbytes: int, align: int = PAGE) -> np.ndarray:
+    """A uint8 buffer whose data pointer is `align`-aligned (page-aligned by default)."""
+    raw = np.zeros(nbytes + align, dtype=np.uint8)
+    off = (-raw.ctypes.data) % align
+    buf = raw[off:off + nbytes]
+    assert buf.ctypes.data % align == 0
+    return buf
+
+
+class Device:
+    """N AI Cores sharing device memory."""
+
+    def __init__(self, cores: int | None = None) -> None:
+        n = usable_cores() if cores is None else int(cores)
+        if n < 1:
+            raise ValueError(f"cores must be >= 1, got {cores}")
+        self.cores = n
+        self._lock = threading.Lock()
+        self._job: Callable[[int], None] | None = None
+        self._go = [threading.Event() for _ in range(n)]
+        self._done = threading.Semaphore(0)
+        self._errors: list[BaseException] = []
+        self._workers = []
+        for c in range(1, n):
+            t = threading.Thread(target=self._worker, args=(c,), daemon=True,
+                                 name=f"cannc-aicore-{c}")
+            t.start()
+            self._workers.append(t)
+
+    def _worker(self, core: int) -> None:
+        while True:
+            self._go[core].wait()
+            self._go[core].clear()
+            job = self._job
+            if job is None:
+                return
+            try:
+                job(core)
+            except BaseException as e:  # pragma: no cover - native code does not raise
+                self._errors.append(e)
+            finally:
+                self._done.release()
+
+    def launch(self, job: Callable[[int], None]) -> None:
+        """Run job(core) on every core at once and wait for all of them."""
+        with self._lock:
+            self._job = job
+            for c in range(1, self.cores):
+                self._go[c].set()
+            try:
+                job(0)
+            finally:
+                for _ in range(1, self.cores):
+                    self._done.acquire()
+            if self._errors:
+                err = self._errors[0]
+                self._errors.clear()
+                raise err
+
+    def close(self) -> None:
+        self._job = None
+        for c in range(1, self.cores):
+            self._go[c].set()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def address(arr: np.ndarray) -> int:
+    return int(arr.ctypes.data)
+
+
+c_void_p = ctypes.c_void_p

@@ -1,0 +1,224 @@
+"""Session: the onnxruntime-compatible face of a compiled model."""
+
+from __future__ import annotations
+
+
+import json
+import threading
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import onnx
+
+from . import __version__
+from .codegen.target import ObjectCache, default_cache, host
+from .compiler import CompileOptions, Specialization, specialize
+from .errors import CacheError, InputError
+from .frontend import import_model, load_model_proto
+from .ir.types import onnx_type_string
+from .runtime.device import Device
+from .runtime.program import Program, dispatcher_object
+
+
+@dataclass(frozen=True)
+class NodeArg:
+    """Like onnxruntime.NodeArg: name, shape (ints, or strings for symbolic dims), type."""
+
+    name: str
+    shape: list[int | str]
+    type: str
+
+    def __repr__(self) -> str:
+        return f"NodeArg(name={self.name!r}, type={self.type!r}, shape={self.shape})"
+
+
+class Session:
+    """A compiled model. `run` mirrors onnxruntime.InferenceSession.run."""
+
+    def __init__(self, model: Any, *, cores: int | None = None,
+                 shapes: dict[str, Sequence[int]] | None = None, pipeline: str = "O1",
+                 dump_after: Iterable[str] = (), eager: bool = True,
+                 cache: ObjectCache | None = None) -> None:
+        proto, _ = load_model_proto(model)
+        self._model_bytes = proto.SerializeToString()
+        self.graph, _ = import_model(proto)
+        self.options = CompileOptions(cores=cores, pipeline=pipeline,
+                                      dump_after=set(dump_after), cache=cache)
+        self.device = Device(cores)
+        self._programs: dict[tuple, Program] = {}
+        self._lock = threading.Lock()
+        self._inputs = [NodeArg(n, list(self.graph.values[n].shape),
+                                onnx_type_string(self.graph.values[n].dtype))
+                        for n in self.graph.inputs]
+        self._outputs = []
+        for n in self.graph.outputs:
+            t = self.graph.values.get(n)
+            self._outputs.append(NodeArg(n, list(t.shape) if t else [],
+                                         onnx_type_string(t.dtype) if t else "tensor(float)"))
+        if eager:
+            self.specialize(self._default_shapes(shapes or {}))
+
+    # -- onnxruntime-compatible API ------------------------------------------------
+    def get_inputs(self) -> list[NodeArg]:
+        return list(self._inputs)
+
+    def get_outputs(self) -> list[NodeArg]:
+        return list(self._outputs)
+
+    def get_providers(self) -> list[str]:
+        return ["CanncExecutionProvider"]
+
+    def run(self, output_names: Sequence[str] | None, input_feed: dict[str, Any],
+            run_options: Any = None) -> list[np.ndarray]:
+        feeds, key = self._check_inputs(input_feed)
+        names = self._check_output_names(output_names)
+        prog = self._program(key)
+        outs = prog.execute(feeds)
+        by_name = dict(zip(self.graph.outputs, outs))
+        return [by_name[n] for n in names]
+
+    # -- compilation ----------------------------------------------------------------
+    @property
+    def cores(self) -> int:
+        return self.device.cores
+
+    def specialize(self, shapes: dict[str, Sequence[int]]) -> Program:
+        key = tuple(tuple(int(d) for d in shapes[n]) for n in self.graph.inputs)
+        return self._program(key)
+
+    def _program(self, key: tuple) -> Program:
+        with self._lock:
+            prog = self._programs.get(key)
+            if prog is None:
+                shapes = dict(zip(self.graph.inputs, key))
+                spec = specialize(self.graph, shapes, self.options)
+                prog = Program(spec, self.device, dispatcher_object())
+                self._programs[key] = prog
+            return prog
+
+    @property
+    def specializations(self) -> list[Specialization]:
+        return [p.spec for p in self._programs.values()]
+
+    @property
+    def programs(self) -> dict[tuple, Program]:
+        return dict(self._programs)
+
+    def _default_shapes(self, given: dict[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
+        unknown = set(given) - set(self.graph.inputs)
+        if unknown:
+            raise InputError(f"shapes given for unknown inputs {sorted(unknown)}; "
+                             f"model inputs: {self.graph.inputs}")
+        out = {}
+        for n in self.graph.inputs:
+            if n in given:
+                out[n] = tuple(int(d) for d in given[n])
+            else:
+                out[n] = tuple(d if isinstance(d, int) else 1 for d in self.graph.values[n].shape)
+        return out
+
+    # -- input checking: nothing unchecked reaches native code -------------------------
+    def _check_inputs(self, feed: dict[str, Any]) -> tuple[dict[str, np.ndarray], tuple]:
+        if not isinstance(feed, dict):
+            raise InputError(f"inputs must be a dict name -> array, got {type(feed).__name__}")
+        expected = self.graph.inputs
+        unknown = [k for k in feed if k not in expected]
+        missing = [k for k in expected if k not in feed]
+        if unknown or missing:
+            parts = []
+            if unknown:
+                parts.append(f"unknown input name(s) {unknown}")
+            if missing:
+                parts.append(f"missing input(s) {missing}")
+            raise InputError("; ".join(parts) + f"; the model's inputs are {expected}")
+        feeds, key, bound = {}, [], {}
+        for name in expected:
+            arr = feed[name]
+            t = self.graph.values[name]
+            if not isinstance(arr, np.ndarray):
+                try:
+                    arr = np.asarray(arr)
+                except Exception as e:
+                    raise InputError(f"input '{name}' is not array-like: {e}") from e
+            if arr.dtype != np.dtype(t.dtype):
+                raise InputError(f"input '{name}' has dtype {arr.dtype}, expected "
+                                 f"{np.dtype(t.dtype)} ({onnx_type_string(t.dtype)})")
+            if arr.ndim != len(t.shape):
+                raise InputError(f"input '{name}' has rank {arr.ndim} (shape {arr.shape}), "
+                                 f"expected rank {len(t.shape)} {_fmt_shape(t.shape)}")
+            for i, (d, e) in enumerate(zip(arr.shape, t.shape)):
+                if isinstance(e, int) and d != e:
+                    raise InputError(f"input '{name}' has shape {arr.shape}, expected "
+                                     f"{_fmt_shape(t.shape)} (dimension {i} must be {e})")
+                if isinstance(e, str):
+                    if e in bound and bound[e][0] != d:
+                        raise InputError(
+                            f"dimension '{e}' is {bound[e][0]} in input '{bound[e][1]}' but "
+                            f"{d} in input '{name}'")
+                    bound.setdefault(e, (d, name))
+            feeds[name] = arr
+            key.append(tuple(int(x) for x in arr.shape))
+        return feeds, tuple(key)
+
+    def _check_output_names(self, names: Sequence[str] | None) -> list[str]:
+        if names is None:
+            return list(self.graph.outputs)
+        if isinstance(names, str):
+            names = [names]
+        bad = [n for n in names if n not in self.graph.outputs]
+        if bad:
+            raise InputError(f"unknown output name(s) {bad}; the model's outputs are "
+                             f"{self.graph.outputs}")
+        return list(names)
+
+    # -- save / load ------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        """Write a .cnc artifact: the model, and the object code of every specialisation."""
+        cache = self.options.cache or default_cache()
+        manifest = {
+            "format": "cannc-artifact", "version": 1, "cannc": __version__,
+            "host": host().fingerprint, "cpu": host().cpu, "pipeline": self.options.pipeline,
+            "specializations": [list(map(list, k)) for k in self._programs],
+            "objects": [],
+        }
+        with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
+            z.writestr("model.onnx", self._model_bytes)
+            for prog in self._programs.values():
+                for k in prog.spec.kernels:
+                    key = cache.key(k.module_ir, 2)
+                    if key in manifest["objects"]:
+                        continue
+                    obj = prog.spec.objects[k.symbol]
+                    z.writestr(f"objects/{key}.o", obj)
+                    manifest["objects"].append(key)
+            z.writestr("manifest.json", json.dumps(manifest, indent=1))
+
+
+def _fmt_shape(shape: Sequence[Any]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def load(path: str | Path, *, cores: int | None = None) -> Session:
+    """Load a .cnc artifact written by Session.save (or `cannc compile`) without recompiling."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            manifest = json.loads(z.read("manifest.json"))
+            model = z.read("model.onnx")
+            objs = {k: z.read(f"objects/{k}.o") for k in manifest.get("objects", [])}
+    except (OSError, KeyError, zipfile.BadZipFile, json.JSONDecodeError) as e:
+        raise CacheError(f"{path} is not a valid cannc artifact: {e}") from e
+    if manifest.get("format") != "cannc-artifact":
+        raise CacheError(f"{path} is not a cannc artifact")
+    base = default_cache()
+    cache = ObjectCache(base.root)
+    cache.memory.update(objs)
+    sess = Session(onnx.load_from_string(model), cores=cores,
+                   pipeline=manifest.get("pipeline", "O1"), eager=False, cache=cache)
+    for shp in manifest.get("specializations", []):
+        sess.specialize(dict(zip(sess.graph.inputs, [tuple(s) for s in shp])))
+    return sess
+
+

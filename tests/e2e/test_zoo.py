@@ -1,0 +1,53 @@
+"""Every zoo model, compiled by cannc, against onnxruntime at several sizes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cannc
+from helpers import ort_run
+from models import zoo
+
+CASES = [
+    ("mlp", {}, [dict(batch=1), dict(batch=8)]),
+    ("resnet", {}, [dict(batch=1), dict(batch=2)]),
+    ("mobilenet", {}, [dict(batch=1), dict(batch=2)]),
+    ("bert", {}, [dict(batch=1, seq=16), dict(batch=2, seq=7)]),
+    ("gpt", {}, [dict(batch=1, seq=16), dict(batch=2, seq=5)]),
+]
+
+
+def _compare(model, sess, feeds, rtol=1e-4, atol=1e-4):
+    expected = ort_run(model, feeds)
+    got = sess.run(None, feeds)
+    for g, e, o in zip(got, expected, sess.get_outputs()):
+        assert g.shape == e.shape and g.dtype == e.dtype, o.name
+        np.testing.assert_allclose(g, e, rtol=rtol, atol=atol, err_msg=o.name)
+
+
+@pytest.mark.parametrize("name,opts,sizes", CASES, ids=[c[0] for c in CASES])
+def test_zoo_model_matches_onnxruntime(name, opts, sizes):
+    model = zoo.build(name, **opts)
+    sess = cannc.compile(model, cores=2)
+    for s in sizes:
+        _compare(model, sess, zoo.example_inputs(model, **s))
+    # one specialisation per distinct input shape, each compiled once
+    n = len(sess.programs)
+    sess.run(None, zoo.example_inputs(model, **sizes[0]))
+    assert len(sess.programs) == n
+
+
+@pytest.mark.parametrize("name,opset", [("bert", 14), ("bert", 18), ("gpt", 14), ("mlp", 13),
+                                        ("mobilenet", 14), ("resnet", 13)])
+def test_zoo_other_opsets(name, opset):
+    model = zoo.build(name, opset=opset)
+    sess = cannc.compile(model, cores=1)
+    _compare(model, sess, zoo.example_inputs(model, batch=2))
+
+
+def test_bert_variants():
+    for kw in (dict(decomposed_layernorm=True), dict(mask_mode="where")):
+        model = zoo.build("bert", **kw)
+        sess = cannc.compile(model, cores=2)
+        _compare(model, sess, zoo.example_inputs(model, batch=2, seq=9))

@@ -1,0 +1,51 @@
+import numpy as np
+import pytest
+
+from cannc.ir.graph import Graph, Node, verify
+from cannc.ir.types import TensorType
+
+F = np.dtype(np.float32)
+
+
+def _chain() -> Graph:
+    g = Graph()
+    g.inputs = ["x"]
+    g.values["x"] = TensorType(F, ("b", 4))
+    g.values["y"] = TensorType(F, ("b", 4))
+    g.values["z"] = TensorType(F, ("b", 4))
+    g.add_node(Node("n1", "Relu", ("x",), ("y",)))
+    g.add_node(Node("n2", "Neg", ("y",), ("z",)))
+    g.outputs = ["z"]
+    return g
+
+
+def test_producer_consumers_and_order():
+    g = _chain()
+    verify(g)
+    assert g.producer("y").name == "n1"
+    assert g.consumers("y") == ["n2"]
+    assert [n.name for n in g.nodes()] == ["n1", "n2"]
+    assert "Relu" in g.dump()
+
+
+def test_replace_uses_and_remove():
+    g = _chain()
+    g.replace_uses("y", "x")
+    assert g.node("n2").inputs == ("x",)
+    g.remove_node("n1")
+    verify(g)
+    assert g.num_nodes() == 1
+
+
+def test_verify_catches_use_before_def():
+    g = _chain()
+    g.add_node(Node("n3", "Neg", ("nope",), ("w",)))
+    g.values["w"] = TensorType(F, (1,))
+    with pytest.raises(AssertionError, match="before it is defined"):
+        verify(g)
+
+
+def test_tensor_type():
+    t = TensorType(F, (2, 3))
+    assert t.numel == 6 and t.nbytes == 24 and t.is_static and str(t) == "float32[2x3]"
+    assert not TensorType(F, ("b", 3)).is_static
