@@ -57,9 +57,20 @@ class Specialization:
     constants: dict[str, np.ndarray]      # every constant a kernel or output reads
     objects: dict[str, bytes]             # symbol -> object code
     pass_records: list[Any]
+    dumps: dict[str, str]
     compile_seconds: float
     cache_hits: int
     cache_misses: int
+
+
+def unknown_ops(graph: Graph) -> list[tuple[str, str, str, int, str]]:
+    """Nodes whose op cannc does not know at all (checked before any pass runs, so
+    that every one of them is reported, not the first that a pass trips on)."""
+    out = []
+    for n in graph.nodes():
+        if lookup(n.op_type, n.domain) is None:
+            out.append((n.name, n.op_type, n.domain, n.opset, "no such op in cannc's registry"))
+    return out
 
 
 def support_problems(graph: Graph) -> list[tuple[str, str, str, int, str]]:
@@ -85,6 +96,12 @@ def node_support(graph: Graph, n: Node) -> str | None:
 def specialize(base: Graph, shapes: dict[str, tuple[int, ...]],
                options: CompileOptions) -> Specialization:
     t0 = time.perf_counter()
+    if options.pipeline not in PIPELINES:
+        raise CompileError(f"unknown pipeline {options.pipeline!r}; "
+                           f"choose one of {', '.join(PIPELINES)}")
+    unknown = unknown_ops(base)
+    if unknown:
+        raise UnsupportedOpError(unknown)
     g = base.copy()
     fold.bind_input_shapes(g, shapes)
     pm = PassManager(PIPELINES[options.pipeline], dump_after=set(options.dump_after))
@@ -96,7 +113,7 @@ def specialize(base: Graph, shapes: dict[str, tuple[int, ...]],
     cache = options.cache or default_cache()
     h0, m0 = cache.hits, cache.misses
     objects = compile_modules(modules, cache)
-    return Specialization(g, kernels, aliases, constants, objects, pm.records,
+    return Specialization(g, kernels, aliases, constants, objects, pm.records, pm.dumps,
                           time.perf_counter() - t0, cache.hits - h0, cache.misses - m0)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 
+import hashlib
 import json
 import threading
 import zipfile
@@ -16,7 +17,7 @@ import onnx
 from . import __version__
 from .codegen.target import ObjectCache, default_cache, host
 from .compiler import CompileOptions, Specialization, specialize
-from .errors import CacheError, InputError
+from .errors import CacheError, CanncError, InputError
 from .frontend import import_model, load_model_proto
 from .ir.types import onnx_type_string
 from .runtime.device import Device
@@ -42,6 +43,12 @@ class Session:
                  shapes: dict[str, Sequence[int]] | None = None, pipeline: str = "O1",
                  dump_after: Iterable[str] = (), eager: bool = True,
                  cache: ObjectCache | None = None) -> None:
+        if cores is not None and (not isinstance(cores, int) or cores < 1):
+            raise CanncError(f"cores must be a positive integer, got {cores!r}")
+        from .compiler import PIPELINES
+        if pipeline not in PIPELINES:
+            raise CanncError(f"unknown pipeline {pipeline!r}; choose one of "
+                             f"{', '.join(PIPELINES)}")
         proto, _ = load_model_proto(model)
         self._model_bytes = proto.SerializeToString()
         self.graph, _ = import_model(proto)
@@ -115,7 +122,13 @@ class Session:
         out = {}
         for n in self.graph.inputs:
             if n in given:
-                out[n] = tuple(int(d) for d in given[n])
+                shape = tuple(int(d) for d in given[n])
+                decl = self.graph.values[n].shape
+                if len(shape) != len(decl) or any(d < 0 for d in shape) or any(
+                        isinstance(e, int) and e != d for d, e in zip(shape, decl)):
+                    raise InputError(f"shape {list(shape)} given for input '{n}' does not "
+                                     f"fit its declared shape {_fmt_shape(decl)}")
+                out[n] = shape
             else:
                 out[n] = tuple(d if isinstance(d, int) else 1 for d in self.graph.values[n].shape)
         return out
@@ -194,6 +207,7 @@ class Session:
                     obj = prog.spec.objects[k.symbol]
                     z.writestr(f"objects/{key}.o", obj)
                     manifest["objects"].append(key)
+                    manifest.setdefault("sha256", {})[key] = hashlib.sha256(obj).hexdigest()
             z.writestr("manifest.json", json.dumps(manifest, indent=1))
 
 
@@ -206,18 +220,40 @@ def load(path: str | Path, *, cores: int | None = None) -> Session:
     try:
         with zipfile.ZipFile(path) as z:
             manifest = json.loads(z.read("manifest.json"))
+            if not isinstance(manifest, dict) or manifest.get("format") != "cannc-artifact":
+                raise CacheError(f"{path} is not a cannc artifact (bad manifest)")
             model = z.read("model.onnx")
-            objs = {k: z.read(f"objects/{k}.o") for k in manifest.get("objects", [])}
-    except (OSError, KeyError, zipfile.BadZipFile, json.JSONDecodeError) as e:
-        raise CacheError(f"{path} is not a valid cannc artifact: {e}") from e
-    if manifest.get("format") != "cannc-artifact":
-        raise CacheError(f"{path} is not a cannc artifact")
+            keys = manifest.get("objects", [])
+            sums = manifest.get("sha256", {})
+            if not isinstance(keys, list) or not isinstance(sums, dict):
+                raise CacheError(f"{path}: damaged manifest")
+            objs = {}
+            for k in keys:
+                data = z.read(f"objects/{k}.o")
+                if hashlib.sha256(data).hexdigest() != sums.get(k):
+                    raise CacheError(f"{path}: object {k} is damaged (checksum mismatch)")
+                objs[k] = data
+            specs = manifest.get("specializations", [])
+            if not isinstance(specs, list) or not all(
+                    isinstance(s, list) and all(isinstance(d, list) and all(
+                        isinstance(x, int) and x >= 0 for x in d) for d in s) for s in specs):
+                raise CacheError(f"{path}: damaged manifest (specializations)")
+            pipeline = manifest.get("pipeline", "O1")
+    except CacheError:
+        raise
+    except Exception as e:  # zipfile, zlib, json, OSError, KeyError, ...
+        raise CacheError(f"{path} is not a valid cannc artifact: {type(e).__name__}: {e}") from e
     base = default_cache()
     cache = ObjectCache(base.root)
     cache.memory.update(objs)
-    sess = Session(onnx.load_from_string(model), cores=cores,
-                   pipeline=manifest.get("pipeline", "O1"), eager=False, cache=cache)
-    for shp in manifest.get("specializations", []):
+    try:
+        proto = onnx.load_from_string(model)
+    except Exception as e:
+        raise CacheError(f"{path}: the embedded model is damaged: {e}") from e
+    sess = Session(proto, cores=cores, pipeline=pipeline, eager=False, cache=cache)
+    for shp in specs:
+        if len(shp) != len(sess.graph.inputs):
+            raise CacheError(f"{path}: damaged manifest (specialization {shp})")
         sess.specialize(dict(zip(sess.graph.inputs, [tuple(s) for s in shp])))
     return sess
 

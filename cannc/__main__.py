@@ -1,0 +1,5 @@
+"""`python -m cannc ...` is the `cannc` command line."""
+
+from .cli import main
+
+raise SystemExit(main())

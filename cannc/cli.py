@@ -1,0 +1,874 @@
+"""The `cannc` command line.
+
+    cannc compile model.onnx -o model.cnc [--cores N] [--shape x=1x256] [--dump-after PASS]
+    cannc run model.cnc --check                 # cannc vs onnxruntime on the same inputs
+    cannc check model.onnx                      # every node: supported, folded, or why not
+    cannc inspect model.onnx --json             # kernels, FLOPs, bytes, memory plan, passes
+    cannc bench model.onnx --cores 4            # cannc and onnxruntime side by side
+    cannc ops                                   # the supported ops
+
+Every cannc.CanncError is reported as `error: <message>` on stderr with exit code 2
+(`--debug` adds the traceback). `run --check` exits 1 when an output differs from
+onnxruntime, `check` exits 1 when a node cannot be compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+import zipfile
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from . import __version__, config
+from .errors import CacheError, CanncError, InputError, ModelError
+
+Shapes = dict[str, tuple[int, ...]]
+
+
+class CliError(CanncError):
+    """A command-line problem argparse cannot see (an unknown pass name, ORT refusing a model)."""
+
+
+# ---------------------------------------------------------------------------------------
+# argument types
+# ---------------------------------------------------------------------------------------
+
+def _shape_arg(text: str) -> tuple[str, tuple[int, ...]]:
+    name, sep, dims = text.rpartition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=DIMS (e.g. x=1x128), got {text!r}")
+    dims = dims.strip()
+    if dims in ("", "()", "scalar"):
+        return name, ()
+    try:
+        shape = tuple(int(d) for d in dims.replace(",", "x").split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"dims must be integers separated by 'x' (e.g. {name}=1x128), got {dims!r}") from None
+    if any(d < 0 for d in shape):
+        raise argparse.ArgumentTypeError(f"dims must be >= 0, got {dims!r}")
+    return name, shape
+
+
+def _input_arg(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=FILE.npy, got {text!r}")
+    return name, path
+
+
+def _int_at_least(lo: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+    return parse
+
+
+# ---------------------------------------------------------------------------------------
+# opening models and making inputs
+# ---------------------------------------------------------------------------------------
+
+def _is_artifact(path: str) -> bool:
+    p = Path(path)
+    return p.suffix == ".cnc" or (p.is_file() and zipfile.is_zipfile(p))
+
+
+def _require_file(path: str) -> None:
+    if not Path(path).is_file():
+        raise ModelError(f"model file not found: {path}")
+
+
+def _onnx_source(path: str) -> str | bytes:
+    """What onnxruntime (and the frontend) should read: the path of an .onnx model,
+    or the bytes of the model stored inside a .cnc artifact."""
+    if not _is_artifact(path):
+        return path
+    try:
+        with zipfile.ZipFile(path) as z:
+            return z.read("model.onnx")
+    except (OSError, KeyError, zipfile.BadZipFile) as e:
+        raise CacheError(f"{path} is not a valid cannc artifact: {e}") from e
+
+
+def _open(path: str, *, cores: int | None, pipeline: str = "O1",
+          dump_after: Sequence[str] = ()) -> Any:
+    """A Session for an ONNX model (not yet specialised) or a loaded .cnc artifact."""
+    import cannc
+
+    _require_file(path)
+    if _is_artifact(path):
+        return cannc.load(path, cores=cores)
+    return cannc.compile(path, cores=cores, pipeline=pipeline, dump_after=list(dump_after),
+                         eager=False)
+
+
+def _input_shapes(graph: Any, given: Shapes, known: Sequence[tuple] = ()) -> Shapes:
+    """Concrete shapes for every graph input: the given ones; for the others, symbolic
+    dims take the value they have in a given input (so `batch` agrees everywhere), else
+    the first already compiled specialisation, else 1."""
+    unknown = sorted(set(given) - set(graph.inputs))
+    if unknown:
+        raise InputError(f"shape given for unknown input(s) {unknown}; "
+                         f"the model's inputs are {graph.inputs}")
+    if not given and known:
+        return dict(zip(graph.inputs, known[0]))
+    bound: dict[str, tuple[int, str]] = {}
+    for name, shp in given.items():
+        decl = graph.values[name].shape
+        if len(shp) != len(decl):
+            raise InputError(f"shape {list(shp)} given for input '{name}' has rank {len(shp)}, "
+                             f"the model declares rank {len(decl)} {_fmt_dims(decl)}")
+        for i, (d, v) in enumerate(zip(decl, shp)):
+            if isinstance(d, int) and d != v:
+                raise InputError(f"shape {list(shp)} given for input '{name}' does not match "
+                                 f"{_fmt_dims(decl)} (dimension {i} must be {d})")
+            if isinstance(d, str):
+                if d in bound and bound[d][0] != v:
+                    raise InputError(f"dimension '{d}' is {bound[d][0]} in input "
+                                     f"'{bound[d][1]}' but {v} in input '{name}'")
+                bound.setdefault(d, (int(v), name))
+    out: Shapes = {}
+    for i, name in enumerate(graph.inputs):
+        if name in given:
+            out[name] = tuple(int(d) for d in given[name])
+            continue
+        dims = graph.values[name].shape
+        fallback = known[0][i] if known and len(known[0][i]) == len(dims) else (1,) * len(dims)
+        out[name] = tuple(d if isinstance(d, int) else bound.get(d, (fallback[j],))[0]
+                          for j, d in enumerate(dims))
+    return out
+
+
+def _fmt_dims(shape: Sequence[Any]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _specialize(sess: Any, given: Shapes) -> Any:
+    return sess.specialize(_input_shapes(sess.graph, given, list(sess.programs)))
+
+
+def _key_of(sess: Any, prog: Any) -> tuple:
+    """The input shapes a program was specialised for."""
+    return next(k for k, p in sess.programs.items() if p is prog)
+
+
+def _random_array(rng: np.random.Generator, dtype: np.dtype, shape: tuple[int, ...],
+                  int_high: int) -> np.ndarray:
+    if dtype == np.bool_:
+        return rng.integers(0, 2, size=shape).astype(np.bool_)
+    if dtype.kind in "iu":
+        return rng.integers(0, int_high, size=shape).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def _make_feeds(sess: Any, files: list[tuple[str, str]], shapes: Shapes, seed: int,
+                int_high: int) -> dict[str, np.ndarray]:
+    """Inputs read from .npy files, the rest random (floats: standard normal; ints: uniform
+    in [0, int_high) so ids and masks stay valid; bools: fair coin)."""
+    names = sess.graph.inputs
+    unknown = sorted({n for n, _ in files} - set(names))
+    if unknown:
+        raise InputError(f"--input given for unknown input(s) {unknown}; "
+                         f"the model's inputs are {names}")
+    arrays = {}
+    for name, path in files:
+        try:
+            arrays[name] = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise InputError(f"cannot read input '{name}' from {path}: {e}") from e
+    given = {**shapes, **{n: a.shape for n, a in arrays.items()}}
+    full = _input_shapes(sess.graph, given, list(sess.programs))
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for name in names:
+        if name in arrays:
+            feeds[name] = arrays[name]
+        else:
+            dt = np.dtype(sess.graph.values[name].dtype)
+            feeds[name] = _random_array(rng, dt, full[name], int_high)
+    return feeds
+
+
+def _ort_session(source: str | bytes, threads: int, spinning: bool = True) -> Any:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if not spinning:
+        # ORT's idle pool threads otherwise busy-wait after each run and take the cores
+        # from the cannc run that follows in an interleaved benchmark.
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    try:
+        return ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
+    except Exception as e:
+        raise CliError(f"onnxruntime cannot load the model: {e}") from e
+
+
+def _ort_run(ort_sess: Any, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    try:
+        return ort_sess.run(None, feeds)
+    except Exception as e:
+        raise CliError(f"onnxruntime failed to run the model: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------
+# formatting
+# ---------------------------------------------------------------------------------------
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def _fmt_count(n: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def _fmt_type(dtype: Any, shape: Sequence[Any]) -> str:
+    return f"{np.dtype(dtype).name}[{', '.join(str(d) for d in shape)}]"
+
+
+def _fmt_shapes(shapes: Shapes) -> str:
+    return ", ".join(f"{n}={'x'.join(map(str, s)) or 'scalar'}" for n, s in shapes.items())
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
+           right: Sequence[int] = ()) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for r in cells:
+        parts = [c.rjust(w) if i in right else c.ljust(w)
+                 for i, (c, w) in enumerate(zip(r, widths))]
+        lines.append("  " + "  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=1, default=str))
+
+
+def _stats(a: np.ndarray) -> str:
+    if a.size == 0:
+        return "empty"
+    if a.dtype == np.bool_:
+        return f"true {int(a.sum())}/{a.size}"
+    if a.dtype.kind in "iu":
+        return f"min {a.min()}  max {a.max()}"
+    f = a.astype(np.float64)
+    nan = int(np.isnan(f).sum())
+    finite = f[np.isfinite(f)]
+    if finite.size == 0:
+        return f"no finite values (nan {nan})"
+    s = (f"min {finite.min():.4g}  max {finite.max():.4g}  mean {finite.mean():.4g}  "
+         f"std {finite.std():.4g}")
+    return s + (f"  nan {nan}" if nan else "")
+
+
+# ---------------------------------------------------------------------------------------
+# compile
+# ---------------------------------------------------------------------------------------
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from .compiler import PIPELINES
+
+    passes = list(args.dump_after or [])
+    bad = [p for p in passes if p not in PIPELINES[args.pipeline] and p != "all"]
+    if bad:
+        raise CliError(f"unknown pass(es) {bad} for --dump-after; pipeline {args.pipeline} "
+                       f"runs: {', '.join(PIPELINES[args.pipeline])} (or 'all')")
+    with _dump_dir(passes, args.dump_dir) as dump_dir:
+        sess = _open(args.model, cores=args.cores, pipeline=args.pipeline, dump_after=passes)
+        prog = _specialize(sess, dict(args.shape or []))
+        if passes and args.dump_dir is None:
+            for name in passes if "all" not in passes else PIPELINES[args.pipeline]:
+                f = Path(dump_dir) / f"after_{name}.txt"
+                if f.exists():
+                    print(f"// ---- IR after pass '{name}' ----\n{f.read_text()}")
+    out = Path(args.output)
+    sess.save(out)
+    spec = prog.spec
+    shapes = dict(zip(sess.graph.inputs, _key_of(sess, prog)))
+    plan = prog.plan
+    print(f"compiled {args.model} -> {out}: {len(spec.kernels)} kernel(s) from "
+          f"{sess.graph.num_nodes()} ONNX node(s) for {_fmt_shapes(shapes) or 'no inputs'} on "
+          f"{sess.cores} core(s), pipeline {sess.options.pipeline}, "
+          f"in {spec.compile_seconds:.2f} s "
+          f"(object cache: {spec.cache_hits} hit(s), {spec.cache_misses} miss(es)); "
+          f"arena {_fmt_bytes(plan.arena_bytes)} (naive {_fmt_bytes(plan.naive_bytes)}), "
+          f"weights {_fmt_bytes(prog.weights_bytes)}; artifact {_fmt_bytes(out.stat().st_size)}.")
+    if passes and args.dump_dir is not None:
+        print(f"IR dumps written to {args.dump_dir}")
+    return 0
+
+
+@contextlib.contextmanager
+def _dump_dir(passes: list[str], given: str | None) -> Iterator[str | None]:
+    """--dump-after needs a dump directory (the pass manager writes its dumps there): the
+    one given with --dump-dir, else a temporary one whose IR dumps the caller prints."""
+    if not passes:
+        yield None
+        return
+    saved = config.DUMP_DIR
+    with contextlib.ExitStack() as stack:
+        if given is None:
+            given = stack.enter_context(tempfile.TemporaryDirectory(prefix="cannc-dump-"))
+        config.DUMP_DIR = given
+        try:
+            yield given
+        finally:
+            config.DUMP_DIR = saved
+
+
+# ---------------------------------------------------------------------------------------
+# run
+# ---------------------------------------------------------------------------------------
+
+def _tolerance(dtype: np.dtype, rtol: float | None, atol: float | None) -> tuple[float, float]:
+    loose = np.dtype(dtype).itemsize <= 2  # float16 / bfloat16
+    return (rtol if rtol is not None else (1e-3 if loose else 1e-4),
+            atol if atol is not None else (1e-3 if loose else 1e-4))
+
+
+def compare(name: str, got: np.ndarray, exp: np.ndarray, rtol: float | None = None,
+            atol: float | None = None) -> dict[str, Any]:
+    """One output against the reference: floats within rtol/atol (NaN matches NaN),
+    everything else exactly. Max rel error is |got - exp| / max(|exp|, atol)."""
+    exp = np.asarray(exp)
+    res: dict[str, Any] = {"name": name, "shape": list(got.shape), "dtype": str(got.dtype),
+                           "max_abs": 0.0, "max_rel": 0.0, "ok": True, "problem": None}
+    if got.shape != exp.shape or got.dtype != exp.dtype:
+        res.update(ok=False, problem=f"cannc gives {_fmt_type(got.dtype, got.shape)}, "
+                                     f"onnxruntime {_fmt_type(exp.dtype, exp.shape)}")
+        return res
+    if got.size == 0:
+        return res
+    if got.dtype.kind in "fcV":
+        rt, at = _tolerance(got.dtype, rtol, atol)
+        g, e = got.astype(np.float64), exp.astype(np.float64)
+        diff = np.abs(g - e)
+        diff[(g == e) | (np.isnan(g) & np.isnan(e))] = 0.0   # equal infinities, both NaN
+        diff[np.isnan(diff)] = np.inf                         # NaN on one side only
+        rel = diff / np.maximum(np.abs(np.nan_to_num(e)), at)
+        res.update(max_abs=float(diff.max()), max_rel=float(rel.max()), rtol=rt, atol=at,
+                   ok=bool(np.all(diff <= at + rt * np.abs(np.nan_to_num(e)))))
+    else:
+        diff = np.abs(got.astype(np.int64) - exp.astype(np.int64)) if got.dtype != np.uint64 \
+            else (got != exp).astype(np.int64)
+        res.update(max_abs=float(diff.max()), max_rel=0.0, ok=bool(np.array_equal(got, exp)))
+    if not res["ok"]:
+        res["problem"] = "values differ"
+    return res
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    sess = _open(args.model, cores=args.cores)
+    feeds = _make_feeds(sess, list(args.input or []), dict(args.shape or []), args.seed,
+                        args.int_high)
+    before = set(sess.programs)
+    t0 = time.perf_counter()
+    outs = sess.run(None, feeds)
+    dt = time.perf_counter() - t0
+    key = tuple(tuple(int(d) for d in feeds[n].shape) for n in sess.graph.inputs)
+    compiled = key not in before
+    print(f"{args.model}: inputs {_fmt_shapes({n: a.shape for n, a in feeds.items()})}; "
+          f"{sess.cores} core(s); run {dt * 1e3:.2f} ms"
+          + (f" (includes compiling, {sess.programs[key].spec.compile_seconds:.2f} s)"
+             if compiled else ""))
+    names = sess.graph.outputs
+    print(_table(["output", "type", "stats"],
+                 [[n, _fmt_type(o.dtype, o.shape), _stats(o)] for n, o in zip(names, outs)]))
+    if args.save_outputs:
+        d = Path(args.save_outputs)
+        d.mkdir(parents=True, exist_ok=True)
+        for n, o in zip(names, outs):
+            np.save(d / (_safe_name(n) + ".npy"), o)
+        print(f"outputs saved to {d}/")
+    if not args.check:
+        return 0
+    import onnxruntime as ort
+
+    expected = _ort_run(_ort_session(_onnx_source(args.model), sess.cores), feeds)
+    results = [compare(n, g, e, args.rtol, args.atol) for n, g, e in zip(names, outs, expected)]
+    print(f"check against onnxruntime {ort.__version__} (CPUExecutionProvider):")
+    rows = []
+    for r in results:
+        verdict = "PASS" if r["ok"] else f"FAIL ({r['problem']})"
+        tol = f"rtol {r['rtol']:g} atol {r['atol']:g}" if "rtol" in r else "exact"
+        rows.append([r["name"], f"{r['max_abs']:.3g}", f"{r['max_rel']:.3g}", tol, verdict])
+    print(_table(["output", "max abs err", "max rel err", "tolerance", "result"], rows,
+                 right=(1, 2)))
+    failed = [r["name"] for r in results if not r["ok"]]
+    if failed:
+        print(f"FAIL: {len(failed)} of {len(results)} output(s) differ: {failed}")
+        return 1
+    print(f"PASS: all {len(results)} output(s) match onnxruntime")
+    return 0
+
+
+def _safe_name(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name).strip(".") or "output"
+
+
+# ---------------------------------------------------------------------------------------
+# check
+# ---------------------------------------------------------------------------------------
+
+def check_report(model: str, shapes: Shapes | None = None, pipeline: str = "O1"
+                 ) -> dict[str, Any]:
+    """Every node of the model: ok / folded / view / unused / unsupported (with the reason)."""
+    from .compiler import PIPELINES, node_support
+    from .frontend import import_model
+    from .ir.registry import Category, lookup
+    from .passes.fold import bind_input_shapes
+    from .passes.manager import PassManager
+
+    _require_file(model)
+    graph, _ = import_model(_onnx_source(model))
+    # What compilation will see: shapes bound, constants and shape chains folded, dead code
+    # dropped. If that already fails, the nodes are checked on the symbolic graph instead.
+    spec: Any = None
+    stop = None
+    removed_by: dict[str, str] = {}   # node -> the pass that removed it
+    try:
+        spec = graph.copy()
+        bind_input_shapes(spec, _input_shapes(graph, shapes or {}))
+        for pass_name in PIPELINES[pipeline]:
+            before = set(spec.g.nodes)
+            PassManager([pass_name]).run(spec)
+            removed_by.update(dict.fromkeys(before - set(spec.g.nodes), pass_name))
+    except CanncError as e:
+        spec, stop = None, f"{type(e).__name__}: {e}"
+    static_folded = _static_folds(graph) if spec is None else set()
+
+    def row(g: Any, n: Any, inserted: bool = False) -> dict[str, Any]:
+        op = lookup(n.op_type, n.domain)
+        r = {"name": n.name, "op": n.op_type, "domain": n.domain or "ai.onnx", "opset": n.opset,
+             "input_dtypes": [np.dtype(graph.values[v].dtype).name if v in graph.values
+                              else (np.dtype(g.values[v].dtype).name if v in g.values else "?")
+                              if v else "" for v in n.inputs],
+             "status": "ok", "reason": None}
+        if inserted:
+            r["inserted_by_compiler"] = True
+        if spec is not None and not inserted and n.name not in spec.g:
+            by = removed_by.get(n.name, "?")
+            r["status"] = _REMOVED_STATUS.get(by, "rewritten")
+            r["reason"] = f"removed by pass '{by}'"
+            return r
+        if spec is None and n.name in static_folded:
+            r["status"] = "folded"
+            return r
+        try:
+            why = node_support(g, g.node(n.name))
+        except Exception as e:  # an op check that needs concrete shapes
+            why = f"cannot be checked ({type(e).__name__}: {e})"
+        if why:
+            r.update(status="unsupported", reason=why)
+        elif op is not None and op.category == Category.VIEW:
+            r["status"] = "view"
+        return r
+
+    rows = [row(spec if spec is not None else graph, n) for n in graph.nodes()]
+    if spec is not None:
+        rows += [row(spec, n, inserted=True) for n in spec.nodes() if n.name not in graph.g]
+    counts = {s: sum(r["status"] == s for r in rows)
+              for s in ("ok", "folded", "view", "unused", "rewritten", "unsupported")}
+    return {"model": model, "opsets": {d or "ai.onnx": v for d, v in graph.opsets.items()},
+            "inputs": {n: _fmt_type(graph.values[n].dtype, graph.values[n].shape)
+                       for n in graph.inputs},
+            "nodes": rows, "counts": counts, "shape_inference_error": stop,
+            "supported": counts["unsupported"] == 0 and stop is None}
+
+
+def _static_folds(graph: Any) -> set[str]:
+    """Nodes the constant folder will remove: all inputs constant, or shape-only ops."""
+    from .ir.registry import Category, lookup
+    from .passes.fold import NONDETERMINISTIC
+
+    known, folded = set(graph.constants), set()
+    for n in graph.nodes():
+        op = lookup(n.op_type, n.domain)
+        shape_only = op is not None and op.category == Category.SHAPE and "fold" in op.extra
+        if n.op_type not in NONDETERMINISTIC and (
+                shape_only or all(v in known for v in n.inputs if v)):
+            folded.add(n.name)
+            known.update(v for v in n.outputs if v)
+    return folded
+
+
+# what it means for a node that a pass removed it
+_REMOVED_STATUS = {"infer_and_fold": "folded", "dce": "unused"}
+_STATUS_TEXT = {"ok": "ok", "folded": "ok (folded at compile time)",
+                "view": "ok (view: shares its input's buffer)",
+                "unused": "ok (nothing needs it: removed)", "rewritten": "ok (rewritten by a pass)"}
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    rep = check_report(args.model, dict(args.shape or []), args.pipeline)
+    if args.json:
+        _print_json(rep)
+    else:
+        print(f"{args.model}: opsets {rep['opsets']}; inputs "
+              + (", ".join(f"{n}: {t}" for n, t in rep["inputs"].items()) or "none"))
+        rows = [[i, r["name"] + (" (inserted)" if r.get("inserted_by_compiler") else ""),
+                 r["op"], r["domain"], r["opset"], ", ".join(d or "-" for d in r["input_dtypes"]),
+                 _STATUS_TEXT.get(r["status"], f"UNSUPPORTED: {r['reason']}")]
+                for i, r in enumerate(rep["nodes"])]
+        print(_table(["#", "node", "op", "domain", "opset", "input dtypes", "status"], rows,
+                     right=(0, 4)))
+        c = rep["counts"]
+        print(f"summary: {len(rep['nodes'])} node(s): {c['ok']} compiled to kernels, "
+              f"{c['folded']} folded at compile time, {c['view']} view(s), {c['unused']} unused, "
+              + (f"{c['rewritten']} rewritten, " if c["rewritten"] else "")
+              + f"{c['unsupported']} unsupported")
+        if rep["shape_inference_error"]:
+            print(f"compile-time shape inference fails: {rep['shape_inference_error']}")
+        if not rep["supported"]:
+            print("the model cannot be compiled yet; supported ops: `cannc ops`")
+    return 0 if rep["supported"] else 1
+
+
+# ---------------------------------------------------------------------------------------
+# inspect
+# ---------------------------------------------------------------------------------------
+
+def inspect_report(sess: Any, prog: Any) -> dict[str, Any]:
+    """Per kernel and in total: nodes, shapes, FLOPs, bytes, tiles; memory plan; passes."""
+    spec = prog.spec
+    g = spec.graph
+
+    def root(v: str) -> str:
+        while v in spec.aliases:
+            v = spec.aliases[v]
+        return v
+
+    output_buffers = {root(o) for o in g.outputs}
+    kernels = []
+    for i, k in enumerate(spec.kernels):
+        outs = [o for o in k.outputs if o]
+        inter = sum(g.values[o].nbytes for o in outs if root(o) not in output_buffers)
+        kernels.append({
+            "index": i, "symbol": k.symbol, "nodes": list(k.nodes), "op_types": list(k.op_types),
+            "outputs": [{"name": o, "dtype": np.dtype(g.values[o].dtype).name,
+                         "shape": list(g.values[o].shape)} for o in outs],
+            "flops": int(k.flops), "bytes_read": int(k.bytes_read),
+            "bytes_written": int(k.bytes_written), "intermediate_bytes_written": int(inter),
+            "tiles": int(k.num_tiles), "single_core": bool(k.single_core),
+            "workspace_bytes": int(k.workspace_bytes),
+            "notes": {str(a): b for a, b in k.notes.items()},
+        })
+    key = _key_of(sess, prog)
+    return {
+        "cores": sess.cores, "pipeline": sess.options.pipeline,
+        "input_shapes": {n: list(s) for n, s in zip(sess.graph.inputs, key)},
+        "outputs": {o: _fmt_type(g.values[o].dtype, g.values[o].shape) for o in g.outputs},
+        "onnx_nodes": sess.graph.num_nodes(), "views": len(spec.aliases),
+        "num_kernels": len(kernels),
+        "total_flops": sum(k["flops"] for k in kernels),
+        "bytes_read": sum(k["bytes_read"] for k in kernels),
+        "bytes_written": sum(k["bytes_written"] for k in kernels),
+        "intermediate_bytes_written": sum(k["intermediate_bytes_written"] for k in kernels),
+        "memory": {"arena_bytes": int(prog.plan.arena_bytes),
+                   "naive_bytes": int(prog.plan.naive_bytes),
+                   "lower_bound_bytes": int(prog.plan.lower_bound_bytes),
+                   "weights_bytes": int(prog.weights_bytes)},
+        "passes": [{"name": r.name, "seconds": r.seconds, "changed": r.changed,
+                    "nodes_after": r.nodes_after} for r in spec.pass_records],
+        "compile_seconds": spec.compile_seconds,
+        "cache_hits": spec.cache_hits, "cache_misses": spec.cache_misses,
+        "kernels": kernels,
+    }
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    sess = _open(args.model, cores=args.cores, pipeline=args.pipeline)
+    prog = _specialize(sess, dict(args.shape or []))
+    rep = inspect_report(sess, prog)
+    rep["model"] = args.model
+    if args.json:
+        _print_json(rep)
+        return 0
+    shapes = ", ".join(f"{n}: {'x'.join(map(str, s)) or 'scalar'}"
+                       for n, s in rep["input_shapes"].items())
+    print(f"{args.model}: {shapes} -> "
+          + ", ".join(f"{n}: {t}" for n, t in rep["outputs"].items())
+          + f"  ({rep['cores']} core(s), pipeline {rep['pipeline']})")
+    rows = []
+    for k in rep["kernels"]:
+        nodes = ", ".join(k["nodes"])
+        rows.append([k["index"], k["symbol"], _clip(nodes, 44), "+".join(k["op_types"]),
+                     _clip(", ".join(_fmt_type(o["dtype"], o["shape"]) for o in k["outputs"]), 32),
+                     _fmt_count(k["flops"]), _fmt_bytes(k["bytes_read"]),
+                     _fmt_bytes(k["bytes_written"]), k["tiles"],
+                     "1" if k["single_core"] else "all",
+                     " ".join(f"{a}={b}" for a, b in k["notes"].items())])
+    print(_table(["#", "symbol", "nodes", "ops", "outputs", "FLOPs", "read", "written", "tiles",
+                  "cores", "notes"], rows, right=(0, 5, 6, 7, 8)))
+    m = rep["memory"]
+    print(f"totals: {rep['num_kernels']} kernel(s) from {rep['onnx_nodes']} ONNX node(s) "
+          f"({rep['views']} view(s)), {_fmt_count(rep['total_flops'])}FLOP, read "
+          f"{_fmt_bytes(rep['bytes_read'])}, written {_fmt_bytes(rep['bytes_written'])} "
+          f"(intermediates {_fmt_bytes(rep['intermediate_bytes_written'])})")
+    print(f"memory: arena {_fmt_bytes(m['arena_bytes'])} (naive {_fmt_bytes(m['naive_bytes'])}, "
+          f"lower bound {_fmt_bytes(m['lower_bound_bytes'])}), "
+          f"weights {_fmt_bytes(m['weights_bytes'])}")
+    print("passes: " + ", ".join(f"{p['name']} {p['seconds'] * 1e3:.1f} ms"
+                                 + ("" if p["changed"] else " (no change)")
+                                 for p in rep["passes"])
+          + f"; compile {rep['compile_seconds']:.2f} s (object cache: {rep['cache_hits']} "
+          f"hit(s), {rep['cache_misses']} miss(es))")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# bench
+# ---------------------------------------------------------------------------------------
+
+def bench(sess: Any, ort_sess: Any, feeds: dict[str, np.ndarray], warmup: int,
+          runs: int) -> dict[str, Any]:
+    """Time cannc and onnxruntime alternately (which goes first alternates too), so both
+    see the same machine noise. Times in ms."""
+    def cannc_run() -> None:
+        sess.run(None, feeds)
+
+    def ort_run() -> None:
+        ort_sess.run(None, feeds)
+
+    times: dict[str, list[float]] = {"cannc": [], "ort": []}
+    pairs = [("cannc", cannc_run), ("ort", ort_run)]
+    for i in range(warmup + runs):
+        for name, fn in (pairs if i % 2 == 0 else pairs[::-1]):
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+            if i >= warmup:
+                times[name].append(dt * 1e3)
+    out: dict[str, Any] = {}
+    for name, ts in times.items():
+        p10, p50, p90 = np.percentile(ts, [10, 50, 90])
+        out[name] = {"median_ms": float(p50), "p10_ms": float(p10), "p90_ms": float(p90),
+                     "min_ms": float(min(ts))}
+    out["ratio"] = out["cannc"]["median_ms"] / out["ort"]["median_ms"]
+    return out
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import onnxruntime as ort
+
+    sess = _open(args.model, cores=args.cores)
+    feeds = _make_feeds(sess, [], dict(args.shape or []), args.seed, args.int_high)
+    sess.run(None, feeds)  # compile this specialisation outside the timing
+    ort_sess = _ort_session(_onnx_source(args.model), sess.cores, spinning=args.ort_spin)
+    _ort_run(ort_sess, feeds)
+    res = bench(sess, ort_sess, feeds, args.warmup, args.runs)
+    res.update(model=args.model, cores=sess.cores, warmup=args.warmup, runs=args.runs,
+               ort_spinning=args.ort_spin,
+               input_shapes={n: list(a.shape) for n, a in feeds.items()},
+               onnxruntime=ort.__version__)
+    if args.json:
+        _print_json(res)
+        return 0
+    print(f"{args.model}: {_fmt_shapes({n: a.shape for n, a in feeds.items()})}; "
+          f"{sess.cores} thread(s) each; {args.warmup} warmup + {args.runs} interleaved runs"
+          + ("" if args.ort_spin else "; onnxruntime thread spinning off"))
+    rows = [[label, f"{r['median_ms']:.3f}", f"{r['p10_ms']:.3f}", f"{r['p90_ms']:.3f}"]
+            for label, r in (("cannc", res["cannc"]),
+                             (f"onnxruntime {ort.__version__}", res["ort"]))]
+    print(_table(["", "median ms", "p10 ms", "p90 ms"], rows, right=(1, 2, 3)))
+    ratio = res["ratio"]
+    verdict = (f"cannc is {1 / ratio:.2f}x faster" if ratio < 1
+               else f"cannc is {ratio:.2f}x slower")
+    print(f"ratio cannc/ort: {ratio:.3f} ({verdict})")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# ops
+# ---------------------------------------------------------------------------------------
+
+def cmd_ops(args: argparse.Namespace) -> int:
+    import cannc
+
+    ops = cannc.supported_ops()
+    if args.json:
+        _print_json(ops)
+        return 0
+    rows = [[o["op"], o["domain"], o["category"], o["min_opset"], _fmt_dtypes(o["dtypes"]),
+             "yes" if o["fusible"] else ""] for o in ops]
+    print(_table(["op", "domain", "category", "min opset", "dtypes", "fusible"], rows,
+                 right=(3,)))
+    print(f"{len(ops)} op(s)")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# the parser and main
+# ---------------------------------------------------------------------------------------
+
+def _fmt_dtypes(dtypes: str | list[str]) -> str:
+    """['float16', 'float32', 'int8', 'int16'] -> 'float16/32, int8/16'."""
+    if isinstance(dtypes, str):
+        return dtypes
+    groups: dict[str, list[str]] = {}
+    for d in dtypes:
+        base = d.rstrip("0123456789")
+        groups.setdefault(base, []).append(d[len(base):])
+    return ", ".join(b + "/".join(sorted(bits, key=lambda x: int(x or 0)))
+                     for b, bits in groups.items())
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .compiler import DEFAULT_PIPELINE, PIPELINES
+
+    ap = argparse.ArgumentParser(
+        prog="cannc", description="cannc: an ahead-of-time compiler for ONNX models.",
+        epilog="errors print `error: <message>` and exit 2; --debug shows the traceback")
+    ap.add_argument("--version", action="version", version=f"cannc {__version__}")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    sub = ap.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    def verb(name: str, fn: Callable[[argparse.Namespace], int], helptext: str
+             ) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=helptext, description=helptext)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show tracebacks of errors")
+        p.set_defaults(func=fn)
+        return p
+
+    def shape_opt(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--shape", action="append", type=_shape_arg, metavar="NAME=DIMS",
+                       help="concrete shape of an input, e.g. x=1x256 (repeatable); symbolic "
+                            "dims not given take their value from other inputs, else 1")
+
+    def cores_opt(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--cores", type=_int_at_least(1), default=None,
+                       help="number of AI Cores (default: usable CPU cores)")
+
+    def pipeline_opt(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--pipeline", choices=sorted(PIPELINES), default=DEFAULT_PIPELINE,
+                       help=f"optimisation pipeline (default {DEFAULT_PIPELINE})")
+
+    def inputs_opts(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+        p.add_argument("--int-high", type=_int_at_least(1), default=2, metavar="H",
+                       help="random int inputs are uniform in [0, H) (default 2)")
+
+    p = verb("compile", cmd_compile, "compile a model and save a .cnc artifact")
+    p.add_argument("model", help="ONNX model")
+    p.add_argument("-o", "--output", required=True, help="the .cnc file to write")
+    cores_opt(p)
+    shape_opt(p)
+    pipeline_opt(p)
+    p.add_argument("--dump-after", action="append", metavar="PASS",
+                   help="dump the IR after this pass ('all' for every pass; repeatable)")
+    p.add_argument("--dump-dir", default=None,
+                   help="write dumps (IR after passes, kernel LLVM IR) here instead of "
+                        "printing the IR after passes")
+
+    p = verb("run", cmd_run, "run a model (.onnx or .cnc) on given or random inputs")
+    p.add_argument("model", help="ONNX model or .cnc artifact")
+    p.add_argument("--input", action="append", type=_input_arg, metavar="NAME=FILE.npy",
+                   help="read an input from a .npy file (repeatable); others are random")
+    shape_opt(p)
+    cores_opt(p)
+    inputs_opts(p)
+    p.add_argument("--check", action="store_true",
+                   help="compare every output with onnxruntime (exit 1 on mismatch)")
+    p.add_argument("--rtol", type=float, default=None, help="float rtol (default 1e-4)")
+    p.add_argument("--atol", type=float, default=None, help="float atol (default 1e-4)")
+    p.add_argument("--save-outputs", metavar="DIR", help="save every output as DIR/NAME.npy")
+
+    p = verb("check", cmd_check, "report, before compiling, whether every node is supported")
+    p.add_argument("model", help="ONNX model (or .cnc artifact)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    shape_opt(p)
+    pipeline_opt(p)
+
+    p = verb("inspect", cmd_inspect, "show the kernels, their costs and the memory plan")
+    p.add_argument("model", help="ONNX model or .cnc artifact")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    shape_opt(p)
+    cores_opt(p)
+    pipeline_opt(p)
+
+    p = verb("bench", cmd_bench, "benchmark cannc against onnxruntime on the same inputs")
+    p.add_argument("model", help="ONNX model or .cnc artifact")
+    cores_opt(p)
+    shape_opt(p)
+    inputs_opts(p)
+    p.add_argument("--warmup", type=_int_at_least(0), default=5)
+    p.add_argument("--runs", type=_int_at_least(1), default=50)
+    p.add_argument("--ort-spin", action="store_true",
+                   help="let onnxruntime's idle threads busy-wait (its default; off here "
+                        "because spinning threads steal the cores of the interleaved cannc runs)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = verb("ops", cmd_ops, "list the supported ops")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `cannc` console script. Returns the exit code."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # --help, --version, usage errors
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    debug = bool(getattr(args, "debug", False)) or config.DEBUG
+    try:
+        return int(args.func(args))
+    except CanncError as e:
+        if debug:
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `cannc ops | head`: stop quietly (the Python docs' recipe)
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 1
+    except OSError as e:  # an unwritable -o path, a full disk
+        if debug:
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        if debug:
+            traceback.print_exc()
+        print(f"internal error: {type(e).__name__}: {e}\n(this is a cannc bug; "
+              "rerun with --debug for the traceback)", file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
