@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import queue
 import threading
 from typing import Callable
 
@@ -36,18 +37,21 @@ def aligned_empty(nbytes: int, align: int = PAGE) -> np.ndarray:
 
 
 class Device:
-    """N AI Cores sharing device memory."""
+    """N AI Cores sharing device memory.
+
+    `launch(job)` runs job(0) on the calling thread and queues job(c) for the
+    worker of each other core, then returns as soon as job(0) returns: the
+    native dispatcher makes core 0 return only when all the work is done, so
+    there is no need to wait for a worker the OS has not scheduled yet (it will
+    find its share already taken).
+    """
 
     def __init__(self, cores: int | None = None) -> None:
         n = usable_cores() if cores is None else int(cores)
         if n < 1:
             raise ValueError(f"cores must be >= 1, got {cores}")
         self.cores = n
-        self._lock = threading.Lock()
-        self._job: Callable[[int], None] | None = None
-        self._go = [threading.Event() for _ in range(n)]
-        self._done = threading.Semaphore(0)
-        self._errors: list[BaseException] = []
+        self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(n)]
         self._workers = []
         for c in range(1, n):
             t = threading.Thread(target=self._worker, args=(c,), daemon=True,
@@ -56,39 +60,21 @@ class Device:
             self._workers.append(t)
 
     def _worker(self, core: int) -> None:
+        q = self._queues[core]
         while True:
-            self._go[core].wait()
-            self._go[core].clear()
-            job = self._job
+            job = q.get()
             if job is None:
                 return
-            try:
-                job(core)
-            except BaseException as e:  # pragma: no cover - native code does not raise
-                self._errors.append(e)
-            finally:
-                self._done.release()
+            job(core)
 
     def launch(self, job: Callable[[int], None]) -> None:
-        """Run job(core) on every core at once and wait for all of them."""
-        with self._lock:
-            self._job = job
-            for c in range(1, self.cores):
-                self._go[c].set()
-            try:
-                job(0)
-            finally:
-                for _ in range(1, self.cores):
-                    self._done.acquire()
-            if self._errors:
-                err = self._errors[0]
-                self._errors.clear()
-                raise err
+        for c in range(1, self.cores):
+            self._queues[c].put(job)
+        job(0)
 
     def close(self) -> None:
-        self._job = None
         for c in range(1, self.cores):
-            self._go[c].set()
+            self._queues[c].put(None)
 
     def __del__(self) -> None:
         try:

@@ -1,12 +1,18 @@
 """The native dispatcher: one generated function that every AI Core runs.
 
-`cannc_run(sched, nk, core, ncores, barrier, ws_base, ws_stride, times)` walks
+`cannc_run(sched, nk, core, ncores, counters, ws_base, ws_stride, times)` walks
 the schedule (one 4 x i64 record per kernel: function pointer, argument table,
-number of tiles, flags), runs this core's share of each kernel's tiles, and
-meets the other cores at a spinning barrier between kernels, so launching a
-kernel costs no Python time at all. Flags: bit 0 = run on core 0 only (small
-kernels), bit 1 = no barrier needed after this kernel. When `times` is not
-null, each core records a cycle stamp after each kernel (for the profiler).
+number of tiles, flags). For each kernel the cores *claim* chunks of tiles
+from an atomic counter, run them, and add them to a done counter; a core moves
+to the next kernel once every tile of this one is done. Launching a kernel
+thus costs no Python time, and the cores never wait for each other at a
+barrier: a core that the OS deschedules (the machines are shared) holds back
+only the tiles it has claimed, and a core that arrives late finds the work
+already done. Flags: bit 0 = one chunk (small kernels run on whichever core
+gets there first). When `times` is not null, each core records a cycle stamp
+after each kernel (for the profiler).
+
+`counters` holds two i64 per kernel (claimed, done) and must be zero at entry.
 """
 
 from __future__ import annotations
@@ -21,9 +27,9 @@ from ..codegen.emit import I32, I64, PTR, VOID, for_range, i64
 from ..codegen.target import default_cache, new_module
 
 FLAG_SINGLE_CORE = 1
-FLAG_NO_BARRIER = 2
 RECORD_WORDS = 4
-BARRIER_BYTES = 256
+COUNTER_WORDS = 8      # claimed and done of one kernel on their own cache line
+CHUNKS_PER_CORE = 2
 ENTRY = "cannc_run"
 _symbols_added = False
 
@@ -49,63 +55,50 @@ class _Callee:
         return self.value.get_reference()
 
 
-def _emit_barrier(m: ir.Module) -> ir.Function:
-    """Sense-counting barrier: word 0 counts arrivals, word 8 (next cache line) is the generation."""
-    fn = ir.Function(m, ir.FunctionType(VOID, [PTR, I64]), name="cannc_barrier")
+def _emit_wait(m: ir.Module) -> ir.Function:
+    """Spin (with pause) until *p >= target; yield the CPU after a while."""
+    fn = ir.Function(m, ir.FunctionType(VOID, [PTR, I64]), name="cannc_wait_done")
     fn.linkage = "internal"
-    bar, n = fn.args
-    b = ir.IRBuilder(fn.append_basic_block("entry"))
-    count_p = bar
-    gen_p = emit.gep(b, bar, 8, I64)
-    gen = b.load_atomic(gen_p, "acquire", 8, typ=I64)
-    old = b.atomic_rmw("add", count_p, i64(1), "acq_rel")
-    last = b.icmp_signed("==", old, b.sub(n, i64(1)))
-    last_bb = fn.append_basic_block("last")
-    wait_bb = fn.append_basic_block("wait")
-    done_bb = fn.append_basic_block("done")
-    b.cbranch(last, last_bb, wait_bb)
-    b.position_at_end(last_bb)
-    b.atomic_rmw("xchg", count_p, i64(0), "monotonic")
-    b.atomic_rmw("add", gen_p, i64(1), "release")
-    b.branch(done_bb)
-    b.position_at_end(wait_bb)
-    spins = b.phi(I64)
-    spins.add_incoming(i64(0), b.function.blocks[0])
+    p, target = fn.args
+    entry = fn.append_basic_block("entry")
+    loop = fn.append_basic_block("loop")
+    spin = fn.append_basic_block("spin")
+    yld = fn.append_basic_block("yield")
+    done = fn.append_basic_block("done")
+    b = ir.IRBuilder(entry)
+    b.branch(loop)
+    b.position_at_end(loop)
+    n = b.phi(I64)
+    n.add_incoming(i64(0), entry)
+    cur = b.load_atomic(p, "acquire", 8, typ=I64)
+    b.cbranch(b.icmp_signed(">=", cur, target), done, spin)
+    b.position_at_end(spin)
     pause = ir.Function(m, ir.FunctionType(VOID, []), name="llvm.x86.sse2.pause")
     b.call(pause, [])
-    cur = b.load_atomic(gen_p, "acquire", 8, typ=I64)
-    moved = b.icmp_signed("!=", cur, gen)
-    yield_bb = fn.append_basic_block("maybe_yield")
-    b.cbranch(moved, done_bb, yield_bb)
-    b.position_at_end(yield_bb)
-    nspins = b.add(spins, i64(1))
-    do_yield = b.icmp_signed(">", nspins, i64(2000))
+    n1 = b.add(n, i64(1))
+    n.add_incoming(n1, spin)
+    n.add_incoming(i64(0), yld)
+    b.cbranch(b.icmp_signed(">", n1, i64(4000)), yld, loop)
+    b.position_at_end(yld)
     sy = ir.Function(m, ir.FunctionType(I32, []), name="sched_yield")
-    yb = fn.append_basic_block("yield")
-    back = fn.append_basic_block("back")
-    b.cbranch(do_yield, yb, back)
-    b.position_at_end(yb)
     b.call(sy, [])
-    b.branch(back)
-    b.position_at_end(back)
-    spins.add_incoming(nspins, back)
-    b.branch(wait_bb)
-    b.position_at_end(done_bb)
+    b.branch(loop)
+    b.position_at_end(done)
     b.ret_void()
     return fn
 
 
 def build_dispatcher() -> bytes:
     m = new_module("cannc_dispatch")
-    barrier = _emit_barrier(m)
+    wait = _emit_wait(m)
     kty = ir.FunctionType(VOID, [PTR, I64, I64, PTR])
     fnty = ir.FunctionType(VOID, [PTR, I64, I64, I64, PTR, PTR, I64, PTR])
     fn = ir.Function(m, fnty, name=ENTRY)
-    sched, nk, core, ncores, bar, ws_base, ws_stride, times = fn.args
+    sched, nk, core, ncores, counters, ws_base, ws_stride, times = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     ws = b.gep(ws_base, [b.mul(core, ws_stride)], source_etype=emit.I8)
-    multi = b.icmp_signed(">", ncores, i64(1))
     cyc = ir.Function(m, ir.FunctionType(I64, []), name="llvm.readcyclecounter")
+    pieces = b.mul(ncores, i64(CHUNKS_PER_CORE))
     with for_range(b, 0, nk, name="k") as k:
         rec = b.mul(k, i64(RECORD_WORDS))
         kfn = b.load(emit.gep(b, sched, rec, PTR), typ=PTR)
@@ -113,20 +106,31 @@ def build_dispatcher() -> bytes:
         tiles = b.load(emit.gep(b, sched, b.add(rec, i64(2)), I64), typ=I64)
         flags = b.load(emit.gep(b, sched, b.add(rec, i64(3)), I64), typ=I64)
         single = b.icmp_signed("!=", b.and_(flags, i64(FLAG_SINGLE_CORE)), i64(0))
-        lo_split = b.sdiv(b.mul(tiles, core), ncores)
-        hi_split = b.sdiv(b.mul(tiles, b.add(core, i64(1))), ncores)
-        is0 = b.icmp_signed("==", core, i64(0))
-        lo = b.select(single, i64(0), lo_split)
-        hi = b.select(single, b.select(is0, tiles, i64(0)), hi_split)
-        with b.if_then(b.icmp_signed("<", lo, hi)):
-            b.call(_Callee(kfn, kty), [kargs, lo, hi, ws])
+        per = b.sdiv(b.add(tiles, b.sub(pieces, i64(1))), pieces)
+        chunk = b.select(single, tiles, b.select(b.icmp_signed("<", per, i64(1)), i64(1), per))
+        claim_p = emit.gep(b, counters, b.mul(k, i64(COUNTER_WORDS)), I64)
+        done_p = emit.gep(b, counters, b.add(b.mul(k, i64(COUNTER_WORDS)), i64(1)), I64)
+        # claim chunks until none is left
+        pre = b.block
+        claim_bb = b.append_basic_block("claim")
+        run_bb = b.append_basic_block("run")
+        after_bb = b.append_basic_block("after")
+        b.branch(claim_bb)
+        b.position_at_end(claim_bb)
+        start = b.atomic_rmw("add", claim_p, chunk, "monotonic")
+        b.cbranch(b.icmp_signed("<", start, tiles), run_bb, after_bb)
+        b.position_at_end(run_bb)
+        end = b.add(start, chunk)
+        end = b.select(b.icmp_signed("<", end, tiles), end, tiles)
+        b.call(_Callee(kfn, kty), [kargs, start, end, ws])
+        b.atomic_rmw("add", done_p, b.sub(end, start), "release")
+        b.branch(claim_bb)
+        b.position_at_end(after_bb)
+        del pre
+        b.call(wait, [done_p, tiles])
         with b.if_then(b.icmp_unsigned("!=", b.ptrtoint(times, I64), i64(0))):
             t = b.call(cyc, [])
             b.store(t, emit.gep(b, times, b.add(b.mul(k, ncores), core), I64))
-        need = b.and_(multi, b.icmp_signed("==", b.and_(flags, i64(FLAG_NO_BARRIER)), i64(0)))
-        last = b.icmp_signed("==", k, b.sub(nk, i64(1)))
-        with b.if_then(b.and_(multi, b.or_(need, last))):
-            b.call(barrier, [bar, ncores])
     b.ret_void()
     return default_cache().compile(str(m), "cannc_dispatch", speed_level=2)
 

@@ -105,16 +105,12 @@ class Program:
             for j, v in enumerate(vals):
                 self.table[pos + j] = addr(v)
             flags = dispatch.FLAG_SINGLE_CORE if k.single_core else 0
-            nxt = kernels[i + 1] if i + 1 < len(kernels) else None
-            if k.single_core and nxt is not None and nxt.single_core:
-                flags |= dispatch.FLAG_NO_BARRIER  # both run on core 0, in order
             self.sched[i * 4:i * 4 + 4] = [self.lib.address(k.symbol),
                                            self.table.ctypes.data + pos * 8,
                                            k.num_tiles, flags]
             pos += len(vals)
         self.ws_stride = align_up(max((k.workspace_bytes for k in kernels), default=0))
         self.workspace = aligned_empty(max(self.ws_stride * device.cores, ALIGN))
-        self.barrier = aligned_empty(dispatch.BARRIER_BYTES, 64).view(np.int64)
         self._run = dispatch.RUN_FUNC_TYPE(self.lib.address(dispatch.ENTRY))
         self._lock = threading.Lock()
 
@@ -147,16 +143,25 @@ class Program:
             return
         ncores = self.device.cores
         sched = self.sched.ctypes.data
-        bar = self.barrier.ctypes.data
+        # fresh claim/done counters per launch: a late core still walking an earlier
+        # launch only ever sees that launch's (finished) counters
+        counters = aligned_empty(nk * dispatch.COUNTER_WORDS * 8, 64)
+        cptr = counters.ctypes.data
         ws = self.workspace.ctypes.data
         stride = self.ws_stride
         tptr = times.ctypes.data if times is not None else None
-        self.barrier[:] = 0
         run = self._run
         if ncores == 1:
-            run(sched, nk, 0, 1, bar, ws, stride, tptr)
+            run(sched, nk, 0, 1, cptr, ws, stride, tptr)
             return
-        self.device.launch(lambda core: run(sched, nk, core, ncores, bar, ws, stride, tptr))
+        keep = (self, counters)
+
+        def job(core: int) -> None:
+            run(sched, nk, core, ncores, cptr, ws, stride, tptr)
+            del core
+
+        job.keep = keep  # type: ignore[attr-defined]  (buffers live while a core may run)
+        self.device.launch(job)
 
 
 _dispatcher: bytes | None = None
