@@ -64,7 +64,19 @@ def _type_proto(t: TensorType) -> onnx.TypeProto:
 
 
 def infer_node(graph: Graph, n: Node) -> list[TensorType]:
-    """Concrete output types of node n from its (concrete) input types and constants."""
+    """Concrete output types of node n from its (concrete) input types and constants.
+    ONNX's own inference first; an op may supply `extra["infer"]` where ONNX has none."""
+    op = lookup(n.op_type, n.domain)
+    own = op.extra.get("infer") if op is not None else None
+    if own is not None:
+        try:
+            return _onnx_infer(graph, n)
+        except ShapeError:
+            return own(n, [graph.values[v] if v else None for v in n.inputs])
+    return _onnx_infer(graph, n)
+
+
+def _onnx_infer(graph: Graph, n: Node) -> list[TensorType]:
     try:
         schema = onnx.defs.get_schema(n.op_type, n.opset, n.domain or "")
     except onnx.defs.SchemaError as e:

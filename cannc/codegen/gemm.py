@@ -1,0 +1,1209 @@
+"""Generator of fast fp32 GEMM kernels as LLVM IR (llvmlite.ir).
+
+The emitted kernels follow the kernel ABI (``cannc/codegen/ABI.md``)::
+
+    void @name(ptr %args, i64 %tile_begin, i64 %tile_end, ptr %workspace)
+
+with ``args = [A, B, (bias,) C]`` and compute, for every batch item ``b``::
+
+    C_b[M,N] = alpha * op(A_b)[M,K] @ op(B_b)[K,N] + beta * bias
+
+The code follows the Goto/BLIS recipe (see shared/PERFORMANCE_NOTES.md):
+
+* a register-blocked micro-kernel of ``MR`` rows x ``16*NV`` columns (6x32 for
+  M > 8; 1x128, 2x96, 3x64, 4..8x32 for small M) whose accumulators are
+  ``<16 x float>`` phi values updated with ``llvm.fma.v16f32``, a write
+  prefetch of the C tile on entry and masked loads/stores for edge tiles;
+* B packed into 32-column zero-padded panels (``[panel][k][32]``), either at
+  compile time (``b_prepacked``, see :func:`prepack_b`) or per ``KC x NC``
+  block into the workspace (``[N,K]`` B: 16x16 in-register transposes); with
+  few rows (M <= 12) a row-major B is read in place, ``KC`` rows at a time;
+* A read in place (rows of a row-major A stream well), or packed into
+  ``MR``-row panels per ``MC x KC`` block when it is stored transposed;
+* ``KC`` blocking of the reduction (partial sums live in C between K blocks;
+  alpha, bias and the epilogue are applied on the last block only);
+* 'dot' kernels when A rows and B columns are both contiguous in K and one
+  side is tiny (GEMV with B ``[N,K]``, attention-like ``Q @ K^T`` with few
+  rows, N <= 8): ``MR x NR`` dot products vectorised along K, reduced with
+  a shuffle tree; a tiny row-major B is transposed into the workspace, a
+  prepacked one is stored as ``B^T``.
+
+Every shape, including edge tiles, is handled by masks: no scalar loops.
+C must not overlap the inputs (partial sums are kept in C).
+
+Tiles: ``tile = (batch item, column block, row block)`` with the row block
+index running fastest. A call handles its contiguous tile range in as few
+blocks as possible (consecutive row blocks, or consecutive column blocks
+when there is one row block, are merged), so B (or A) is packed once per
+call rather than once per tile. The grid is chosen so that two cores get
+balanced work (the model evaluates the ``[i*T//n, (i+1)*T//n)`` split).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from llvmlite import ir
+
+__all__ = [
+    "GemmSpec",
+    "emit_gemm",
+    "gemm_num_tiles",
+    "gemm_plan",
+    "gemm_workspace_bytes",
+    "prepack_b",
+    "prepacked_b_size",
+]
+
+F32 = ir.FloatType()
+I1 = ir.IntType(1)
+I32 = ir.IntType(32)
+I64 = ir.IntType(64)
+PTR = ir.PointerType()
+VF = ir.VectorType(F32, 16)
+VM = ir.VectorType(I1, 16)
+VI64 = ir.VectorType(I64, 16)
+VPTR = ir.VectorType(PTR, 16)
+
+PANEL = 32  # columns of a packed B panel
+
+Epilogue = Callable[[ir.IRBuilder, ir.Value, ir.Value, ir.Value], ir.Value]
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    """C[M,N] = alpha * op(A)[M,K] @ op(B)[K,N] + beta * bias (fp32)."""
+
+    M: int
+    N: int
+    K: int
+    batch: int = 1
+    a_batch_stride: int = 0  # elements; 0: same A for every batch item
+    b_batch_stride: int = 0
+    c_batch_stride: int = 0  # elements; 0 (with batch > 1) means M*ldc
+    trans_a: bool = False  # A stored as [K,M]
+    trans_b: bool = False  # B stored as [N,K]
+    lda: int | None = None
+    ldb: int | None = None
+    ldc: int | None = None
+    alpha: float = 1.0
+    beta: float = 1.0
+    bias: bool = False
+    bias_row_stride: int = 0
+    bias_col_stride: int = 0
+    b_prepacked: bool = False
+
+    def __post_init__(self):
+        for f in ("M", "N", "K", "batch"):
+            if int(getattr(self, f)) < 1:
+                raise ValueError(f"GemmSpec.{f} must be >= 1, got {getattr(self, f)}")
+        for f in (
+            "a_batch_stride",
+            "b_batch_stride",
+            "c_batch_stride",
+            "bias_row_stride",
+            "bias_col_stride",
+        ):
+            if int(getattr(self, f)) < 0:
+                raise ValueError(f"GemmSpec.{f} must be >= 0")
+        if self.lda is not None and self.lda < (self.M if self.trans_a else self.K):
+            raise ValueError("lda too small")
+        if self.ldb is not None and self.ldb < (self.K if self.trans_b else self.N):
+            raise ValueError("ldb too small")
+        if self.ldc is not None and self.ldc < self.N:
+            raise ValueError("ldc too small")
+
+    # resolved leading dimensions / strides ---------------------------------
+    @property
+    def lda_(self) -> int:
+        return self.lda if self.lda is not None else (self.M if self.trans_a else self.K)
+
+    @property
+    def ldb_(self) -> int:
+        return self.ldb if self.ldb is not None else (self.K if self.trans_b else self.N)
+
+    @property
+    def ldc_(self) -> int:
+        return self.ldc if self.ldc is not None else self.N
+
+    @property
+    def c_batch_stride_(self) -> int:
+        if self.c_batch_stride or self.batch == 1:
+            return self.c_batch_stride
+        return self.M * self.ldc_
+
+
+# ---------------------------------------------------------------------------
+# planning (compile-time Python)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    MR: int  # micro-kernel rows
+    NV: int  # micro-kernel <16 x float> vectors per row (NR = 16*NV)
+    NR: int  # micro-kernel columns (16*NV; B rows per micro-tile in 'dot' mode)
+    KC: int
+    MC: int
+    NC: int
+    pack_a: bool
+    b_mode: str  # 'prepacked' | 'pack' | 'direct' | 'dot'
+    unroll: int
+    prefetch_c: bool
+    mt: int  # row blocks per batch item
+    nt: int  # column blocks per batch item
+    MB: int  # rows per row block
+    NB: int  # columns per column block
+    ws_a: int  # byte offset of the A packing buffer in the workspace
+    ws_b: int  # byte offset of the B packing buffer
+    ws_bytes: int
+
+    def num_tiles(self, batch: int) -> int:
+        return batch * self.mt * self.nt
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _rup(a: int, b: int) -> int:
+    return _cdiv(a, b) * b
+
+
+def _split_even(T: int, n: int):
+    return [(i * T // n, (i + 1) * T // n) for i in range(n)]
+
+
+def _groups(batch, mt, nt, t0, t1):
+    """The blocks one call processes for tile range [t0, t1) (as the kernel)."""
+    per_b = mt * nt
+    t = t0
+    while t < t1:
+        b, r = divmod(t, per_b)
+        jt, it = divmod(r, mt)
+        if mt == 1:
+            jt1 = min(nt, jt + (t1 - t))
+            yield b, 0, 1, jt, jt1
+            t += jt1 - jt
+        else:
+            it1 = min(mt, it + (t1 - t))
+            yield b, it, it1, jt, jt + 1
+            t += it1 - it
+
+
+def _grid_cost(spec: GemmSpec, MR, NR, MB, NB, mt, nt, pack_a, pack_b, cores=2):
+    """Crude model of the slowest core's time (units ~ flops)."""
+    M, N, K = spec.M, spec.N, spec.K
+    T = spec.batch * mt * nt
+    worst = 0.0
+    for t0, t1 in _split_even(T, cores):
+        cost = 0.0
+        for _b, it0, it1, jt0, jt1 in _groups(spec.batch, mt, nt, t0, t1):
+            m0, m1 = it0 * MB, min(M, it1 * MB)
+            n0, n1 = jt0 * NB, min(N, jt1 * NB)
+            rows = _rup(m1 - m0, MR)
+            cols = _rup(n1 - n0, NR)
+            cost += 2.0 * rows * cols * K + 2000.0  # + per-block overhead
+            if pack_b:
+                cost += 24.0 * K * cols
+            if pack_a:
+                cost += 24.0 * K * rows
+        worst = max(worst, cost)
+    return worst
+
+
+def _distinct_splits(P):
+    """(tiles, units per tile) for all distinct ways to cut P units."""
+    out = {}
+    for p in range(1, P + 1):
+        t = _cdiv(P, p)
+        if t not in out:
+            out[t] = p
+    return sorted(out.items())
+
+
+def _a_k_contig(spec: GemmSpec) -> bool:
+    """A(m, k) is contiguous along k."""
+    return (not spec.trans_a) or spec.lda_ == 1
+
+
+def _prepacked_dot(spec: GemmSpec) -> bool:
+    """A prepacked B is stored as B^T ([N][K]) for dot-product kernels (tiny N)."""
+    return spec.b_prepacked and spec.N <= 8 and _a_k_contig(spec)
+
+
+def _dot_b_source(spec: GemmSpec) -> str | None:
+    """How a dot-product kernel (A rows and B columns contiguous in K) gets B^T:
+    'prepacked' (prepack_b stored it), 'rows' (B is [N,K] or a vector), 'pack'
+    (a small B is transposed into the workspace), None (not possible)."""
+    if not _a_k_contig(spec):
+        return None
+    if spec.b_prepacked:
+        return "prepacked" if _prepacked_dot(spec) else None
+    if spec.trans_b or (spec.N == 1 and spec.ldb_ == 1):
+        return "rows"
+    return "pack" if spec.N <= 16 else None
+
+
+def _dot_able(spec: GemmSpec) -> bool:
+    return _dot_b_source(spec) is not None
+
+
+@lru_cache(maxsize=256)
+def _plan(spec: GemmSpec, tuning: tuple = ()) -> GemmPlan:
+    tun = dict(tuning)
+    M, N, K = spec.M, spec.N, spec.K
+
+    # B access mode
+    if _prepacked_dot(spec):
+        b_mode = "dot"
+    elif spec.b_prepacked:
+        b_mode = "prepacked"
+    elif _dot_able(spec) and (N <= 8 or (M <= 8 and _dot_b_source(spec) == "rows")):
+        # few rows or columns: dot products along K
+        b_mode = "dot"
+    elif spec.trans_b:
+        b_mode = "pack"
+    else:
+        b_mode = "direct" if M <= 12 else "pack"
+    b_mode = tun.get("b_mode", b_mode)
+    if b_mode == "direct" and spec.trans_b:
+        raise ValueError("b_mode 'direct' needs trans_b=False")
+    if b_mode == "dot" and not _dot_able(spec):
+        raise ValueError("b_mode 'dot' needs A rows and B columns contiguous in K")
+    if spec.b_prepacked and b_mode != ("dot" if _prepacked_dot(spec) else "prepacked"):
+        raise ValueError("the B mode of a prepacked B is fixed by prepack_b's layout")
+
+    # micro-kernel shape
+    if b_mode == "dot":
+        if N <= 8 and M > 8:
+            NR = N  # C columns (B rows) per micro-tile
+            MR = min(8, max(2, 16 // NR))
+        else:
+            MR = min(M, 4)
+            NR = {1: 16, 2: 8}.get(MR, 4)
+        MR = tun.get("MR", MR)
+        NR = tun.get("NR", NR)
+        assert 1 <= NR <= 16 and 1 <= MR
+        NV = 1
+    else:
+        MR = 6 if M > 8 else M
+        NV = {1: 4 if b_mode == "direct" else 8, 2: 6, 3: 4}.get(MR, 2)
+        NV = min(NV, 2 * _cdiv(N, 32))
+        MR = tun.get("MR", MR)
+        NV = tun.get("NV", NV)
+        assert NV % 2 == 0 and 1 <= MR <= 12
+        NR = 16 * NV
+    row_panels = _cdiv(M, MR)
+
+    # A packing: pays off when A is reused over many column panels
+    # (measured: rows of a row-major A read in place are as fast as packed)
+    pack_a = b_mode != "dot" and tun.get("pack_a", spec.trans_a and M > 8 and N > 256)
+
+    # K blocking: keeps B micro-panels in L1 across row panels; with B read
+    # in place it also makes the reads of B row-sequential (rows of KC)
+    if b_mode == "dot":
+        KC = K
+    else:
+        if b_mode == "direct":
+            # B streamed from memory: few rows at a time keep the reads sequential
+            KC = 16 if 4 * K * N > (1 << 20) else 128
+        elif row_panels <= 1 and not pack_a and b_mode != "pack":
+            KC = min(K, 4096)
+        else:
+            KC = 192
+        KC = tun.get("KC", KC)
+        KC = _cdiv(K, _cdiv(K, KC))  # balanced K blocks
+    MC = tun.get("MC", min(_rup(M, MR), (144 // MR) * MR or MR))
+    if MC % MR:
+        MC = _rup(MC, MR)
+
+    # tile grid: rows-only or columns-only splits, choose the best modelled
+    P, Q = row_panels, _cdiv(N, NR)
+    cands = []
+    max_tiles = max(512, spec.batch)
+    for mt, p in _distinct_splits(P):
+        if spec.batch * mt <= max_tiles:
+            cands.append((mt, 1, p * MR, _rup(N, NR)))
+    for nt, q in _distinct_splits(Q):
+        if nt > 1 and spec.batch * nt <= max_tiles:
+            cands.append((1, nt, _rup(M, MR), q * NR))
+    if spec.batch >= 32:  # batch items alone balance the cores
+        cands = [(1, 1, _rup(M, MR), _rup(N, NR))]
+    if "grid" in tun:
+        mt_, nt_ = tun["grid"]
+        cands = [(mt_, nt_, MR * _cdiv(P, mt_), NR * _cdiv(Q, nt_))]
+    scored = []
+    for mt, nt, MB, NB in cands:
+        mt = _cdiv(M, MB)
+        nt = _cdiv(N, NB)
+        c = (
+            _grid_cost(spec, MR, NR, MB, NB, mt, nt, pack_a, b_mode == "pack")
+            if len(cands) > 1
+            else 0.0
+        )
+        scored.append((c, mt, nt, MB, NB))
+    best = min(s[0] for s in scored)
+    ok = [s for s in scored if s[0] <= best * 1.01]
+    target = 32
+    _, mt, nt, MB, NB = min(
+        ok, key=lambda s: (abs(math.log2(spec.batch * s[1] * s[2] / target)), s[0])
+    )
+
+    NC = tun.get("NC", min(_rup(N, NR), 4096 if b_mode != "pack" else 2048))
+    NC = _rup(NC, NR)
+
+    ws_a = 0
+    a_bytes = _rup(MC, MR) * KC * 4 if pack_a else 0
+    ws_b = _rup(a_bytes, 64)
+    b_bytes = _rup(NC, PANEL) * KC * 4 if b_mode == "pack" else 0
+    if b_mode == "dot" and _dot_b_source(spec) == "pack":
+        b_bytes = N * K * 4
+    ws_bytes = _rup(ws_b + b_bytes, 64)
+    return GemmPlan(
+        MR=MR,
+        NV=NV,
+        NR=NR,
+        KC=KC,
+        MC=MC,
+        NC=NC,
+        pack_a=pack_a,
+        b_mode=b_mode,
+        # big tiles: the k loop body is long enough (and compiles faster)
+        unroll=tun.get("unroll", 4 if MR * NV <= 8 else 1),
+        prefetch_c=tun.get("prefetch_c", True),
+        mt=mt,
+        nt=nt,
+        MB=MB,
+        NB=NB,
+        ws_a=ws_a,
+        ws_b=ws_b,
+        ws_bytes=ws_bytes,
+    )
+
+
+def _tuning_key(tuning):
+    return tuple(
+        sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in (tuning or {}).items())
+    )
+
+
+def gemm_plan(spec: GemmSpec, tuning: dict | None = None) -> GemmPlan:
+    """The blocking/tiling decisions for ``spec`` (``tuning`` overrides them)."""
+    return _plan(spec, _tuning_key(tuning))
+
+
+def gemm_num_tiles(spec: GemmSpec, tuning: dict | None = None) -> int:
+    return gemm_plan(spec, tuning).num_tiles(spec.batch)
+
+
+def gemm_workspace_bytes(spec: GemmSpec, tuning: dict | None = None) -> int:
+    return gemm_plan(spec, tuning).ws_bytes
+
+
+# ---------------------------------------------------------------------------
+# prepacking of a constant B
+# ---------------------------------------------------------------------------
+
+
+def _prepacked_batch(spec: GemmSpec) -> int:
+    return spec.batch if spec.b_batch_stride else 1
+
+
+def _prepacked_batch_stride(spec: GemmSpec) -> int:
+    if _prepacked_dot(spec):
+        return spec.N * spec.K
+    return _cdiv(spec.N, PANEL) * spec.K * PANEL
+
+
+def prepacked_b_size(spec: GemmSpec) -> int:
+    """Number of float32 elements of ``prepack_b(spec, B)``."""
+    return _prepacked_batch(spec) * _prepacked_batch_stride(spec)
+
+
+def prepack_b(spec: GemmSpec, b: np.ndarray) -> np.ndarray:
+    """Pack a constant B into ``[batch_b][ceil(N/32)][K][32]`` (zero padded),
+    or, when N <= 8 and A rows are contiguous in K (dot-product kernel), into
+    ``[batch_b][N][K]`` (B transposed).
+
+    ``b`` is B as the kernel would read it unpacked: an array of shape
+    ``[K,N]`` (``[N,K]`` when ``trans_b``), or ``[batch,K,N]``/``[batch,N,K]``
+    when ``spec.b_batch_stride != 0``, or a flat array addressed with
+    ``ldb``/``b_batch_stride``. ``batch_b`` is 1 when ``b_batch_stride == 0``.
+    Returns a flat float32 array of ``prepacked_b_size(spec)`` elements.
+    """
+    K, N = spec.K, spec.N
+    nb = _prepacked_batch(spec)
+    b = np.asarray(b, dtype=np.float32)
+    rows, cols = (N, K) if spec.trans_b else (K, N)
+    if b.ndim == 1:
+        ld = spec.ldb_
+        bs = spec.b_batch_stride
+        mats = []
+        for i in range(nb):
+            base = i * bs
+            idx = base + np.arange(rows)[:, None] * ld + np.arange(cols)[None, :]
+            mats.append(b[idx])
+        mats = np.stack(mats)
+    elif b.ndim == 2:
+        if nb != 1:
+            mats = np.broadcast_to(b, (nb,) + b.shape)
+        else:
+            mats = b[None]
+    elif b.ndim == 3:
+        mats = b
+    else:
+        raise ValueError("prepack_b: B must be 1-D, 2-D or 3-D")
+    if mats.shape != (nb, rows, cols):
+        raise ValueError(
+            f"prepack_b: B shape {b.shape} does not match spec "
+            f"(expected {(nb, rows, cols)} or {(rows, cols)})"
+        )
+    if _prepacked_dot(spec):
+        bt = mats if spec.trans_b else mats.transpose(0, 2, 1)  # -> [nb, N, K]
+        return np.ascontiguousarray(bt, dtype=np.float32).reshape(-1)
+    if spec.trans_b:
+        mats = mats.transpose(0, 2, 1)  # -> [nb, K, N]
+    npan = _cdiv(N, PANEL)
+    out = np.zeros((nb, K, npan * PANEL), dtype=np.float32)
+    out[:, :, :N] = mats
+    out = out.reshape(nb, K, npan, PANEL).transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(out).reshape(-1)
+
+
+# ---------------------------------------------------------------------------
+# IR helpers
+# ---------------------------------------------------------------------------
+
+
+def _c64(v: int) -> ir.Constant:
+    return ir.Constant(I64, int(v))
+
+
+def _c32(v: int) -> ir.Constant:
+    return ir.Constant(I32, int(v))
+
+
+def _intrinsic(module: ir.Module, name: str, fnty: ir.FunctionType) -> ir.Function:
+    g = module.globals.get(name)
+    if g is None:
+        g = ir.Function(module, fnty, name)
+    return g
+
+
+class _Gen:
+    def __init__(self, module, fn, spec: GemmSpec, plan: GemmPlan, epilogue):
+        self.m = module
+        self.fn = fn
+        self.s = spec
+        self.p = plan
+        self.epilogue = epilogue
+        self.b = ir.IRBuilder(fn.append_basic_block("entry"))
+        self.fma = _intrinsic(module, "llvm.fma.v16f32", ir.FunctionType(VF, [VF, VF, VF]))
+        self.mload = _intrinsic(
+            module, "llvm.masked.load.v16f32.p0", ir.FunctionType(VF, [PTR, I32, VM, VF])
+        )
+        self.mstore = _intrinsic(
+            module,
+            "llvm.masked.store.v16f32.p0",
+            ir.FunctionType(ir.VoidType(), [VF, PTR, I32, VM]),
+        )
+        self.mgather = _intrinsic(
+            module, "llvm.masked.gather.v16f32.v16p0", ir.FunctionType(VF, [VPTR, I32, VM, VF])
+        )
+        self.prefetch = _intrinsic(
+            module, "llvm.prefetch.p0", ir.FunctionType(ir.VoidType(), [PTR, I32, I32, I32])
+        )
+        self.zero_v = ir.Constant(VF, None)
+        self.zero_m = ir.Constant(VM, None)
+        self.iota = ir.Constant(VI64, list(range(16)))
+        # 'dot' mode: elements between consecutive B columns (each contiguous in K)
+        self.dot_src = _dot_b_source(spec) if plan.b_mode == "dot" else None
+        if self.dot_src in ("prepacked", "pack"):
+            self.dot_bns = spec.K
+        elif spec.trans_b:
+            self.dot_bns = spec.ldb_
+        else:  # N == 1, ldb == 1
+            self.dot_bns = 0
+        self._n = 0
+
+    # -- small utilities ---------------------------------------------------
+    def name(self, base):
+        self._n += 1
+        return f"{base}{self._n}"
+
+    def gep(self, ptr, idx):
+        if isinstance(idx, int):
+            idx = _c64(idx)
+        return self.b.gep(ptr, [idx], source_etype=F32)
+
+    def smin(self, a, c):
+        b = self.b
+        return b.select(b.icmp_signed("<", a, c), a, c)
+
+    def splat_f(self, x):
+        if isinstance(x, (int, float)):
+            return ir.Constant(VF, [float(x)] * 16)
+        b = self.b
+        v = b.insert_element(ir.Constant(VF, ir.Undefined), x, _c32(0))
+        return b.shuffle_vector(
+            v, ir.Constant(VF, ir.Undefined), ir.Constant(ir.VectorType(I32, 16), None)
+        )
+
+    def splat_i(self, x):
+        b = self.b
+        v = b.insert_element(ir.Constant(VI64, ir.Undefined), x, _c32(0))
+        return b.shuffle_vector(
+            v, ir.Constant(VI64, ir.Undefined), ir.Constant(ir.VectorType(I32, 16), None)
+        )
+
+    def lane_mask(self, limit_splat, first_lane: int):
+        """lanes with first_lane + i < limit."""
+        lanes = ir.Constant(VI64, list(range(first_lane, first_lane + 16)))
+        return self.b.icmp_signed("<", lanes, limit_splat)
+
+    def load_v(self, ptr, mask=None):
+        if mask is None:
+            return self.b.load(ptr, typ=VF, align=4)
+        return self.b.call(self.mload, [ptr, _c32(4), mask, self.zero_v])
+
+    def store_v(self, val, ptr, mask=None):
+        if mask is None:
+            self.b.store(val, ptr, align=4)
+        else:
+            self.b.call(self.mstore, [val, ptr, _c32(4), mask])
+
+    @contextlib.contextmanager
+    def loop(self, start, stop, step, name):
+        """for (i = start; i < stop; i += step) -- signed i64."""
+        b = self.b
+        if isinstance(start, int):
+            start = _c64(start)
+        if isinstance(stop, int):
+            stop = _c64(stop)
+        if isinstance(step, int):
+            step = _c64(step)
+        pre = b.block
+        hdr = b.append_basic_block(self.name(name + ".h"))
+        body = b.append_basic_block(self.name(name + ".b"))
+        ext = b.append_basic_block(self.name(name + ".x"))
+        b.branch(hdr)
+        b.position_at_end(hdr)
+        i = b.phi(I64, name=name)
+        i.add_incoming(start, pre)
+        b.cbranch(b.icmp_signed("<", i, stop), body, ext)
+        b.position_at_end(body)
+        yield i
+        nxt = b.add(i, step)
+        i.add_incoming(nxt, b.block)
+        b.branch(hdr)
+        b.position_at_end(ext)
+
+    # -- kernel ------------------------------------------------------------
+    def emit(self):
+        s, p, b = self.s, self.p, self.b
+        args, tb, te, ws = self.fn.args
+        args.name, tb.name, te.name, ws.name = "args", "tile_begin", "tile_end", "workspace"
+
+        def arg(i):
+            return b.load(b.gep(args, [_c64(i)], source_etype=PTR), typ=PTR, align=8)
+
+        self.A = arg(0)
+        self.B = arg(1)
+        self.bias = arg(2) if s.bias else None
+        self.C = arg(3 if s.bias else 2)
+        self.ws_a = b.gep(ws, [_c64(p.ws_a)], source_etype=ir.IntType(8))
+        self.ws_b = b.gep(ws, [_c64(p.ws_b)], source_etype=ir.IntType(8))
+
+        mt, nt, per_b = p.mt, p.nt, p.mt * p.nt
+        pre = b.block
+        hdr = b.append_basic_block("tiles.h")
+        body = b.append_basic_block("tiles.b")
+        ext = b.append_basic_block("tiles.x")
+        b.branch(hdr)
+        b.position_at_end(hdr)
+        t = b.phi(I64, name="t")
+        t.add_incoming(tb, pre)
+        b.cbranch(b.icmp_signed("<", t, te), body, ext)
+        b.position_at_end(body)
+        bi = b.sdiv(t, _c64(per_b)) if s.batch > 1 else _c64(0)
+        r = b.srem(t, _c64(per_b)) if s.batch > 1 else t
+        left = b.sub(te, t)
+        if mt == 1:
+            jt0 = r
+            jt1 = self.smin(b.add(jt0, left), _c64(nt))
+            count = b.sub(jt1, jt0)
+            m_lo, m_hi = _c64(0), _c64(s.M)
+            n_lo = b.mul(jt0, _c64(p.NB))
+            n_hi = self.smin(b.mul(jt1, _c64(p.NB)), _c64(s.N))
+        else:
+            jt = b.sdiv(r, _c64(mt)) if nt > 1 else _c64(0)
+            it0 = b.srem(r, _c64(mt)) if nt > 1 else r
+            it1 = self.smin(b.add(it0, left), _c64(mt))
+            count = b.sub(it1, it0)
+            m_lo = b.mul(it0, _c64(p.MB))
+            m_hi = self.smin(b.mul(it1, _c64(p.MB)), _c64(s.M))
+            if nt > 1:
+                n_lo = b.mul(jt, _c64(p.NB))
+                n_hi = self.smin(b.add(n_lo, _c64(p.NB)), _c64(s.N))
+            else:
+                n_lo, n_hi = _c64(0), _c64(s.N)
+        self.block(bi, m_lo, m_hi, n_lo, n_hi)
+        t.add_incoming(b.add(t, count), b.block)
+        b.branch(hdr)
+        b.position_at_end(ext)
+        b.ret_void()
+
+    def block(self, bi, m_lo, m_hi, n_lo, n_hi):
+        s, p, b = self.s, self.p, self.b
+        A_b = self.gep(self.A, b.mul(bi, _c64(s.a_batch_stride))) if s.a_batch_stride else self.A
+        if s.b_prepacked:
+            B_b = (
+                self.gep(self.B, b.mul(bi, _c64(_prepacked_batch_stride(s))))
+                if s.b_batch_stride
+                else self.B
+            )
+        else:
+            B_b = (
+                self.gep(self.B, b.mul(bi, _c64(s.b_batch_stride))) if s.b_batch_stride else self.B
+            )
+        cbs = s.c_batch_stride_
+        C_b = self.gep(self.C, b.mul(bi, _c64(cbs))) if cbs else self.C
+        K = s.K
+        if self.dot_src == "pack":
+            self.pack_bt(B_b)
+            B_b = self.ws_b
+        single_k = p.KC >= K
+        with self.loop(n_lo, n_hi, p.NC, "jc") as jc:
+            nc = self.smin(b.sub(n_hi, jc), _c64(p.NC))
+            with self.loop(0, K, p.KC, "pc") as pc:
+                kc = self.smin(b.sub(_c64(K), pc), _c64(p.KC))
+                if single_k:
+                    first = last = True
+                else:
+                    first = b.icmp_signed("==", pc, _c64(0))
+                    last = b.icmp_signed("==", b.add(pc, kc), _c64(K))
+                if p.b_mode == "pack":
+                    self.pack_b(B_b, pc, kc, jc, nc)
+                with self.loop(m_lo, m_hi, p.MC, "ic") as ic:
+                    mc = self.smin(b.sub(m_hi, ic), _c64(p.MC))
+                    if p.pack_a:
+                        self.pack_a(A_b, ic, mc, pc, kc)
+                    with self.loop(0, nc, p.NR, "jr") as jr:
+                        nr = self.smin(b.sub(nc, jr), _c64(p.NR))
+                        n0 = b.add(jc, jr)
+                        # B micro-panel(s)
+                        if p.b_mode == "prepacked":
+                            # panel q = n0/32 of [np][K][32]; + pc rows
+                            off = b.add(
+                                b.mul(b.sdiv(n0, _c64(PANEL)), _c64(K * PANEL)),
+                                b.mul(pc, _c64(PANEL)),
+                            )
+                            b_base = self.gep(B_b, off)
+                            b_pstride = _c64(K * PANEL)
+                        elif p.b_mode == "pack":
+                            b_base = self.gep(self.ws_b, b.mul(jr, kc))
+                            b_pstride = b.mul(kc, _c64(PANEL))
+                        elif p.b_mode == "dot":
+                            b_base = self.gep(B_b, b.add(b.mul(n0, _c64(self.dot_bns)), pc))
+                            b_pstride = None
+                        else:
+                            b_base = self.gep(B_b, b.add(b.mul(pc, _c64(s.ldb_)), n0))
+                            b_pstride = None
+                        with self.loop(0, mc, p.MR, "ir") as ir_:
+                            mr = self.smin(b.sub(mc, ir_), _c64(p.MR))
+                            m0 = b.add(ic, ir_)
+                            if p.pack_a:
+                                a_ptrs = [self.gep(self.ws_a, b.mul(ir_, kc))]
+                            else:
+                                a_ptrs = []
+                                for r in range(p.MR):
+                                    row = (
+                                        b.add(m0, self.smin(_c64(r), b.sub(mr, _c64(1))))
+                                        if r
+                                        else m0
+                                    )
+                                    if s.trans_a:
+                                        off = b.add(b.mul(pc, _c64(s.lda_)), row)
+                                    else:
+                                        off = b.add(b.mul(row, _c64(s.lda_)), pc)
+                                    a_ptrs.append(self.gep(A_b, off))
+                            c_ptr = self.gep(C_b, b.add(b.mul(m0, _c64(s.ldc_)), n0))
+                            if p.b_mode == "dot":
+                                self.micro_dot(a_ptrs, b_base, c_ptr, mr, nr, m0, n0)
+                            else:
+                                self.micro(
+                                    a_ptrs,
+                                    b_base,
+                                    b_pstride,
+                                    kc,
+                                    c_ptr,
+                                    mr,
+                                    nr,
+                                    first,
+                                    last,
+                                    m0,
+                                    n0,
+                                )
+
+    # -- packing -------------------------------------------------------------
+    def pack_a(self, A_b, ic, mc, pc, kc):
+        """Ap[panel][k][MR] = A(ic + min(panel*MR + r, mc-1), pc + k)."""
+        s, p, b = self.s, self.p, self.b
+        MR = p.MR
+        npan = b.sdiv(b.add(mc, _c64(MR - 1)), _c64(MR))
+        with self.loop(0, npan, 1, "pa") as q:
+            r0 = b.mul(q, _c64(MR))
+            dst0 = self.gep(self.ws_a, b.mul(r0, kc))
+            if s.trans_a and MR <= 16:
+                # the MR rows of a k are contiguous: one masked vector copy per k
+                src0 = self.gep(A_b, b.add(b.mul(pc, _c64(s.lda_)), b.add(ic, r0)))
+                lmask = b.icmp_signed("<", self.iota, self.splat_i(b.sub(mc, r0)))
+                smask = ir.Constant(VM, [1 if i < MR else 0 for i in range(16)])
+                with self.loop(0, kc, 1, "pak") as k:
+                    x = self.load_v(self.gep(src0, b.mul(k, _c64(s.lda_))), lmask)
+                    self.store_v(x, self.gep(dst0, b.mul(k, _c64(MR))), smask)
+            else:
+                srcs = []
+                for r in range(MR):
+                    row = b.add(ic, self.smin(b.add(r0, _c64(r)), b.sub(mc, _c64(1))))
+                    if s.trans_a:
+                        srcs.append(self.gep(A_b, b.add(b.mul(pc, _c64(s.lda_)), row)))
+                    else:
+                        srcs.append(self.gep(A_b, b.add(b.mul(row, _c64(s.lda_)), pc)))
+                a_ks = s.lda_ if s.trans_a else 1
+                with self.loop(0, kc, 1, "pak") as k:
+                    dst = self.gep(dst0, b.mul(k, _c64(MR)))
+                    ko = b.mul(k, _c64(a_ks)) if a_ks != 1 else k
+                    for r in range(MR):
+                        v = b.load(self.gep(srcs[r], ko), typ=F32, align=4)
+                        b.store(v, self.gep(dst, r), align=4)
+
+    def pack_b(self, B_b, pc, kc, jc, nc):
+        """Bp[q][k][32] = B(pc + k, jc + 32q + j), zero for columns >= nc."""
+        s, b = self.s, self.b
+        nq = b.sdiv(b.add(nc, _c64(PANEL - 1)), _c64(PANEL))
+        nc_s = self.splat_i(nc)
+        ldb = s.ldb_
+        if not s.trans_b:
+            with self.loop(0, kc, 1, "pbk") as k:
+                src = self.gep(B_b, b.add(b.mul(b.add(pc, k), _c64(ldb)), jc))
+                dst = self.gep(self.ws_b, b.mul(k, _c64(PANEL)))
+                with self.loop(0, nq, 1, "pbq") as q:
+                    col = b.mul(q, _c64(PANEL))
+                    col_s = self.splat_i(col)
+                    for v in range(2):
+                        lanes = b.add(col_s, ir.Constant(VI64, list(range(16 * v, 16 * v + 16))))
+                        mask = b.icmp_signed("<", lanes, nc_s)
+                        x = self.load_v(self.gep(src, b.add(col, _c64(16 * v))), mask)
+                        self.store_v(
+                            x, self.gep(dst, b.add(b.mul(q, b.mul(kc, _c64(PANEL))), _c64(16 * v)))
+                        )
+        else:
+            # B stored [N,K]: 16x16 blocks loaded along K and transposed in registers
+            base = self.gep(B_b, b.add(b.mul(jc, _c64(ldb)), pc))
+            with self.loop(0, nq, 1, "pbq") as q:
+                col = b.mul(q, _c64(PANEL))
+                qbase = self.gep(base, b.mul(col, _c64(ldb)))
+                dstq = self.gep(self.ws_b, b.mul(q, b.mul(kc, _c64(PANEL))))
+                rowok = [b.icmp_signed("<", b.add(col, _c64(j)), nc) for j in range(PANEL)]
+                with self.loop(0, kc, 16, "pbk") as kk:
+                    kmask = b.icmp_signed("<", self.iota, self.splat_i(b.sub(kc, kk)))
+                    src = self.gep(qbase, kk)
+                    dst = self.gep(dstq, b.mul(kk, _c64(PANEL)))
+                    full = b.icmp_signed("<=", b.add(kk, _c64(16)), kc)
+                    smask = [
+                        b.select(
+                            b.or_(full, b.icmp_signed("<", b.add(kk, _c64(i)), kc)),
+                            ir.Constant(VM, [1] * 16),
+                            self.zero_m,
+                        )
+                        for i in range(16)
+                    ]
+                    for half in range(2):
+                        rows = []
+                        for j in range(16):
+                            jj = 16 * half + j
+                            mk = b.select(rowok[jj], kmask, self.zero_m)
+                            rows.append(self.load_v(self.gep(src, jj * ldb), mk))
+                        cols = self.transpose16(rows)
+                        for i in range(16):
+                            self.store_v(cols[i], self.gep(dst, i * PANEL + 16 * half), smask[i])
+
+    def pack_bt(self, B_b):
+        """ws_b[n][k] = B(k, n) for the whole (small-N) B: 16x16 register transposes."""
+        s, b = self.s, self.b
+        N, K, ldb = s.N, s.K, s.ldb_
+        dst0 = self.ws_b
+        nmask = ir.Constant(VM, [1 if i < N else 0 for i in range(16)]) if N < 16 else None
+        with self.loop(0, K, 16, "pbt") as kk:
+            left = b.sub(_c64(K), kk)
+            rows = []
+            for i in range(16):
+                ok = b.icmp_signed("<", _c64(i), left)
+                mk = b.select(
+                    ok, nmask if nmask is not None else ir.Constant(VM, [1] * 16), self.zero_m
+                )
+                rows.append(
+                    self.load_v(self.gep(B_b, b.add(b.mul(kk, _c64(ldb)), _c64(i * ldb))), mk)
+                )
+            cols = self.transpose16(rows)
+            kmask = b.icmp_signed("<", self.iota, self.splat_i(left))
+            for n in range(N):
+                self.store_v(cols[n], self.gep(dst0, b.add(kk, _c64(n * K))), kmask)
+
+    def transpose16(self, rows):
+        """16 <16 x float> rows -> 16 columns (4 stages of 2-source shuffles)."""
+        b = self.b
+        R = list(rows)
+        for st in range(4):
+            bit = 1 << st
+            lo = [j if not (j & bit) else 16 + j - bit for j in range(16)]
+            hi = [16 + j if (j & bit) else j + bit for j in range(16)]
+            lo_c = ir.Constant(ir.VectorType(I32, 16), lo)
+            hi_c = ir.Constant(ir.VectorType(I32, 16), hi)
+            for i in range(16):
+                if i & bit:
+                    continue
+                a, c = R[i], R[i | bit]
+                R[i] = b.shuffle_vector(a, c, lo_c)
+                R[i | bit] = b.shuffle_vector(a, c, hi_c)
+        return R
+
+    def hreduce(self, vecs):
+        """len(vecs) <= 16 vectors -> vector with lane j = sum(vecs[j])."""
+        b = self.b
+        n = len(vecs)
+        vecs = list(vecs) + [self.zero_v] * ((1 << (n - 1).bit_length()) - n)  # pad to 2^i
+        items = [(v, [j] * 16) for j, v in enumerate(vecs)]
+        h = 8
+        while h >= 1:
+            new = []
+            pairs = (
+                [(items[i], items[i + 1]) for i in range(0, len(items) - 1, 2)]
+                if len(items) > 1
+                else [(items[0], items[0])]
+            )
+            for (x, xl), (y, yl) in pairs:
+                lo, hi, lab = [0] * 16, [0] * 16, [0] * 16
+                for s0 in range(0, 16, 2 * h):
+                    for i in range(h):
+                        lo[s0 + i], hi[s0 + i] = s0 + i, s0 + h + i
+                        lo[s0 + h + i], hi[s0 + h + i] = 16 + s0 + i, 16 + s0 + h + i
+                        assert xl[s0 + i] == xl[s0 + h + i] and yl[s0 + i] == yl[s0 + h + i]
+                        lab[s0 + i], lab[s0 + h + i] = xl[s0 + i], yl[s0 + i]
+                v = b.fadd(
+                    b.shuffle_vector(x, y, ir.Constant(ir.VectorType(I32, 16), lo)),
+                    b.shuffle_vector(x, y, ir.Constant(ir.VectorType(I32, 16), hi)),
+                )
+                new.append((v, lab))
+            items = new
+            h //= 2
+        v, lab = items[0]
+        perm = [lab.index(j) if j < n else 0 for j in range(16)]
+        if perm == list(range(16)):
+            return v
+        return b.shuffle_vector(
+            v, ir.Constant(VF, ir.Undefined), ir.Constant(ir.VectorType(I32, 16), perm)
+        )
+
+    def micro_dot(self, a_ptrs, b_base, c_ptr, mr, nr, m0, n0):
+        """C[m0:m0+MR, n0:n0+NR] from dot products of A rows and B rows (B [N,K])."""
+        s, p, b = self.s, self.p, self.b
+        MR, NJ, K = p.MR, p.NR, s.K
+        lda, ldb = s.lda_, self.dot_bns
+        kmain, rem = K - K % 16, K % 16
+        rem_mask = ir.Constant(VM, [1 if i < rem else 0 for i in range(16)])
+        full = b.and_(b.icmp_signed("==", nr, _c64(NJ)), b.icmp_signed("==", mr, _c64(MR)))
+        full_bb = b.append_basic_block(self.name("dot.full"))
+        edge_bb = b.append_basic_block(self.name("dot.edge"))
+        join_bb = b.append_basic_block(self.name("dot.join"))
+        b.cbranch(full, full_bb, edge_bb)
+        outs = []
+        for bb, edge in ((full_bb, False), (edge_bb, True)):
+            b.position_at_end(bb)
+            if edge:
+                a_rows = a_ptrs
+                b_rows = [b_base] + [
+                    self.gep(b_base, b.mul(self.smin(_c64(j), b.sub(nr, _c64(1))), _c64(ldb)))
+                    for j in range(1, NJ)
+                ]
+            else:
+                a_rows = [a_ptrs[0]] + [self.gep(a_ptrs[0], r * lda) for r in range(1, MR)]
+                b_rows = [b_base] + [self.gep(b_base, j * ldb) for j in range(1, NJ)]
+
+            def step(accs, k, mask, a_rows=a_rows, b_rows=b_rows):
+                av = [self.load_v(self.gep(a_rows[r], k), mask) for r in range(MR)]
+                bv = [self.load_v(self.gep(b_rows[j], k), mask) for j in range(NJ)]
+                return [
+                    [b.call(self.fma, [av[r], bv[j], accs[r][j]]) for j in range(NJ)]
+                    for r in range(MR)
+                ]
+
+            accs = [[self.zero_v] * NJ for _ in range(MR)]
+            if kmain:
+                pre = b.block
+                hdr = b.append_basic_block(self.name("dk.h"))
+                body = b.append_basic_block(self.name("dk.b"))
+                ext = b.append_basic_block(self.name("dk.x"))
+                b.branch(hdr)
+                b.position_at_end(hdr)
+                k = b.phi(I64, name="k")
+                k.add_incoming(_c64(0), pre)
+                ph = [[b.phi(VF) for _ in range(NJ)] for _ in range(MR)]
+                for r in range(MR):
+                    for j in range(NJ):
+                        ph[r][j].add_incoming(accs[r][j], pre)
+                b.cbranch(b.icmp_signed("<", k, _c64(kmain)), body, ext)
+                b.position_at_end(body)
+                nxt = step(ph, k, None)
+                k.add_incoming(b.add(k, _c64(16)), b.block)
+                for r in range(MR):
+                    for j in range(NJ):
+                        ph[r][j].add_incoming(nxt[r][j], b.block)
+                b.branch(hdr)
+                b.position_at_end(ext)
+                accs = ph
+            if rem:
+                accs = step(accs, _c64(kmain), rem_mask)
+            outs.append((b.block, accs))
+            b.branch(join_bb)
+        b.position_at_end(join_bb)
+        accs = []
+        for r in range(MR):
+            row = []
+            for j in range(NJ):
+                phv = b.phi(VF)
+                for blk, a in outs:
+                    phv.add_incoming(a[r][j], blk)
+                row.append(phv)
+            accs.append(row)
+        red = [[self.hreduce(accs[r])] for r in range(MR)]
+        colmask = self.lane_mask(self.splat_i(nr), 0)
+        masks = [
+            [colmask if r == 0 else b.select(b.icmp_signed("<", _c64(r), mr), colmask, self.zero_m)]
+            for r in range(MR)
+        ]
+        c_rows = [c_ptr] + [self.gep(c_ptr, r * s.ldc_) for r in range(1, MR)]
+        self.store_final(red, c_rows, masks, m0, n0)
+
+    # -- micro-kernel ----------------------------------------------------------
+    def micro(self, a_ptrs, b_base, b_pstride, kc, c_ptr, mr, nr, first, last, m0, n0):
+        s, p, b = self.s, self.p, self.b
+        MR, NV, U = p.MR, p.NV, p.unroll
+        ldc = s.ldc_
+        nr_s = self.splat_i(nr)
+        colmask = [self.lane_mask(nr_s, 16 * v) for v in range(NV)]
+        rowok = [None] + [b.icmp_signed("<", _c64(r), mr) for r in range(1, MR)]
+        masks = [
+            [
+                colmask[v] if r == 0 else b.select(rowok[r], colmask[v], self.zero_m)
+                for v in range(NV)
+            ]
+            for r in range(MR)
+        ]
+        c_rows = [c_ptr] + [self.gep(c_ptr, r * ldc) for r in range(1, MR)]
+
+        if p.prefetch_c:
+            for r in range(MR):
+                for line in range(NV):
+                    b.call(
+                        self.prefetch, [self.gep(c_rows[r], 16 * line), _c32(1), _c32(3), _c32(1)]
+                    )
+
+        # initial accumulators: 0, or the partial sums in C (K blocks after the first)
+        accs = []
+        for r in range(MR):
+            row = []
+            for v in range(NV):
+                if first is True:
+                    row.append(self.zero_v)
+                else:
+                    mk = b.select(first, self.zero_m, masks[r][v])
+                    row.append(self.load_v(self.gep(c_rows[r], 16 * v), mk))
+            accs.append(row)
+
+        # B streams: packed -> one pointer per 32-column panel, stride 32/k;
+        # direct -> one pointer, stride ldb/k.
+        if p.b_mode == "direct":
+            b_ptrs = [b_base]
+            b_ks = s.ldb_
+            b_off = [(0, 16 * v) for v in range(NV)]
+            b_masked = True
+        else:
+            b_ptrs = [b_base] + [
+                self.gep(b_base, b.mul(b_pstride, _c64(q))) for q in range(1, NV // 2)
+            ]
+            b_ks = PANEL
+            b_off = [(v // 2, 16 * (v % 2)) for v in range(NV)]
+            b_masked = NV > 2
+        if p.pack_a:
+            a_ks, a_off = MR, [(0, r) for r in range(MR)]
+        else:
+            a_ks = s.lda_ if s.trans_a else 1
+            a_off = [(r, 0) for r in range(MR)]
+
+        zero32 = ir.Constant(ir.VectorType(I32, 16), None)
+
+        def step(accs, a_ps, b_ps, u):
+            bv = []
+            for v in range(NV):
+                q, o = b_off[v]
+                ptr = self.gep(b_ps[q], u * b_ks + o)
+                bv.append(self.load_v(ptr, colmask[v] if b_masked else None))
+            new = []
+            for r in range(MR):
+                q, o = a_off[r]
+                x = b.load(self.gep(a_ps[q], u * a_ks + o), typ=F32, align=4)
+                xs = b.shuffle_vector(
+                    b.insert_element(ir.Constant(VF, ir.Undefined), x, _c32(0)),
+                    ir.Constant(VF, ir.Undefined),
+                    zero32,
+                )
+                new.append([b.call(self.fma, [xs, bv[v], accs[r][v]]) for v in range(NV)])
+            return new
+
+        def kloop(k0, kend, accs, a_ps, b_ps, nstep, tag):
+            pre = b.block
+            hdr = b.append_basic_block(self.name(tag + ".h"))
+            body = b.append_basic_block(self.name(tag + ".b"))
+            ext = b.append_basic_block(self.name(tag + ".x"))
+            b.branch(hdr)
+            b.position_at_end(hdr)
+            k = b.phi(I64, name="k")
+            k.add_incoming(k0, pre)
+            acc_phi = [[b.phi(VF) for _ in range(NV)] for _ in range(MR)]
+            a_phi = [b.phi(PTR) for _ in a_ps]
+            b_phi = [b.phi(PTR) for _ in b_ps]
+            for r in range(MR):
+                for v in range(NV):
+                    acc_phi[r][v].add_incoming(accs[r][v], pre)
+            for ph, val in zip(a_phi, a_ps):
+                ph.add_incoming(val, pre)
+            for ph, val in zip(b_phi, b_ps):
+                ph.add_incoming(val, pre)
+            b.cbranch(b.icmp_signed("<", k, kend), body, ext)
+            b.position_at_end(body)
+            cur = acc_phi
+            for u in range(nstep):
+                cur = step(cur, a_phi, b_phi, u)
+            a_n = [self.gep(x, nstep * a_ks) for x in a_phi]
+            b_n = [self.gep(x, nstep * b_ks) for x in b_phi]
+            k_n = b.add(k, _c64(nstep))
+            latch = b.block
+            k.add_incoming(k_n, latch)
+            for r in range(MR):
+                for v in range(NV):
+                    acc_phi[r][v].add_incoming(cur[r][v], latch)
+            for ph, val in zip(a_phi, a_n):
+                ph.add_incoming(val, latch)
+            for ph, val in zip(b_phi, b_n):
+                ph.add_incoming(val, latch)
+            b.branch(hdr)
+            b.position_at_end(ext)
+            return k, acc_phi, a_phi, b_phi
+
+        if U > 1:
+            kmain = b.sub(kc, b.srem(kc, _c64(U)))
+            k, accs, a_ps, b_ps = kloop(_c64(0), kmain, accs, a_ptrs, b_ptrs, U, "ku")
+            _, accs, _, _ = kloop(k, kc, accs, a_ps, b_ps, 1, "kr")
+        else:
+            _, accs, _, _ = kloop(_c64(0), kc, accs, a_ptrs, b_ptrs, 1, "k")
+
+        # store
+        if last is True:
+            self.store_final(accs, c_rows, masks, m0, n0)
+        else:
+            fin = b.append_basic_block(self.name("st.fin"))
+            raw = b.append_basic_block(self.name("st.raw"))
+            done = b.append_basic_block(self.name("st.done"))
+            b.cbranch(last, fin, raw)
+            b.position_at_end(raw)
+            for r in range(MR):
+                for v in range(NV):
+                    self.store_v(accs[r][v], self.gep(c_rows[r], 16 * v), masks[r][v])
+            b.branch(done)
+            b.position_at_end(fin)
+            self.store_final(accs, c_rows, masks, m0, n0)
+            b.branch(done)
+            b.position_at_end(done)
+
+    def store_final(self, accs, c_rows, masks, m0, n0):
+        s, p, b = self.s, self.p, self.b
+        alpha = float(np.float32(s.alpha))
+        beta = float(np.float32(s.beta))
+        use_bias = s.bias and beta != 0.0
+        brs, bcs = s.bias_row_stride, s.bias_col_stride
+        if use_bias and bcs not in (0, 1):
+            bias_i = b.ptrtoint(self.bias, I64)
+            col_off = [
+                b.mul(
+                    b.add(self.splat_i(n0), ir.Constant(VI64, list(range(16 * v, 16 * v + 16)))),
+                    ir.Constant(VI64, [4 * bcs] * 16),
+                )
+                for v in range(p.NV)
+            ]
+        for r in range(p.MR):
+            m = b.add(m0, _c64(r)) if r else m0
+            bias_row = None
+            if use_bias:
+                if bcs == 0:
+                    mm = self.smin(m, _c64(s.M - 1)) if brs else _c64(0)
+                    x = b.load(self.gep(self.bias, b.mul(mm, _c64(brs))), typ=F32, align=4)
+                    bias_row = self.splat_f(x)
+                elif bcs == 1:
+                    bias_row_ptr = self.gep(self.bias, b.add(b.mul(m, _c64(brs)), n0))
+                else:
+                    row_i = self.splat_i(b.add(bias_i, b.mul(m, _c64(4 * brs))))
+            for v in range(p.NV):
+                val = accs[r][v]
+                if alpha != 1.0:
+                    val = b.fmul(val, self.splat_f(alpha))
+                if use_bias:
+                    if bcs == 0:
+                        bv = bias_row
+                    elif bcs == 1:
+                        bv = self.load_v(self.gep(bias_row_ptr, 16 * v), masks[r][v])
+                    else:
+                        ptrs = b.inttoptr(b.add(row_i, col_off[v]), VPTR)
+                        bv = b.call(self.mgather, [ptrs, _c32(4), masks[r][v], self.zero_v])
+                    if beta == 1.0:
+                        val = b.fadd(val, bv)
+                    else:
+                        val = b.call(self.fma, [bv, self.splat_f(beta), val])
+                if self.epilogue is not None:
+                    nv = b.add(n0, _c64(16 * v)) if v else n0
+                    val = self.epilogue(b, val, m, nv)
+                self.store_v(val, self.gep(c_rows[r], 16 * v), masks[r][v])
+
+
+def emit_gemm(
+    module: ir.Module,
+    name: str,
+    spec: GemmSpec,
+    epilogue: Epilogue | None = None,
+    *,
+    tuning: dict | None = None,
+) -> ir.Function:
+    """Emit ``void name(ptr args, i64 tile_begin, i64 tile_end, ptr workspace)``.
+
+    ``epilogue(builder, value, m, n)`` (optional) maps each final
+    ``<16 x float>`` output vector (after alpha and bias) of row ``m`` and
+    columns ``n .. n+15`` (i64 values) to the vector that is stored. It is
+    emitted inside the kernel function (``builder.function.args`` are the
+    kernel's arguments) and may be called for masked-off rows/columns, whose
+    results are discarded; it must not have side effects on memory.
+    ``tuning`` overrides planning decisions (see :func:`gemm_plan`); pass the
+    same ``tuning`` to :func:`gemm_num_tiles`/:func:`gemm_workspace_bytes`.
+    """
+    plan = gemm_plan(spec, tuning)
+    fnty = ir.FunctionType(ir.VoidType(), [PTR, I64, I64, PTR])
+    fn = ir.Function(module, fnty, name)
+    fn.attributes.add("nounwind")
+    _Gen(module, fn, spec, plan, epilogue).emit()
+    return fn
