@@ -94,7 +94,10 @@ def node_support(graph: Graph, n: Node) -> str | None:
 
 
 def specialize(base: Graph, shapes: dict[str, tuple[int, ...]],
-               options: CompileOptions) -> Specialization:
+               options: CompileOptions,
+               values: dict[str, np.ndarray] | None = None) -> Specialization:
+    """Compile `base` for concrete input shapes; inputs in `values` become constants
+    (value specialisation, for inputs that decide shapes)."""
     t0 = time.perf_counter()
     if options.pipeline not in PIPELINES:
         raise CompileError(f"unknown pipeline {options.pipeline!r}; "
@@ -104,6 +107,9 @@ def specialize(base: Graph, shapes: dict[str, tuple[int, ...]],
         raise UnsupportedOpError(unknown)
     g = base.copy()
     fold.bind_input_shapes(g, shapes)
+    for name, value in (values or {}).items():
+        g.inputs.remove(name)
+        g.set_constant(name, np.asarray(value))
     pm = PassManager(PIPELINES[options.pipeline], dump_after=set(options.dump_after))
     pm.run(g)
     problems = support_problems(g)

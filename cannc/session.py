@@ -17,7 +17,7 @@ import onnx
 from . import __version__
 from .codegen.target import ObjectCache, default_cache, host
 from .compiler import CompileOptions, Specialization, specialize
-from .errors import CacheError, CanncError, InputError
+from .errors import CacheError, CanncError, InputError, ShapeError
 from .frontend import import_model, load_model_proto
 from .ir.types import onnx_type_string
 from .runtime.device import Device
@@ -56,6 +56,9 @@ class Session:
                                       dump_after=set(dump_after), cache=cache)
         self.device = Device(cores)
         self._programs: dict[tuple, Program] = {}
+        # inputs whose *values* decide shapes (e.g. a Reshape target fed at run time):
+        # found on the first specialisation that needs them, then part of the key
+        self._value_inputs: tuple[str, ...] = ()
         self._lock = threading.Lock()
         self._inputs = [NodeArg(n, list(self.graph.values[n].shape),
                                 onnx_type_string(self.graph.values[n].dtype))
@@ -66,7 +69,12 @@ class Session:
             self._outputs.append(NodeArg(n, list(t.shape) if t else [],
                                          onnx_type_string(t.dtype) if t else "tensor(float)"))
         if eager:
-            self.specialize(self._default_shapes(shapes or {}))
+            try:
+                self.specialize(self._default_shapes(shapes or {}))
+            except ShapeError:
+                if not self._value_candidates():
+                    raise
+                # shapes depend on input values: specialise at the first run instead
 
     # -- onnxruntime-compatible API ------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:
@@ -82,8 +90,8 @@ class Session:
             run_options: Any = None) -> list[np.ndarray]:
         feeds, key = self._check_inputs(input_feed)
         names = self._check_output_names(output_names)
-        prog = self._program(key)
-        outs = prog.execute(feeds)
+        prog = self._program(key, feeds)
+        outs = prog.execute({k: v for k, v in feeds.items() if k in prog.input_views})
         by_name = dict(zip(self.graph.outputs, outs))
         return [by_name[n] for n in names]
 
@@ -96,15 +104,48 @@ class Session:
         key = tuple(tuple(int(d) for d in shapes[n]) for n in self.graph.inputs)
         return self._program(key)
 
-    def _program(self, key: tuple) -> Program:
+    def _program(self, key: tuple, feeds: dict[str, np.ndarray] | None = None) -> Program:
         with self._lock:
-            prog = self._programs.get(key)
-            if prog is None:
-                shapes = dict(zip(self.graph.inputs, key))
-                spec = specialize(self.graph, shapes, self.options)
-                prog = Program(spec, self.device, dispatcher_object())
-                self._programs[key] = prog
+            full = key + self._value_key(feeds)
+            prog = self._programs.get(full)
+            if prog is not None:
+                return prog
+            shapes = dict(zip(self.graph.inputs, key))
+            try:
+                spec = self._specialize(shapes, feeds)
+            except ShapeError:
+                cands = self._value_candidates()
+                if self._value_inputs or feeds is None or not cands:
+                    raise
+                self._value_inputs = cands
+                full = key + self._value_key(feeds)
+                spec = self._specialize(shapes, feeds)
+            prog = Program(spec, self.device, dispatcher_object())
+            self._programs[full] = prog
             return prog
+
+    def _specialize(self, shapes: dict[str, tuple[int, ...]],
+                    feeds: dict[str, np.ndarray] | None) -> Specialization:
+        values = {n: feeds[n] for n in self._value_inputs} if feeds is not None else {}
+        if self._value_inputs and feeds is None:
+            raise ShapeError("this model's shapes depend on the values of inputs "
+                             f"{list(self._value_inputs)}: it is specialised at run time")
+        return specialize(self.graph, shapes, self.options, values=values)
+
+    def _value_key(self, feeds: dict[str, np.ndarray] | None) -> tuple:
+        if not self._value_inputs or feeds is None:
+            return ()
+        return tuple(("value", n, feeds[n].tobytes()) for n in self._value_inputs)
+
+    def _value_candidates(self) -> tuple[str, ...]:
+        """Small integer inputs: the ones whose values may decide shapes."""
+        out = []
+        for n in self.graph.inputs:
+            t = self.graph.values[n]
+            if np.dtype(t.dtype).kind in "iu" and len(t.shape) <= 1 and all(
+                    not isinstance(d, int) or d <= 64 for d in t.shape):
+                out.append(n)
+        return tuple(out)
 
     @property
     def specializations(self) -> list[Specialization]:
@@ -194,7 +235,8 @@ class Session:
         manifest = {
             "format": "cannc-artifact", "version": 1, "cannc": __version__,
             "host": host().fingerprint, "cpu": host().cpu, "pipeline": self.options.pipeline,
-            "specializations": [list(map(list, k)) for k in self._programs],
+            "specializations": [list(map(list, k)) for k in self._programs
+                                if not self._value_inputs],
             "objects": [],
         }
         with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:

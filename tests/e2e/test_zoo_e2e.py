@@ -51,3 +51,23 @@ def test_bert_variants():
         model = zoo.build("bert", **kw)
         sess = cannc.compile(model, cores=2)
         _compare(model, sess, zoo.example_inputs(model, batch=2, seq=9))
+
+
+def test_value_specialisation_of_shape_inputs():
+    """A Reshape whose target shape is a runtime input: the session specialises on it."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    g = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "shape"], ["r"]), helper.make_node("Relu", ["r"], ["y"])],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6]),
+              helper.make_tensor_value_info("shape", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m = onnx.shape_inference.infer_shapes(m)
+    sess = cannc.compile(m, cores=1)
+    x = np.random.default_rng(0).standard_normal((2, 6)).astype(np.float32)
+    for shp in ([3, 4], [12, 1], [3, 4]):
+        (y,) = sess.run(None, {"x": x, "shape": np.array(shp, np.int64)})
+        np.testing.assert_array_equal(y, np.maximum(x, 0).reshape(shp))
+    assert len(sess.programs) == 2
