@@ -22,7 +22,7 @@ from .codegen.target import ObjectCache, default_cache
 from .errors import CanncError, CompileError, UnsupportedOpError
 from .ir.graph import Graph, Node
 from .ir.registry import Category, OpDef, lookup
-from .passes import fold, legalize  # noqa: F401  (registers passes)
+from .passes import fold, fusion, legalize, patterns  # noqa: F401  (registers passes)
 from .passes.manager import PassManager
 
 # The optimisation pipelines, by name. Each entry is one named pass.
@@ -36,6 +36,8 @@ PIPELINES: dict[str, list[str]] = {
         "infer_and_fold",
         "dce",
         "legalize_matmul_broadcast",
+        "fuse_layernorm",             # decomposed LayerNorm (older exporters) -> one op
+        "fusion",                     # one kernel per elementwise chain / GEMM + epilogue
     ],
 }
 DEFAULT_PIPELINE = "O1"
@@ -47,6 +49,7 @@ class CompileOptions:
     pipeline: str = DEFAULT_PIPELINE
     dump_after: set[str] = field(default_factory=set)
     cache: ObjectCache | None = None
+    fusion: bool | dict[str, bool] = True     # False, or per-rule switches
 
 
 @dataclass
@@ -107,6 +110,7 @@ def specialize(base: Graph, shapes: dict[str, tuple[int, ...]],
         raise UnsupportedOpError(unknown)
     g = base.copy()
     fold.bind_input_shapes(g, shapes)
+    g.meta["fusion"] = options.fusion
     for name, value in (values or {}).items():
         g.inputs.remove(name)
         g.set_constant(name, np.asarray(value))
@@ -180,11 +184,27 @@ def lower_node(g: Graph, n: Node, op: OpDef, root: Any, constants: dict[str, np.
         flops = op.flops(n, in_types, out_types)
     else:
         flops = ctx.flops
-    return Kernel(symbol=symbol, nodes=[n.name], op_types=[n.op_type], inputs=inputs,
+    names, op_types = onnx_origin(n)
+    return Kernel(symbol=symbol, nodes=names, op_types=op_types, inputs=inputs,
                   outputs=[v for v in n.outputs], num_tiles=max(1, int(ctx.num_tiles)),
                   workspace_bytes=int(ctx.workspace_bytes), single_core=bool(ctx.single_core),
                   flops=int(flops), bytes_read=br, bytes_written=bw, module_ir=text,
                   notes=dict(ctx.notes))
+
+
+def onnx_origin(n: Node) -> tuple[list[str], list[str]]:
+    """The ONNX node names and op types a (possibly fused or rewritten) node stands for."""
+    body = n.attrs.get("body") if n.domain == "cannc" else None
+    if body:
+        names, ops = [], []
+        for b in body:
+            bn, bo = onnx_origin(b)
+            names += bn
+            ops += bo
+        return names, ops
+    if "fused_from" in n.attrs:
+        return list(n.attrs["fused_from"]), list(n.attrs["fused_ops"])
+    return [n.name], [n.op_type]
 
 
 def compile_modules(modules: dict[str, str], cache: ObjectCache) -> dict[str, bytes]:

@@ -42,18 +42,20 @@ class Session:
     def __init__(self, model: Any, *, cores: int | None = None,
                  shapes: dict[str, Sequence[int]] | None = None, pipeline: str = "O1",
                  dump_after: Iterable[str] = (), eager: bool = True,
-                 cache: ObjectCache | None = None) -> None:
+                 cache: ObjectCache | None = None,
+                 fusion: bool | dict[str, bool] | str = True) -> None:
         if cores is not None and (not isinstance(cores, int) or cores < 1):
             raise CanncError(f"cores must be a positive integer, got {cores!r}")
         from .compiler import PIPELINES
         if pipeline not in PIPELINES:
             raise CanncError(f"unknown pipeline {pipeline!r}; choose one of "
                              f"{', '.join(PIPELINES)}")
+        fusion = _fusion_switches(fusion)
         proto, _ = load_model_proto(model)
         self._model_bytes = proto.SerializeToString()
         self.graph, _ = import_model(proto)
         self.options = CompileOptions(cores=cores, pipeline=pipeline,
-                                      dump_after=set(dump_after), cache=cache)
+                                      dump_after=set(dump_after), cache=cache, fusion=fusion)
         self.device = Device(cores)
         self._programs: dict[tuple, Program] = {}
         # inputs whose *values* decide shapes (e.g. a Reshape target fed at run time):
@@ -251,6 +253,27 @@ class Session:
                     manifest["objects"].append(key)
                     manifest.setdefault("sha256", {})[key] = hashlib.sha256(obj).hexdigest()
             z.writestr("manifest.json", json.dumps(manifest, indent=1))
+
+
+def _fusion_switches(fusion: Any) -> bool | dict[str, bool]:
+    """True/False, {rule: bool}, or the path of a JSON switch file (like CANN's
+    fusion_switch_file): {"elementwise": true, "gemm_epilogue": false, ...}."""
+    from .passes.fusion import RULES
+
+    if isinstance(fusion, (str, Path)):
+        try:
+            fusion = json.loads(Path(fusion).read_text())
+        except (OSError, ValueError) as e:
+            raise CanncError(f"cannot read the fusion switch file {fusion}: {e}") from e
+    if isinstance(fusion, bool):
+        return fusion
+    if not isinstance(fusion, dict):
+        raise CanncError(f"fusion must be a bool, a dict or a switch file path, "
+                         f"got {type(fusion).__name__}")
+    unknown = sorted(set(fusion) - set(RULES))
+    if unknown:
+        raise CanncError(f"unknown fusion rule(s) {unknown}; rules: {', '.join(RULES)}")
+    return {k: bool(v) for k, v in fusion.items()}
 
 
 def _fmt_shape(shape: Sequence[Any]) -> str:

@@ -46,6 +46,7 @@ class Graph:
         self.inputs: list[str] = []
         self.outputs: list[str] = []
         self.opsets: dict[str, int] = {}
+        self.meta: dict[str, Any] = {}      # pass options and logs (e.g. fusion decisions)
         self._producer: dict[str, str] = {}
         self._consumers: dict[str, set[str]] = {}
         self._counter = 0
@@ -138,6 +139,8 @@ class Graph:
         g.inputs = list(self.inputs)
         g.outputs = list(self.outputs)
         g.opsets = dict(self.opsets)
+        g.meta = {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
+                  for k, v in self.meta.items()}
         g._producer = dict(self._producer)
         g._consumers = {k: set(v) for k, v in self._consumers.items()}
         g._counter = self._counter

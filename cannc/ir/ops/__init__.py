@@ -6,3 +6,4 @@ from . import movement  # noqa: F401
 from . import reduce  # noqa: F401
 from . import contraction  # noqa: F401
 from . import conv  # noqa: F401
+from . import fused  # noqa: F401

@@ -60,18 +60,36 @@ def _check_matmul(n: Node, ins: list[Any], outs: list[Any]) -> str | None:
 
 
 def _lower_matmul(ctx: Any) -> None:
-    spec, why = _matmul_spec(ctx.in_types[0], ctx.in_types[1])
-    assert spec is not None, why
+    spec = plan_contraction(ctx)
+    emit_gemm(ctx.module, ctx.symbol, spec)
+    finish_contraction(ctx, spec)
+
+
+def plan_contraction(ctx: Any, node: Node | None = None) -> GemmSpec:
+    """The GemmSpec of a MatMul/Gemm node (ctx.node by default; its inputs are ctx's first
+    inputs); packs a constant B through ctx.replace_const and drops an unread Gemm C."""
+    n = node or ctx.node
+    if n.op_type == "MatMul":
+        spec, why = _matmul_spec(ctx.in_types[0], ctx.in_types[1])
+        assert spec is not None, why
+    else:
+        present_c = len(n.inputs) > 2 and bool(n.inputs[2])
+        spec = _gemm_spec(ctx, n, ctx.in_types[:2] + ([ctx.in_types[2]] if present_c else []))
+        if present_c and not spec.bias:
+            ctx.drop_input(2)  # beta == 0: C is not read
     b = ctx.const(1)
     if b is not None:
         spec = _with(spec, b_prepacked=True)
-        packed = prepack_b(spec, b.reshape(spec.batch if spec.b_batch_stride else 1,
-                                           spec.K, spec.N).squeeze(0)
-                           if not spec.b_batch_stride else b.reshape(spec.batch, spec.K, spec.N))
-        ctx.replace_const(1, packed)
-    emit_gemm(ctx.module, ctx.symbol, spec)
+        if n.op_type == "MatMul":
+            nb = spec.batch if spec.b_batch_stride else 1
+            b = b.reshape(nb, spec.K, spec.N) if spec.b_batch_stride else b.reshape(spec.K, spec.N)
+        ctx.replace_const(1, prepack_b(spec, b))
+    return spec
+
+
+def finish_contraction(ctx: Any, spec: GemmSpec, extra_ws: int = 0) -> None:
     ctx.num_tiles = gemm_num_tiles(spec)
-    ctx.workspace_bytes = gemm_workspace_bytes(spec)
+    ctx.workspace_bytes = gemm_workspace_bytes(spec) + extra_ws
     ctx.flops = 2 * spec.batch * spec.M * spec.N * spec.K
     ctx.notes["gemm"] = _describe(spec)
 
@@ -117,19 +135,9 @@ def _check_gemm(n: Node, ins: list[Any], outs: list[Any]) -> str | None:
 
 
 def _lower_gemm(ctx: Any) -> None:
-    present_c = len(ctx.node.inputs) > 2 and bool(ctx.node.inputs[2])
-    spec = _gemm_spec(ctx, ctx.node, ctx.in_types[:2] + ([ctx.in_types[2]] if present_c else []))
-    b = ctx.const(1)
-    if b is not None:
-        spec = _with(spec, b_prepacked=True)
-        ctx.replace_const(1, prepack_b(spec, b))
-    if present_c and not spec.bias:
-        ctx.drop_input(2)  # beta == 0: C is not read
+    spec = plan_contraction(ctx)
     emit_gemm(ctx.module, ctx.symbol, spec)
-    ctx.num_tiles = gemm_num_tiles(spec)
-    ctx.workspace_bytes = gemm_workspace_bytes(spec)
-    ctx.flops = 2 * spec.M * spec.N * spec.K
-    ctx.notes["gemm"] = _describe(spec)
+    finish_contraction(ctx, spec)
 
 
 register(OpDef(name="Gemm", category=Category.CONTRACTION, lower=_lower_gemm, dtypes=F32,

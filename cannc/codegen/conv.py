@@ -1,0 +1,1303 @@
+"""Convolution kernels as LLVM IR: implicit GEMMs with register-blocked micro-kernels.
+
+Every convolution is normalised to three spatial dimensions (1-D and 2-D put
+size-1 dims in front) and seen per image ``n`` and group ``g`` as
+
+    Y[n, g][Mg, OD*OH*OW] = W[g][Mg, K] x col[K, OD*OH*OW],   K = Cg*KD*KH*KW
+
+with ``k = ci*KK + tap`` -- the natural layout of a Conv weight, so ``W[g]``
+is the weight tensor itself, row-major. ``col`` is never materialised whole.
+
+A tile is ``(n, g, pixel block, output-channel block)`` (``plan_conv`` models
+the two-core split and picks the grid); per tile and per block of ``CB``
+input channels (``KC = CB*KK`` reduction rows) one of three schemes runs:
+
+* direct (stride 1, output rows/planes as large as the input's, <= 9 taps:
+  3x3 "same" convs, 1x1 convs): each tap reads X in place at a constant
+  offset from the output pixel, so the micro-kernel's vector loads go straight
+  to X; padding and row wrap-around are per-tap lane masks. No copies.
+* im2col: the ``kc x P`` block of ``col`` is built in the per-core workspace,
+  row segments copied with masked ``<16 x float>`` loads (stride 1), two loads
+  and an even-lane shuffle (stride 2) or masked gathers (other strides,
+  transposed convolutions); padding is the load masks (zeros).
+* swapped (small images, e.g. 14x14 and 7x7 whose pixel count is no multiple
+  of 32): im2col, then a micro-tile of MR pixels x 32 output channels with the
+  vectors along channels (weights packed in 32-channel panels), so no lanes are
+  wasted on ragged pixel counts; partial sums live in the workspace between
+  reduction blocks and the results are scattered to Y once.
+
+The micro-kernel (``_ConvGen.micro``) keeps ``MR x NV`` ``<16 x float>``
+accumulators as phi values (``llvm.fma.v16f32``, one operand broadcast, the
+k loop unrolled), following shared/PERFORMANCE_NOTES.md. Partial sums live in
+Y (or the workspace) between reduction blocks; the bias and an optional
+elementwise epilogue are applied on the last one.
+
+Weights are packed at compile time (``pack_weights``) into
+``[G][ceil(Mg/CU)][K][CU]`` panels (zero padded); runtime weights are packed
+the same way per tile and reduction block into the workspace.
+
+ConvTranspose is the same kernel over a virtually up-sampled input (the
+fractionally strided convolution): input tap ``iv = o - pad' + k*d`` exists
+when ``iv % stride == 0``, with the kernel flipped and in/out channels swapped
+(done by ``pack_weights`` / the runtime packer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import llvmlite.ir as ir
+import numpy as np
+
+F32 = ir.FloatType()
+I1 = ir.IntType(1)
+I8 = ir.IntType(8)
+I32 = ir.IntType(32)
+I64 = ir.IntType(64)
+PTR = ir.PointerType()
+VOID = ir.VoidType()
+VF = ir.VectorType(F32, 16)
+VM = ir.VectorType(I1, 16)
+VI = ir.VectorType(I32, 16)
+VPTR = ir.VectorType(PTR, 16)
+
+# epilogue(builder, value <16 x float>) -> value: an elementwise map applied to the final
+# results (after the bias) before they are stored, e.g. a fused activation
+Epilogue = Callable[[ir.IRBuilder, ir.Value], ir.Value]
+
+
+def c64(v: int) -> ir.Constant:
+    return ir.Constant(I64, int(v))
+
+
+def c32(v: int) -> ir.Constant:
+    return ir.Constant(I32, int(v))
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def rup(a: int, b: int) -> int:
+    return cdiv(a, b) * b
+
+
+# ---------------------------------------------------------------------------
+# a small vector-kernel builder shared by the conv and pool emitters
+# ---------------------------------------------------------------------------
+
+class VB:
+    """IRBuilder plus the vector helpers the window and GEMM kernels need."""
+
+    def __init__(self, module: ir.Module, fn: ir.Function) -> None:
+        self.m = module
+        self.fn = fn
+        self.b = ir.IRBuilder(fn.append_basic_block("entry"))
+        self._n = 0
+        self.zero_v = ir.Constant(VF, None)
+        self.zero_m = ir.Constant(VM, None)
+        self.ones_m = ir.Constant(VM, [1] * 16)
+        self.iota = ir.Constant(VI, list(range(16)))
+
+    # intrinsics
+    def intr(self, name: str, ret: ir.Type, args: Sequence[ir.Type]) -> ir.Function:
+        g = self.m.globals.get(name)
+        if g is None:
+            g = ir.Function(self.m, ir.FunctionType(ret, list(args)), name)
+        return g
+
+    def fma(self, a, x, c):
+        return self.b.call(self.intr("llvm.fma.v16f32", VF, [VF, VF, VF]), [a, x, c])
+
+    def mload(self, ptr, mask, passthru=None):
+        f = self.intr("llvm.masked.load.v16f32.p0", VF, [PTR, I32, VM, VF])
+        return self.b.call(f, [ptr, c32(4), mask, passthru if passthru is not None else self.zero_v])
+
+    def mstore(self, val, ptr, mask):
+        f = self.intr("llvm.masked.store.v16f32.p0", VOID, [VF, PTR, I32, VM])
+        self.b.call(f, [val, ptr, c32(4), mask])
+
+    def load(self, ptr, mask=None, passthru=None):
+        if mask is None:
+            return self.b.load(ptr, typ=VF, align=4)
+        return self.mload(ptr, mask, passthru)
+
+    def store(self, val, ptr, mask=None):
+        if mask is None:
+            self.b.store(val, ptr, align=4)
+        else:
+            self.mstore(val, ptr, mask)
+
+    def gather(self, base, idx, mask, passthru=None):
+        """Masked gather of base[idx[i]] (idx a <16 x i32>)."""
+        ptrs = self.b.gep(base, [idx], source_etype=F32)
+        ptrs.type = VPTR  # llvmlite types a vector GEP as a scalar ptr
+        f = self.intr("llvm.masked.gather.v16f32.v16p0", VF, [VPTR, I32, VM, VF])
+        return self.b.call(f, [ptrs, c32(4), mask, passthru if passthru is not None else self.zero_v])
+
+    def prefetch_w(self, ptr):
+        f = self.intr("llvm.prefetch.p0", VOID, [PTR, I32, I32, I32])
+        self.b.call(f, [ptr, c32(1), c32(3), c32(1)])
+
+    # scalars and splats
+    def gep(self, ptr, idx, ty=F32):
+        if isinstance(idx, int):
+            if idx == 0:
+                return ptr
+            idx = c64(idx)
+        return self.b.gep(ptr, [idx], source_etype=ty)
+
+    def splat(self, x, vt):
+        b = self.b
+        v = b.insert_element(ir.Constant(vt, ir.Undefined), x, c32(0))
+        return b.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(VI, None))
+
+    def splat_f(self, x):
+        if isinstance(x, (int, float)):
+            return ir.Constant(VF, [float(x)] * 16)
+        return self.splat(x, VF)
+
+    def splat_i(self, x):
+        if isinstance(x, int):
+            return ir.Constant(VI, [int(x)] * 16)
+        if x.type == I64:
+            x = self.b.trunc(x, I32)
+        return self.splat(x, VI)
+
+    def smin(self, a, c):
+        c = c64(c) if isinstance(c, int) else c
+        return self.b.select(self.b.icmp_signed("<", a, c), a, c)
+
+    def smax(self, a, c):
+        c = c64(c) if isinstance(c, int) else c
+        return self.b.select(self.b.icmp_signed(">", a, c), a, c)
+
+    def lanes_lt(self, first: ir.Value | int, limit: ir.Value | int):
+        """mask of lanes with first + i < limit (signed, i32 lanes)."""
+        b = self.b
+        if isinstance(first, int) and isinstance(limit, int):
+            return ir.Constant(VM, [1 if first + i < limit else 0 for i in range(16)])
+        lanes = b.add(self.splat_i(first), self.iota)
+        return b.icmp_signed("<", lanes, self.splat_i(limit))
+
+    def mask_and(self, m, cond):
+        """m & splat(cond) for an i1 scalar cond."""
+        if cond is True or cond is None:
+            return m
+        return self.b.select(cond, m, self.zero_m)
+
+    def name(self, base):
+        self._n += 1
+        return f"{base}{self._n}"
+
+    @contextlib.contextmanager
+    def loop(self, start, stop, step=1, name="i"):
+        """for (i = start; i < stop; i += step), signed i64."""
+        b = self.b
+        start = c64(start) if isinstance(start, int) else start
+        stop = c64(stop) if isinstance(stop, int) else stop
+        step = c64(step) if isinstance(step, int) else step
+        pre = b.block
+        hdr = b.append_basic_block(self.name(name + ".h"))
+        body = b.append_basic_block(self.name(name + ".b"))
+        ext = b.append_basic_block(self.name(name + ".x"))
+        b.branch(hdr)
+        b.position_at_end(hdr)
+        i = b.phi(I64, name=name)
+        i.add_incoming(start, pre)
+        b.cbranch(b.icmp_signed("<", i, stop), body, ext)
+        b.position_at_end(body)
+        yield i
+        i.add_incoming(b.add(i, step), b.block)
+        b.branch(hdr)
+        b.position_at_end(ext)
+
+    def divmod_c(self, x, d: int):
+        if d == 1:
+            return x, c64(0)
+        return self.b.udiv(x, c64(d)), self.b.urem(x, c64(d))
+
+    def arg(self, args, i):
+        return self.b.load(self.b.gep(args, [c64(i)], source_etype=PTR), typ=PTR, align=8)
+
+
+def abi_function(module: ir.Module, name: str) -> ir.Function:
+    fnty = ir.FunctionType(VOID, [PTR, I64, I64, PTR])
+    fn = ir.Function(module, fnty, name=name)
+    for a, n in zip(fn.args, ("args", "tile_begin", "tile_end", "workspace")):
+        a.name = n
+    fn.attributes.add("nounwind")
+    return fn
+
+
+def split_even(T: int, n: int):
+    return [(i * T // n, (i + 1) * T // n) for i in range(n)]
+
+
+def distinct_splits(P: int, limit: int | None = None):
+    """(parts, units per part) for the distinct ways to cut P units."""
+    out = {}
+    for p in range(1, P + 1):
+        if limit is not None and p > limit:
+            break
+        t = cdiv(P, p)
+        if t not in out:
+            out[t] = p
+    return sorted(out.items())
+
+
+# ---------------------------------------------------------------------------
+# geometry and planning
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ConvGeom:
+    """A convolution normalised to 3 spatial dims (D, H, W).
+
+    ``u`` > 1 marks a transposed convolution seen as a stride-1 convolution over
+    the input up-sampled by ``u`` (zeros between samples); then ``s`` is 1 and
+    ``pb`` is the equivalent convolution's begin padding (may be negative).
+    """
+
+    N: int
+    C: int           # input channels
+    M: int           # output channels
+    G: int
+    isz: tuple       # (D, H, W)
+    osz: tuple       # (OD, OH, OW)
+    k: tuple         # (KD, KH, KW)
+    s: tuple = (1, 1, 1)
+    d: tuple = (1, 1, 1)
+    pb: tuple = (0, 0, 0)
+    u: tuple = (1, 1, 1)
+    bias: bool = False
+
+    @property
+    def Cg(self) -> int:
+        return self.C // self.G
+
+    @property
+    def Mg(self) -> int:
+        return self.M // self.G
+
+    @property
+    def KK(self) -> int:
+        return self.k[0] * self.k[1] * self.k[2]
+
+    @property
+    def K(self) -> int:
+        return self.Cg * self.KK
+
+    @property
+    def OHW(self) -> int:
+        return self.osz[0] * self.osz[1] * self.osz[2]
+
+    @property
+    def DHW(self) -> int:
+        return self.isz[0] * self.isz[1] * self.isz[2]
+
+    @property
+    def transposed(self) -> bool:
+        return self.u != (1, 1, 1)
+
+    @property
+    def pointwise(self) -> bool:
+        return (self.k == (1, 1, 1) and self.s == (1, 1, 1) and self.pb == (0, 0, 0)
+                and not self.transposed and self.isz == self.osz)
+
+    @property
+    def direct_ok(self) -> bool:
+        """Stride 1 with output rows as wide and planes as tall as the input's: each
+        tap reads X at a constant offset from the output pixel (flattened), so the
+        GEMM can read X in place, masking what falls into the padding."""
+        return (self.s == (1, 1, 1) and not self.transposed
+                and self.osz[1:] == self.isz[1:] and self.KK <= DIRECT_MAX_TAPS)
+
+    def tap_offset(self, tap: int) -> int:
+        kd, r = divmod(tap, self.k[1] * self.k[2])
+        kh, kw = divmod(r, self.k[2])
+        D, H, W = self.isz
+        return (((kd * self.d[0] - self.pb[0]) * H + kh * self.d[1] - self.pb[1]) * W
+                + kw * self.d[2] - self.pb[2])
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.N * self.M * self.OHW * self.K
+
+
+@dataclass(frozen=True)
+class ConvPlan:
+    """Blocking of the implicit GEMM.
+
+    Orientation: normally the micro-tile is MR output channels x 16*NV output
+    pixels (vectors along pixels). With ``swap`` it is MR output pixels x
+    16*NV output channels (vectors along channels, weights packed as
+    16*NV-channel panels): no lanes are wasted on small images (7x7, 14x14)
+    whose pixel count is not a multiple of 32; results are scattered to Y.
+    """
+
+    swap: bool
+    MR: int
+    NV: int          # <16 x float> vectors per micro-tile row (NR = 16*NV)
+    KC: int          # reduction rows per block
+    nkb: int         # reduction blocks
+    P: int           # output pixels per pixel block
+    PB: int          # pixel blocks
+    CH: int          # output channels per channel block
+    MB: int          # channel blocks per group
+    NCP: int         # row stride of the col buffer (floats)
+    direct: bool     # read X in place per tap (no col buffer), see ConvGeom.direct_ok
+    CB: int          # input channels per reduction block (KC = CB*KK)
+    unroll: int
+    ws_col: int      # byte offsets in the workspace
+    ws_a: int
+    ws_acc: int      # swap: partial sums [P][CH] between reduction blocks
+    ws_bytes: int
+    num_tiles: int
+
+    @property
+    def NR(self) -> int:
+        return 16 * self.NV
+
+    @property
+    def CU(self) -> int:
+        """channel unit: rows of a weight panel."""
+        return self.NR if self.swap else self.MR
+
+
+def choose_mr(Mg: int) -> int:
+    if Mg <= 8:
+        return Mg
+    # prefer 6, but take 4..8 when it wastes fewer padded rows
+    best = None
+    for mr in (6, 8, 7, 5, 4):
+        waste = rup(Mg, mr) - Mg
+        key = (waste > 0, waste / Mg, mr != 6)
+        if best is None or key < best[0]:
+            best = (key, mr)
+    return best[1]
+
+
+# tunables (measured on Zen 4, see benchmarks/conv_bench.py)
+DIRECT_MAX_TAPS = 9         # the direct mode unrolls one k-loop per tap (code size, compile time)
+IM2COL_CHANNEL_INNER = 8    # im2col loops over channels innermost from this many per block
+KC_MAX = 256         # reduction rows per block (B micro-panel 32*KC*4 bytes)
+KC_MAX_DIRECT = 512  # direct mode: the block of A (Mg x KC) should stay in L2
+P_MAX = 256          # pixels per block
+SWAP_MAX_PIXELS = 1024
+
+
+def _grid(geom: ConvGeom, K: int, pu: int, cu: int, pmax: int, cores: int,
+          tile_cost) -> tuple:
+    """Best (PB, P, MB, CH) for pixel unit pu and channel unit cu."""
+    OHW, Mg = geom.OHW, geom.Mg
+    best = None
+    tmax = max(4096, geom.N * geom.G * cdiv(OHW, max(pu, (pmax // pu) * pu)))
+    for PB, qb in distinct_splits(cdiv(OHW, pu)):
+        P = qb * pu
+        if P > max(pmax, pu):
+            continue
+        for MB, mbs in distinct_splits(cdiv(Mg, cu)):
+            CH = mbs * cu
+            T = geom.N * geom.G * PB * MB
+            if T > tmax:
+                continue
+            # tile costs repeat with period PB*MB (tile = (n, g, pb, mb), mb fastest)
+            per = PB * MB
+            pre = [0.0]
+            for t in range(per):
+                mb, pb = t % MB, t // MB
+                ch = min(Mg, (mb + 1) * CH) - mb * CH
+                px = min(OHW, (pb + 1) * P) - pb * P
+                pre.append(pre[-1] + tile_cost(ch, px))
+
+            def upto(t):
+                return (t // per) * pre[per] + pre[t % per]
+
+            worst = max(upto(t1) - upto(t0) for t0, t1 in split_even(T, cores))
+            if best is None or worst < best[0] * 0.995 or (worst <= best[0] * 1.005 and T < best[5]):
+                best = (worst, PB, P, MB, CH, T)
+    return best
+
+
+# plan overrides applied to every plan_conv call without explicit tuning (tests, experiments)
+FORCE_TUNING: dict = {}
+
+
+def plan_conv(geom: ConvGeom, const_weights: bool = True, cores: int = 2,
+              tuning: Optional[dict] = None) -> ConvPlan:
+    """Choose orientation, blocking and the tile grid (modelled for `cores` cores).
+    ``tuning`` overrides decisions: swap, direct, MR, NV, KC, P, unroll."""
+    tun = dict(FORCE_TUNING if tuning is None else tuning)
+    Mg, K, OHW = geom.Mg, geom.K, geom.OHW
+    pmax = tun.get("P", P_MAX)
+    cands = []
+
+    # normal orientation: MR channels x 16*NV pixels
+    MR = tun.get("MR", choose_mr(Mg))
+    NV = tun.get("NV", 2 if OHW > 16 else 1)
+    NR = 16 * NV
+    direct = tun.get("direct", True) and geom.direct_ok
+    im2col_cost = 0.0 if direct else 6.0
+
+    def cost_n(ch, px):
+        c = 2.0 * rup(ch, MR) * rup(px, NR) * K + im2col_cost * K * px + 3000.0
+        if not const_weights:
+            c += 4.0 * rup(ch, MR) * K
+        return c
+
+    want_swap = tun.get("swap")
+    if want_swap is not True:
+        g = _grid(geom, K, NR, MR, pmax, cores, cost_n)
+        cands.append((g[0], False, MR, NV, direct, g))
+
+    # swapped: MR pixels x 32 channels (im2col only)
+    if want_swap is True or (want_swap is None and Mg >= 16 and OHW <= SWAP_MAX_PIXELS):
+        NVs = tun.get("NV", 2 if Mg > 16 else 1)
+        NRs = 16 * NVs
+        for MRs in ([tun["MR"]] if "MR" in tun else [8, 7, 6, 5, 4]):
+            def cost_s(ch, px, MRs=MRs):
+                c = 2.0 * rup(ch, NRs) * rup(px, MRs) * K + 6.0 * K * px + 3000.0 + 40.0 * ch * px / 16
+                if not const_weights:
+                    c += 4.0 * rup(ch, NRs) * K
+                return c
+            pm = max(MRs, (pmax // MRs) * MRs)
+            g = _grid(geom, K, MRs, NRs, pm, cores, cost_s)
+            # a small preference for the normal orientation (cheaper stores, maybe direct)
+            cands.append((g[0] * 1.02, True, MRs, NVs, False, g))
+    cost, swap, MR, NV, direct, (_, PB, P, MB, CH, T) = min(cands, key=lambda c: c[0])
+    NR = 16 * NV
+    if swap:
+        direct = False
+    # reduction blocks of whole input channels
+    kcmax = tun.get("KC", KC_MAX_DIRECT if direct else KC_MAX)
+    nkb = cdiv(K, kcmax)
+    CB = cdiv(geom.Cg, nkb)
+    nkb = cdiv(geom.Cg, CB)
+    KC = CB * geom.KK
+    NCP = rup(P, 16) + 16
+    ws_col = 0
+    col_bytes = 0 if direct else KC * NCP * 4
+    ws_a = rup(col_bytes, 64)
+    a_bytes = 0 if const_weights else rup(CH, NR if swap else MR) * KC * 4
+    ws_acc = rup(ws_a + a_bytes, 64)
+    acc_bytes = P * CH * 4 if (swap and nkb > 1) else 0
+    ws_bytes = rup(ws_acc + acc_bytes, 64)
+    return ConvPlan(swap=swap, MR=MR, NV=NV, KC=KC, nkb=nkb, P=P, PB=PB, CH=CH, MB=MB, NCP=NCP,
+                    direct=direct, CB=CB, unroll=tun.get("unroll", 2 if MR * NV > 8 else 4),
+                    ws_col=ws_col, ws_a=ws_a, ws_acc=ws_acc, ws_bytes=ws_bytes, num_tiles=T)
+
+
+# ---------------------------------------------------------------------------
+# weights
+# ---------------------------------------------------------------------------
+
+def conv_weight_matrix(geom: ConvGeom, w: np.ndarray, transposed_layout: bool = False) -> np.ndarray:
+    """The weights as [G, Mg, K] (K in (ci, kd, kh, kw) order).
+
+    ``transposed_layout``: ``w`` is a ConvTranspose weight [C, Mg, KD, KH, KW]
+    (already reshaped to 3 spatial dims); it is flipped and channel-swapped.
+    """
+    G, Mg, Cg = geom.G, geom.Mg, geom.Cg
+    w = np.asarray(w, dtype=np.float32)
+    if transposed_layout:
+        w = w.reshape(G, Cg, Mg, *geom.k)[..., ::-1, ::-1, ::-1]
+        w = w.transpose(0, 2, 1, 3, 4, 5)          # [G, Mg, Cg, kd, kh, kw]
+    return np.ascontiguousarray(w).reshape(G, Mg, geom.K)
+
+
+def k_order(geom: ConvGeom, plan: ConvPlan) -> np.ndarray:
+    """Natural reduction index (ci*KK + tap) of each position of the packed K axis.
+    im2col: the natural order; direct: per block of CB channels, tap-major."""
+    K, KK = geom.K, geom.KK
+    if not plan.direct:
+        return np.arange(K)
+    order = []
+    for c0 in range(0, geom.Cg, plan.CB):
+        cb = min(plan.CB, geom.Cg - c0)
+        for tap in range(KK):
+            order.extend((c0 + ci) * KK + tap for ci in range(cb))
+    return np.array(order, dtype=np.int64)
+
+
+def pack_weights(geom: ConvGeom, plan: ConvPlan, w: np.ndarray,
+                 transposed_layout: bool = False) -> np.ndarray:
+    """Pack weights into [G][ceil(Mg/CU)][K][CU] panels, zero padded (flat float32);
+    CU = MR channels (normal orientation) or 16*NV channels (swapped)."""
+    a = conv_weight_matrix(geom, w, transposed_layout)
+    a = a[:, :, k_order(geom, plan)]
+    G, Mg, K, MR = geom.G, geom.Mg, geom.K, plan.CU
+    Mp = cdiv(Mg, MR)
+    out = np.zeros((G, Mp * MR, K), dtype=np.float32)
+    out[:, :Mg] = a
+    out = out.reshape(G, Mp, MR, K).transpose(0, 1, 3, 2)
+    return np.ascontiguousarray(out).reshape(-1)
+
+
+# ---------------------------------------------------------------------------
+# the implicit-GEMM kernel
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Slots:
+    """Positions in the kernel's argument array."""
+    x: int = 0
+    w: int = 1
+    b: int = 2       # -1: no bias
+    y: int = 3
+
+
+class _ConvGen:
+    def __init__(self, module, fn, geom: ConvGeom, plan: ConvPlan, slots: Slots,
+                 a_prepacked: bool, transposed_layout: bool, epilogue: Optional[Epilogue]):
+        self.v = VB(module, fn)
+        self.g = geom
+        self.p = plan
+        self.slots = slots
+        self.a_prepacked = a_prepacked
+        self.tl = transposed_layout
+        self.epilogue = epilogue
+
+    def emit(self):
+        v, g, p = self.v, self.g, self.p
+        b = v.b
+        args, tb, te, ws = v.fn.args
+        self.X = v.arg(args, self.slots.x)
+        self.W = v.arg(args, self.slots.w)
+        self.Bias = v.arg(args, self.slots.b) if g.bias else None
+        self.Y = v.arg(args, self.slots.y)
+        self.col = b.gep(ws, [c64(p.ws_col)], source_etype=I8)
+        self.wsa = b.gep(ws, [c64(p.ws_a)], source_etype=I8)
+        self.acc = b.gep(ws, [c64(p.ws_acc)], source_etype=I8)
+        MB, PB, G = p.MB, p.PB, g.G
+        with v.loop(tb, te, 1, "tile") as t:
+            r, mb = v.divmod_c(t, MB)
+            r, pb = v.divmod_c(r, PB)
+            n, gi = v.divmod_c(r, G)
+            p0 = b.mul(pb, c64(p.P))
+            p1 = v.smin(b.add(p0, c64(p.P)), g.OHW)
+            m_lo = b.mul(mb, c64(p.CH))
+            m_hi = v.smin(b.add(m_lo, c64(p.CH)), g.Mg)
+            x_ng = v.gep(self.X, b.mul(b.add(b.mul(n, c64(g.C)), b.mul(gi, c64(g.Cg))), c64(g.DHW)))
+            ch0 = b.mul(gi, c64(g.Mg))   # first output channel of the group
+            y_ng = v.gep(self.Y, b.mul(b.add(b.mul(n, c64(g.M)), ch0), c64(g.OHW)))
+            self.tile(gi, ch0, x_ng, y_ng, p0, p1, m_lo, m_hi)
+        b.ret_void()
+
+    # -- one tile ----------------------------------------------------------
+    def tile(self, gi, ch0, x_ng, y_ng, p0, p1, m_lo, m_hi):
+        v, g, p = self.v, self.g, self.p
+        b = v.b
+        npix = b.sub(p1, p0)
+        CU = p.CU
+
+        def w_panel(m, k0, kc):
+            """weight panel of channel m (multiple of CU) in the group, from row k0."""
+            if self.a_prepacked:
+                panel = b.add(b.mul(gi, c64(cdiv(g.Mg, CU))), b.udiv(m, c64(CU)))
+                return v.gep(self.W, b.add(b.mul(panel, c64(g.K * CU)), b.mul(k0, c64(CU))))
+            return v.gep(self.wsa, b.mul(b.udiv(b.sub(m, m_lo), c64(CU)), b.mul(kc, c64(CU))))
+
+        def body(kb, first, last):
+            if p.direct:
+                c0 = b.mul(kb, c64(p.CB)) if p.nkb > 1 else c64(0)
+                cb = v.smin(b.sub(c64(g.Cg), c0), p.CB) if p.nkb > 1 else c64(g.Cg)
+                k0 = b.mul(c0, c64(g.KK))
+                kc = b.mul(cb, c64(g.KK))
+                x_blk = v.gep(x_ng, b.add(b.mul(c0, c64(g.DHW)), p0))
+            else:
+                c0 = b.mul(kb, c64(p.CB)) if p.nkb > 1 else c64(0)
+                cb = v.smin(b.sub(c64(g.Cg), c0), p.CB) if p.nkb > 1 else c64(g.Cg)
+                k0 = b.mul(c0, c64(g.KK))
+                kc = b.mul(cb, c64(g.KK))
+                self.im2col(x_ng, c0, cb, p0, p1)
+            if not self.a_prepacked:
+                self.pack_a(gi, k0, kc, m_lo, m_hi)
+            if p.swap:
+                # jr: panels of NR channels (B = weights, from L1/L2);
+                # ir: MR pixels (A = col, broadcast)
+                with v.loop(m_lo, m_hi, p.NR, "jr") as jr:
+                    nch = v.smin(b.sub(m_hi, jr), p.NR)
+                    chmask = [v.lanes_lt(16 * j, nch) for j in range(p.NV)]
+                    b_base = w_panel(jr, k0, kc)
+                    with v.loop(c64(0), npix, p.MR, "ir") as ir_:
+                        npx = v.smin(b.sub(npix, ir_), p.MR)
+                        segs = [(v.gep(self.col, ir_), p.NCP, b_base, p.NR, kc, None)]
+                        io = _SwapIO(self, y_ng, ch0, jr, m_lo, ir_, p0, npx, chmask)
+                        self.micro(segs, io, first, last)
+                return
+            with v.loop(c64(0), npix, p.NR, "jr") as jr:
+                nr = v.smin(b.sub(npix, jr), p.NR)
+                colmask = [v.lanes_lt(16 * j, nr) for j in range(p.NV)]
+                if p.direct:
+                    tapmasks = self.tap_masks(b.add(p0, jr), colmask)
+                    b_jr = v.gep(x_blk, jr)
+                else:
+                    b_jr = v.gep(self.col, jr)
+                with v.loop(m_lo, m_hi, p.MR, "ir") as ir_:
+                    mr = v.smin(b.sub(m_hi, ir_), p.MR)
+                    a_base = w_panel(ir_, k0, kc)
+                    if p.direct:
+                        segs = []
+                        for tap in range(g.KK):
+                            a_t = v.gep(a_base, b.mul(cb, c64(tap * p.MR))) if tap else a_base
+                            segs.append((a_t, p.MR, v.gep(b_jr, g.tap_offset(tap)), g.DHW, cb,
+                                         tapmasks[tap]))
+                    else:
+                        segs = [(a_base, p.MR, b_jr, p.NCP, kc, None)]
+                    c_ptr = v.gep(y_ng, b.add(b.mul(ir_, c64(g.OHW)), b.add(p0, jr)))
+                    io = _NormalIO(self, c_ptr, mr, colmask, b.add(ch0, ir_))
+                    self.micro(segs, io, first, last)
+
+        if p.nkb == 1:
+            body(None, True, True)
+        else:
+            with v.loop(0, p.nkb, 1, "kb") as kb:
+                first = b.icmp_signed("==", kb, c64(0))
+                last = b.icmp_signed("==", kb, c64(p.nkb - 1))
+                body(kb, first, last)
+
+    def tap_masks(self, pix0, colmask):
+        """Direct mode: per tap and vector, the lanes (output pixels pix0 + i) whose
+        input pixel lies inside X (and inside the tile)."""
+        v, g, p = self.v, self.g, self.p
+        b = v.b
+        D, H, W = g.isz
+        KD, KH, KW = g.k
+        if g.pb == (0, 0, 0) and g.k == (1, 1, 1):
+            return [colmask]
+        res = [[None] * p.NV for _ in range(g.KK)]
+        for j in range(p.NV):
+            pix = b.add(v.splat_i(pix0), ir.Constant(VI, list(range(16 * j, 16 * j + 16))))
+            ow = b.urem(pix, v.splat_i(W))
+            rowi = b.udiv(pix, v.splat_i(W))
+            oh = b.urem(rowi, v.splat_i(H)) if D > 1 or KD > 1 else rowi
+            od = b.udiv(rowi, v.splat_i(H)) if D > 1 or KD > 1 else None
+            okd = []
+            for kd in range(KD):
+                if od is None:
+                    okd.append(None)
+                else:
+                    idd = b.add(od, v.splat_i(kd * g.d[0] - g.pb[0]))
+                    okd.append(b.icmp_unsigned("<", idd, v.splat_i(D)))
+            okh = []
+            for kh in range(KH):
+                off = kh * g.d[1] - g.pb[1]
+                if off == 0:    # oh < OH == H for the lanes of the tile
+                    okh.append(None)
+                    continue
+                ih = b.add(oh, v.splat_i(off))
+                okh.append(b.icmp_unsigned("<", ih, v.splat_i(H)))
+            okw = []
+            for kw in range(KW):
+                off = kw * g.d[2] - g.pb[2]
+                if off == 0:
+                    okw.append(None)
+                    continue
+                iw = b.add(ow, v.splat_i(off))
+                okw.append(b.icmp_unsigned("<", iw, v.splat_i(W)))
+            for kd in range(KD):
+                for kh in range(KH):
+                    for kw in range(KW):
+                        m = colmask[j]
+                        for c in (okd[kd], okh[kh], okw[kw]):
+                            if c is not None:
+                                m = b.and_(m, c)
+                        res[(kd * KH + kh) * KW + kw][j] = m
+        return res
+
+    # -- im2col ------------------------------------------------------------
+    def im2col(self, x_ng, c0, cb, p0, p1):
+        """col[(ci*KK + tap)*NCP + p - p0] = X(c0 + ci, input pixel of output pixel p
+        for the tap), 0 in the padding, for ci < cb and p0 <= p < p1.
+
+        Loops: tap, output row, 16-column chunk (masks computed here), channel --
+        the innermost loop is one or two masked loads and a store."""
+        v, g, p = self.v, self.g, self.p
+        b = v.b
+        D, H, W = g.isz
+        OD, OH, OW = g.osz
+        KD, KH, KW = g.k
+        sd, sh, sw = g.s
+        dd, dh, dw = g.d
+        pd, ph, pw = g.pb
+        ud, uh, uw = g.u
+        Dv, Hv, Wv = (D - 1) * ud + 1, (H - 1) * uh + 1, (W - 1) * uw + 1
+        x_c0 = v.gep(x_ng, b.mul(c0, c64(g.DHW)))
+        row_first = b.udiv(p0, c64(OW))
+        row_last = b.udiv(b.sub(p1, c64(1)), c64(OW))
+        dst_cstride = g.KK * p.NCP
+        with v.loop(0, g.KK, 1, "tap") as tap:
+            rem, kw = v.divmod_c(tap, KW)
+            kd, kh = v.divmod_c(rem, KH)
+            dst_tap = v.gep(self.col, b.mul(tap, c64(p.NCP)))
+            # input column of output column 0, in the (virtual) input row
+            offw = b.sub(b.mul(kw, c64(dw)), c64(pw))
+            with v.loop(row_first, b.add(row_last, c64(1)), 1, "row") as row:
+                od, oh = v.divmod_c(row, OH)
+                idv = b.add(b.mul(od, c64(sd)), b.sub(b.mul(kd, c64(dd)), c64(pd)))
+                ihv = b.add(b.mul(oh, c64(sh)), b.sub(b.mul(kh, c64(dh)), c64(ph)))
+                ok = b.and_(b.icmp_unsigned("<", idv, c64(Dv)), b.icmp_unsigned("<", ihv, c64(Hv)))
+                if ud > 1:
+                    ok = b.and_(ok, b.icmp_unsigned("==", b.urem(idv, c64(ud)), c64(0)))
+                if uh > 1:
+                    ok = b.and_(ok, b.icmp_unsigned("==", b.urem(ihv, c64(uh)), c64(0)))
+                id_ = b.udiv(idv, c64(ud)) if ud > 1 else idv
+                ih = b.udiv(ihv, c64(uh)) if uh > 1 else ihv
+                # safe row index when invalid (the loads are all masked off then)
+                rowidx = b.select(ok, b.add(b.mul(id_, c64(H)), ih), c64(0))
+                src_row = v.gep(x_c0, b.mul(rowidx, c64(W)))
+                rs = b.mul(row, c64(OW))
+                a = b.sub(v.smax(p0, rs), rs)
+                e = b.sub(v.smin(p1, b.add(rs, c64(OW))), rs)
+                dst_row = v.gep(dst_tap, b.sub(b.add(rs, a), p0))
+                if p.CB >= IM2COL_CHANNEL_INNER:
+                    with v.loop(a, e, 16, "ow") as ow:
+                        first, load = self.row_loader(ow, offw, ok, W, Wv, sw, uw)
+                        src0 = v.gep(src_row, first) if first is not None else src_row
+                        dst0 = v.gep(dst_row, b.sub(ow, a))
+                        self.channel_copy(src0, dst0, cb, load, g.DHW, dst_cstride)
+                else:
+                    with v.loop(c64(0), cb, 1, "ci") as ci:
+                        src_c = v.gep(src_row, b.mul(ci, c64(g.DHW)))
+                        dst_c = v.gep(dst_row, b.mul(ci, c64(dst_cstride)))
+                        with v.loop(a, e, 16, "ow") as ow:
+                            first, load = self.row_loader(ow, offw, ok, W, Wv, sw, uw)
+                            src0 = v.gep(src_c, first) if first is not None else src_c
+                            v.store(load(src0), v.gep(dst_c, b.sub(ow, a)))
+
+    def channel_copy(self, src0, dst0, cb, load, sstride, dstride):
+        """for ci < cb: dst0[ci*dstride:+16] = load(src0 + ci*sstride), unrolled by 2."""
+        v = self.v
+        b = v.b
+        pre = b.block
+        hdr = b.append_basic_block(v.name("cc.h"))
+        body = b.append_basic_block(v.name("cc.b"))
+        tail = b.append_basic_block(v.name("cc.t"))
+        ext = b.append_basic_block(v.name("cc.x"))
+        npair = b.sub(cb, b.and_(cb, c64(1)))
+        b.branch(hdr)
+        b.position_at_end(hdr)
+        ci = b.phi(I64)
+        sp = b.phi(PTR)
+        dp = b.phi(PTR)
+        ci.add_incoming(c64(0), pre)
+        sp.add_incoming(src0, pre)
+        dp.add_incoming(dst0, pre)
+        b.cbranch(b.icmp_signed("<", ci, npair), body, tail)
+        b.position_at_end(body)
+        x0 = load(sp)
+        x1 = load(v.gep(sp, sstride))
+        v.store(x0, dp)
+        v.store(x1, v.gep(dp, dstride))
+        ci.add_incoming(b.add(ci, c64(2)), body)
+        sp.add_incoming(v.gep(sp, 2 * sstride), body)
+        dp.add_incoming(v.gep(dp, 2 * dstride), body)
+        b.branch(hdr)
+        b.position_at_end(tail)
+        with b.if_then(b.icmp_signed("<", ci, cb)):
+            v.store(load(sp), dp)
+        b.branch(ext)
+        b.position_at_end(ext)
+
+    def row_loader(self, ow, offw, ok, W, Wv, sw, uw):
+        """(offset of lane 0 from the row start or None, load(src) -> 16 values) for output
+        columns ow..ow+15 of an input row (zeros outside the input)."""
+        v = self.v
+        b = v.b
+        base = b.add(b.mul(ow, c64(sw)), offw)     # input column of lane 0 (virtual if uw>1)
+        if uw == 1 and sw == 1:
+            lanes = b.add(v.splat_i(base), v.iota)
+            m = v.mask_and(b.icmp_unsigned("<", lanes, v.splat_i(W)), ok)
+            return base, lambda src: v.mload(src, m)
+        if uw == 1 and sw == 2:
+            l0 = b.add(v.splat_i(base), v.iota)
+            l1 = b.add(l0, v.splat_i(16))
+            m0 = v.mask_and(b.icmp_unsigned("<", l0, v.splat_i(W)), ok)
+            m1 = v.mask_and(b.icmp_unsigned("<", l1, v.splat_i(W)), ok)
+            even = ir.Constant(VI, list(range(0, 32, 2)))
+            return base, lambda src: b.shuffle_vector(v.mload(src, m0), v.mload(v.gep(src, 16), m1),
+                                                      even)
+        lanes = b.add(v.splat_i(base), b.mul(v.iota, v.splat_i(sw)))
+        m = b.icmp_unsigned("<", lanes, v.splat_i(Wv))
+        if uw > 1:
+            m = b.and_(m, b.icmp_unsigned("==", b.urem(lanes, v.splat_i(uw)), v.splat_i(0)))
+            lanes = b.udiv(lanes, v.splat_i(uw))
+        m = v.mask_and(m, ok)
+        return None, lambda src: v.gather(src, lanes, m)
+
+    # -- runtime weight packing ------------------------------------------------
+    def pack_a(self, gi, k0, kc, m_lo, m_hi):
+        """wsa[panel][kk][MR] = A(g, m_lo + panel*MR + r, k0 + kk) (0 beyond Mg), with the
+        packed reduction order of the plan (see k_order)."""
+        v, g, p = self.v, self.g, self.p
+        b = v.b
+        MR = p.CU
+        with v.loop(m_lo, m_hi, MR, "pa") as ir_:
+            dst0 = v.gep(self.wsa, b.mul(b.udiv(b.sub(ir_, m_lo), c64(MR)), b.mul(kc, c64(MR))))
+            with v.loop(c64(0), kc, 1, "pak") as kk:
+                dst = v.gep(dst0, b.mul(kk, c64(MR)))
+                if p.direct:
+                    # block of cb channels starting at c0 = k0/KK, tap-major
+                    cb = b.udiv(kc, c64(g.KK))
+                    tap = b.udiv(kk, cb)
+                    ci = b.add(b.udiv(k0, c64(g.KK)), b.urem(kk, cb))
+                else:
+                    ci, tap = v.divmod_c(b.add(k0, kk), g.KK)
+                k = b.add(b.mul(ci, c64(g.KK)), tap)
+                if self.tl:
+                    sp = b.sub(c64(g.KK - 1), tap)
+                for r in range(MR):
+                    m = b.add(ir_, c64(r))
+                    okr = b.icmp_signed("<", m, m_hi)
+                    m = b.select(okr, m, m_lo)
+                    if self.tl:
+                        # W_T[(g*Cg + ci)][m][KK-1-tap]
+                        idx = b.add(b.mul(b.add(b.mul(b.add(b.mul(gi, c64(g.Cg)), ci), c64(g.Mg)), m),
+                                          c64(g.KK)), sp)
+                    else:
+                        idx = b.add(b.mul(b.add(b.mul(gi, c64(g.Mg)), m), c64(g.K)), k)
+                    x = b.load(v.gep(self.W, idx), typ=F32, align=4)
+                    x = b.select(okr, x, ir.Constant(F32, 0.0))
+                    b.store(x, v.gep(dst, r), align=4)
+
+    # -- micro-kernel ------------------------------------------------------------
+    def micro(self, segs, io, first, last):
+        """acc[MR][NV] += sum over segments (a, a_ks, b, b_ks, count, bmasks) of
+        a[k*a_ks + r] * b[k*b_ks + 16j] (b loads masked by bmasks[j] when given);
+        `io` initialises (zero or partial sums) and stores the accumulators."""
+        v, p = self.v, self.p
+        b = v.b
+        MR, NV, U = p.MR, p.NV, p.unroll
+        io.prefetch()
+        accs = [[v.zero_v if first is True else io.load_partial(r, j, first) for j in range(NV)]
+                for r in range(MR)]
+
+        def step(accs, a_ptr, b_ptr, u, a_ks, b_ks, bmasks):
+            bv = [v.load(v.gep(b_ptr, u * b_ks + 16 * j), bmasks[j] if bmasks else None)
+                  for j in range(NV)]
+            new = []
+            for r in range(MR):
+                x = b.load(v.gep(a_ptr, u * a_ks + r), typ=F32, align=4)
+                xs = v.splat(x, VF)
+                new.append([v.fma(xs, bv[j], accs[r][j]) for j in range(NV)])
+            return new
+
+        def kloop(k0, kend, accs, a_ptr, b_ptr, nstep, a_ks, b_ks, bmasks, tag):
+            pre = b.block
+            hdr = b.append_basic_block(v.name(tag + ".h"))
+            body = b.append_basic_block(v.name(tag + ".b"))
+            ext = b.append_basic_block(v.name(tag + ".x"))
+            b.branch(hdr)
+            b.position_at_end(hdr)
+            k = b.phi(I64, name="k")
+            k.add_incoming(k0, pre)
+            acc_phi = [[b.phi(VF) for _ in range(NV)] for _ in range(MR)]
+            a_phi = b.phi(PTR)
+            b_phi = b.phi(PTR)
+            for r in range(MR):
+                for j in range(NV):
+                    acc_phi[r][j].add_incoming(accs[r][j], pre)
+            a_phi.add_incoming(a_ptr, pre)
+            b_phi.add_incoming(b_ptr, pre)
+            b.cbranch(b.icmp_signed("<", k, kend), body, ext)
+            b.position_at_end(body)
+            cur = acc_phi
+            for u in range(nstep):
+                cur = step(cur, a_phi, b_phi, u, a_ks, b_ks, bmasks)
+            latch = b.block
+            k.add_incoming(b.add(k, c64(nstep)), latch)
+            for r in range(MR):
+                for j in range(NV):
+                    acc_phi[r][j].add_incoming(cur[r][j], latch)
+            a_phi.add_incoming(v.gep(a_phi, nstep * a_ks), latch)
+            b_phi.add_incoming(v.gep(b_phi, nstep * b_ks), latch)
+            b.branch(hdr)
+            b.position_at_end(ext)
+            return k, acc_phi, a_phi, b_phi
+
+        for a_base, a_ks, b_base, b_ks, kc, bmasks in segs:
+            if U > 1:
+                kmain = b.sub(kc, b.srem(kc, c64(U)))
+                k, accs, a_ptr, b_ptr = kloop(c64(0), kmain, accs, a_base, b_base, U, a_ks, b_ks,
+                                              bmasks, "ku")
+                _, accs, _, _ = kloop(k, kc, accs, a_ptr, b_ptr, 1, a_ks, b_ks, bmasks, "kr")
+            else:
+                _, accs, _, _ = kloop(c64(0), kc, accs, a_base, b_base, 1, a_ks, b_ks, bmasks, "k")
+
+        if last is True:
+            io.store_final(accs)
+        else:
+            fin = b.append_basic_block(v.name("st.fin"))
+            raw = b.append_basic_block(v.name("st.raw"))
+            done = b.append_basic_block(v.name("st.done"))
+            b.cbranch(last, fin, raw)
+            b.position_at_end(raw)
+            io.store_partial(accs)
+            b.branch(done)
+            b.position_at_end(fin)
+            io.store_final(accs)
+            b.branch(done)
+            b.position_at_end(done)
+
+
+class _NormalIO:
+    """Micro-tile of MR output channels (rows) x 16*NV pixels, stored to Y in place."""
+
+    def __init__(self, gen, c_ptr, mr, colmask, ch, ldc=None, raw=False):
+        self.gen, self.v, self.p = gen, gen.v, gen.p
+        v, b = self.v, gen.v.b
+        self.ch = ch
+        self.mr = mr
+        self.raw = raw      # final values without bias/epilogue (an intermediate result)
+        ldc = gen.g.OHW if ldc is None else ldc
+        rowok = [True] + [b.icmp_signed("<", c64(r), mr) for r in range(1, self.p.MR)]
+        self.masks = [[v.mask_and(colmask[j], rowok[r]) for j in range(self.p.NV)]
+                      for r in range(self.p.MR)]
+        self.rows = [c_ptr] + [v.gep(c_ptr, r * ldc) for r in range(1, self.p.MR)]
+
+    def prefetch(self):
+        for r in range(self.p.MR):
+            for j in range(self.p.NV):
+                self.v.prefetch_w(self.v.gep(self.rows[r], 16 * j))
+
+    def load_partial(self, r, j, first):
+        v = self.v
+        mk = v.b.select(first, v.zero_m, self.masks[r][j])
+        return v.mload(v.gep(self.rows[r], 16 * j), mk)
+
+    def store_partial(self, accs):
+        for r in range(self.p.MR):
+            for j in range(self.p.NV):
+                self.v.mstore(accs[r][j], self.v.gep(self.rows[r], 16 * j), self.masks[r][j])
+
+    def store_final(self, accs):
+        v, b, gen = self.v, self.v.b, self.gen
+        if self.raw:
+            return self.store_partial(accs)
+        for r in range(self.p.MR):
+            if gen.Bias is not None:
+                m = b.add(self.ch, c64(r)) if r else self.ch
+                mm = b.select(b.icmp_signed("<", c64(r), self.mr), m, self.ch) if r else m
+                bias = v.splat(b.load(v.gep(gen.Bias, mm), typ=F32, align=4), VF)
+            for j in range(self.p.NV):
+                val = accs[r][j]
+                if gen.Bias is not None:
+                    val = b.fadd(val, bias)
+                if gen.epilogue is not None:
+                    val = gen.epilogue(b, val)
+                v.mstore(val, v.gep(self.rows[r], 16 * j), self.masks[r][j])
+
+
+class _SwapIO:
+    """Micro-tile of MR output pixels (rows) x 16*NV channels: partial sums in the
+    workspace ([P][CH], pixel-major), final values scattered to Y."""
+
+    def __init__(self, gen, y_ng, ch0, jr, m_lo, ir_, p0, npx, chmask):
+        self.gen, self.v, self.p = gen, gen.v, gen.p
+        v, b, p, g = self.v, gen.v.b, gen.p, gen.g
+        self.jr = jr
+        self.ch0 = ch0
+        self.chmask = chmask
+        pxok = [True] + [b.icmp_signed("<", c64(r), npx) for r in range(1, p.MR)]
+        self.masks = [[v.mask_and(chmask[j], pxok[r]) for j in range(p.NV)] for r in range(p.MR)]
+        # partial sums: acc[(ir + r) * CH + (jr - m_lo) + 16j]
+        base = b.add(b.mul(ir_, c64(p.CH)), b.sub(jr, m_lo))
+        self.acc_rows = [v.gep(gen.acc, b.add(base, c64(r * p.CH))) for r in range(p.MR)]
+        # Y[(jr + lane) * OHW + p0 + ir + r]
+        self.y_pix = v.gep(y_ng, b.add(b.mul(jr, c64(g.OHW)), b.add(p0, ir_)))
+        self.lane_off = [ir.Constant(VI, [(16 * j + i) * g.OHW for i in range(16)])
+                         for j in range(p.NV)]
+
+    def prefetch(self):
+        pass
+
+    def load_partial(self, r, j, first):
+        v = self.v
+        mk = v.b.select(first, v.zero_m, self.masks[r][j])
+        return v.mload(v.gep(self.acc_rows[r], 16 * j), mk)
+
+    def store_partial(self, accs):
+        for r in range(self.p.MR):
+            for j in range(self.p.NV):
+                self.v.mstore(accs[r][j], self.v.gep(self.acc_rows[r], 16 * j), self.masks[r][j])
+
+    def store_final(self, accs):
+        v, b, gen, p = self.v, self.v.b, self.gen, self.p
+        f = v.intr("llvm.masked.scatter.v16f32.v16p0", ir.VoidType(), [VF, VPTR, I32, VM])
+        biases = []
+        if gen.Bias is not None:
+            bp = v.gep(gen.Bias, b.add(self.ch0, self.jr))
+            biases = [v.mload(v.gep(bp, 16 * j), self.chmask[j]) for j in range(p.NV)]
+        for r in range(p.MR):
+            yp = v.gep(self.y_pix, r)
+            for j in range(p.NV):
+                val = accs[r][j]
+                if biases:
+                    val = b.fadd(val, biases[j])
+                if gen.epilogue is not None:
+                    val = gen.epilogue(b, val)
+                ptrs = b.gep(yp, [self.lane_off[j]], source_etype=F32)
+                ptrs.type = VPTR
+                b.call(f, [val, ptrs, c32(4), self.masks[r][j]])
+
+
+# ---------------------------------------------------------------------------
+# ConvTranspose: GEMM into the workspace + col2im (constant weights)
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ConvTGeom:
+    """A ConvTranspose normalised to 3 spatial dims: y[o] += x[i] w[k] for
+    o = i*s - pb + k*d. Weights [C, Mg, KD, KH, KW]."""
+
+    N: int
+    C: int
+    M: int
+    G: int
+    isz: tuple
+    osz: tuple
+    k: tuple
+    s: tuple
+    d: tuple
+    pb: tuple
+    bias: bool = False
+
+    @property
+    def Cg(self) -> int:
+        return self.C // self.G
+
+    @property
+    def Mg(self) -> int:
+        return self.M // self.G
+
+    @property
+    def KK(self) -> int:
+        return self.k[0] * self.k[1] * self.k[2]
+
+    @property
+    def HW(self) -> int:
+        return self.isz[0] * self.isz[1] * self.isz[2]
+
+    @property
+    def OHW(self) -> int:
+        return self.osz[0] * self.osz[1] * self.osz[2]
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.N * self.C * self.HW * self.Mg * self.KK
+
+
+@dataclass(frozen=True)
+class ConvTPlan:
+    MR: int
+    NV: int
+    CHB: int        # output channels per tile
+    MB: int         # channel blocks per group
+    rows: int       # GEMM rows per tile, CHB*KK rounded up to MR
+    CB: int         # input channels per reduction block
+    nkb: int
+    unroll: int
+    ws_bytes: int
+    num_tiles: int
+
+    @property
+    def NR(self) -> int:
+        return 16 * self.NV
+
+    @property
+    def swap(self) -> bool:
+        return False
+
+    @property
+    def direct(self) -> bool:
+        return True
+
+
+CT_Z_BYTES = 512 * 1024     # target size of a tile's GEMM result (stays in L2)
+
+
+def plan_convtranspose(geom: ConvTGeom, cores: int = 2) -> ConvTPlan:
+    KK, HW, Mg = geom.KK, geom.HW, geom.Mg
+    MR = 8 if KK % 8 == 0 else 6
+    zrow = rup(HW, 16) * 4
+    best = None
+    for MB, chb in distinct_splits(Mg):
+        rows = rup(chb * KK, MR)
+        if rows * zrow > CT_Z_BYTES and chb > 1:
+            continue
+        T = geom.N * geom.G * MB
+        per = [0.0] * MB
+        for mb in range(MB):
+            ch = min(Mg, (mb + 1) * chb) - mb * chb
+            per[mb] = 2.0 * rup(ch * KK, MR) * geom.Cg * rup(HW, 32) + 4.0 * ch * geom.OHW * KK + 5000
+        worst = 0.0
+        for t0, t1 in split_even(T, cores):
+            worst = max(worst, sum(per[t % MB] for t in range(t0, t1)))
+        if best is None or worst < best[0] * 0.995:
+            best = (worst, MB, chb, rows, T)
+    _, MB, CHB, rows, T = best
+    nkb = cdiv(geom.Cg, KC_MAX_DIRECT)
+    CB = cdiv(geom.Cg, nkb)
+    nkb = cdiv(geom.Cg, CB)
+    return ConvTPlan(MR=MR, NV=2, CHB=CHB, MB=MB, rows=rows, CB=CB, nkb=nkb, unroll=2,
+                     ws_bytes=rup(rows * zrow, 64), num_tiles=T)
+
+
+def pack_convtranspose_weights(geom: ConvTGeom, plan: ConvTPlan, w: np.ndarray) -> np.ndarray:
+    """[G][MB][rows/MR][Cg][MR]: GEMM rows (m_local*KK + tap) of each channel block."""
+    G, Cg, Mg, KK, MR = geom.G, geom.Cg, geom.Mg, geom.KK, plan.MR
+    w = np.asarray(w, dtype=np.float32).reshape(G, Cg, Mg, KK)
+    a = w.transpose(0, 2, 3, 1)                      # [G, Mg, KK, Cg]
+    out = np.zeros((G, plan.MB, plan.rows, Cg), dtype=np.float32)
+    for mb in range(plan.MB):
+        m0, m1 = mb * plan.CHB, min(Mg, (mb + 1) * plan.CHB)
+        out[:, mb, :(m1 - m0) * KK] = a[:, m0:m1].reshape(G, (m1 - m0) * KK, Cg)
+    out = out.reshape(G, plan.MB, plan.rows // MR, MR, Cg).transpose(0, 1, 2, 4, 3)
+    return np.ascontiguousarray(out).reshape(-1)
+
+
+class _ConvTGen(_ConvGen):
+    def __init__(self, module, fn, geom: ConvTGeom, plan: ConvTPlan, slots: Slots,
+                 epilogue: Optional[Epilogue]):
+        self.v = VB(module, fn)
+        self.g = geom
+        self.p = plan
+        self.slots = slots
+        self.epilogue = epilogue
+
+    def emit(self):
+        v, g, p = self.v, self.g, self.p
+        b = v.b
+        args, tb, te, ws = v.fn.args
+        self.X = v.arg(args, self.slots.x)
+        self.W = v.arg(args, self.slots.w)
+        self.Bias = v.arg(args, self.slots.b) if g.bias else None
+        self.Y = v.arg(args, self.slots.y)
+        self.Z = ws
+        with v.loop(tb, te, 1, "tile") as t:
+            r, mb = v.divmod_c(t, p.MB)
+            n, gi = v.divmod_c(r, g.G)
+            m_lo = b.mul(mb, c64(p.CHB))
+            nch = b.sub(v.smin(b.add(m_lo, c64(p.CHB)), g.Mg), m_lo)
+            x_ng = v.gep(self.X, b.mul(b.add(b.mul(n, c64(g.C)), b.mul(gi, c64(g.Cg))), c64(g.HW)))
+            ch0 = b.add(b.mul(gi, c64(g.Mg)), m_lo)
+            y_t = v.gep(self.Y, b.mul(b.add(b.mul(n, c64(g.M)), ch0), c64(g.OHW)))
+            w_t = v.gep(self.W, b.mul(b.add(b.mul(gi, c64(p.MB)), mb), c64(p.rows * g.Cg)))
+            self.gemm(x_ng, w_t, b.mul(nch, c64(g.KK)))
+            self.col2im(y_t, ch0, nch)
+        b.ret_void()
+
+    def gemm(self, x_ng, w_t, nrows):
+        """Z[row][HW] = A[row][Cg] x X[Cg][HW] for the tile's rows (m_local*KK + tap)."""
+        v, g, p = self.v, self.g, self.p
+        b = v.b
+
+        def body(kb, first, last):
+            c0 = b.mul(kb, c64(p.CB)) if p.nkb > 1 else c64(0)
+            cb = v.smin(b.sub(c64(g.Cg), c0), p.CB) if p.nkb > 1 else c64(g.Cg)
+            x_blk = v.gep(x_ng, b.mul(c0, c64(g.HW)))
+            with v.loop(c64(0), c64(g.HW), p.NR, "jr") as jr:
+                nr = v.smin(b.sub(c64(g.HW), jr), p.NR)
+                colmask = [v.lanes_lt(16 * j, nr) for j in range(p.NV)]
+                b_jr = v.gep(x_blk, jr)
+                with v.loop(c64(0), nrows, p.MR, "ir") as ir_:
+                    mr = v.smin(b.sub(nrows, ir_), p.MR)
+                    a = v.gep(w_t, b.add(b.mul(b.udiv(ir_, c64(p.MR)), c64(g.Cg * p.MR)),
+                                         b.mul(c0, c64(p.MR))))
+                    segs = [(a, p.MR, b_jr, g.HW, cb, colmask)]
+                    c_ptr = v.gep(self.Z, b.add(b.mul(ir_, c64(g.HW)), jr))
+                    io = _NormalIO(self, c_ptr, mr, colmask, ir_, ldc=g.HW, raw=True)
+                    self.micro(segs, io, first, last)
+
+        if p.nkb == 1:
+            body(None, True, True)
+        else:
+            with v.loop(0, p.nkb, 1, "kb") as kb:
+                body(kb, b.icmp_signed("==", kb, c64(0)), b.icmp_signed("==", kb, c64(p.nkb - 1)))
+
+    def col2im(self, y_t, ch0, nch):
+        """Y[m][o] = bias[m] + sum over taps of Z[(m*KK + tap)][i], o = i*s - pb + k*d."""
+        v, g, p = self.v, self.g, self.p
+        b = v.b
+        D, H, W = g.isz
+        OD, OH, OW = g.osz
+        KD, KH, KW = g.k
+        sd, sh, sw = g.s
+        dd, dh, dw = g.d
+        pd, ph, pw = g.pb
+        with v.loop(c64(0), nch, 1, "m") as m:
+            z_m = v.gep(self.Z, b.mul(m, c64(g.KK * g.HW)))
+            y_m = v.gep(y_t, b.mul(m, c64(g.OHW)))
+            if self.Bias is not None:
+                init = v.splat(b.load(v.gep(self.Bias, b.add(ch0, m)), typ=F32, align=4), VF)
+            else:
+                init = v.zero_v
+            with v.loop(0, OD * OH, 1, "orow") as orow:
+                od, oh = v.divmod_c(orow, OH)
+                rows = []
+                for kd in range(KD):
+                    for kh in range(KH):
+                        idv = b.add(od, c64(pd - kd * dd))
+                        ihv = b.add(oh, c64(ph - kh * dh))
+                        ok = b.and_(b.icmp_unsigned("<", idv, c64((D - 1) * sd + 1)),
+                                    b.icmp_unsigned("<", ihv, c64((H - 1) * sh + 1)))
+                        if sd > 1:
+                            ok = b.and_(ok, b.icmp_unsigned("==", b.urem(idv, c64(sd)), c64(0)))
+                        if sh > 1:
+                            ok = b.and_(ok, b.icmp_unsigned("==", b.urem(ihv, c64(sh)), c64(0)))
+                        id_ = b.udiv(idv, c64(sd)) if sd > 1 else idv
+                        ih = b.udiv(ihv, c64(sh)) if sh > 1 else ihv
+                        rowidx = b.select(ok, b.add(b.mul(id_, c64(H)), ih), c64(0))
+                        rows.append((kd, kh, ok, rowidx))
+                y_row = v.gep(y_m, b.mul(orow, c64(OW)))
+                with v.loop(0, OW, 16, "ow") as ow:
+                    acc = init
+                    for kw in range(KW):
+                        lanes = b.add(v.splat_i(b.add(ow, c64(pw - kw * dw))), v.iota)
+                        cm = b.icmp_unsigned("<", lanes, v.splat_i((W - 1) * sw + 1))
+                        if sw > 1:
+                            cm = b.and_(cm, b.icmp_unsigned("==", b.urem(lanes, v.splat_i(sw)),
+                                                            v.splat_i(0)))
+                            idx = b.udiv(lanes, v.splat_i(sw))
+                        for kd, kh, ok, rowidx in rows:
+                            tap = (kd * KH + kh) * KW + kw
+                            src = v.gep(z_m, b.add(c64(tap * g.HW), b.mul(rowidx, c64(W))))
+                            mk = v.mask_and(cm, ok)
+                            if sw == 1:
+                                x = v.mload(v.gep(src, b.add(ow, c64(pw - kw * dw))), mk)
+                            else:
+                                x = v.gather(src, idx, mk)
+                            acc = b.fadd(acc, x)
+                    if self.epilogue is not None:
+                        acc = self.epilogue(b, acc)
+                    v.mstore(acc, v.gep(y_row, ow), v.lanes_lt(ow, OW))
+
+
+def emit_convtranspose(module: ir.Module, name: str, geom: ConvTGeom, plan: ConvTPlan,
+                       slots: Slots = Slots(), epilogue: Optional[Epilogue] = None) -> ir.Function:
+    """ConvTranspose with packed constant weights (``pack_convtranspose_weights``):
+    per tile (image, group, block of output channels) a GEMM Z = W^T X into the
+    workspace, then Y = bias + col2im(Z) with masked loads/gathers."""
+    fn = abi_function(module, name)
+    _ConvTGen(module, fn, geom, plan, slots, epilogue).emit()
+    return fn
+
+
+def emit_conv(module: ir.Module, name: str, geom: ConvGeom, plan: ConvPlan,
+              slots: Slots = Slots(), a_prepacked: bool = True,
+              transposed_layout: bool = False,
+              epilogue: Optional[Epilogue] = None) -> ir.Function:
+    """Emit the implicit-GEMM convolution as an ABI kernel named ``name``.
+
+    ``a_prepacked``: the weight argument holds ``pack_weights(geom, plan, W)``;
+    otherwise it holds the raw weight tensor (Conv layout, or ConvTranspose
+    layout when ``transposed_layout``) and each tile packs what it needs.
+    Tiles: ``plan.num_tiles``; workspace: ``plan.ws_bytes`` per core.
+    """
+    fn = abi_function(module, name)
+    _ConvGen(module, fn, geom, plan, slots, a_prepacked, transposed_layout, epilogue).emit()
+    return fn

@@ -1,0 +1,324 @@
+"""Sliding-window kernels: pooling (max, average, Lp) and depthwise convolution.
+
+One emitter covers every op whose output pixel reads a KD x KH x KW window of
+ONE input plane: the pools, and the depthwise convolution (group == C, each
+output channel ``co`` reading input channel ``co // multiplier``).
+
+Shapes are normalised to 3 spatial dims. A tile is ``(image, channel, block of
+output rows)``, rows being the flattened ``(od, oh)``. The kernel computes
+``R`` output rows x ``V`` ``<16 x float>`` vectors along the output width at
+once (``R*V`` independent accumulators), loading the input with masked vector
+loads: stride 1 directly, stride 2 as two loads and an even-lane shuffle, other
+strides as masked gathers. Padding and the window parts outside the input are
+the load masks (the pass-through value is the reduction's identity), so no
+border special cases are needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import llvmlite.ir as ir
+import numpy as np
+
+from . import vmath
+from .conv import (F32, VF, VI, VM, VB, Epilogue, Slots, abi_function, c64, cdiv, rup)
+
+KINDS = ("dw", "max", "avg", "lp")
+
+
+@dataclass(frozen=True)
+class WindowSpec:
+    kind: str          # 'dw' | 'max' | 'avg' | 'lp'
+    N: int
+    C: int             # input channels
+    M: int             # output channels (planes per image)
+    isz: tuple         # (D, H, W)
+    osz: tuple         # (OD, OH, OW)
+    k: tuple
+    s: tuple = (1, 1, 1)
+    d: tuple = (1, 1, 1)
+    pb: tuple = (0, 0, 0)
+    bias: bool = False
+    # average pooling divisors, per output row (od, oh) and per output column
+    count_rows: tuple = ()
+    count_cols: tuple = ()
+    p: int = 2         # LpPool exponent
+
+    @property
+    def mult(self) -> int:
+        return self.M // self.C
+
+    @property
+    def KK(self) -> int:
+        return self.k[0] * self.k[1] * self.k[2]
+
+    @property
+    def rows(self) -> int:
+        return self.osz[0] * self.osz[1]
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    V: int        # vectors per row step
+    chunks: int   # row chunks of 16*V columns
+    R: int        # rows per step
+    RB: int       # rows per tile
+    nrb: int      # row blocks per plane
+    num_tiles: int
+
+
+def plan_window(spec: WindowSpec, cores: int = 2) -> WindowPlan:
+    OW = spec.osz[2]
+    nvec = cdiv(OW, 16)
+    if nvec <= 8:
+        V, chunks = nvec, 1
+    else:
+        V = min(range(4, 9), key=lambda v: (rup(nvec, v) - nvec, -v))
+        chunks = cdiv(nvec, V)
+    rows = spec.rows
+    R = max(1, min(rows, 8 // V))
+    planes = spec.N * spec.M
+    # enough tiles for the cores to balance, each at least ~2 KFLOP of work
+    per_row = OW * spec.KK
+    target = max(1, min(8 * cores, (planes * rows * per_row) // 4096))
+    if planes >= target:
+        RB = rows
+    else:
+        RB = rup(cdiv(rows, cdiv(target, planes)), R)
+    nrb = cdiv(rows, RB)
+    return WindowPlan(V=V, chunks=chunks, R=R, RB=RB, nrb=nrb, num_tiles=planes * nrb)
+
+
+def _global_array(module: ir.Module, name: str, values: Sequence[float]) -> ir.GlobalVariable:
+    ty = ir.ArrayType(F32, len(values))
+    gv = ir.GlobalVariable(module, ty, name=name)
+    gv.initializer = ir.Constant(ty, [float(np.float32(x)) for x in values])
+    gv.global_constant = True
+    gv.linkage = "internal"
+    gv.align = 64
+    return gv
+
+
+class _WindowGen:
+    def __init__(self, module, fn, spec: WindowSpec, plan: WindowPlan, slots: Slots,
+                 epilogue: Optional[Epilogue]):
+        self.v = VB(module, fn)
+        self.m = module
+        self.s = spec
+        self.p = plan
+        self.slots = slots
+        self.epilogue = epilogue
+
+    def identity(self):
+        if self.s.kind == "max":
+            return ir.Constant(VF, [float("-inf")] * 16)
+        return self.v.zero_v
+
+    def emit(self):
+        v, s, p = self.v, self.s, self.p
+        b = v.b
+        args, tb, te, _ws = v.fn.args
+        X = v.arg(args, self.slots.x)
+        Y = v.arg(args, self.slots.y)
+        Wt = v.arg(args, self.slots.w) if s.kind == "dw" else None
+        Bias = v.arg(args, self.slots.b) if (s.kind == "dw" and s.bias) else None
+        D, H, W = s.isz
+        OD, OH, OW = s.osz
+        if s.kind == "avg":
+            ncols = p.chunks * p.V * 16
+            cols = list(s.count_cols) + [1.0] * (ncols - OW)
+            rws = list(s.count_rows) + [1.0] * p.R
+            self.cnt_cols = _global_array(self.m, "pool_count_cols", cols)
+            self.cnt_rows = _global_array(self.m, "pool_count_rows", rws)
+        with v.loop(tb, te, 1, "tile") as t:
+            plane, rb = v.divmod_c(t, p.nrb)
+            n, co = v.divmod_c(plane, s.M)
+            ci = b.udiv(co, c64(s.mult)) if s.mult > 1 else co
+            x_p = v.gep(X, b.mul(b.add(b.mul(n, c64(s.C)), ci), c64(s.isz[0] * H * W)))
+            y_p = v.gep(Y, b.mul(plane, c64(s.rows * OW)))
+            wts = None
+            init = self.identity()
+            if Wt is not None:
+                wts = [v.splat(b.load(v.gep(Wt, b.add(b.mul(co, c64(s.KK)), c64(i))), typ=F32,
+                                      align=4), VF) for i in range(s.KK)]
+                if Bias is not None:
+                    init = v.splat(b.load(v.gep(Bias, co), typ=F32, align=4), VF)
+            r_lo = b.mul(rb, c64(p.RB))
+            r_hi = v.smin(b.add(r_lo, c64(p.RB)), s.rows)
+            with v.loop(r_lo, r_hi, p.R, "rows") as r0:
+                if p.chunks == 1:
+                    self.step(x_p, y_p, r0, r_hi, c64(0), wts, init)
+                else:
+                    with v.loop(0, p.chunks * p.V * 16, p.V * 16, "chunk") as ow0:
+                        self.step(x_p, y_p, r0, r_hi, ow0, wts, init)
+        b.ret_void()
+
+    def step(self, x_p, y_p, r0, r_hi, ow0, wts, init):
+        """R rows x V vectors of output starting at row r0, column ow0."""
+        v, s, p = self.v, self.s, self.p
+        b = v.b
+        D, H, W = s.isz
+        OD, OH, OW = s.osz
+        KD, KH, KW = s.k
+        sd, sh, sw = s.s
+        dd, dh, dw = s.d
+        pd, ph, pw = s.pb
+        R, V = p.R, p.V
+        const_cols = isinstance(ow0, ir.Constant)
+        # per-row data
+        rows = []
+        for i in range(R):
+            rr = b.add(r0, c64(i)) if i else r0
+            act = b.icmp_signed("<", rr, r_hi) if i else None
+            od, oh = v.divmod_c(rr, OH)
+            rows.append((rr, act, od, oh))
+        # per-(kw, j) column masks / offsets
+        colinfo = {}
+        for kw in range(KW):
+            for j in range(V):
+                colinfo[kw, j] = self.col_masks(ow0, j, kw * dw - pw, sw, W, const_cols)
+        accs = [[init] * V for _ in range(R)]
+        ident = self.identity()
+        for kd in range(KD):
+            for kh in range(KH):
+                for i in range(R):
+                    rr, act, od, oh = rows[i]
+                    idd = b.add(b.mul(od, c64(sd)), c64(kd * dd - pd))
+                    ihh = b.add(b.mul(oh, c64(sh)), c64(kh * dh - ph))
+                    ok = b.and_(b.icmp_unsigned("<", idd, c64(D)), b.icmp_unsigned("<", ihh, c64(H)))
+                    if act is not None:
+                        ok = b.and_(ok, act)
+                    rowidx = b.select(ok, b.add(b.mul(idd, c64(H)), ihh), c64(0))
+                    src = v.gep(x_p, b.mul(rowidx, c64(W)))
+                    for kw in range(KW):
+                        tap = (kd * KH + kh) * KW + kw
+                        for j in range(V):
+                            x = self.load(src, colinfo[kw, j], ok, sw, ident)
+                            accs[i][j] = self.combine(accs[i][j], x, wts[tap] if wts else None)
+        # finish and store
+        for i in range(R):
+            rr, act, od, oh = rows[i]
+            y_row = v.gep(y_p, b.add(b.mul(rr, c64(OW)), ow0))
+            if s.kind == "avg":
+                crow = b.load(v.gep(self.cnt_rows, rr), typ=F32, align=4)
+                crow = v.splat(crow, VF)
+            for j in range(V):
+                val = accs[i][j]
+                if s.kind == "avg":
+                    ccol = b.load(v.gep(self.cnt_cols, b.add(ow0, c64(16 * j))), typ=VF, align=4)
+                    val = b.fdiv(val, b.fmul(crow, ccol))
+                elif s.kind == "lp" and s.p == 2:
+                    val = b.call(v.intr("llvm.sqrt.v16f32", VF, [VF]), [val])
+                elif s.kind == "lp" and s.p != 1:
+                    val = vmath.pow(b, val, ir.Constant(VF, [1.0 / s.p] * 16))
+                if self.epilogue is not None:
+                    val = self.epilogue(b, val)
+                if const_cols:
+                    m = v.lanes_lt(int(ow0.constant) + 16 * j, OW)
+                else:
+                    m = v.lanes_lt(b.add(ow0, c64(16 * j)), OW)
+                m = v.mask_and(m, act)
+                v.mstore(val, v.gep(y_row, 16 * j), m)
+
+    def col_masks(self, ow0, j, off, sw, W, const_cols):
+        """(first input column, masks) of vector j for a tap at column offset `off`."""
+        v = self.v
+        b = v.b
+        if const_cols:
+            base = int(ow0.constant) + 16 * j
+            first = base * sw + off
+            if sw == 1:
+                m = ir.Constant(VM, [1 if 0 <= first + i < W else 0 for i in range(16)])
+                return c64(first), [m]
+            if sw == 2:
+                m0 = ir.Constant(VM, [1 if 0 <= first + i < W else 0 for i in range(16)])
+                m1 = ir.Constant(VM, [1 if 0 <= first + 16 + i < W else 0 for i in range(16)])
+                return c64(first), [m0, m1]
+            idx = ir.Constant(VI, [first + i * sw for i in range(16)])
+            m = ir.Constant(VM, [1 if 0 <= first + i * sw < W else 0 for i in range(16)])
+            return idx, [m]
+        first = b.add(b.mul(b.add(ow0, c64(16 * j)), c64(sw)), c64(off))
+        if sw == 1:
+            lanes = b.add(v.splat_i(first), v.iota)
+            return first, [b.icmp_unsigned("<", lanes, v.splat_i(W))]
+        if sw == 2:
+            l0 = b.add(v.splat_i(first), v.iota)
+            l1 = b.add(l0, v.splat_i(16))
+            return first, [b.icmp_unsigned("<", l0, v.splat_i(W)),
+                           b.icmp_unsigned("<", l1, v.splat_i(W))]
+        idx = b.add(v.splat_i(first), ir.Constant(VI, [i * sw for i in range(16)]))
+        return idx, [b.icmp_unsigned("<", idx, v.splat_i(W))]
+
+    def load(self, src, info, ok, sw, ident):
+        v = self.v
+        b = v.b
+        first, masks = info
+        masks = [v.mask_and(m, ok) for m in masks]
+        if sw == 1:
+            return v.mload(v.gep(src, first), masks[0], ident)
+        if sw == 2:
+            x0 = v.mload(v.gep(src, first), masks[0], ident)
+            x1 = v.mload(v.gep(src, b.add(first, c64(16))), masks[1], ident)
+            return b.shuffle_vector(x0, x1, ir.Constant(VI, list(range(0, 32, 2))))
+        return v.gather(src, first, masks[0], ident)
+
+    def combine(self, acc, x, w):
+        v = self.v
+        b = v.b
+        k = self.s.kind
+        if k == "dw":
+            return v.fma(w, x, acc)
+        if k == "max":
+            return b.select(b.fcmp_ordered(">", x, acc), x, acc)
+        if k == "avg":
+            return b.fadd(acc, x)
+        if k == "lp":
+            p = self.s.p
+            if p == 2:
+                return v.fma(x, x, acc)
+            a = b.call(v.intr("llvm.fabs.v16f32", VF, [VF]), [x])
+            if p <= 8:
+                y = a
+                for _ in range(p - 1):
+                    y = b.fmul(y, a)
+            else:
+                y = vmath.pow(b, a, ir.Constant(VF, [float(p)] * 16))
+            return b.fadd(acc, y)
+        raise ValueError(k)
+
+
+def emit_window(module: ir.Module, name: str, spec: WindowSpec, plan: WindowPlan,
+                slots: Slots = Slots(x=0, w=-1, b=-1, y=1),
+                epilogue: Optional[Epilogue] = None) -> ir.Function:
+    """Emit the window kernel as an ABI function named ``name`` (tiles: plan.num_tiles).
+    ``epilogue(builder, <16 x float>) -> <16 x float>`` maps the final values (e.g. a
+    fused activation) before they are stored."""
+    assert spec.kind in KINDS, spec.kind
+    fn = abi_function(module, name)
+    _WindowGen(module, fn, spec, plan, slots, epilogue).emit()
+    return fn
+
+
+# ---------------------------------------------------------------------------
+# average-pool divisors (compile time)
+# ---------------------------------------------------------------------------
+
+def avg_counts_1d(size: int, out: int, k: int, s: int, d: int, pb: int, pe: int,
+                  include_pad: bool) -> list[int]:
+    """Per output index: the number of window taps that count for the average.
+
+    Without count_include_pad: the taps inside the input. With it: the taps
+    inside the padded input [-pb, size + pe) (taps beyond it, which ceil_mode
+    can create, are not counted)."""
+    res = []
+    for o in range(out):
+        start = o * s - pb
+        taps = [start + j * d for j in range(k)]
+        if include_pad:
+            c = sum(1 for t in taps if -pb <= t < size + pe)
+        else:
+            c = sum(1 for t in taps if 0 <= t < size)
+        res.append(max(c, 1))
+    return res

@@ -1,0 +1,215 @@
+"""Fused kernels: one node of domain 'cannc' stands for a group of ONNX nodes.
+
+The group's nodes are kept in the node's `body` attribute (in order); the
+node's inputs are the group's external inputs and its outputs the values the
+group must write to memory. Each fused op lowers to ONE generated function:
+
+- FusedMap: a chain of elementwise/broadcast ops as one vectorised loop nest
+  (the ops' own `expr` functions composed; scalar constants become immediates);
+- FusedGemm: a MatMul/Gemm whose elementwise consumers (bias, activation,
+  residual add...) run in the GEMM's epilogue, in registers, before the store.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import llvmlite.ir as ir
+import numpy as np
+
+from ...codegen import emit
+from ...codegen.elementwise import TV, Expr, emit_map
+from ...codegen.gemm import emit_gemm
+from ..graph import Node
+from ..registry import Category, OpDef, lookup, register
+from ..types import TensorType
+from .contraction import finish_contraction, plan_contraction
+
+DOMAIN = "cannc"
+
+
+class SubCtx:
+    """What a body node's `expr` sees (the subset of LowerCtx that exprs use)."""
+
+    def __init__(self, node: Node, types: dict[str, TensorType],
+                 consts: dict[str, np.ndarray]) -> None:
+        self.node = node
+        self.in_types = [types.get(v) if v else None for v in node.inputs]
+        self.out_types = [types[v] for v in node.outputs if v]
+        self._consts = consts
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        return self.node.attrs.get(name, default)
+
+    @property
+    def opset(self) -> int:
+        return self.node.opset
+
+    def const(self, i: int) -> np.ndarray | None:
+        v = self.node.inputs[i] if i < len(self.node.inputs) else ""
+        return self._consts.get(v) if v else None
+
+
+def eval_body(E: Expr, body: Sequence[Node], env: dict[str, TV], types: dict[str, TensorType],
+              consts: dict[str, np.ndarray]) -> dict[str, TV]:
+    """Evaluate the body's expressions in order; env maps value names to typed values."""
+    for n in body:
+        op = lookup(n.op_type, n.domain)
+        assert op is not None and "expr" in op.extra, n.op_type
+        args = [env[v] if v else None for v in n.inputs]
+        outs = op.extra["expr"](E, SubCtx(n, types, consts), args)
+        for v, o in zip(n.outputs, outs):
+            if v:
+                env[v] = o
+    return env
+
+
+def _types(ctx: Any) -> dict[str, TensorType]:
+    return ctx.attr("types")
+
+
+def _scalar_consts(ctx: Any, skip: int = 0) -> dict[int, np.ndarray]:
+    """External inputs (from index `skip`) that are size-1 constants: emitted as immediates."""
+    out = {}
+    for i, v in enumerate(ctx.node.inputs):
+        c = ctx.const(i)
+        if i >= skip and v and c is not None and c.size == 1:
+            out[i] = c
+    return out
+
+
+def _immediate(E: Expr, c: np.ndarray) -> TV:
+    return E.const(c.reshape(-1)[0].item(), c.dtype)
+
+
+def _lower_fused_map(ctx: Any) -> None:
+    body: list[Node] = ctx.attr("body")
+    types = _types(ctx)
+    consts = {v: ctx.const(i) for i, v in enumerate(ctx.node.inputs) if ctx.const(i) is not None}
+    imm = _scalar_consts(ctx)
+    for i in imm:
+        ctx.drop_input(i)
+    present = [i for i, v in enumerate(ctx.node.inputs) if v and i not in imm]
+    operand_types = [ctx.in_types[i] for i in present]
+
+    def expr(E: Expr, vals: Sequence[TV]) -> list[TV]:
+        env = {ctx.node.inputs[i]: v for i, v in zip(present, vals)}
+        env.update({ctx.node.inputs[i]: _immediate(E, c) for i, c in imm.items()})
+        eval_body(E, body, env, types, consts)
+        return [env[o] for o in ctx.node.outputs]
+
+    emit_map(ctx, operand_types, ctx.out_types, expr, operand_slots=present)
+    ctx.flops = sum(ctx.out_types[0].numel * lookup(n.op_type).extra.get("flops_per_elem", 1)
+                    for n in body)
+
+
+register(OpDef(name="FusedMap", domain=DOMAIN, category=Category.BROADCAST,
+               lower=_lower_fused_map, doc="elementwise/broadcast chain in one loop nest"))
+
+
+# -- GEMM + epilogue ---------------------------------------------------------------
+
+
+def operand_pattern(t: TensorType, out_shape: tuple[int, ...], batched: bool) -> str | None:
+    """How an epilogue operand is indexed from the GEMM's (m, n): 'scalar' (offset 0),
+    'row' (n), 'col' (m), 'full' (m*N + n); None when it is none of these."""
+    shape = tuple(t.shape)
+    r = len(out_shape)
+    shape = (1,) * (r - len(shape)) + shape
+    if all(d == 1 for d in shape):
+        return "scalar"
+    if all(d == 1 for d in shape[:-1]) and shape[-1] == out_shape[-1]:
+        return "row"
+    if batched:
+        return None
+    if shape == tuple(out_shape):
+        return "full"
+    if shape[-1] == 1 and shape[:-1] == tuple(out_shape[:-1]):
+        return "col"
+    return None
+
+
+def _lower_fused_gemm(ctx: Any) -> None:
+    body: list[Node] = ctx.attr("body")
+    types = _types(ctx)
+    mm, epi = body[0], body[1:]
+    ncon = len(mm.inputs)
+    spec = plan_contraction(ctx, mm)
+    out_t = ctx.out_types[0]
+    out_shape = tuple(out_t.shape)
+    consts = {v: ctx.const(i) for i, v in enumerate(ctx.node.inputs) if ctx.const(i) is not None}
+    imm = _scalar_consts(ctx, skip=ncon)
+    for i in imm:
+        ctx.drop_input(i)
+    ext = [i for i in range(ncon, len(ctx.node.inputs))
+           if ctx.node.inputs[i] and i not in imm]
+    gemm_in = [i for i in range(ncon) if ctx.node.inputs[i] and i not in ctx.dropped]
+    ngemm = len(gemm_in)
+    patterns = [operand_pattern(ctx.in_types[i], out_shape, spec.batch > 1) for i in ext]
+    assert all(p is not None for p in patterns), patterns
+    M, N = spec.M, spec.N
+    mm_out = mm.outputs[0]
+    final = ctx.node.outputs[0]
+
+    def epilogue(b: ir.IRBuilder, val: ir.Value, m: ir.Value, n: ir.Value) -> ir.Value:
+        lanes = val.type.count if isinstance(val.type, ir.VectorType) else 1
+        E = Expr(b, lanes)
+        args = b.function.args[0]
+        env = {mm_out: TV(val, np.dtype(np.float32))}
+        env.update({ctx.node.inputs[i]: _immediate(E, c) for i, c in imm.items()})
+        m_safe = b.select(b.icmp_signed("<", m, emit.i64(M)), m, emit.i64(M - 1))
+        for k, (i, pat) in enumerate(zip(ext, patterns)):
+            ptr = emit.load_arg(b, args, ngemm + 1 + k)
+            dt = np.dtype(ctx.in_types[i].dtype)
+            env[ctx.node.inputs[i]] = _load_operand(b, E, ptr, dt, pat, m_safe, n, N, lanes)
+        eval_body(E, epi, env, types, consts)
+        return env[final].v
+
+    inner = emit_gemm(ctx.module, "gemm_with_epilogue", spec, epilogue=epilogue)
+    inner.linkage = "internal"
+    fn, b = ctx.begin()
+    nptr = ngemm + 1 + len(ext)
+    arr = b.alloca(emit.PTR, size=emit.i64(nptr))
+    ptrs = [ctx.in_ptr(b, i) for i in gemm_in] + [ctx.out_ptr(b, 0)] + \
+           [ctx.in_ptr(b, i) for i in ext]
+    for k, p in enumerate(ptrs):
+        b.store(p, b.gep(arr, [emit.i64(k)], source_etype=emit.PTR))
+    b.call(inner, [arr, ctx.tile_begin, ctx.tile_end, ctx.workspace])
+    b.ret_void()
+    finish_contraction(ctx, spec)
+    ctx.flops += sum(out_t.numel * lookup(n.op_type).extra.get("flops_per_elem", 1) for n in epi)
+    ctx.notes["epilogue"] = "+".join(n.op_type for n in epi)
+
+
+def _load_operand(b: ir.IRBuilder, E: Expr, ptr: ir.Value, dt: np.dtype, pat: str,
+                  m: ir.Value, n: ir.Value, N: int, lanes: int) -> TV:
+    et = emit.llvm_type(dt)
+    if pat == "scalar" or pat == "col":
+        off = emit.i64(0) if pat == "scalar" else m
+        v = b.load(emit.gep(b, ptr, off, et), typ=et)
+        if dt == np.bool_:
+            v = b.icmp_unsigned("!=", v, ir.Constant(et, 0))
+        return TV(emit.splat(b, v, lanes) if lanes > 1 else v, dt)
+    off = n if pat == "row" else b.add(b.mul(m, emit.i64(N)), n)
+    if lanes == 1:
+        return TV(b.load(emit.gep(b, ptr, off, et), typ=et), dt)
+    # masked load: lanes past N are not read (the GEMM discards their results)
+    vt = ir.VectorType(et, lanes)
+    idx = ir.Constant(ir.VectorType(emit.I64, lanes), list(range(lanes)))
+    cols = b.add(emit.splat(b, n, lanes), idx)
+    mask = b.icmp_signed("<", cols, emit.splat(b, emit.i64(N), lanes))
+    name = f"llvm.masked.load.{emit._mangle(vt)}.p0"
+    fn = b.module.globals.get(name)
+    if fn is None:
+        fn = ir.Function(b.module, ir.FunctionType(vt, [emit.PTR, emit.I32,
+                                                        ir.VectorType(emit.I1, lanes), vt]),
+                         name=name)
+    v = b.call(fn, [emit.gep(b, ptr, off, et), ir.Constant(emit.I32, dt.itemsize), mask,
+                    ir.Constant(vt, ir.Undefined)])
+    if dt == np.bool_:
+        v = b.icmp_unsigned("!=", v, ir.Constant(vt, [0] * lanes))
+    return TV(v, dt)
+
+
+register(OpDef(name="FusedGemm", domain=DOMAIN, category=Category.CONTRACTION,
+               lower=_lower_fused_gemm, doc="GEMM with an elementwise epilogue"))

@@ -1,0 +1,161 @@
+"""Pattern fusions: exporter idioms rewritten into the single ops they stand for.
+
+Each rule is pattern + check + rewrite; a check that fails logs its reason in
+graph.meta["fusion_log"] (see passes/fusion.py), so "why didn't this fuse?" is
+answered by `cannc inspect`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..ir.graph import Graph, Node
+from .fusion import enabled, log
+from .manager import graph_pass
+
+
+def reduce_axes(graph: Graph, n: Node) -> list[int] | None:
+    """The axes of a Reduce* node (attribute or constant input), normalised; None if unknown."""
+    rank = len(graph.values[n.inputs[0]].shape)
+    if "axes" in n.attrs:
+        axes = list(n.attrs["axes"])
+    elif len(n.inputs) > 1 and n.inputs[1]:
+        c = graph.constants.get(n.inputs[1])
+        if c is None:
+            return None
+        axes = [int(a) for a in c.reshape(-1)]
+    else:
+        return list(range(rank))
+    return sorted(a % rank for a in axes)
+
+
+def _single_use(graph: Graph, v: str, allowed: set[str]) -> bool:
+    return v not in graph.outputs and set(graph.consumers(v)) <= allowed
+
+
+def _scalar_const(graph: Graph, v: str) -> float | None:
+    c = graph.constants.get(v)
+    if c is None or c.size != 1:
+        return None
+    return float(c.reshape(-1)[0])
+
+
+def _other(n: Node, v: str) -> str:
+    return n.inputs[1] if n.inputs[0] == v else n.inputs[0]
+
+
+def _only_consumer(graph: Graph, v: str, op_types: tuple[str, ...]) -> Node | None:
+    cons = graph.consumers(v)
+    if len(cons) != 1 or v in graph.outputs:
+        return None
+    n = graph.node(cons[0])
+    return n if n.op_type in op_types else None
+
+
+@graph_pass("fuse_layernorm")
+def fuse_layernorm(graph: Graph) -> bool:
+    """ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div(/Mul/Add) -> LayerNormalization."""
+    changed = False
+    for mean in list(graph.nodes()):
+        if mean.op_type != "ReduceMean" or mean.name not in graph.g:
+            continue
+        if not enabled(graph, "layernorm"):
+            return False
+        why = _match_layernorm(graph, mean)
+        if isinstance(why, str):
+            if why:
+                log(graph, mean.name, "(layernorm pattern)", "layernorm", why)
+            continue
+        nodes, x, eps, gamma, beta, axis, out = why
+        rank = len(graph.values[x].shape)
+        norm_shape = tuple(graph.values[x].shape[axis:])
+        dt = graph.values[x].dtype
+        if gamma is None:
+            gamma = f"{mean.name}::ln_gamma"
+            graph.set_constant(gamma, np.ones(norm_shape, dt))
+        if beta is None:
+            beta = f"{mean.name}::ln_beta"
+            graph.set_constant(beta, np.zeros(norm_shape, dt))
+        order = graph.g.nodes[nodes[0].name]["order"]
+        for n in nodes:
+            graph.remove_node(n.name)
+        graph.add_node(Node(name=f"{mean.name}::LayerNormalization", op_type="LayerNormalization",
+                            inputs=(x, gamma, beta), outputs=(out,),
+                            attrs={"axis": axis - rank, "epsilon": eps,
+                                   "fused_from": [n.name for n in nodes],
+                                   "fused_ops": [n.op_type for n in nodes]}, opset=17,
+                            ), order=order)
+        changed = True
+    return changed
+
+
+def _match_layernorm(graph: Graph, mean: Node):
+    x = mean.inputs[0]
+    rank = len(graph.values[x].shape)
+    axes = reduce_axes(graph, mean)
+    if axes is None or not axes or axes != list(range(axes[0], rank)):
+        return ""  # not a normalisation over trailing axes: not this pattern
+    if mean.attrs.get("keepdims", 1) != 1:
+        return "ReduceMean without keepdims"
+    m = mean.outputs[0]
+    sub = _only_consumer(graph, m, ("Sub",))
+    if sub is None or sub.inputs != (x, m):
+        return ""
+    d = sub.outputs[0]
+    cons = [graph.node(c) for c in graph.consumers(d)]
+    sq = next((c for c in cons if c.op_type == "Pow" or (c.op_type == "Mul" and
+                                                         c.inputs == (d, d))), None)
+    div = next((c for c in cons if c.op_type == "Div" and c.inputs[0] == d), None)
+    if sq is None or div is None or len(cons) != 2 or d in graph.outputs:
+        return "the centred value feeds other nodes than the variance and the division"
+    if sq.op_type == "Pow" and _scalar_const(graph, sq.inputs[1]) != 2.0:
+        return "Pow exponent is not the constant 2"
+    mean2 = _only_consumer(graph, sq.outputs[0], ("ReduceMean",))
+    if mean2 is None or reduce_axes(graph, mean2) != axes or mean2.attrs.get("keepdims", 1) != 1:
+        return "the variance is not a ReduceMean over the same axes"
+    add = _only_consumer(graph, mean2.outputs[0], ("Add",))
+    if add is None:
+        return "no epsilon Add after the variance"
+    eps = _scalar_const(graph, _other(add, mean2.outputs[0]))
+    if eps is None:
+        return "epsilon is not a scalar constant"
+    sqrt = _only_consumer(graph, add.outputs[0], ("Sqrt",))
+    if sqrt is None or div.inputs[1] != sqrt.outputs[0] or not _single_use(
+            graph, sqrt.outputs[0], {div.name}):
+        return "the standard deviation is not Sqrt(var + eps) used only by the division"
+    nodes = [mean, sub, sq, mean2, add, sqrt, div]
+    out, gamma, beta = div.outputs[0], None, None
+    norm_shape = tuple(graph.values[x].shape[axes[0]:])
+    mul = _only_consumer(graph, out, ("Mul",))
+    if mul is not None:
+        g = _other(mul, out)
+        gc = graph.constants.get(g)
+        if gc is not None and _fits(gc.shape, norm_shape):
+            gamma = g
+            nodes.append(mul)
+            out = mul.outputs[0]
+            add2 = _only_consumer(graph, out, ("Add",))
+            if add2 is not None:
+                bn = _other(add2, out)
+                bc = graph.constants.get(bn)
+                if bc is not None and _fits(bc.shape, norm_shape):
+                    beta = bn
+                    nodes.append(add2)
+                    out = add2.outputs[0]
+    for n in nodes[:-1]:
+        for o in n.outputs:
+            if o in graph.outputs:
+                return f"intermediate '{o}' is a graph output"
+    if gamma is not None and graph.constants[gamma].shape != norm_shape:
+        graph.set_constant(gamma, np.broadcast_to(graph.constants[gamma], norm_shape).copy())
+    if beta is not None and graph.constants[beta].shape != norm_shape:
+        graph.set_constant(beta, np.broadcast_to(graph.constants[beta], norm_shape).copy())
+    return nodes, x, eps, gamma, beta, axes[0], out
+
+
+def _fits(shape: tuple[int, ...], norm_shape: tuple[int, ...]) -> bool:
+    shape = tuple(shape)
+    while shape and shape[0] == 1 and len(shape) > len(norm_shape):
+        shape = shape[1:]
+    return len(shape) <= len(norm_shape) and all(
+        a in (1, b) for a, b in zip(shape[::-1], norm_shape[::-1]))

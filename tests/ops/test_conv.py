@@ -1,0 +1,289 @@
+"""Conv, ConvTranspose, MaxPool, AveragePool and LpPool vs onnxruntime.
+
+Every case compiles a single-node model with cannc (2 cores, so the tile split
+is exercised) and compares with onnxruntime. Weights are scaled by
+1/sqrt(fan-in) so that conv sums are O(1) and rtol/atol 1e-4 is meaningful.
+Kernel paths covered: direct GEMM (stride-1 "same" convs and 1x1), im2col GEMM
+(strided/valid/dilated), the swapped orientation (small images, vectors along
+channels), reduction blocking, runtime weights (packed per tile), depthwise and
+pooling window kernels, and the fractionally strided ConvTranspose.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cannc
+from cannc.codegen import conv as conv_codegen
+from cannc.errors import UnsupportedOpError
+from tests.helpers import check_op, single_node_model
+
+RNG = np.random.default_rng(2024)
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def rnd(*shape, scale=1.0):
+    return (RNG.standard_normal(shape) * scale).astype(np.float32)
+
+
+def conv_inputs(xs, ws, bias=True, transpose=False, group=1):
+    x = rnd(*xs)
+    fan_in = int(np.prod(ws[1:])) if not transpose else int(ws[0] // group * np.prod(ws[2:]))
+    w = rnd(*ws, scale=1.0 / np.sqrt(fan_in))
+    m = ws[1] * group if transpose else ws[0]
+    return [x, w, rnd(m)] if bias else [x, w]
+
+
+# ---------------------------------------------------------------------------
+# Conv
+# ---------------------------------------------------------------------------
+
+# (x shape, w shape, attrs)
+CONV_CASES = [
+    # kernel sizes x strides (odd spatial sizes, channels not multiples of 16)
+    ((1, 3, 7, 9), (5, 3, 1, 1), {}),
+    ((1, 17, 11, 13), (19, 17, 1, 1), dict(strides=[2, 2])),
+    ((3, 16, 9, 7), (20, 16, 3, 3), dict(pads=[1, 1, 1, 1])),
+    ((1, 10, 15, 13), (12, 10, 3, 3), dict(pads=[1, 1, 1, 1], strides=[2, 2])),
+    ((1, 17, 11, 13), (19, 17, 5, 5), dict(pads=[2, 2, 2, 2])),
+    ((1, 7, 12, 11), (9, 7, 5, 5), dict(pads=[2, 1, 0, 2], strides=[2, 2])),
+    ((1, 3, 23, 21), (8, 3, 7, 7), dict(pads=[3, 3, 3, 3], strides=[2, 2])),
+    ((2, 5, 13, 12), (6, 5, 7, 7), dict(pads=[3, 3, 3, 3])),
+    # dilation, asymmetric / no padding, non-square kernels and strides
+    ((3, 8, 12, 12), (6, 8, 3, 3), dict(dilations=[2, 2], pads=[2, 2, 2, 2])),
+    ((1, 8, 14, 11), (6, 8, 3, 3), dict(dilations=[2, 1], pads=[0, 1, 2, 0])),
+    ((1, 6, 10, 9), (7, 6, 3, 3), dict(pads=[0, 2, 1, 0])),
+    ((1, 6, 10, 9), (7, 6, 2, 3), dict(strides=[1, 3])),
+    ((1, 6, 10, 9), (7, 6, 3, 1), dict(strides=[3, 1], pads=[1, 0, 1, 0])),
+    # auto_pad
+    ((1, 8, 12, 11), (6, 8, 3, 3), dict(auto_pad="SAME_UPPER")),
+    ((1, 8, 12, 11), (6, 8, 3, 3), dict(auto_pad="SAME_UPPER", strides=[2, 2])),
+    ((1, 8, 12, 11), (6, 8, 4, 4), dict(auto_pad="SAME_LOWER", strides=[2, 2])),
+    ((1, 8, 12, 11), (6, 8, 2, 2), dict(auto_pad="SAME_LOWER")),
+    ((1, 8, 12, 11), (6, 8, 3, 3), dict(auto_pad="VALID", strides=[3, 2])),
+    ((1, 8, 12, 11), (6, 8, 3, 3), dict(auto_pad="NOTSET", pads=[1, 0, 0, 1])),
+    # groups
+    ((1, 8, 12, 10), (6, 4, 3, 3), dict(group=2, pads=[1, 1, 1, 1])),
+    ((2, 12, 9, 10), (9, 4, 3, 3), dict(group=3, strides=[2, 2])),
+    ((1, 64, 10, 10), (64, 2, 3, 3), dict(group=32, pads=[1, 1, 1, 1])),
+    # depthwise (multiplier 1 and 2), strides, dilations, large kernels, wide rows
+    ((1, 32, 14, 14), (32, 1, 3, 3), dict(group=32, pads=[1, 1, 1, 1])),
+    ((2, 16, 15, 17), (16, 1, 3, 3), dict(group=16, pads=[1, 1, 1, 1], strides=[2, 2])),
+    ((1, 8, 15, 17), (16, 1, 5, 5), dict(group=8, pads=[2, 2, 2, 2])),
+    ((1, 8, 30, 40), (8, 1, 3, 3), dict(group=8, pads=[0, 1, 2, 1], strides=[3, 3],
+                                        dilations=[2, 1])),
+    ((1, 5, 9, 300), (5, 1, 3, 3), dict(group=5, pads=[1, 1, 1, 1])),
+    ((3, 7, 7, 9), (7, 1, 7, 7), dict(group=7, auto_pad="SAME_UPPER")),
+    # ResNet / MobileNet-like: direct GEMM, K blocks, the swapped orientation
+    ((1, 64, 28, 28), (32, 64, 3, 3), dict(pads=[1, 1, 1, 1])),
+    ((1, 96, 14, 14), (64, 96, 3, 3), dict(pads=[1, 1, 1, 1])),
+    ((1, 64, 7, 7), (48, 64, 3, 3), dict(pads=[1, 1, 1, 1])),
+    ((1, 600, 7, 7), (40, 600, 1, 1), {}),
+    ((2, 24, 28, 28), (40, 24, 1, 1), {}),
+    ((1, 40, 28, 28), (48, 40, 3, 3), dict(pads=[1, 1, 1, 1], strides=[2, 2])),
+    ((1, 8, 200, 150), (3, 8, 3, 3), dict(pads=[1, 1, 1, 1])),
+    # 1-D and 3-D
+    ((2, 5, 20), (7, 5, 3), dict(pads=[1, 1])),
+    ((1, 6, 31), (4, 6, 5), dict(strides=[2], dilations=[2])),
+    ((1, 4, 5, 6, 7), (6, 4, 3, 3, 3), dict(pads=[1, 1, 1, 1, 1, 1])),
+    ((1, 4, 6, 7, 8), (5, 4, 2, 3, 3), dict(strides=[2, 1, 2], pads=[0, 1, 1, 1, 0, 1])),
+    ((1, 4, 5, 6, 7), (4, 1, 3, 3, 3), dict(group=4, pads=[1, 1, 1, 1, 1, 1])),
+]
+
+
+def _case_id(c):
+    xs, ws, at = c
+    a = ",".join(f"{k}={v}" for k, v in at.items())
+    return f"x{'x'.join(map(str, xs))}-w{'x'.join(map(str, ws))}-{a}"
+
+
+@pytest.mark.parametrize("xs,ws,attrs", CONV_CASES, ids=[_case_id(c) for c in CONV_CASES])
+def test_conv(xs, ws, attrs):
+    check_op("Conv", conv_inputs(xs, ws), const_inputs=(1, 2), **TOL, **attrs)
+
+
+@pytest.mark.parametrize("xs,ws,attrs", [
+    ((1, 3, 7, 9), (5, 3, 3, 3), dict(pads=[1, 1, 1, 1])),
+    ((2, 8, 12, 11), (6, 8, 3, 3), dict(strides=[2, 2])),
+    ((1, 16, 10, 9), (16, 1, 3, 3), dict(group=16, pads=[1, 1, 1, 1])),
+])
+def test_conv_no_bias(xs, ws, attrs):
+    check_op("Conv", conv_inputs(xs, ws, bias=False), const_inputs=(1,), **TOL, **attrs)
+
+
+@pytest.mark.parametrize("xs,ws,attrs", [
+    ((2, 8, 9, 11), (10, 8, 3, 3), dict(pads=[1, 1, 1, 1])),          # direct
+    ((1, 12, 13, 11), (8, 6, 3, 3), dict(group=2, strides=[2, 2])),   # im2col, groups
+    ((1, 300, 7, 7), (40, 300, 3, 3), dict(pads=[1, 1, 1, 1])),       # swapped, K blocks
+    ((1, 6, 9, 10), (6, 1, 3, 3), dict(group=6, pads=[1, 0, 1, 2])),  # depthwise
+])
+def test_conv_runtime_weights(xs, ws, attrs):
+    """Weights (and bias) as graph inputs: packed per tile at run time."""
+    check_op("Conv", conv_inputs(xs, ws), const_inputs=(), **TOL, **attrs)
+
+
+@pytest.mark.parametrize("opset", [7, 11, 22])
+def test_conv_opsets_and_kernel_shape_attr(opset):
+    x, w, b = conv_inputs((1, 6, 10, 9), (7, 6, 3, 3))
+    check_op("Conv", [x, w, b], const_inputs=(1, 2), opset=opset, kernel_shape=[3, 3],
+             pads=[1, 1, 1, 1], **TOL)
+
+
+# the same convolution through every GEMM variant (forced plans)
+FORCED = [
+    dict(swap=False, direct=True),
+    dict(swap=False, direct=False),
+    dict(swap=True),
+    dict(swap=False, direct=True, KC=40),
+    dict(swap=False, direct=False, KC=40, P=32),
+    dict(swap=True, KC=40, MR=5),
+    dict(swap=False, direct=False, MR=3, NV=1),
+]
+
+
+@pytest.mark.parametrize("tuning", FORCED, ids=[",".join(f"{k}={v}" for k, v in t.items())
+                                                for t in FORCED])
+@pytest.mark.parametrize("const", [True, False], ids=["const-w", "runtime-w"])
+def test_conv_forced_plans(monkeypatch, tuning, const):
+    monkeypatch.setattr(conv_codegen, "FORCE_TUNING", tuning)
+    inputs = conv_inputs((2, 20, 9, 13), (35, 20, 3, 3))
+    check_op("Conv", inputs, const_inputs=(1, 2) if const else (), pads=[1, 2, 1, 0], **TOL)
+
+
+def test_conv_plan_orientation():
+    """Small images use the swapped orientation; big ones read X in place."""
+    g = conv_codegen.ConvGeom(N=1, C=256, M=256, G=1, isz=(1, 14, 14), osz=(1, 14, 14),
+                              k=(1, 3, 3), pb=(0, 1, 1))
+    assert conv_codegen.plan_conv(g).swap
+    g = conv_codegen.ConvGeom(N=1, C=64, M=64, G=1, isz=(1, 56, 56), osz=(1, 56, 56),
+                              k=(1, 3, 3), pb=(0, 1, 1))
+    p = conv_codegen.plan_conv(g)
+    assert p.direct and not p.swap and p.num_tiles >= 2
+
+
+def test_conv_unsupported_dtype():
+    x = rnd(1, 2, 5, 5).astype(np.float64)
+    w = rnd(3, 2, 3, 3).astype(np.float64)
+    m, feeds = single_node_model("Conv", [x, w], const_inputs=(1,))
+    with pytest.raises(UnsupportedOpError, match="float64"):
+        cannc.compile(m, shapes={k: v.shape for k, v in feeds.items()})
+
+
+# ---------------------------------------------------------------------------
+# ConvTranspose
+# ---------------------------------------------------------------------------
+
+CT_CASES = [
+    ((1, 4, 5, 6), (4, 3, 3, 3), {}),
+    ((1, 4, 5, 6), (4, 3, 3, 3), dict(strides=[2, 2])),
+    ((2, 6, 5, 6), (6, 5, 4, 4), dict(strides=[2, 2], pads=[1, 1, 1, 1])),
+    ((1, 4, 5, 6), (4, 3, 3, 3), dict(strides=[2, 2], output_padding=[1, 1])),
+    ((1, 4, 5, 6), (4, 2, 3, 3), dict(strides=[2, 2], group=2, pads=[1, 0, 1, 2])),
+    ((1, 4, 5, 6), (4, 3, 3, 3), dict(strides=[2, 2], auto_pad="SAME_UPPER")),
+    ((1, 4, 5, 6), (4, 3, 3, 3), dict(strides=[2, 2], auto_pad="SAME_LOWER")),
+    ((1, 4, 5, 6), (4, 3, 3, 3), dict(strides=[2, 2], output_shape=[10, 12])),
+    ((1, 4, 5, 6), (4, 3, 3, 3), dict(strides=[3, 2], dilations=[2, 1])),
+    ((1, 40, 7, 7), (40, 24, 2, 2), dict(strides=[2, 2])),
+    ((1, 4, 9), (4, 3, 3), dict(strides=[2])),
+    ((1, 3, 4, 5, 3), (3, 2, 3, 3, 3), dict(strides=[2, 2, 1], pads=[1, 1, 0, 0, 1, 1])),
+]
+
+
+@pytest.mark.parametrize("xs,ws,attrs", CT_CASES, ids=[_case_id(c) for c in CT_CASES])
+def test_conv_transpose(xs, ws, attrs):
+    inputs = conv_inputs(xs, ws, transpose=True, group=attrs.get("group", 1))
+    check_op("ConvTranspose", inputs, const_inputs=(1, 2), **TOL, **attrs)
+
+
+def test_conv_transpose_runtime_weights_no_bias():
+    inputs = conv_inputs((2, 4, 5, 6), (4, 3, 3, 3), bias=False, transpose=True)
+    check_op("ConvTranspose", inputs, const_inputs=(), strides=[2, 2], pads=[1, 1, 0, 0], **TOL)
+
+
+# ---------------------------------------------------------------------------
+# pools
+# ---------------------------------------------------------------------------
+
+POOL_CASES = [
+    ("MaxPool", (1, 3, 9, 11), dict(kernel_shape=[3, 3])),
+    ("MaxPool", (2, 5, 112, 112), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
+    ("MaxPool", (1, 3, 9, 11), dict(kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1)),
+    ("MaxPool", (1, 3, 10, 11), dict(kernel_shape=[2, 3], strides=[2, 3], pads=[1, 0, 0, 1],
+                                     ceil_mode=1)),
+    ("MaxPool", (1, 3, 10, 11), dict(kernel_shape=[3, 3], dilations=[2, 2], pads=[1, 1, 1, 1])),
+    ("MaxPool", (1, 3, 10, 11), dict(kernel_shape=[3, 3], auto_pad="SAME_UPPER", strides=[2, 2])),
+    ("MaxPool", (1, 3, 10, 11), dict(kernel_shape=[2, 2], auto_pad="SAME_LOWER")),
+    ("MaxPool", (3, 4, 9, 300), dict(kernel_shape=[2, 2], strides=[1, 3])),
+    ("MaxPool", (1, 3, 20), dict(kernel_shape=[3], strides=[2])),
+    ("MaxPool", (1, 2, 5, 6, 7), dict(kernel_shape=[2, 2, 2], strides=[2, 2, 2])),
+    ("AveragePool", (1, 3, 9, 11), dict(kernel_shape=[3, 3])),
+    ("AveragePool", (1, 3, 9, 11), dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])),
+    ("AveragePool", (1, 3, 9, 11), dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1],
+                                        count_include_pad=1)),
+    ("AveragePool", (1, 3, 9, 11), dict(kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1)),
+    ("AveragePool", (1, 3, 10, 11), dict(kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1,
+                                         pads=[1, 1, 1, 1], count_include_pad=1)),
+    ("AveragePool", (1, 3, 10, 12), dict(kernel_shape=[3, 2], strides=[2, 3], ceil_mode=1,
+                                         pads=[1, 1, 0, 1], count_include_pad=1)),
+    ("AveragePool", (1, 3, 10, 11), dict(kernel_shape=[3, 3], auto_pad="SAME_UPPER",
+                                         strides=[2, 2])),
+    ("AveragePool", (1, 3, 10, 11), dict(kernel_shape=[4, 4], auto_pad="SAME_LOWER",
+                                         strides=[3, 3], count_include_pad=1)),
+    ("AveragePool", (2, 64, 7, 7), dict(kernel_shape=[7, 7])),
+    ("AveragePool", (1, 2, 6, 7, 8), dict(kernel_shape=[3, 2, 3], pads=[1, 0, 1, 1, 1, 0],
+                                          count_include_pad=1)),
+    ("LpPool", (1, 3, 10, 11), dict(kernel_shape=[3, 3], p=2, pads=[1, 1, 1, 1])),
+    ("LpPool", (1, 3, 10, 11), dict(kernel_shape=[2, 2], p=1, strides=[2, 2])),
+    ("LpPool", (2, 3, 12), dict(kernel_shape=[4], strides=[3])),
+]
+
+
+@pytest.mark.parametrize("op,xs,attrs", POOL_CASES,
+                         ids=[f"{o}-{'x'.join(map(str, s))}-" + ",".join(f"{k}={v}" for k, v in a.items())
+                              for o, s, a in POOL_CASES])
+def test_pool(op, xs, attrs):
+    check_op(op, [rnd(*xs)], **TOL, **attrs)
+
+
+@pytest.mark.parametrize("attrs", [
+    dict(kernel_shape=[3, 3], dilations=[2, 2], pads=[1, 1, 1, 1]),
+    dict(kernel_shape=[3, 3], dilations=[2, 2], pads=[1, 1, 1, 1], count_include_pad=1,
+         ceil_mode=1, strides=[2, 2]),
+])
+def test_average_pool_dilations_opset19(attrs):
+    check_op("AveragePool", [rnd(1, 3, 10, 11)], opset=19, **TOL, **attrs)
+
+
+@pytest.mark.parametrize("opset", [7, 8, 10, 12, 22])
+def test_max_pool_opsets(opset):
+    attrs = dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
+    check_op("MaxPool", [rnd(2, 3, 11, 10)], opset=opset, **TOL, **attrs)
+
+
+def test_max_pool_padding_is_minus_infinity():
+    x = -np.abs(rnd(1, 2, 6, 7)) - 1.0   # all negative: zero padding would win
+    check_op("MaxPool", [x], kernel_shape=[3, 3], pads=[1, 1, 1, 1], **TOL)
+
+
+def _unsupported(op, inputs, n_outputs=1, **attrs):
+    m, feeds = single_node_model(op, inputs, n_outputs, **attrs)
+    with pytest.raises(UnsupportedOpError) as e:
+        cannc.compile(m, shapes={k: v.shape for k, v in feeds.items()})
+    return str(e.value)
+
+
+def test_max_pool_indices_unsupported():
+    msg = _unsupported("MaxPool", [rnd(1, 2, 6, 6)], n_outputs=2, kernel_shape=[2, 2])
+    assert "Indices" in msg
+
+
+@pytest.mark.parametrize("p", [3, 4])
+def test_lp_pool_higher_p(p):
+    check_op("LpPool", [rnd(1, 3, 7, 8)], kernel_shape=[3, 2], strides=[2, 1], p=p, rtol=1e-4,
+             atol=1e-4)
+
+
+def test_conv_4d_spatial_unsupported():
+    msg = _unsupported("Conv", [rnd(1, 2, 3, 3, 3, 3), rnd(2, 2, 2, 2, 2, 2)])
+    assert "4 spatial dimensions" in msg
