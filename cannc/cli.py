@@ -105,7 +105,7 @@ def _onnx_source(path: str) -> str | bytes:
 
 
 def _open(path: str, *, cores: int | None, pipeline: str = "O1",
-          dump_after: Sequence[str] = ()) -> Any:
+          dump_after: Sequence[str] = (), fusion: Any = True) -> Any:
     """A Session for an ONNX model (not yet specialised) or a loaded .cnc artifact."""
     import cannc
 
@@ -113,7 +113,13 @@ def _open(path: str, *, cores: int | None, pipeline: str = "O1",
     if _is_artifact(path):
         return cannc.load(path, cores=cores)
     return cannc.compile(path, cores=cores, pipeline=pipeline, dump_after=list(dump_after),
-                         eager=False)
+                         eager=False, fusion=fusion)
+
+
+def _fusion_opt(args: argparse.Namespace) -> Any:
+    if getattr(args, "no_fusion", False):
+        return False
+    return getattr(args, "fusion_switch", None) or True
 
 
 def _input_shapes(graph: Any, given: Shapes, known: Sequence[tuple] = ()) -> Shapes:
@@ -305,7 +311,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
         raise CliError(f"unknown pass(es) {bad} for --dump-after; pipeline {args.pipeline} "
                        f"runs: {', '.join(PIPELINES[args.pipeline])} (or 'all')")
     with _dump_dir(passes, args.dump_dir) as dump_dir:
-        sess = _open(args.model, cores=args.cores, pipeline=args.pipeline, dump_after=passes)
+        sess = _open(args.model, cores=args.cores, pipeline=args.pipeline, dump_after=passes,
+                     fusion=_fusion_opt(args))
         prog = _specialize(sess, dict(args.shape or []))
         if passes and args.dump_dir is None:
             for name in passes if "all" not in passes else PIPELINES[args.pipeline]:
@@ -389,7 +396,7 @@ def compare(name: str, got: np.ndarray, exp: np.ndarray, rtol: float | None = No
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    sess = _open(args.model, cores=args.cores)
+    sess = _open(args.model, cores=args.cores, fusion=_fusion_opt(args))
     feeds = _make_feeds(sess, list(args.input or []), dict(args.shape or []), args.seed,
                         args.int_high)
     before = set(sess.programs)
@@ -603,15 +610,33 @@ def inspect_report(sess: Any, prog: Any) -> dict[str, Any]:
                     "nodes_after": r.nodes_after} for r in spec.pass_records],
         "compile_seconds": spec.compile_seconds,
         "cache_hits": spec.cache_hits, "cache_misses": spec.cache_misses,
+        "fusion": {"switches": sess.options.fusion,
+                   "not_fused": [d.as_dict() for d in g.meta.get("fusion_log", [])]},
         "kernels": kernels,
     }
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    sess = _open(args.model, cores=args.cores, pipeline=args.pipeline)
-    prog = _specialize(sess, dict(args.shape or []))
+    fusion = _fusion_opt(args)
+    sess = _open(args.model, cores=args.cores, pipeline=args.pipeline, fusion=fusion)
+    given = dict(args.shape or [])
+    prog = _specialize(sess, given)
     rep = inspect_report(sess, prog)
     rep["model"] = args.model
+    if fusion is not False and not _is_artifact(args.model):
+        # the same model without fusion, for the with/without comparison
+        base = _open(args.model, cores=args.cores, pipeline=args.pipeline, fusion=False)
+        brep = inspect_report(base, _specialize(base, given))
+        rep["fusion"]["without_fusion"] = {
+            "num_kernels": brep["num_kernels"],
+            "intermediate_bytes_written": brep["intermediate_bytes_written"],
+            "arena_bytes": brep["memory"]["arena_bytes"]}
+    if args.export_fused:
+        from .export import save_fused_graph
+        save_fused_graph(prog.spec, args.export_fused)
+    if args.json:
+        _print_json(rep)
+        return 0
     if args.json:
         _print_json(rep)
         return 0
@@ -639,6 +664,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"memory: arena {_fmt_bytes(m['arena_bytes'])} (naive {_fmt_bytes(m['naive_bytes'])}, "
           f"lower bound {_fmt_bytes(m['lower_bound_bytes'])}), "
           f"weights {_fmt_bytes(m['weights_bytes'])}")
+    fu = rep["fusion"]
+    if "without_fusion" in fu:
+        wf = fu["without_fusion"]
+        print(f"fusion: {rep['num_kernels']} kernel(s) vs {wf['num_kernels']} without "
+              f"(x{wf['num_kernels'] / max(rep['num_kernels'], 1):.2f} fewer); intermediates "
+              f"written {_fmt_bytes(rep['intermediate_bytes_written'])} vs "
+              f"{_fmt_bytes(wf['intermediate_bytes_written'])} without "
+              f"(-{100 * (1 - rep['intermediate_bytes_written'] / max(wf['intermediate_bytes_written'], 1)):.0f}%)")
+    if fu["not_fused"]:
+        print(f"not fused ({len(fu['not_fused'])} neighbouring pair(s)):")
+        for d in fu["not_fused"][:args.why_limit]:
+            print(f"  {d['producer']} -> {d['consumer']}: [{d['rule']}] {d['reason']}")
+        if len(fu["not_fused"]) > args.why_limit:
+            print(f"  ... {len(fu['not_fused']) - args.why_limit} more (--json lists all)")
     print("passes: " + ", ".join(f"{p['name']} {p['seconds'] * 1e3:.1f} ms"
                                  + ("" if p["changed"] else " (no change)")
                                  for p in rep["passes"])
@@ -682,7 +721,7 @@ def bench(sess: Any, ort_sess: Any, feeds: dict[str, np.ndarray], warmup: int,
 def cmd_bench(args: argparse.Namespace) -> int:
     import onnxruntime as ort
 
-    sess = _open(args.model, cores=args.cores)
+    sess = _open(args.model, cores=args.cores, fusion=_fusion_opt(args))
     feeds = _make_feeds(sess, [], dict(args.shape or []), args.seed, args.int_high)
     sess.run(None, feeds)  # compile this specialisation outside the timing
     ort_sess = _ort_session(_onnx_source(args.model), sess.cores, spinning=args.ort_spin)
@@ -775,6 +814,11 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--pipeline", choices=sorted(PIPELINES), default=DEFAULT_PIPELINE,
                        help=f"optimisation pipeline (default {DEFAULT_PIPELINE})")
 
+    def fusion_opts(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--no-fusion", action="store_true", help="compile without fusion")
+        p.add_argument("--fusion-switch", metavar="FILE.json", default=None,
+                       help="per-rule fusion switches, e.g. {\"gemm_epilogue\": false}")
+
     def inputs_opts(p: argparse.ArgumentParser) -> None:
         p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
         p.add_argument("--int-high", type=_int_at_least(1), default=2, metavar="H",
@@ -783,6 +827,7 @@ def _parser() -> argparse.ArgumentParser:
     p = verb("compile", cmd_compile, "compile a model and save a .cnc artifact")
     p.add_argument("model", help="ONNX model")
     p.add_argument("-o", "--output", required=True, help="the .cnc file to write")
+    fusion_opts(p)
     cores_opt(p)
     shape_opt(p)
     pipeline_opt(p)
@@ -804,6 +849,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rtol", type=float, default=None, help="float rtol (default 1e-4)")
     p.add_argument("--atol", type=float, default=None, help="float atol (default 1e-4)")
     p.add_argument("--save-outputs", metavar="DIR", help="save every output as DIR/NAME.npy")
+    fusion_opts(p)
 
     p = verb("check", cmd_check, "report, before compiling, whether every node is supported")
     p.add_argument("model", help="ONNX model (or .cnc artifact)")
@@ -817,12 +863,18 @@ def _parser() -> argparse.ArgumentParser:
     shape_opt(p)
     cores_opt(p)
     pipeline_opt(p)
+    fusion_opts(p)
+    p.add_argument("--export-fused", metavar="OUT.onnx", default=None,
+                   help="write the fused graph (one node per kernel, domain 'cannc') for Netron")
+    p.add_argument("--why-limit", type=int, default=20, metavar="N",
+                   help="how many not-fused pairs to print (default 20)")
 
     p = verb("bench", cmd_bench, "benchmark cannc against onnxruntime on the same inputs")
     p.add_argument("model", help="ONNX model or .cnc artifact")
     cores_opt(p)
     shape_opt(p)
     inputs_opts(p)
+    fusion_opts(p)
     p.add_argument("--warmup", type=_int_at_least(0), default=5)
     p.add_argument("--runs", type=_int_at_least(1), default=50)
     p.add_argument("--ort-spin", action="store_true",

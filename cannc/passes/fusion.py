@@ -258,7 +258,7 @@ def _epilogue_reason(graph: Graph, n: Node, cons: list[str], groups: Groups,
     gids = {groups.group_of.get(c) for c in cons}
     if None in gids:
         other = next(c for c in cons if c not in groups.group_of)
-        return f"'{out}' also feeds node '{other}' ({graph.node(other).op_type}), " \
+        return f"'{out}' feeds node '{other}' ({graph.node(other).op_type}), " \
                "which is not elementwise"
     if len(gids) != 1:
         return f"'{out}' feeds {len(gids)} different elementwise groups"

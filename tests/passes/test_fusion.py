@@ -1,0 +1,204 @@
+"""Every fusion: fused and unfused execution agree with each other and with onnxruntime;
+kernel counts fall; refusals are logged with their reason."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import cannc
+from helpers import ort_run
+
+R = np.random.default_rng(0)
+F = TensorProto.FLOAT
+
+
+def _model(nodes, inputs, outputs, inits=(), opset=17):
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, F, s) for n, s in inputs],
+                          [helper.make_tensor_value_info(n, F, s) for n, s in outputs],
+                          [numpy_helper.from_array(np.asarray(a, np.float32), n)
+                           for n, a in inits])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _compare(model, feeds, **kw):
+    """Run fused and unfused, compare both with onnxruntime; return (fused, unfused) sessions."""
+    exp = ort_run(model, feeds)
+    fused = cannc.compile(model, cores=2, shapes={k: v.shape for k, v in feeds.items()}, **kw)
+    plain = cannc.compile(model, cores=2, shapes={k: v.shape for k, v in feeds.items()},
+                          fusion=False)
+    for sess in (fused, plain):
+        for g, e in zip(sess.run(None, feeds), exp):
+            np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
+    return fused, plain
+
+
+def _kernels(sess):
+    (prog,) = sess.programs.values()
+    return prog.spec.kernels
+
+
+def _log(sess):
+    (prog,) = sess.programs.values()
+    return prog.spec.graph.meta.get("fusion_log", [])
+
+
+def test_elementwise_chain_is_one_kernel():
+    m = _model([helper.make_node("Add", ["x", "b"], ["t1"]),
+                helper.make_node("Mul", ["t1", "s"], ["t2"]),
+                helper.make_node("Relu", ["t2"], ["t3"]),
+                helper.make_node("Sigmoid", ["t3"], ["y"])],
+               [("x", [4, 100])], [("y", [4, 100])],
+               [("b", R.standard_normal(100)), ("s", np.float32(0.5))])
+    fused, plain = _compare(m, {"x": R.standard_normal((4, 100)).astype(np.float32)})
+    assert len(_kernels(fused)) == 1 and len(_kernels(plain)) == 4
+    assert _kernels(fused)[0].nodes == ["Add_0", "Mul_1", "Relu_2", "Sigmoid_3"] or \
+        len(_kernels(fused)[0].nodes) == 4
+
+
+def test_intermediate_used_outside_is_kept():
+    m = _model([helper.make_node("Add", ["x", "x"], ["t1"]),
+                helper.make_node("Tanh", ["t1"], ["y1"]),
+                helper.make_node("ReduceSum", ["t1"], ["y2"], keepdims=1)],
+               [("x", [3, 50])], [("y1", [3, 50]), ("y2", [1, 1])])
+    fused, _ = _compare(m, {"x": R.standard_normal((3, 50)).astype(np.float32)})
+    k = _kernels(fused)
+    assert len(k) == 2 and set(k[0].outputs) == {"t1", "y1"}
+
+
+def test_shape_mismatch_is_logged():
+    m = _model([helper.make_node("ReduceMean", ["x"], ["m"], axes=[1], keepdims=1),
+                helper.make_node("Exp", ["m"], ["e"]),
+                helper.make_node("Add", ["e", "x"], ["y"])],
+               [("x", [3, 50])], [("y", [3, 50])], opset=13)
+    fused, _ = _compare(m, {"x": R.standard_normal((3, 50)).astype(np.float32)})
+    reasons = [d.reason for d in _log(fused)]
+    assert any("shapes differ" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("act", ["gelu_erf", "gelu_tanh", "relu", "residual"])
+def test_matmul_bias_activation_epilogue(act):
+    K, N = 64, 96
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["mm"]),
+             helper.make_node("Add", ["mm", "b"], ["h"])]
+    inits = [("w", R.standard_normal((K, N)) / 8), ("b", R.standard_normal(N))]
+    if act == "gelu_erf":
+        nodes += [helper.make_node("Div", ["h", "sq2"], ["d"]), helper.make_node("Erf", ["d"], ["e"]),
+                  helper.make_node("Add", ["e", "one"], ["e1"]),
+                  helper.make_node("Mul", ["h", "e1"], ["g"]),
+                  helper.make_node("Mul", ["g", "half"], ["y"])]
+        inits += [("sq2", np.float32(1.4142135)), ("one", np.float32(1)), ("half", np.float32(.5))]
+    elif act == "gelu_tanh":
+        nodes += [helper.make_node("Pow", ["h", "three"], ["p"]),
+                  helper.make_node("Mul", ["p", "c"], ["pc"]), helper.make_node("Add", ["h", "pc"], ["s"]),
+                  helper.make_node("Mul", ["s", "k"], ["sk"]), helper.make_node("Tanh", ["sk"], ["t"]),
+                  helper.make_node("Add", ["t", "one"], ["t1"]), helper.make_node("Mul", ["h", "t1"], ["g"]),
+                  helper.make_node("Mul", ["g", "half"], ["y"])]
+        inits += [("three", np.float32(3)), ("c", np.float32(0.044715)), ("k", np.float32(0.7978846)),
+                  ("one", np.float32(1)), ("half", np.float32(.5))]
+    elif act == "relu":
+        nodes += [helper.make_node("Relu", ["h"], ["y"])]
+    else:
+        nodes += [helper.make_node("Add", ["h", "r"], ["y"])]
+    inputs = [("x", [2, 13, K])] + ([("r", [2, 13, N])] if act == "residual" else [])
+    m = _model(nodes, inputs, [("y", [2, 13, N])], inits)
+    feeds = {"x": R.standard_normal((2, 13, K)).astype(np.float32)}
+    if act == "residual":
+        feeds["r"] = R.standard_normal((2, 13, N)).astype(np.float32)
+    fused, plain = _compare(m, feeds)
+    k = _kernels(fused)
+    assert len(k) == 1, [x.op_types for x in k]
+    assert k[0].op_types[0] == "MatMul" and "epilogue" in k[0].notes
+    assert len(_kernels(plain)) == len(nodes)
+
+
+def test_gemm_epilogue_refused_when_result_escapes():
+    m = _model([helper.make_node("MatMul", ["x", "w"], ["mm"]),
+                helper.make_node("Relu", ["mm"], ["y1"]),
+                helper.make_node("Transpose", ["mm"], ["y2"])],
+               [("x", [8, 16])], [("y1", [8, 24]), ("y2", [24, 8])],
+               [("w", R.standard_normal((16, 24)))])
+    fused, _ = _compare(m, {"x": R.standard_normal((8, 16)).astype(np.float32)})
+    assert len(_kernels(fused)) == 3
+    assert any(d.rule == "gemm_epilogue" and "Transpose" in d.reason for d in _log(fused))
+
+
+def test_gemm_op_with_bias_and_epilogue():
+    m = _model([helper.make_node("Gemm", ["x", "w", "b"], ["g"], transB=1, alpha=0.5),
+                helper.make_node("Clip", ["g", "lo", "hi"], ["y"])],
+               [("x", [5, 16])], [("y", [5, 24])],
+               [("w", R.standard_normal((24, 16))), ("b", R.standard_normal(24)),
+                ("lo", np.float32(0)), ("hi", np.float32(0.6))])
+    fused, _ = _compare(m, {"x": R.standard_normal((5, 16)).astype(np.float32)})
+    assert len(_kernels(fused)) == 1
+
+
+def _decomposed_layernorm(gamma=True):
+    nodes = [helper.make_node("ReduceMean", ["x"], ["m"], axes=[-1]),
+             helper.make_node("Sub", ["x", "m"], ["d"]),
+             helper.make_node("Pow", ["d", "two"], ["p"]),
+             helper.make_node("ReduceMean", ["p"], ["v"], axes=[-1]),
+             helper.make_node("Add", ["v", "eps"], ["ve"]),
+             helper.make_node("Sqrt", ["ve"], ["s"]),
+             helper.make_node("Div", ["d", "s"], ["n" if gamma else "y"])]
+    inits = [("two", np.float32(2)), ("eps", np.float32(1e-12))]
+    if gamma:
+        nodes += [helper.make_node("Mul", ["n", "g"], ["ng"]), helper.make_node("Add", ["ng", "b"], ["y"])]
+        inits += [("g", R.standard_normal(48)), ("b", R.standard_normal(48))]
+    return _model(nodes, [("x", [2, 7, 48])], [("y", [2, 7, 48])], inits, opset=13)
+
+
+@pytest.mark.parametrize("gamma", [True, False])
+def test_decomposed_layernorm_becomes_one_op(gamma):
+    m = _decomposed_layernorm(gamma)
+    fused, plain = _compare(m, {"x": R.standard_normal((2, 7, 48)).astype(np.float32) * 3})
+    k = _kernels(fused)
+    assert len(k) == 1 and k[0].op_types[0] == "ReduceMean" and len(k[0].nodes) == len(m.graph.node)
+    assert len(_kernels(plain)) > 4
+
+
+def test_switches_by_rule_and_by_file(tmp_path):
+    m = _decomposed_layernorm()
+    feeds = {"x": R.standard_normal((2, 7, 48)).astype(np.float32)}
+    off = cannc.compile(m, cores=1, shapes={"x": (2, 7, 48)}, fusion={"layernorm": False})
+    assert len(_kernels(off)) > 1
+    f = tmp_path / "switch.json"
+    f.write_text(json.dumps({"layernorm": False, "elementwise": False}))
+    off2 = cannc.compile(m, cores=1, shapes={"x": (2, 7, 48)}, fusion=str(f))
+    assert len(_kernels(off2)) > len(_kernels(off)) - 1
+    np.testing.assert_allclose(off2.run(None, feeds)[0], off.run(None, feeds)[0], rtol=1e-5,
+                               atol=1e-6)
+    with pytest.raises(cannc.CanncError, match="unknown fusion rule"):
+        cannc.compile(m, fusion={"nonsense": True})
+
+
+def test_zoo_bert_fusion_reduces_kernels_and_traffic():
+    from models import zoo
+    from cannc.cli import inspect_report
+
+    model = zoo.build("bert")
+    shapes = {"input_ids": (2, 32), "attention_mask": (2, 32)}
+    fused = cannc.compile(model, cores=1, shapes=shapes)
+    plain = cannc.compile(model, cores=1, shapes=shapes, fusion=False)
+    (pf,), (pp,) = fused.programs.values(), plain.programs.values()
+    rf, rp = inspect_report(fused, pf), inspect_report(plain, pp)
+    assert rf["num_kernels"] * 2 <= rp["num_kernels"]
+    assert rf["intermediate_bytes_written"] <= 0.6 * rp["intermediate_bytes_written"]
+    assert rf["fusion"]["not_fused"], "refusals are reported"
+    feeds = zoo.example_inputs(model, batch=2, seq=32)
+    for a, b in zip(fused.run(None, feeds), plain.run(None, feeds)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_export_fused_graph(tmp_path):
+    from cannc.export import fused_graph
+    m = _decomposed_layernorm()
+    sess = cannc.compile(m, cores=1, shapes={"x": (2, 7, 48)})
+    (prog,) = sess.programs.values()
+    g = fused_graph(prog.spec)
+    assert [n.domain for n in g.graph.node] == ["cannc"]
+    onnx.save(g, str(tmp_path / "f.onnx"))
