@@ -36,6 +36,7 @@ PIPELINES: dict[str, list[str]] = {
         "infer_and_fold",
         "dce",
         "legalize_matmul_broadcast",
+        "fold_conv_bn",               # BatchNormalization after Conv folded into its weights
         "fuse_layernorm",             # decomposed LayerNorm (older exporters) -> one op
         "fusion",                     # one kernel per elementwise chain / GEMM + epilogue
     ],

@@ -159,3 +159,64 @@ def _fits(shape: tuple[int, ...], norm_shape: tuple[int, ...]) -> bool:
         shape = shape[1:]
     return len(shape) <= len(norm_shape) and all(
         a in (1, b) for a, b in zip(shape[::-1], norm_shape[::-1]))
+
+
+@graph_pass("fold_conv_bn")
+def fold_conv_bn(graph: Graph) -> bool:
+    """Conv -> BatchNormalization (inference, constant parameters): fold the BN into the
+    convolution's weights and bias at compile time; the BN node disappears."""
+    changed = False
+    for bn in list(graph.nodes()):
+        if bn.op_type != "BatchNormalization" or not enabled(graph, "conv_bn"):
+            continue
+        x = bn.inputs[0]
+        conv = graph.producer(x)
+        if conv is None or conv.op_type != "Conv":
+            continue
+        why = _conv_bn_reason(graph, conv, bn)
+        if why:
+            log(graph, conv.name, bn.name, "conv_bn", why)
+            continue
+        scale, b, mean, var = (graph.constants[v].astype(np.float64) for v in bn.inputs[1:5])
+        eps = float(bn.attrs.get("epsilon", 1e-5))
+        w = graph.constants[conv.inputs[1]].astype(np.float64)
+        cb = (graph.constants[conv.inputs[2]].astype(np.float64)
+              if len(conv.inputs) > 2 and conv.inputs[2] else np.zeros(w.shape[0]))
+        s = scale / np.sqrt(var + eps)
+        dt = graph.values[x].dtype
+        w2 = (w * s.reshape((-1,) + (1,) * (w.ndim - 1))).astype(dt)
+        b2 = ((cb - mean) * s + b).astype(dt)
+        wname, bname = f"{conv.name}::w_bn", f"{conv.name}::b_bn"
+        graph.set_constant(wname, w2)
+        graph.set_constant(bname, b2)
+        y = bn.outputs[0]
+        attrs = dict(conv.attrs)
+        attrs["fused_from"] = [conv.name, bn.name]
+        attrs["fused_ops"] = ["Conv", "BatchNormalization"]
+        new = conv.replace(inputs=(conv.inputs[0], wname, bname), outputs=(y,), attrs=attrs,
+                           proto=None)
+        graph.remove_node(bn.name)
+        graph.replace_node(conv.name, new)
+        changed = True
+    return changed
+
+
+def _conv_bn_reason(graph: Graph, conv: Node, bn: Node) -> str | None:
+    x = bn.inputs[0]
+    if x in graph.outputs or graph.consumers(x) != [bn.name]:
+        return f"the convolution's output '{x}' is also used elsewhere"
+    if any(o for o in bn.outputs[1:]):
+        return "BatchNormalization in training mode (extra outputs)"
+    if bn.attrs.get("training_mode", 0):
+        return "BatchNormalization in training mode"
+    if not all(v in graph.constants for v in bn.inputs[1:5]):
+        return "BatchNormalization parameters are not constant"
+    if conv.inputs[1] not in graph.constants or (
+            len(conv.inputs) > 2 and conv.inputs[2] and conv.inputs[2] not in graph.constants):
+        return "the convolution's weights are not constant"
+    if bn.opset < 9 and bn.attrs.get("spatial", 1) == 0:
+        return "non-spatial BatchNormalization"
+    c = graph.constants[conv.inputs[1]].shape[0]
+    if any(graph.constants[v].shape != (c,) for v in bn.inputs[1:5]):
+        return "BatchNormalization parameters do not match the output channels"
+    return None
