@@ -45,8 +45,7 @@ when ``iv % stride == 0``, with the kernel flipped and in/out channels swapped
 from __future__ import annotations
 
 import contextlib
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import llvmlite.ir as ir
@@ -64,9 +63,12 @@ VM = ir.VectorType(I1, 16)
 VI = ir.VectorType(I32, 16)
 VPTR = ir.VectorType(PTR, 16)
 
-# epilogue(builder, value <16 x float>) -> value: an elementwise map applied to the final
-# results (after the bias) before they are stored, e.g. a fused activation
-Epilogue = Callable[[ir.IRBuilder, ir.Value], ir.Value]
+# epilogue(builder, value, offset, stride, mask) -> value: applied to each final
+# <16 x float> of results (after the bias) before it is stored, e.g. a fused activation or
+# residual add. Lane i is the output element Y.flat[offset + i*stride] (offset: i64 flat
+# index into the whole output tensor; stride: a Python int, 1 or OD*OH*OW); lanes off in
+# `mask` (<16 x i1>) are not stored and must not be read from other tensors.
+Epilogue = Callable[[ir.IRBuilder, ir.Value, ir.Value, int, ir.Value], ir.Value]
 
 
 def c64(v: int) -> ir.Constant:
@@ -223,6 +225,11 @@ class VB:
     def arg(self, args, i):
         return self.b.load(self.b.gep(args, [c64(i)], source_etype=PTR), typ=PTR, align=8)
 
+    def flat_index(self, ptr, base):
+        """(ptr - base) / 4: the float index of ptr in the tensor at base."""
+        b = self.b
+        return b.ashr(b.sub(b.ptrtoint(ptr, I64), b.ptrtoint(base, I64)), c64(2))
+
 
 def abi_function(module: ir.Module, name: str) -> ir.Function:
     fnty = ir.FunctionType(VOID, [PTR, I64, I64, PTR])
@@ -233,8 +240,30 @@ def abi_function(module: ir.Module, name: str) -> ir.Function:
     return fn
 
 
-def split_even(T: int, n: int):
-    return [(i * T // n, (i + 1) * T // n) for i in range(n)]
+def _chunks_per_core() -> int:
+    try:
+        from ..runtime.dispatch import CHUNKS_PER_CORE
+        return int(CHUNKS_PER_CORE)
+    except Exception:  # pragma: no cover - the dispatcher's policy is not ours to own
+        return 2
+
+
+WAKE_COST = 1.0e6    # a worker core starts late: ~10 us, in flop units (~100 GFLOP/s)
+
+
+def dispatch_time(T: int, cores: int, range_cost) -> float:
+    """Modelled finish time of a kernel of T tiles under the runtime's dispatcher:
+    cores claim chunks of ceil(T / (cores * CHUNKS_PER_CORE)) tiles in order, the
+    first free core taking the next chunk; the other cores start WAKE_COST late.
+    range_cost(t0, t1) is the cost of tiles [t0, t1)."""
+    if cores <= 1:
+        return range_cost(0, T)
+    chunk = max(1, cdiv(T, cores * _chunks_per_core()))
+    free = [0.0] + [WAKE_COST] * (cores - 1)
+    for t0 in range(0, T, chunk):
+        c = min(range(cores), key=lambda i: free[i])
+        free[c] += range_cost(t0, min(T, t0 + chunk))
+    return max(free)
 
 
 def distinct_splits(P: int, limit: int | None = None):
@@ -368,17 +397,15 @@ class ConvPlan:
         return self.NR if self.swap else self.MR
 
 
+MR_EFFICIENCY = {8: 1.0, 7: 0.97, 6: 0.93, 5: 0.88, 4: 0.83}   # relative, measured roughly
+
+
 def choose_mr(Mg: int) -> int:
+    """Rows of the normal micro-tile: 8 (16 accumulators, measured best here) unless a
+    smaller tile wastes enough fewer padded rows to make up for its lower speed."""
     if Mg <= 8:
         return Mg
-    # prefer 6, but take 4..8 when it wastes fewer padded rows
-    best = None
-    for mr in (6, 8, 7, 5, 4):
-        waste = rup(Mg, mr) - Mg
-        key = (waste > 0, waste / Mg, mr != 6)
-        if best is None or key < best[0]:
-            best = (key, mr)
-    return best[1]
+    return min(MR_EFFICIENCY, key=lambda mr: rup(Mg, mr) / MR_EFFICIENCY[mr])
 
 
 # tunables (measured on Zen 4, see benchmarks/conv_bench.py)
@@ -417,10 +444,16 @@ def _grid(geom: ConvGeom, K: int, pu: int, cu: int, pmax: int, cores: int,
             def upto(t):
                 return (t // per) * pre[per] + pre[t % per]
 
-            worst = max(upto(t1) - upto(t0) for t0, t1 in split_even(T, cores))
+            worst = dispatch_time(T, cores, lambda t0, t1: upto(t1) - upto(t0))
             if best is None or worst < best[0] * 0.995 or (worst <= best[0] * 1.005 and T < best[5]):
                 best = (worst, PB, P, MB, CH, T)
     return best
+
+
+def weight_traffic(ch: int, K: int) -> float:
+    """Cost (flop units) of streaming a tile's ch x K weights into the core: every tile
+    reads all of its weights at least once, mostly from L3 (~1 byte per flop)."""
+    return 4.0 * ch * K
 
 
 # plan overrides applied to every plan_conv call without explicit tuning (tests, experiments)
@@ -445,6 +478,7 @@ def plan_conv(geom: ConvGeom, const_weights: bool = True, cores: int = 2,
 
     def cost_n(ch, px):
         c = 2.0 * rup(ch, MR) * rup(px, NR) * K + im2col_cost * K * px + 3000.0
+        c += weight_traffic(ch, K)
         if not const_weights:
             c += 4.0 * rup(ch, MR) * K
         return c
@@ -461,6 +495,7 @@ def plan_conv(geom: ConvGeom, const_weights: bool = True, cores: int = 2,
         for MRs in ([tun["MR"]] if "MR" in tun else [8, 7, 6, 5, 4]):
             def cost_s(ch, px, MRs=MRs):
                 c = 2.0 * rup(ch, NRs) * rup(px, MRs) * K + 6.0 * K * px + 3000.0 + 40.0 * ch * px / 16
+                c += weight_traffic(ch, K)
                 if not const_weights:
                     c += 4.0 * rup(ch, NRs) * K
                 return c
@@ -987,9 +1022,10 @@ class _NormalIO:
                 val = accs[r][j]
                 if gen.Bias is not None:
                     val = b.fadd(val, bias)
+                ptr = v.gep(self.rows[r], 16 * j)
                 if gen.epilogue is not None:
-                    val = gen.epilogue(b, val)
-                v.mstore(val, v.gep(self.rows[r], 16 * j), self.masks[r][j])
+                    val = gen.epilogue(b, val, v.flat_index(ptr, gen.Y), 1, self.masks[r][j])
+                v.mstore(val, ptr, self.masks[r][j])
 
 
 class _SwapIO:
@@ -1039,7 +1075,9 @@ class _SwapIO:
                 if biases:
                     val = b.fadd(val, biases[j])
                 if gen.epilogue is not None:
-                    val = gen.epilogue(b, val)
+                    lane0 = v.gep(yp, 16 * j * gen.g.OHW)
+                    val = gen.epilogue(b, val, v.flat_index(lane0, gen.Y), gen.g.OHW,
+                                       self.masks[r][j])
                 ptrs = b.gep(yp, [self.lane_off[j]], source_etype=F32)
                 ptrs.type = VPTR
                 b.call(f, [val, ptrs, c32(4), self.masks[r][j]])
@@ -1122,7 +1160,7 @@ CT_Z_BYTES = 512 * 1024     # target size of a tile's GEMM result (stays in L2)
 
 def plan_convtranspose(geom: ConvTGeom, cores: int = 2) -> ConvTPlan:
     KK, HW, Mg = geom.KK, geom.HW, geom.Mg
-    MR = 8 if KK % 8 == 0 else 6
+    MR = min(8, Mg * KK)
     zrow = rup(HW, 16) * 4
     best = None
     for MB, chb in distinct_splits(Mg):
@@ -1134,9 +1172,7 @@ def plan_convtranspose(geom: ConvTGeom, cores: int = 2) -> ConvTPlan:
         for mb in range(MB):
             ch = min(Mg, (mb + 1) * chb) - mb * chb
             per[mb] = 2.0 * rup(ch * KK, MR) * geom.Cg * rup(HW, 32) + 4.0 * ch * geom.OHW * KK + 5000
-        worst = 0.0
-        for t0, t1 in split_even(T, cores):
-            worst = max(worst, sum(per[t % MB] for t in range(t0, t1)))
+        worst = dispatch_time(T, cores, lambda t0, t1: sum(per[t % MB] for t in range(t0, t1)))
         if best is None or worst < best[0] * 0.995:
             best = (worst, MB, chb, rows, T)
     _, MB, CHB, rows, T = best
@@ -1221,7 +1257,7 @@ class _ConvTGen(_ConvGen):
 
     def col2im(self, y_t, ch0, nch):
         """Y[m][o] = bias[m] + sum over taps of Z[(m*KK + tap)][i], o = i*s - pb + k*d."""
-        v, g, p = self.v, self.g, self.p
+        v, g = self.v, self.g
         b = v.b
         D, H, W = g.isz
         OD, OH, OW = g.osz
@@ -1257,24 +1293,51 @@ class _ConvTGen(_ConvGen):
                 with v.loop(0, OW, 16, "ow") as ow:
                     acc = init
                     for kw in range(KW):
-                        lanes = b.add(v.splat_i(b.add(ow, c64(pw - kw * dw))), v.iota)
-                        cm = b.icmp_unsigned("<", lanes, v.splat_i((W - 1) * sw + 1))
-                        if sw > 1:
-                            cm = b.and_(cm, b.icmp_unsigned("==", b.urem(lanes, v.splat_i(sw)),
-                                                            v.splat_i(0)))
-                            idx = b.udiv(lanes, v.splat_i(sw))
+                        off = pw - kw * dw
+                        base = b.add(ow, c64(off))           # virtual input column of lane 0
+                        if sw in (2, 4, 8, 16):
+                            # ow is a multiple of 16, so the lanes that hit an input column
+                            # (base + i divisible by sw) are known here: load the run of
+                            # inputs they read and spread it with a constant permutation
+                            r0 = off % sw
+                            i0 = (sw - r0) % sw
+                            idx = [(i - i0) // sw if i >= i0 and (i - i0) % sw == 0 else 0
+                                   for i in range(16)]
+                            par = ir.Constant(VM, [1 if i >= i0 and (i - i0) % sw == 0 else 0
+                                                   for i in range(16)])
+                            e0 = b.sdiv(b.add(base, c64(i0)), c64(sw))
+                            nload = cdiv(16 - i0, sw)
+                            lm = b.and_(b.icmp_unsigned("<", b.add(v.splat_i(e0), v.iota),
+                                                        v.splat_i(W)),
+                                        ir.Constant(VM, [1 if i < nload else 0 for i in range(16)]))
+                            el = b.add(v.splat_i(e0), ir.Constant(VI, idx))
+                            cm = b.and_(par, b.icmp_unsigned("<", el, v.splat_i(W)))
+                            spread = ir.Constant(VI, idx)
+                        else:
+                            lanes = b.add(v.splat_i(base), v.iota)
+                            cm = b.icmp_unsigned("<", lanes, v.splat_i((W - 1) * sw + 1))
+                            if sw > 1:
+                                cm = b.and_(cm, b.icmp_unsigned("==", b.urem(lanes, v.splat_i(sw)),
+                                                                v.splat_i(0)))
+                                gidx = b.udiv(lanes, v.splat_i(sw))
                         for kd, kh, ok, rowidx in rows:
                             tap = (kd * KH + kh) * KW + kw
                             src = v.gep(z_m, b.add(c64(tap * g.HW), b.mul(rowidx, c64(W))))
                             mk = v.mask_and(cm, ok)
                             if sw == 1:
-                                x = v.mload(v.gep(src, b.add(ow, c64(pw - kw * dw))), mk)
+                                x = v.mload(v.gep(src, base), mk)
+                            elif sw in (2, 4, 8, 16):
+                                z = v.mload(v.gep(src, e0), v.mask_and(lm, ok))
+                                x = b.select(mk, b.shuffle_vector(z, ir.Constant(VF, ir.Undefined),
+                                                                  spread), v.zero_v)
                             else:
-                                x = v.gather(src, idx, mk)
+                                x = v.gather(src, gidx, mk)
                             acc = b.fadd(acc, x)
+                    ptr = v.gep(y_row, ow)
+                    om = v.lanes_lt(ow, OW)
                     if self.epilogue is not None:
-                        acc = self.epilogue(b, acc)
-                    v.mstore(acc, v.gep(y_row, ow), v.lanes_lt(ow, OW))
+                        acc = self.epilogue(b, acc, v.flat_index(ptr, self.Y), 1, om)
+                    v.mstore(acc, ptr, om)
 
 
 def emit_convtranspose(module: ir.Module, name: str, geom: ConvTGeom, plan: ConvTPlan,

@@ -121,7 +121,7 @@ class _WindowGen:
         b = v.b
         args, tb, te, _ws = v.fn.args
         X = v.arg(args, self.slots.x)
-        Y = v.arg(args, self.slots.y)
+        Y = self.Y = v.arg(args, self.slots.y)
         Wt = v.arg(args, self.slots.w) if s.kind == "dw" else None
         Bias = v.arg(args, self.slots.b) if (s.kind == "dw" and s.bias) else None
         D, H, W = s.isz
@@ -213,14 +213,15 @@ class _WindowGen:
                     val = b.call(v.intr("llvm.sqrt.v16f32", VF, [VF]), [val])
                 elif s.kind == "lp" and s.p != 1:
                     val = vmath.pow(b, val, ir.Constant(VF, [1.0 / s.p] * 16))
-                if self.epilogue is not None:
-                    val = self.epilogue(b, val)
                 if const_cols:
                     m = v.lanes_lt(int(ow0.constant) + 16 * j, OW)
                 else:
                     m = v.lanes_lt(b.add(ow0, c64(16 * j)), OW)
                 m = v.mask_and(m, act)
-                v.mstore(val, v.gep(y_row, 16 * j), m)
+                ptr = v.gep(y_row, 16 * j)
+                if self.epilogue is not None:
+                    val = self.epilogue(b, val, v.flat_index(ptr, self.Y), 1, m)
+                v.mstore(val, ptr, m)
 
     def col_masks(self, ow0, j, off, sw, W, const_cols):
         """(first input column, masks) of vector j for a tap at column offset `off`."""
@@ -293,8 +294,8 @@ def emit_window(module: ir.Module, name: str, spec: WindowSpec, plan: WindowPlan
                 slots: Slots = Slots(x=0, w=-1, b=-1, y=1),
                 epilogue: Optional[Epilogue] = None) -> ir.Function:
     """Emit the window kernel as an ABI function named ``name`` (tiles: plan.num_tiles).
-    ``epilogue(builder, <16 x float>) -> <16 x float>`` maps the final values (e.g. a
-    fused activation) before they are stored."""
+    ``epilogue`` (see codegen.conv.Epilogue) maps the final values (e.g. a fused
+    activation) before they are stored."""
     assert spec.kind in KINDS, spec.kind
     fn = abi_function(module, name)
     _WindowGen(module, fn, spec, plan, slots, epilogue).emit()

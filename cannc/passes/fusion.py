@@ -28,7 +28,9 @@ from ..ir.registry import Category, lookup
 from ..ir.types import TensorType
 from .manager import graph_pass
 
-RULES = ("conv_bn", "layernorm", "attention", "elementwise", "gemm_epilogue")
+RULES = ("conv_bn", "layernorm", "attention", "elementwise", "gemm_epilogue", "conv_epilogue")
+EPILOGUE_RULE = {"MatMul": "gemm_epilogue", "Gemm": "gemm_epilogue", "Conv": "conv_epilogue"}
+FUSED_OP = {"MatMul": "FusedGemm", "Gemm": "FusedGemm", "Conv": "FusedConv"}
 MAP_CATEGORIES = (Category.ELEMENTWISE, Category.BROADCAST)
 
 
@@ -211,32 +213,32 @@ def _replace_group(graph: Graph, names: list[str], op_type: str, inputs: list[st
 @graph_pass("fusion")
 def fusion(graph: Graph) -> bool:
     """Group elementwise chains; give contractions their epilogues."""
-    from ..ir.ops.fused import operand_pattern
-
     groups = build_map_groups(graph)
     changed = False
     # contraction epilogues first: they take whole groups
     for n in list(graph.nodes()):
-        if n.op_type not in ("MatMul", "Gemm") or n.domain:
+        rule = EPILOGUE_RULE.get(n.op_type)
+        if rule is None or n.domain:
             continue
         out = n.outputs[0]
         cons = graph.consumers(out)
         if not cons:
             continue
-        if not enabled(graph, "gemm_epilogue"):
+        if not enabled(graph, rule):
             for c in cons:
-                log(graph, n.name, c, "gemm_epilogue", "rule switched off")
+                log(graph, n.name, c, rule, "rule switched off")
             continue
-        reason = _epilogue_reason(graph, n, cons, groups, operand_pattern)
+        reason = _epilogue_reason(graph, n, cons, groups)
         if reason:
             for c in cons:
-                log(graph, n.name, c, "gemm_epilogue", reason)
+                log(graph, n.name, c, rule, reason)
             continue
         gid = groups.group_of[cons[0]]
         names = groups.members.pop(gid)
         ins, outs = group_io(graph, names)
         ext = [v for v in ins if v != out]
-        _replace_group(graph, [n.name] + names, "FusedGemm", list(n.inputs) + ext, outs, n)
+        _replace_group(graph, [n.name] + names, FUSED_OP[n.op_type], list(n.inputs) + ext,
+                       outs, n)
         changed = True
     for gid, names in groups.members.items():
         if len(names) < 2:
@@ -247,8 +249,9 @@ def fusion(graph: Graph) -> bool:
     return changed
 
 
-def _epilogue_reason(graph: Graph, n: Node, cons: list[str], groups: Groups,
-                     operand_pattern: Any) -> str | None:
+def _epilogue_reason(graph: Graph, n: Node, cons: list[str], groups: Groups) -> str | None:
+    from ..ir.ops.fused import conv_operand_pattern, operand_pattern
+
     out = n.outputs[0]
     t = graph.values[out]
     if np.dtype(t.dtype) != np.float32:
@@ -283,8 +286,13 @@ def _epilogue_reason(graph: Graph, n: Node, cons: list[str], groups: Groups,
     for v in ins:
         if v == out:
             continue
-        if operand_pattern(graph.values[v], tuple(t.shape), batched) is None:
-            return f"epilogue operand '{v}' of shape {list(graph.values[v].shape)} is not a " \
+        vt = graph.values[v]
+        if n.op_type == "Conv":
+            if conv_operand_pattern(vt, tuple(t.shape)) is None:
+                return f"epilogue operand '{v}' of shape {list(vt.shape)} is not a scalar, " \
+                       "per-channel or full tensor of the convolution's output"
+        elif operand_pattern(vt, tuple(t.shape), batched) is None:
+            return f"epilogue operand '{v}' of shape {list(vt.shape)} is not a " \
                    "scalar, row, column or full tensor of the GEMM's output"
     # the group must not read a value computed from the GEMM's result outside the group
     cyc = groups.creates_cycle(gid, graph.node(names[0]))

@@ -89,6 +89,9 @@ CONV_CASES = [
     ((1, 4, 5, 6, 7), (6, 4, 3, 3, 3), dict(pads=[1, 1, 1, 1, 1, 1])),
     ((1, 4, 6, 7, 8), (5, 4, 2, 3, 3), dict(strides=[2, 1, 2], pads=[0, 1, 1, 1, 0, 1])),
     ((1, 4, 5, 6, 7), (4, 1, 3, 3, 3), dict(group=4, pads=[1, 1, 1, 1, 1, 1])),
+    ((2, 4, 5, 6, 7), (6, 4, 1, 3, 3), dict(pads=[0, 1, 1, 0, 1, 1])),      # direct, 3-D
+    ((1, 4, 5, 6, 7), (6, 4, 3, 1, 1), dict(pads=[1, 0, 0, 1, 0, 0])),      # direct, depth taps
+    ((1, 4, 5, 6, 7), (6, 4, 2, 1, 1), dict(dilations=[2, 1, 1])),          # direct, OD < D
 ]
 
 
@@ -185,6 +188,8 @@ CT_CASES = [
     ((1, 4, 5, 6), (4, 3, 3, 3), dict(strides=[2, 2], output_shape=[10, 12])),
     ((1, 4, 5, 6), (4, 3, 3, 3), dict(strides=[3, 2], dilations=[2, 1])),
     ((1, 40, 7, 7), (40, 24, 2, 2), dict(strides=[2, 2])),
+    ((1, 6, 5, 7), (6, 5, 4, 5), dict(strides=[4, 4], pads=[1, 2, 0, 1])),
+    ((2, 64, 9, 10), (64, 20, 3, 3), dict(strides=[2, 2], pads=[1, 1, 1, 1], output_padding=[1, 1])),
     ((1, 4, 9), (4, 3, 3), dict(strides=[2])),
     ((1, 3, 4, 5, 3), (3, 2, 3, 3, 3), dict(strides=[2, 2, 1], pads=[1, 1, 0, 0, 1, 1])),
 ]
@@ -287,3 +292,91 @@ def test_lp_pool_higher_p(p):
 def test_conv_4d_spatial_unsupported():
     msg = _unsupported("Conv", [rnd(1, 2, 3, 3, 3, 3), rnd(2, 2, 2, 2, 2, 2)])
     assert "4 spatial dimensions" in msg
+
+
+# ---------------------------------------------------------------------------
+# the epilogue hook (for fusion): lane i of a final vector is Y.flat[offset + i*stride]
+# ---------------------------------------------------------------------------
+
+def _run_kernel(emit, n_tiles, ws_bytes, inputs, out_shape):
+    """Emit one ABI kernel with `emit(module, name)`, JIT it, run its tiles split in two
+    (like two cores) and return the output."""
+    import ctypes
+
+    import llvmlite.ir as ir  # noqa: F401
+
+    from cannc.codegen.target import JitLibrary, new_module, optimise_and_emit
+
+    module = new_module("epilogue_test")
+    emit(module, "k")
+    lib = JitLibrary([optimise_and_emit(str(module), "k")])
+    fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                          ctypes.c_void_p)(lib.address("k"))
+    bufs = [np.ascontiguousarray(a) for a in inputs]
+    out = np.full(out_shape, np.nan, np.float32)
+    args = (ctypes.c_void_p * (len(bufs) + 1))(*[a.ctypes.data for a in bufs], out.ctypes.data)
+    ws = np.zeros(max(ws_bytes, 64) * 2 // 4 + 16, np.float32)
+    half = n_tiles // 2
+    fn(ctypes.addressof(args), 0, half, ws.ctypes.data)
+    fn(ctypes.addressof(args), half, n_tiles, ws.ctypes.data + max(ws_bytes, 64))
+    return out
+
+
+def _index_epilogue(b, val, offset, stride, mask):
+    """val + (offset + i*stride) as float: reveals where each lane is stored."""
+    import llvmlite.ir as ir
+
+    from cannc.codegen.conv import VF, VI
+
+    v16 = ir.VectorType(ir.IntType(64), 16)
+    off = b.insert_element(ir.Constant(v16, ir.Undefined), offset, ir.Constant(ir.IntType(32), 0))
+    off = b.shuffle_vector(off, ir.Constant(v16, ir.Undefined), ir.Constant(VI, None))
+    idx = b.add(off, ir.Constant(v16, [i * stride for i in range(16)]))
+    return b.fadd(val, b.sitofp(idx, VF))
+
+
+@pytest.mark.parametrize("tuning", [dict(swap=False), dict(swap=True), dict(swap=False, direct=False)],
+                         ids=["normal", "swapped", "im2col"])
+def test_conv_epilogue_offsets(tuning):
+    x, w, bias = conv_inputs((2, 12, 9, 10), (40, 12, 3, 3))
+    m, feeds = single_node_model("Conv", [x, w, bias], const_inputs=(1, 2), pads=[1, 1, 1, 1])
+    from tests.helpers import ort_run
+    ref = ort_run(m, feeds)[0]
+    g = conv_codegen.ConvGeom(N=2, C=12, M=40, G=1, isz=(1, 9, 10), osz=(1, 9, 10), k=(1, 3, 3),
+                              pb=(0, 1, 1), bias=True)
+    plan = conv_codegen.plan_conv(g, tuning=tuning)
+    wp = conv_codegen.pack_weights(g, plan, w.reshape(40, 12, 1, 3, 3))
+    got = _run_kernel(lambda mod, name: conv_codegen.emit_conv(mod, name, g, plan,
+                                                               epilogue=_index_epilogue),
+                      plan.num_tiles, plan.ws_bytes, [x, wp, bias], ref.shape)
+    want = ref + np.arange(ref.size, dtype=np.float32).reshape(ref.shape)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+
+
+def test_window_and_convtranspose_epilogue_offsets():
+    from cannc.codegen import pool as pool_codegen
+    from tests.helpers import ort_run
+
+    x = rnd(2, 3, 9, 11)
+    m, feeds = single_node_model("MaxPool", [x], kernel_shape=[3, 3], strides=[2, 2])
+    ref = ort_run(m, feeds)[0]
+    spec = pool_codegen.WindowSpec(kind="max", N=2, C=3, M=3, isz=(1, 9, 11), osz=(1, 4, 5),
+                                   k=(1, 3, 3), s=(1, 2, 2))
+    plan = pool_codegen.plan_window(spec)
+    got = _run_kernel(lambda mod, name: pool_codegen.emit_window(mod, name, spec, plan,
+                                                                 epilogue=_index_epilogue),
+                      plan.num_tiles, 0, [x], ref.shape)
+    np.testing.assert_allclose(got, ref + np.arange(ref.size).reshape(ref.shape), rtol=1e-5)
+
+    x, w, bias = conv_inputs((1, 4, 5, 6), (4, 3, 3, 3), transpose=True)
+    m, feeds = single_node_model("ConvTranspose", [x, w, bias], const_inputs=(1, 2), strides=[2, 2])
+    ref = ort_run(m, feeds)[0]
+    tg = conv_codegen.ConvTGeom(N=1, C=4, M=3, G=1, isz=(1, 5, 6), osz=(1, 11, 13), k=(1, 3, 3),
+                                s=(1, 2, 2), d=(1, 1, 1), pb=(0, 0, 0), bias=True)
+    tplan = conv_codegen.plan_convtranspose(tg)
+    wp = conv_codegen.pack_convtranspose_weights(tg, tplan, w)
+    got = _run_kernel(lambda mod, name: conv_codegen.emit_convtranspose(mod, name, tg, tplan,
+                                                                        epilogue=_index_epilogue),
+                      tplan.num_tiles, tplan.ws_bytes, [x, wp, bias], ref.shape)
+    np.testing.assert_allclose(got, ref + np.arange(ref.size).reshape(ref.shape), rtol=1e-4,
+                               atol=1e-3)

@@ -202,3 +202,54 @@ def test_export_fused_graph(tmp_path):
     g = fused_graph(prog.spec)
     assert [n.domain for n in g.graph.node] == ["cannc"]
     onnx.save(g, str(tmp_path / "f.onnx"))
+
+
+def _conv_model(act, depthwise=False, residual=False, bn=True):
+    C, M = (8, 8) if depthwise else (5, 12)
+    g = C if depthwise else 1
+    nodes = [helper.make_node("Conv", ["x", "w", "cb"], ["c"], pads=[1, 1, 1, 1], group=g)]
+    inits = [("w", R.standard_normal((M, C // g, 3, 3)) / 4), ("cb", R.standard_normal(M))]
+    cur = "c"
+    if bn:
+        nodes.append(helper.make_node("BatchNormalization", [cur, "s", "bb", "mu", "var"], ["n"]))
+        inits += [("s", R.random(M) + .5), ("bb", R.standard_normal(M)),
+                  ("mu", R.standard_normal(M) * .1), ("var", R.random(M) + .5)]
+        cur = "n"
+    if residual:
+        nodes.append(helper.make_node("Add", [cur, "r"], ["a"]))
+        cur = "a"
+    if act == "relu":
+        nodes.append(helper.make_node("Relu", [cur], ["y"]))
+    elif act == "clip":
+        nodes.append(helper.make_node("Clip", [cur, "lo", "hi"], ["y"]))
+        inits += [("lo", np.float32(0)), ("hi", np.float32(6))]
+    elif act == "hardswish":
+        nodes.append(helper.make_node("HardSwish", [cur], ["y"]))
+    elif act == "chanscale":
+        nodes.append(helper.make_node("Mul", [cur, "cs"], ["y"]))
+        inits += [("cs", R.standard_normal((M, 1, 1)))]
+    inputs = [("x", [2, C, 9, 7])] + ([("r", [2, M, 9, 7])] if residual else [])
+    return _model(nodes, inputs, [("y", [2, M, 9, 7])], inits), M
+
+
+@pytest.mark.parametrize("act,depthwise,residual", [
+    ("relu", False, False), ("relu", False, True), ("clip", True, False),
+    ("hardswish", False, False), ("chanscale", False, True), ("relu", True, True)])
+def test_conv_bn_epilogue(act, depthwise, residual):
+    m, M = _conv_model(act, depthwise, residual)
+    C = 8 if depthwise else 5
+    feeds = {"x": R.standard_normal((2, C, 9, 7)).astype(np.float32)}
+    if residual:
+        feeds["r"] = R.standard_normal((2, M, 9, 7)).astype(np.float32)
+    fused, plain = _compare(m, feeds)
+    k = _kernels(fused)
+    assert len(k) == 1, [x.op_types for x in k]
+    assert k[0].op_types[:2] == ["Conv", "BatchNormalization"]
+    assert len(_kernels(plain)) == len(m.graph.node)
+
+
+def test_conv_bn_not_folded_when_conv_output_escapes():
+    m, _ = _conv_model("relu")
+    m.graph.output.append(helper.make_tensor_value_info("c", F, [2, 12, 9, 7]))
+    fused, _ = _compare(m, {"x": R.standard_normal((2, 5, 9, 7)).astype(np.float32)})
+    assert any(d.rule == "conv_bn" and "also used" in d.reason for d in _log(fused))

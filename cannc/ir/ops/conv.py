@@ -116,11 +116,14 @@ def conv_geometry(ctx: Any) -> tuple[ConvGeom, bool]:
     return geom, depthwise
 
 
-def _lower_conv(ctx: Any) -> None:
+def _lower_conv(ctx: Any, epilogue: Any = None, y_slot: int | None = None) -> None:
+    """Lower a Conv; a fused kernel passes its epilogue (codegen.conv.Epilogue) and the
+    argument slot of the output."""
     if ctx.out_types[0].numel == 0:
         return _noop(ctx)
     geom, depthwise = conv_geometry(ctx)
-    y_slot = len(ctx.node.inputs)
+    if y_slot is None:
+        y_slot = len(ctx.node.inputs)
     slots = Slots(x=0, w=1, b=2 if geom.bias else -1, y=y_slot)
     ctx.flops = geom.flops
     ctx.single_core = geom.flops < SINGLE_CORE_FLOPS
@@ -128,7 +131,7 @@ def _lower_conv(ctx: Any) -> None:
         spec = WindowSpec(kind="dw", N=geom.N, C=geom.C, M=geom.M, isz=geom.isz, osz=geom.osz,
                           k=geom.k, s=geom.s, d=geom.d, pb=geom.pb, bias=geom.bias)
         plan = plan_window(spec)
-        emit_window(ctx.module, ctx.symbol, spec, plan, slots)
+        emit_window(ctx.module, ctx.symbol, spec, plan, slots, epilogue=epilogue)
         ctx.num_tiles = plan.num_tiles
         ctx.notes["path"] = f"depthwise R{plan.R}xV{plan.V}"
         return
@@ -136,11 +139,14 @@ def _lower_conv(ctx: Any) -> None:
     plan = plan_conv(geom, const_weights=w is not None)
     if w is not None:
         ctx.replace_const(1, pack_weights(geom, plan, w.reshape(geom.M, geom.Cg, *geom.k)))
-    emit_conv(ctx.module, ctx.symbol, geom, plan, slots, a_prepacked=w is not None)
+    emit_conv(ctx.module, ctx.symbol, geom, plan, slots, a_prepacked=w is not None,
+              epilogue=epilogue)
     ctx.num_tiles = plan.num_tiles
     ctx.workspace_bytes = plan.ws_bytes
-    ctx.notes["path"] = ("direct-gemm" if plan.direct else "im2col-gemm") + \
-        ("-swapped" if plan.swap else "") + f" MR{plan.MR} KC{plan.KC}x{plan.nkb} P{plan.P}x{plan.PB} CH{plan.CH}x{plan.MB}"
+    ctx.notes["path"] = (("direct-gemm" if plan.direct else "im2col-gemm")
+                         + ("-swapped" if plan.swap else "")
+                         + f" MR{plan.MR} KC{plan.KC}x{plan.nkb} P{plan.P}x{plan.PB}"
+                         + f" CH{plan.CH}x{plan.MB}")
 
 
 def _check_conv(node: Any, ins: list[Any], outs: list[Any]) -> str | None:

@@ -213,3 +213,127 @@ def _load_operand(b: ir.IRBuilder, E: Expr, ptr: ir.Value, dt: np.dtype, pat: st
 
 register(OpDef(name="FusedGemm", domain=DOMAIN, category=Category.CONTRACTION,
                lower=_lower_fused_gemm, doc="GEMM with an elementwise epilogue"))
+
+
+# -- Conv + epilogue -----------------------------------------------------------------
+
+
+def conv_operand_pattern(t: TensorType, out_shape: tuple[int, ...]) -> str | None:
+    """How an epilogue operand of a Conv output [N, M, *spatial] is indexed: 'scalar',
+    'channel' (one value per output channel) or 'full'; None otherwise."""
+    shape = tuple(t.shape)
+    r = len(out_shape)
+    shape = (1,) * (r - len(shape)) + shape
+    if all(d == 1 for d in shape):
+        return "scalar"
+    if shape == tuple(out_shape):
+        return "full"
+    if r >= 2 and shape[1] == out_shape[1] and all(
+            d == 1 for i, d in enumerate(shape) if i != 1):
+        return "channel"
+    return None
+
+
+class _NodeView:
+    """A LowerCtx seen as if it lowered `node` alone (the fused node's leading inputs)."""
+
+    def __init__(self, ctx: Any, node: Node, out_type: TensorType) -> None:
+        object.__setattr__(self, "_ctx", ctx)
+        object.__setattr__(self, "node", node)
+        object.__setattr__(self, "in_types", ctx.in_types[:len(node.inputs)])
+        object.__setattr__(self, "out_types", [out_type])
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        return self.node.attrs.get(name, default)
+
+    @property
+    def opset(self) -> int:
+        return self.node.opset
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ctx, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._ctx, name, value)
+
+
+def _lower_fused_conv(ctx: Any) -> None:
+    from .conv import _lower_conv
+
+    body: list[Node] = ctx.attr("body")
+    types = _types(ctx)
+    conv, epi = body[0], body[1:]
+    ncon = len(conv.inputs)
+    conv_out = conv.outputs[0]
+    out_shape = tuple(types[conv_out].shape)
+    consts = {v: ctx.const(i) for i, v in enumerate(ctx.node.inputs) if ctx.const(i) is not None}
+    imm = _scalar_consts(ctx, skip=ncon)
+    for i in imm:
+        ctx.drop_input(i)
+    ext = [i for i in range(ncon, len(ctx.node.inputs)) if ctx.node.inputs[i] and i not in imm]
+    patterns = [conv_operand_pattern(ctx.in_types[i], out_shape) for i in ext]
+    assert all(p is not None for p in patterns), patterns
+    M = out_shape[1]
+    SP = int(np.prod(out_shape[2:])) if len(out_shape) > 2 else 1
+    final = ctx.node.outputs[0]
+    n_in = len(ctx.node.inputs) - len(ctx.dropped)
+    slot_of = {i: i - sum(1 for d in ctx.dropped if d < i) for i in ext}
+
+    def epilogue(b: ir.IRBuilder, val: ir.Value, offset: ir.Value, stride: int,
+                 mask: ir.Value) -> ir.Value:
+        lanes = val.type.count
+        E = Expr(b, lanes)
+        args = b.function.args[0]
+        env = {conv_out: TV(val, np.dtype(np.float32))}
+        env.update({ctx.node.inputs[i]: _immediate(E, c) for i, c in imm.items()})
+        lane = ir.Constant(ir.VectorType(emit.I64, lanes), [k * stride for k in range(lanes)])
+        idx = b.add(emit.splat(b, offset, lanes), lane)
+        for i, pat in zip(ext, patterns):
+            ptr = emit.load_arg(b, args, slot_of[i])
+            dt = np.dtype(ctx.in_types[i].dtype)
+            if pat == "scalar":
+                et = emit.llvm_type(dt)
+                v = b.load(ptr, typ=et)
+                env[ctx.node.inputs[i]] = TV(emit.splat(b, v, lanes), dt)
+                continue
+            at = idx if pat == "full" else b.urem(b.udiv(idx, emit.splat(b, emit.i64(SP), lanes)),
+                                                  emit.splat(b, emit.i64(M), lanes))
+            env[ctx.node.inputs[i]] = _gather(b, ptr, at, mask, dt, lanes,
+                                              offset if pat == "full" and stride == 1 else None)
+        eval_body(E, epi, env, types, consts)
+        return env[final].v
+
+    _lower_conv(_NodeView(ctx, conv, types[conv_out]), epilogue=epilogue, y_slot=n_in)
+    ctx.flops += sum(int(np.prod(out_shape)) * lookup(n.op_type).extra.get("flops_per_elem", 1)
+                     for n in epi)
+    ctx.notes["epilogue"] = "+".join(n.op_type for n in epi)
+
+
+def _gather(b: ir.IRBuilder, ptr: ir.Value, idx: ir.Value, mask: ir.Value, dt: np.dtype,
+            lanes: int, contiguous_at: ir.Value | None) -> TV:
+    """Masked lanes of ptr[idx] (a contiguous masked load when the lanes are consecutive)."""
+    et = emit.llvm_type(dt)
+    vt = ir.VectorType(et, lanes)
+    mt = ir.VectorType(emit.I1, lanes)
+    if contiguous_at is not None:
+        name = f"llvm.masked.load.{emit._mangle(vt)}.p0"
+        fn = b.module.globals.get(name) or ir.Function(
+            b.module, ir.FunctionType(vt, [emit.PTR, emit.I32, mt, vt]), name=name)
+        v = b.call(fn, [emit.gep(b, ptr, contiguous_at, et), ir.Constant(emit.I32, dt.itemsize),
+                        mask, ir.Constant(vt, ir.Undefined)])
+    else:
+        pv = ir.VectorType(emit.PTR, lanes)
+        # a vector of addresses (llvmlite's gep does not type vector GEPs)
+        base = emit.splat(b, b.ptrtoint(ptr, emit.I64), lanes)
+        off = b.mul(idx, emit.splat(b, emit.i64(dt.itemsize), lanes))
+        ptrs = b.inttoptr(b.add(base, off), pv)
+        name = f"llvm.masked.gather.{emit._mangle(vt)}.v{lanes}p0"
+        fn = b.module.globals.get(name) or ir.Function(
+            b.module, ir.FunctionType(vt, [pv, emit.I32, mt, vt]), name=name)
+        v = b.call(fn, [ptrs, ir.Constant(emit.I32, dt.itemsize), mask,
+                        ir.Constant(vt, ir.Undefined)])
+    return TV(v, dt)
+
+
+register(OpDef(name="FusedConv", domain=DOMAIN, category=Category.CONTRACTION,
+               lower=_lower_fused_conv, doc="convolution with an elementwise epilogue"))
