@@ -752,6 +752,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # ops
 # ---------------------------------------------------------------------------------------
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    sess = _open(args.model, cores=args.cores, fusion=_fusion_opt(args))
+    feeds = _make_feeds(sess, args.input or [], dict(args.shape or []), args.seed, args.int_high)
+    prof = sess.profile(feeds, runs=args.runs, warmup=args.warmup,
+                        pipeline_requests=args.pipeline_requests)
+    if args.trace:
+        prof.write_chrome_trace(args.trace)
+    if args.json:
+        _print_json(prof.to_dict())
+        return 0
+    print(f"{args.model}: {_fmt_shapes({k: v.shape for k, v in feeds.items()})}; "
+          f"{sess.cores} AI core(s); median of {prof.runs} run(s); fp32 peak "
+          f"{prof.peaks['fp32_gflops_per_core']:.0f} GFLOP/s per core, copy bandwidth "
+          f"{prof.peaks['mem_gbps']:.1f} GB/s (measured)")
+    print(prof.table(args.top))
+    if args.trace:
+        print(f"chrome trace: {args.trace} (open in chrome://tracing or ui.perfetto.dev)")
+    return 0
+
+
 def cmd_ops(args: argparse.Namespace) -> int:
     import cannc
 
@@ -880,6 +900,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ort-spin", action="store_true",
                    help="let onnxruntime's idle threads busy-wait (its default; off here "
                         "because spinning threads steal the cores of the interleaved cannc runs)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = verb("profile", cmd_profile, "per-kernel time, GFLOP/s, GB/s, core use; Chrome trace")
+    p.add_argument("model", help="ONNX model or .cnc artifact")
+    p.add_argument("--input", action="append", type=_input_arg, metavar="NAME=FILE.npy")
+    cores_opt(p)
+    shape_opt(p)
+    inputs_opts(p)
+    fusion_opts(p)
+    p.add_argument("--warmup", type=_int_at_least(0), default=3)
+    p.add_argument("--runs", type=_int_at_least(1), default=20)
+    p.add_argument("--top", type=_int_at_least(1), default=25, help="kernels to list")
+    p.add_argument("--trace", metavar="OUT.json", default=None, help="write a Chrome trace")
+    p.add_argument("--pipeline-requests", type=_int_at_least(0), default=0, metavar="N",
+                   help="also measure throughput with N requests in flight (run_async)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = verb("ops", cmd_ops, "list the supported ops")

@@ -190,7 +190,10 @@ def lower_node(g: Graph, n: Node, op: OpDef, root: Any, constants: dict[str, np.
                   outputs=[v for v in n.outputs], num_tiles=max(1, int(ctx.num_tiles)),
                   workspace_bytes=int(ctx.workspace_bytes), single_core=bool(ctx.single_core),
                   flops=int(flops), bytes_read=br, bytes_written=bw, module_ir=text,
-                  notes=dict(ctx.notes))
+                  notes=dict(ctx.notes),
+                  # maps read and write element i together: an output may overwrite an input
+                  inplace=op.category in (Category.ELEMENTWISE, Category.BROADCAST)
+                  and (op.name == "FusedMap" or "expr" in op.extra))
 
 
 def onnx_origin(n: Node) -> tuple[list[str], list[str]]:

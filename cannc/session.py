@@ -6,10 +6,12 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 import zipfile
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 import onnx
@@ -22,6 +24,10 @@ from .frontend import import_model, load_model_proto
 from .ir.types import onnx_type_string
 from .runtime.device import Device
 from .runtime.program import Program, dispatcher_object
+from .runtime.stream import Event, is_pinned
+
+if TYPE_CHECKING:
+    from .runtime.profiler import Profile
 
 
 @dataclass(frozen=True)
@@ -43,7 +49,7 @@ class Session:
                  shapes: dict[str, Sequence[int]] | None = None, pipeline: str = "O1",
                  dump_after: Iterable[str] = (), eager: bool = True,
                  cache: ObjectCache | None = None,
-                 fusion: bool | dict[str, bool] | str = True) -> None:
+                 fusion: bool | dict[str, bool] | str = True, inflight: int = 2) -> None:
         if cores is not None and (not isinstance(cores, int) or cores < 1):
             raise CanncError(f"cores must be a positive integer, got {cores!r}")
         from .compiler import PIPELINES
@@ -62,6 +68,9 @@ class Session:
         # found on the first specialisation that needs them, then part of the key
         self._value_inputs: tuple[str, ...] = ()
         self._lock = threading.Lock()
+        self._pipe: dict[str, Any] | None = None
+        self._compute_log: list[tuple[float, float]] | None = None
+        self.inflight = max(1, int(inflight))
         self._inputs = [NodeArg(n, list(self.graph.values[n].shape),
                                 onnx_type_string(self.graph.values[n].dtype))
                         for n in self.graph.inputs]
@@ -93,9 +102,107 @@ class Session:
         feeds, key = self._check_inputs(input_feed)
         names = self._check_output_names(output_names)
         prog = self._program(key, feeds)
-        outs = prog.execute({k: v for k, v in feeds.items() if k in prog.input_views})
+        outs = prog.execute({k: v for k, v in feeds.items() if k in prog.input_names})
         by_name = dict(zip(self.graph.outputs, outs))
         return [by_name[n] for n in names]
+
+    def run_async(self, output_names: Sequence[str] | None, input_feed: dict[str, Any]
+                  ) -> Future:
+        """Submit a run and return a Future of its outputs. Requests flow through three
+        streams (copy in -> compute -> copy out), each request in its own execution
+        context, so the copies of one overlap the compute of another. Inputs in pinned
+        memory (Device.malloc_host) are copied asynchronously; inputs in ordinary memory
+        are staged before this call returns (the aclrtMemcpyAsync rule)."""
+        feeds, key = self._check_inputs(input_feed)
+        names = self._check_output_names(output_names)
+        prog = self._program(key, feeds)
+        staged = {}
+        for k, a in feeds.items():
+            if k not in prog.input_names:
+                continue
+            if not is_pinned(a):
+                pinned = self.device.malloc_host(a.shape, a.dtype)
+                np.copyto(pinned, a)
+                a = pinned
+            staged[k] = a
+        pipe = self._pipeline()
+        fut: Future = Future()
+        box: dict[str, Any] = {}
+        e_in, e_done = Event(), Event()
+        engine = self.device.copy_engine
+
+        def copy_in() -> None:
+            pipe["slots"].acquire()
+            try:
+                box["ctx"] = ctx = prog.acquire()
+                for f in [engine.submit("h2d", ctx.inputs[k], a) for k, a in staged.items()]:
+                    f.result()
+            except BaseException as e:
+                box["error"] = e
+
+        def compute() -> None:
+            if "error" in box:
+                return
+            try:
+                t0 = time.perf_counter()
+                prog.launch(box["ctx"])
+                log = self._compute_log
+                if log is not None:
+                    log.append((t0, time.perf_counter()))
+            except BaseException as e:
+                box["error"] = e
+
+        def copy_out() -> None:
+            ctx = box.get("ctx")
+            try:
+                if "error" in box:
+                    raise box["error"]
+                outs = []
+                futs = []
+                for v in ctx.outputs:
+                    host = self.device.malloc_host(v.shape, v.dtype)
+                    futs.append(engine.submit("d2h", host, v))
+                    outs.append(host)
+                for f in futs:
+                    f.result()
+                by_name = dict(zip(self.graph.outputs, outs))
+                fut.set_result([by_name[n] for n in names])
+            except BaseException as e:
+                fut.set_exception(e)
+            finally:
+                if ctx is not None:
+                    prog.release(ctx)
+                pipe["slots"].release()
+
+        pipe["h2d"].enqueue(copy_in)
+        e_in.record(pipe["h2d"])
+        pipe["compute"].wait_event(e_in)
+        pipe["compute"].enqueue(compute)
+        e_done.record(pipe["compute"])
+        pipe["d2h"].wait_event(e_done)
+        pipe["d2h"].enqueue(copy_out)
+        return fut
+
+    def _pipeline(self) -> dict[str, Any]:
+        with self._lock:
+            if self._pipe is None:
+                self._pipe = {"h2d": self.device.stream("h2d"),
+                              "compute": self.device.stream("compute"),
+                              "d2h": self.device.stream("d2h"),
+                              "slots": threading.Semaphore(self.inflight)}
+            return self._pipe
+
+    def profile(self, input_feed: dict[str, Any], runs: int = 20, warmup: int = 3,
+                pipeline_requests: int = 0) -> "Profile":
+        """Per-kernel times, GFLOP/s and GB/s against this machine's peak, per-core busy
+        time, copy and compute time, memory; `.write_chrome_trace(path)`."""
+        from .runtime.profiler import profile
+        return profile(self, input_feed, runs=runs, warmup=warmup,
+                       pipeline_requests=pipeline_requests)
+
+    def mem_info(self) -> dict[str, int]:
+        """Device memory in use (arena, weights, workspace), its total and peak."""
+        return self.device.mem_info()
 
     # -- compilation ----------------------------------------------------------------
     @property

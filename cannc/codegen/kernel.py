@@ -39,6 +39,7 @@ class Kernel:
     bytes_written: int
     module_ir: str = field(repr=False, default="")
     notes: dict[str, Any] = field(default_factory=dict)
+    inplace: bool = False        # an output may share the buffer of a same-shaped input
 
 
 class LowerCtx:

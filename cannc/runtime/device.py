@@ -13,7 +13,11 @@ import mmap
 import os
 import queue
 import threading
-from typing import Callable
+import weakref
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from .stream import CopyEngine, Stream
 
 import numpy as np
 
@@ -51,6 +55,9 @@ class Device:
         if n < 1:
             raise ValueError(f"cores must be >= 1, got {cores}")
         self.cores = n
+        self._mem_lock = threading.Lock()
+        self._used: dict[str, int] = {}
+        self.peak_bytes = 0
         self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(n)]
         self._workers = []
         for c in range(1, n):
@@ -67,6 +74,50 @@ class Device:
                 return
             job(core)
 
+    @property
+    def copy_engine(self) -> "CopyEngine":
+        """The device's copy engine (its own thread), started on first use."""
+        with self._mem_lock:
+            if getattr(self, "_copy_engine", None) is None:
+                from .stream import CopyEngine
+                self._copy_engine = CopyEngine()
+            return self._copy_engine
+
+    def stream(self, name: str = "stream") -> "Stream":
+        from .stream import Stream
+        return Stream(self.copy_engine, name)
+
+    # -- device memory (the aclrtMalloc / aclrtGetMemInfo analogues) ---------------------
+    def malloc(self, nbytes: int, kind: str = "other") -> np.ndarray:
+        """Page-aligned device memory; accounted by kind until the buffer is collected."""
+        buf = aligned_empty(int(nbytes))
+        with self._mem_lock:
+            self._used[kind] = self._used.get(kind, 0) + int(nbytes)
+            self.peak_bytes = max(self.peak_bytes, sum(self._used.values()))
+        weakref.finalize(buf.base if buf.base is not None else buf, self._free, kind, int(nbytes))
+        return buf
+
+    def _free(self, kind: str, nbytes: int) -> None:
+        with self._mem_lock:
+            self._used[kind] = self._used.get(kind, 0) - nbytes
+
+    def mem_info(self) -> dict[str, int]:
+        """Bytes of device memory in use, by kind and in total, and the peak."""
+        with self._mem_lock:
+            info = {f"{k}_bytes": v for k, v in self._used.items()}
+            info["used_bytes"] = sum(self._used.values())
+            info["peak_bytes"] = self.peak_bytes
+        return info
+
+    @staticmethod
+    def malloc_host(shape: tuple[int, ...] | int, dtype: object = np.float32) -> np.ndarray:
+        """Page-aligned ("pinned") host memory: the aclrtMallocHost analogue. Copies from
+        it are truly asynchronous (see Stream.memcpy_async)."""
+        dt = np.dtype(dtype)
+        shp = (shape,) if isinstance(shape, int) else tuple(shape)
+        n = int(np.prod(shp)) * dt.itemsize
+        return aligned_empty(max(n, 1))[:n].view(dt).reshape(shp)
+
     def launch(self, job: Callable[[int], None]) -> None:
         for c in range(1, self.cores):
             self._queues[c].put(job)
@@ -75,6 +126,9 @@ class Device:
     def close(self) -> None:
         for c in range(1, self.cores):
             self._queues[c].put(None)
+        ce = getattr(self, "_copy_engine", None)
+        if ce is not None:
+            ce.close()
 
     def __del__(self) -> None:
         try:

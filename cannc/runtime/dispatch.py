@@ -10,9 +10,12 @@ barrier: a core that the OS deschedules (the machines are shared) holds back
 only the tiles it has claimed, and a core that arrives late finds the work
 already done. Flags: bit 0 = one chunk (small kernels run on whichever core
 gets there first). When `times` is not null, each core records a cycle stamp
-after each kernel (for the profiler).
+for each kernel (for the profiler): PROFILE_WORDS i64 per (kernel, core) =
+start of its first chunk, end of its last chunk, cycles inside kernel calls,
+and the moment the kernel was complete.
 
 `counters` holds two i64 per kernel (claimed, done) and must be zero at entry.
+`cannc_cycles()` reads the same cycle counter (for calibration).
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ FLAG_SINGLE_CORE = 1
 RECORD_WORDS = 4
 COUNTER_WORDS = 8      # claimed and done of one kernel on their own cache line
 CHUNKS_PER_CORE = 2
+PROFILE_WORDS = 4
 ENTRY = "cannc_run"
+CYCLES = "cannc_cycles"
 _symbols_added = False
 
 
@@ -99,6 +104,8 @@ def build_dispatcher() -> bytes:
     ws = b.gep(ws_base, [b.mul(core, ws_stride)], source_etype=emit.I8)
     cyc = ir.Function(m, ir.FunctionType(I64, []), name="llvm.readcyclecounter")
     pieces = b.mul(ncores, i64(CHUNKS_PER_CORE))
+    profiling = b.icmp_unsigned("!=", b.ptrtoint(times, I64), i64(0))
+    zero = i64(0)
     with for_range(b, 0, nk, name="k") as k:
         rec = b.mul(k, i64(RECORD_WORDS))
         kfn = b.load(emit.gep(b, sched, rec, PTR), typ=PTR)
@@ -117,24 +124,40 @@ def build_dispatcher() -> bytes:
         after_bb = b.append_basic_block("after")
         b.branch(claim_bb)
         b.position_at_end(claim_bb)
+        first = b.phi(I64, name="first")     # profile: start of the first chunk (0: none)
+        last = b.phi(I64, name="last")       # end of the last chunk
+        busy = b.phi(I64, name="busy")       # cycles inside the kernel
+        first.add_incoming(zero, pre)
+        last.add_incoming(zero, pre)
+        busy.add_incoming(zero, pre)
         start = b.atomic_rmw("add", claim_p, chunk, "monotonic")
         b.cbranch(b.icmp_signed("<", start, tiles), run_bb, after_bb)
         b.position_at_end(run_bb)
         end = b.add(start, chunk)
         end = b.select(b.icmp_signed("<", end, tiles), end, tiles)
+        t0 = b.select(profiling, b.call(cyc, []), zero)
         b.call(_Callee(kfn, kty), [kargs, start, end, ws])
+        t1 = b.select(profiling, b.call(cyc, []), zero)
         b.atomic_rmw("add", done_p, b.sub(end, start), "release")
+        first.add_incoming(b.select(b.icmp_signed("==", first, zero), t0, first), run_bb)
+        last.add_incoming(t1, run_bb)
+        busy.add_incoming(b.add(busy, b.sub(t1, t0)), run_bb)
         b.branch(claim_bb)
         b.position_at_end(after_bb)
-        del pre
         b.call(wait, [done_p, tiles])
-        with b.if_then(b.icmp_unsigned("!=", b.ptrtoint(times, I64), i64(0))):
+        with b.if_then(profiling):
             t = b.call(cyc, [])
-            b.store(t, emit.gep(b, times, b.add(b.mul(k, ncores), core), I64))
+            base = b.mul(b.add(b.mul(k, ncores), core), i64(PROFILE_WORDS))
+            for j, v in enumerate((first, last, busy, t)):
+                b.store(v, emit.gep(b, times, b.add(base, i64(j)), I64))
     b.ret_void()
+    cf = ir.Function(m, ir.FunctionType(I64, []), name=CYCLES)
+    cb = ir.IRBuilder(cf.append_basic_block("entry"))
+    cb.ret(cb.call(cyc, []))
     return default_cache().compile(str(m), "cannc_dispatch", speed_level=2)
 
 
+CYCLES_FUNC_TYPE = ctypes.CFUNCTYPE(ctypes.c_int64)
 RUN_FUNC_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_int64, ctypes.c_void_p)

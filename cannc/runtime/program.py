@@ -1,167 +1,288 @@
 """An executable specialisation: kernels loaded, memory planned, ready to run.
 
-Device memory is laid out once: one weights buffer for every constant, one
-arena for every intermediate (offsets from the memory planner), one argument
-table per kernel and the schedule that the native dispatcher walks. A run
-copies the inputs into the arena (host -> device), launches the dispatcher on
-every AI Core, and copies the outputs out (device -> host).
+Device memory is laid out once per program: one weights buffer for every
+constant (uploaded once, shared by every run), and per *execution context* one
+arena for every intermediate (offsets from the memory planner), a per-core
+workspace, the argument table of every kernel and the schedule that the native
+dispatcher walks. A run takes a free context (so runs from many threads, or
+several requests in flight, never share an intermediate buffer), copies the
+inputs into its arena (host -> device), launches the dispatcher on every AI
+Core, and copies the outputs out (device -> host).
 """
 
 from __future__ import annotations
 
-
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..codegen.kernel import Kernel
 from ..codegen.target import JitLibrary
 from ..compiler import Specialization
 from . import dispatch
-from .device import Device, aligned_empty
+from .device import Device
 from .memory import ALIGN, Interval, MemoryPlan, align_up, plan
+
+MAX_CONTEXTS = 8
+
+
+def liveness(spec: Specialization) -> tuple[list[Interval], dict[str, str], int]:
+    """Lifetimes of every buffer over the kernel order, and in-place sharing: an output
+    of an elementwise kernel takes over a same-sized input that dies at that kernel."""
+    g, kernels = spec.graph, spec.kernels
+
+    def root(v: str) -> str:
+        while v in spec.aliases:
+            v = spec.aliases[v]
+        return v
+
+    end = len(kernels)
+    last: dict[str, int] = {}
+    for i, k in enumerate(kernels):
+        for v in k.inputs:
+            if v and v not in spec.constants:
+                last[root(v)] = i
+    for o in g.outputs:
+        last[root(o)] = end
+    storage: dict[str, str] = {}          # value -> the value whose buffer it uses
+    start: dict[str, int] = {}
+    for v in g.inputs:
+        start[v] = -1
+    for i, k in enumerate(kernels):
+        taken: set[str] = set()
+        for o in k.outputs:
+            if not o:
+                continue
+            start.setdefault(o, i)
+            if not k.inplace:
+                continue
+            ot = g.values[o]
+            for v in k.inputs:
+                if not v or v in spec.constants or v in taken:
+                    continue
+                r = root(v)
+                s = storage.get(r, r)
+                if last.get(r) != i or r in g.inputs and r in g.outputs:
+                    continue
+                vt = g.values[r]
+                if vt.nbytes == ot.nbytes and tuple(g.values[v].shape) == tuple(ot.shape) \
+                        and np.dtype(vt.dtype).itemsize == np.dtype(ot.dtype).itemsize \
+                        and not any(last.get(x, -2) > i for x, y in storage.items() if y == s
+                                    and x != r):
+                    storage[o] = s
+                    taken.add(v)
+                    break
+    # one interval per storage root, covering every value that lives in it
+    span: dict[str, list[int]] = {}
+    for v, s0 in start.items():
+        s = storage.get(v, v)
+        lo, hi = s0, max(last.get(v, s0), s0)
+        if s in span:
+            span[s][0] = min(span[s][0], lo)
+            span[s][1] = max(span[s][1], hi)
+        else:
+            span[s] = [lo, hi]
+    intervals = [Interval(s, g.values[s].nbytes, lo, hi) for s, (lo, hi) in span.items()]
+    naive = sum(align_up(max(g.values[v].nbytes, 1)) for v in start)
+    return intervals, storage, naive
 
 
 @dataclass
-class BufferInfo:
-    kind: str      # 'arena' | 'weights'
-    offset: int
-    dtype: np.dtype
-    shape: tuple[int, ...]
+class Context:
+    """The per-run state of a program: arena, workspace, argument tables, schedule."""
+
+    arena: np.ndarray
+    workspace: np.ndarray
+    table: np.ndarray
+    sched: np.ndarray
+    busy: bool = False
+    inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    outputs: list[np.ndarray] = field(default_factory=list)
+
+
+@dataclass
+class RunTimes:
+    """Host timestamps (time.perf_counter) of one run and the cores' cycle stamps."""
+
+    t_start: float = 0.0
+    t_h2d_end: float = 0.0
+    t_compute_end: float = 0.0
+    t_end: float = 0.0
+    cycles: np.ndarray | None = None     # [kernels, cores, PROFILE_WORDS]
+    cycles0: int = 0
+    t0: float = 0.0
 
 
 class Program:
-    def __init__(self, spec: Specialization, device: Device,
-                 dispatcher_obj: bytes) -> None:
+    def __init__(self, spec: Specialization, device: Device, dispatcher_obj: bytes) -> None:
         self.spec = spec
         self.device = device
         g = spec.graph
         kernels = spec.kernels
-        aliases = spec.aliases
 
-        def root(v: str) -> str:
-            while v in aliases:
-                v = aliases[v]
-            return v
-
-        # -- weights: every constant a kernel reads, 64-byte aligned --------------
-        used_consts = []
-        for k in kernels:
-            for v in k.inputs:
-                if v and v in spec.constants and v not in used_consts:
-                    used_consts.append(v)
-        woff, wsize = {}, 0
-        for c in used_consts:
-            woff[c] = wsize
+        # -- weights: every constant a kernel reads, uploaded once -------------------
+        used = list(dict.fromkeys(v for k in kernels for v in k.inputs
+                                  if v and v in spec.constants))
+        self.woff, wsize = {}, 0
+        for c in used:
+            self.woff[c] = wsize
             wsize += align_up(max(spec.constants[c].nbytes, 1))
-        self.weights = aligned_empty(max(wsize, ALIGN))
-        for c in used_consts:
+        self.weights = device.malloc(max(wsize, ALIGN), "weights")
+        for c in used:
             a = spec.constants[c]
-            self.weights[woff[c]:woff[c] + a.nbytes] = a.reshape(-1).view(np.uint8)
+            self.weights[self.woff[c]:self.woff[c] + a.nbytes] = a.reshape(-1).view(np.uint8)
         self.weights_bytes = wsize
 
-        # -- arena: liveness over the kernel order --------------------------------
-        end = len(kernels)
-        start: dict[str, int] = {}
-        last: dict[str, int] = {}
-        for v in g.inputs:
-            start[v] = -1
-            last[v] = -1
-        for i, k in enumerate(kernels):
-            for v in k.inputs:
-                if v and v not in spec.constants:
-                    last[v] = max(last.get(v, i), i)
-            for v in k.outputs:
-                if v:
-                    start.setdefault(v, i)
-                    last.setdefault(v, i)
-        for o in g.outputs:
-            r = root(o)
-            if r in start:
-                last[r] = end
-        intervals = []
-        for v, s in start.items():
-            t = g.values[v]
-            intervals.append(Interval(v, t.nbytes, s, last.get(v, s)))
+        # -- memory plan ------------------------------------------------------------------
+        intervals, self.storage, naive = liveness(spec)
         self.plan: MemoryPlan = plan(intervals)
-        self.arena = aligned_empty(max(self.plan.arena_bytes, ALIGN))
+        self.plan.naive_bytes = naive   # every intermediate in its own buffer
+        self.ws_stride = align_up(max((k.workspace_bytes for k in kernels), default=0))
+        self.lib = JitLibrary(list(dict.fromkeys(spec.objects.values())) + [dispatcher_obj])
+        self._fn = [self.lib.address(k.symbol) for k in kernels]
+        self._run = dispatch.RUN_FUNC_TYPE(self.lib.address(dispatch.ENTRY))
+        self._cycles = dispatch.CYCLES_FUNC_TYPE(self.lib.address(dispatch.CYCLES))
+        self._contexts: list[Context] = []
+        self._cv = threading.Condition()
+        self.input_names = list(g.inputs)
+        self.release(self.acquire())   # the first context, allocated up front
+
+    # -- addresses ------------------------------------------------------------------------
+    def _root(self, v: str) -> str:
+        while v in self.spec.aliases:
+            v = self.spec.aliases[v]
+        return self.storage.get(v, v)
+
+    def _view(self, arena: np.ndarray, v: str) -> np.ndarray:
+        t = self.spec.graph.values[v]
+        r = self._root(v)
+        if r in self.woff:
+            base, off = self.weights, self.woff[r]
+        elif r in self.spec.constants:
+            return self.spec.constants[r]
+        else:
+            base, off = arena, self.plan.offsets[r]
+        return base[off:off + t.nbytes].view(t.dtype).reshape(t.shape)
+
+    def _new_context(self) -> Context:
+        dev, kernels = self.device, self.spec.kernels
+        arena = dev.malloc(max(self.plan.arena_bytes, ALIGN), "arena")
+        ws = dev.malloc(max(self.ws_stride * dev.cores, ALIGN), "workspace")
+        ntab = sum(len(k.inputs) + len(k.outputs) for k in kernels)
+        table = np.zeros(max(ntab, 8), np.uint64)
+        sched = np.zeros(max(len(kernels) * dispatch.RECORD_WORDS, 8), np.uint64)
 
         def addr(v: str) -> int:
             if not v:
                 return 0
-            v = root(v)
-            if v in woff:
-                return self.weights.ctypes.data + woff[v]
-            return self.arena.ctypes.data + self.plan.offsets[v]
+            r = self._root(v)
+            if r in self.woff:
+                return self.weights.ctypes.data + self.woff[r]
+            return arena.ctypes.data + self.plan.offsets[r]
 
-        # -- per-kernel argument tables and the schedule ---------------------------
-        self.lib = JitLibrary(list(dict.fromkeys(spec.objects.values())) + [dispatcher_obj])
-        ntab = sum(len(k.inputs) + len(k.outputs) for k in kernels)
-        self.table = aligned_empty(max(ntab * 8, ALIGN), ALIGN).view(np.uint64)
-        self.sched = aligned_empty(max(len(kernels) * 32, ALIGN), ALIGN).view(np.uint64)
         pos = 0
         for i, k in enumerate(kernels):
             vals = list(k.inputs) + list(k.outputs)
-            for j, v in enumerate(vals):
-                self.table[pos + j] = addr(v)
+            table[pos:pos + len(vals)] = [addr(v) for v in vals]
             flags = dispatch.FLAG_SINGLE_CORE if k.single_core else 0
-            self.sched[i * 4:i * 4 + 4] = [self.lib.address(k.symbol),
-                                           self.table.ctypes.data + pos * 8,
-                                           k.num_tiles, flags]
+            r = i * dispatch.RECORD_WORDS
+            sched[r:r + 4] = [self._fn[i], table.ctypes.data + pos * 8, k.num_tiles, flags]
             pos += len(vals)
-        self.ws_stride = align_up(max((k.workspace_bytes for k in kernels), default=0))
-        self.workspace = aligned_empty(max(self.ws_stride * device.cores, ALIGN))
-        self._run = dispatch.RUN_FUNC_TYPE(self.lib.address(dispatch.ENTRY))
-        self._lock = threading.Lock()
+        g = self.spec.graph
+        return Context(arena, ws, table, sched,
+                       inputs={v: self._view(arena, v) for v in g.inputs},
+                       outputs=[self._view(arena, o) for o in g.outputs])
 
-        # -- host views of inputs and outputs ----------------------------------------
-        def view(v: str) -> np.ndarray:
-            t = g.values[v]
-            r = root(v)
-            if r in spec.constants and r not in woff:
-                return spec.constants[r]
-            base, off = (self.weights, woff[r]) if r in woff else (self.arena,
-                                                                   self.plan.offsets[r])
-            nbytes = t.nbytes
-            return base[off:off + nbytes].view(t.dtype).reshape(t.shape)
+    def acquire(self) -> Context:
+        """A free execution context (a new one while fewer than MAX_CONTEXTS exist)."""
+        with self._cv:
+            while True:
+                for c in self._contexts:
+                    if not c.busy:
+                        c.busy = True
+                        return c
+                if len(self._contexts) < MAX_CONTEXTS:
+                    c = self._new_context()
+                    c.busy = True
+                    self._contexts.append(c)
+                    return c
+                self._cv.wait()
 
-        self.input_views = {v: view(v) for v in g.inputs}
-        self.output_views = [view(o) for o in g.outputs]
+    def release(self, ctx: Context) -> None:
+        with self._cv:
+            ctx.busy = False
+            self._cv.notify()
 
-    def execute(self, feeds: dict[str, np.ndarray], times: np.ndarray | None = None
+    @property
+    def num_contexts(self) -> int:
+        return len(self._contexts)
+
+    # -- running ---------------------------------------------------------------------------
+    def execute(self, feeds: dict[str, np.ndarray], times: RunTimes | None = None
                 ) -> list[np.ndarray]:
         """Inputs must already be checked (names, dtypes, shapes)."""
-        with self._lock:
-            for name, arr in feeds.items():
-                np.copyto(self.input_views[name], arr, casting="no")
-            self.launch(times)
-            return [np.array(v, copy=True) for v in self.output_views]
+        ctx = self.acquire()
+        try:
+            if times is not None:
+                times.t_start = time.perf_counter()
+            self.copy_in(ctx, feeds)
+            if times is not None:
+                times.t_h2d_end = time.perf_counter()
+            self.launch(ctx, times)
+            if times is not None:
+                times.t_compute_end = time.perf_counter()
+            out = self.copy_out(ctx)
+            if times is not None:
+                times.t_end = time.perf_counter()
+            return out
+        finally:
+            self.release(ctx)
 
-    def launch(self, times: np.ndarray | None = None) -> None:
+    def copy_in(self, ctx: Context, feeds: dict[str, np.ndarray]) -> None:
+        for name, arr in feeds.items():
+            np.copyto(ctx.inputs[name], arr, casting="no")
+
+    def copy_out(self, ctx: Context) -> list[np.ndarray]:
+        return [np.array(v, copy=True) for v in ctx.outputs]
+
+    def launch(self, ctx: Context, times: RunTimes | None = None) -> None:
         nk = len(self.spec.kernels)
         if nk == 0:
             return
         ncores = self.device.cores
-        sched = self.sched.ctypes.data
+        sched = ctx.sched.ctypes.data
         # fresh claim/done counters per launch: a late core still walking an earlier
         # launch only ever sees that launch's (finished) counters
-        counters = aligned_empty(nk * dispatch.COUNTER_WORDS * 8, 64)
-        cptr = counters.ctypes.data
-        ws = self.workspace.ctypes.data
+        counters = np.zeros(nk * dispatch.COUNTER_WORDS + 8, np.int64)
+        cptr = (counters.ctypes.data + 63) // 64 * 64
+        ws = ctx.workspace.ctypes.data
         stride = self.ws_stride
-        tptr = times.ctypes.data if times is not None else None
+        tptr = None
+        if times is not None:
+            times.cycles = np.zeros((nk, ncores, dispatch.PROFILE_WORDS), np.int64)
+            tptr = times.cycles.ctypes.data
+            times.t0 = time.perf_counter()
+            times.cycles0 = self._cycles()
         run = self._run
         if ncores == 1:
             run(sched, nk, 0, 1, cptr, ws, stride, tptr)
             return
-        keep = (self, counters)
+        keep = (self, ctx, counters, times)
 
         def job(core: int) -> None:
             run(sched, nk, core, ncores, cptr, ws, stride, tptr)
-            del core
 
         job.keep = keep  # type: ignore[attr-defined]  (buffers live while a core may run)
         self.device.launch(job)
+
+    def cycles(self) -> int:
+        return int(self._cycles())
+
+    @property
+    def kernels(self) -> list[Kernel]:
+        return self.spec.kernels
 
 
 _dispatcher: bytes | None = None
@@ -175,5 +296,3 @@ def dispatcher_object() -> bytes:
             dispatch._add_libc_symbols()
             _dispatcher = dispatch.build_dispatcher()
     return _dispatcher
-
-
