@@ -182,7 +182,8 @@ def test_damaged_object_cache_is_rebuilt(tmp_path):
     m = _linear()
     x = np.random.default_rng(3).standard_normal((2, 16)).astype(np.float32)
     c1 = ObjectCache(tmp_path)
-    cannc.compile(m, cores=2, shapes={"x": (2, 16)}, cache=c1)
+    # unfused, so that there are several kernels to damage in different ways
+    cannc.compile(m, cores=2, shapes={"x": (2, 16)}, cache=c1, fusion=False)
     files = sorted(tmp_path.rglob("*.o"))
     assert c1.misses == len(files) == 4
     files[0].write_bytes(b"")                             # emptied
@@ -193,12 +194,12 @@ def test_damaged_object_cache_is_rebuilt(tmp_path):
     files[3].write_bytes(b"\x7fELF" + b"\0" * 200)        # not our format at all
 
     c2 = ObjectCache(tmp_path)
-    sess = cannc.compile(m, cores=2, shapes={"x": (2, 16)}, cache=c2)
+    sess = cannc.compile(m, cores=2, shapes={"x": (2, 16)}, cache=c2, fusion=False)
     assert c2.rebuilt_damaged == 4 and c2.misses == 4 and c2.hits == 0
     np.testing.assert_allclose(sess.run(None, {"x": x})[0], ort_run(m, {"x": x})[0],
                                rtol=1e-4, atol=1e-5)
     c3 = ObjectCache(tmp_path)                            # the rebuilt entries are good again
-    cannc.compile(m, cores=1, shapes={"x": (2, 16)}, cache=c3)
+    cannc.compile(m, cores=1, shapes={"x": (2, 16)}, cache=c3, fusion=False)
     assert (c3.hits, c3.misses, c3.rebuilt_damaged) == (4, 0, 0)
 
 
