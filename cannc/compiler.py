@@ -35,9 +35,11 @@ PIPELINES: dict[str, list[str]] = {
     "O1": [
         "infer_and_fold",
         "dce",
+        "remove_identities",          # Identity / inference Dropout: read the source directly
         "legalize_matmul_broadcast",
         "fold_conv_bn",               # BatchNormalization after Conv folded into its weights
         "fuse_layernorm",             # decomposed LayerNorm (older exporters) -> one op
+        "fuse_attention",             # QKᵀ/scale/mask/Softmax/·V (+ head transposes) -> one op
         "fusion",                     # one kernel per elementwise chain / GEMM + epilogue
     ],
 }

@@ -183,3 +183,23 @@ def bind_input_shapes(graph: Graph, shapes: dict[str, tuple[int, ...]]) -> None:
         graph.values[name] = TensorType(t.dtype, tuple(shapes[name]))
 
 
+
+
+@graph_pass("remove_identities")
+def remove_identities(graph: Graph) -> bool:
+    """Identity and inference-mode Dropout forward their input: consumers read it directly
+    (kept when the output is a graph output, which must exist under its own name)."""
+    changed = False
+    for n in list(graph.nodes()):
+        if n.op_type not in ("Identity", "Dropout") or n.domain:
+            continue
+        if n.op_type == "Dropout" and (len(n.outputs) > 1 and n.outputs[1]
+                                       or len(n.inputs) > 2 and n.inputs[2]):
+            continue
+        out, src = n.outputs[0], n.inputs[0]
+        if out in graph.outputs:
+            continue
+        graph.remove_node(n.name)
+        graph.replace_uses(out, src)
+        changed = True
+    return changed

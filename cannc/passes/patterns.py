@@ -220,3 +220,184 @@ def _conv_bn_reason(graph: Graph, conv: Node, bn: Node) -> str | None:
     if any(graph.constants[v].shape != (c,) for v in bn.inputs[1:5]):
         return "BatchNormalization parameters do not match the output channels"
     return None
+
+
+# ---------------------------------------------------------------------------
+# scaled dot-product attention
+# ---------------------------------------------------------------------------
+
+
+def _dense_strides(shape: tuple[int, ...]) -> list[int]:
+    st, acc = [0] * len(shape), 1
+    for d in range(len(shape) - 1, -1, -1):
+        st[d] = acc
+        acc *= int(shape[d])
+    return st
+
+
+def _peel_transposes(graph: Graph, v: str, absorbed: list[Node]) -> tuple[str, list[int]]:
+    """v == transpose(base, perm) through a chain of single-use Transposes: returns
+    (base, perm); the peeled Transpose nodes are appended to `absorbed`."""
+    perm = list(range(len(graph.values[v].shape)))
+    cur = v
+    while True:
+        p = graph.producer(cur)
+        if p is None or p.op_type != "Transpose" or len(graph.consumers(cur)) != 1 \
+                or cur in graph.outputs:
+            return cur, perm
+        tp = p.attrs.get("perm") or list(range(len(perm)))[::-1]
+        perm = [int(tp[i]) for i in perm]
+        absorbed.append(p)
+        cur = p.inputs[0]
+
+
+def _logical_strides(graph: Graph, v: str, absorbed: list[Node]) -> tuple[str, list[int]]:
+    base, perm = _peel_transposes(graph, v, absorbed)
+    bst = _dense_strides(tuple(graph.values[base].shape))
+    return base, [bst[p] for p in perm]
+
+
+def _as4(strides: list[int], shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(b, h, s, d) strides and sizes of a rank-3 or rank-4 operand."""
+    if len(shape) == 4:
+        return tuple(strides), tuple(shape)
+    return (strides[0], 0, strides[1], strides[2]), (shape[0], 1, shape[1], shape[2])
+
+
+@graph_pass("fuse_attention")
+def fuse_attention(graph: Graph) -> bool:
+    """MatMul(Q, Kᵀ) -> scale -> mask -> Softmax -> MatMul(·, V), with the head split/merge
+    Transposes around it, becomes one FusedAttention kernel (online softmax, no score
+    matrix in memory)."""
+    changed = False
+    for mm in list(graph.nodes()):
+        if mm.op_type != "MatMul" or mm.name not in graph.g or not enabled(graph, "attention"):
+            continue
+        found = _match_attention(graph, mm)
+        if found is None:
+            continue
+        if isinstance(found, tuple) and len(found) == 3 and isinstance(found[0], str):
+            prod, cons, why = found
+            log(graph, prod, cons, "attention", why)
+            continue
+        nodes, inputs, out, spec = found
+        order = graph.g.nodes[mm.name]["order"]
+        body_names = [n.name for n in nodes]
+        for n in nodes:
+            graph.remove_node(n.name)
+        graph.add_node(Node(name=f"attention::{mm.name}", op_type="FusedAttention",
+                            inputs=tuple(inputs), outputs=(out,), domain="cannc", opset=1,
+                            attrs={"spec": spec, "fused_from": body_names,
+                                   "fused_ops": [n.op_type for n in nodes]}), order=order)
+        changed = True
+    return changed
+
+
+def _match_attention(graph: Graph, mm: Node):
+    from ..codegen.attention import AttnSpec
+
+    if any(np.dtype(graph.values[v].dtype) != np.float32 for v in mm.inputs):
+        return None
+    qv, ktv = mm.inputs
+    qs, kts = graph.values[qv].shape, graph.values[ktv].shape
+    if len(qs) not in (3, 4) or len(kts) != len(qs):
+        return None
+    scores = mm.outputs[0]
+    chain: list[Node] = [mm]
+    cur = scores
+    scale, mask, mask_kind, fill = 1.0, None, "none", None
+
+    def next_node(v: str, ops: tuple[str, ...]) -> Node | None:
+        return _only_consumer(graph, v, ops)
+
+    n = next_node(cur, ("Div", "Mul"))
+    if n is not None and n.inputs[0] == cur:
+        c = _scalar_const(graph, n.inputs[1])
+        if c is not None and c != 0:
+            scale = 1.0 / c if n.op_type == "Div" else c
+            chain.append(n)
+            cur = n.outputs[0]
+    n = next_node(cur, ("Add", "Where"))
+    if n is not None and n.op_type == "Add":
+        other = _other(n, cur)
+        if np.dtype(graph.values[other].dtype) == np.float32:
+            mask, mask_kind = other, "add"
+            chain.append(n)
+            cur = n.outputs[0]
+    elif n is not None and n.op_type == "Where" and cur in n.inputs[1:]:
+        keep_if_true = n.inputs[1] == cur
+        f = _scalar_const(graph, n.inputs[2] if keep_if_true else n.inputs[1])
+        cdt = np.dtype(graph.values[n.inputs[0]].dtype)
+        if f is not None and (cdt == np.bool_ or (keep_if_true and cdt == np.float32)):
+            mask, mask_kind, fill = n.inputs[0], "where", f
+            if not keep_if_true:
+                mask = ("not", mask)   # Where(cond, fill, scores): keep where cond is false
+            chain.append(n)
+            cur = n.outputs[0]
+    sm = next_node(cur, ("Softmax",))
+    if sm is None:
+        return None  # not attention (a plain batched MatMul)
+    rank = len(graph.values[cur].shape)
+    axis = sm.attrs.get("axis", -1 if sm.opset >= 13 else 1)
+    if axis % rank != rank - 1:
+        return (chain[-1].name, sm.name, "Softmax is not over the last axis")
+    chain.append(sm)
+    pv = next_node(sm.outputs[0], ("MatMul",))
+    if pv is None or pv.inputs[0] != sm.outputs[0]:
+        return (sm.name, "(attention)", "the probabilities do not feed a MatMul with V")
+    chain.append(pv)
+    for n in chain[:-1]:
+        if n.outputs[0] in graph.outputs:
+            return (n.name, "(attention)", f"intermediate '{n.outputs[0]}' is a graph output")
+    vv = pv.inputs[1]
+    absorbed: list[Node] = []
+    qbase, qst = _logical_strides(graph, qv, absorbed)
+    kbase, ktst = _logical_strides(graph, ktv, absorbed)
+    vbase, vst = _logical_strides(graph, vv, absorbed)
+    q4, qsz = _as4(qst, tuple(qs))
+    kt4, ktsz = _as4(ktst, tuple(kts))
+    v4, vsz = _as4(vst, tuple(graph.values[vv].shape))
+    B, H, Sq, D = qsz
+    Sk = ktsz[3]
+    Dv = vsz[3]
+    if ktsz[0] != B or ktsz[1] != H or ktsz[2] != D or vsz[:3] != (B, H, Sk):
+        return (mm.name, pv.name, "Q, K and V batch/head dims differ (broadcast attention)")
+    k4 = (kt4[0], kt4[1], kt4[3], kt4[2])         # K[b,h,s,d] from Kᵀ[b,h,d,s]
+    out = pv.outputs[0]
+    ost = _dense_strides((B, H, Sq, Dv)) if len(qs) == 4 else None
+    o4 = tuple(ost) if ost is not None else (Sq * Dv, 0, Dv, 1)
+    # a merge-heads Transpose [B,H,S,D] -> [B,S,H,D] after it is absorbed into the store
+    t = next_node(out, ("Transpose",))
+    if t is not None and len(qs) == 4 and list(t.attrs.get("perm", [])) == [0, 2, 1, 3]:
+        chain.append(t)
+        out = t.outputs[0]
+        o4 = (Sq * H * Dv, Dv, H * Dv, 1)
+    mstr = (0, 0, 0, 0)
+    mdt = "float32"
+    negate = isinstance(mask, tuple)
+    if negate:
+        mask = mask[1]
+    if mask is not None:
+        ms = tuple(graph.values[mask].shape)
+        full = (B, H, Sq, Sk) if len(qs) == 4 else (B, Sq, Sk)
+        ms = (1,) * (len(full) - len(ms)) + ms
+        if any(a not in (1, b) for a, b in zip(ms, full)):
+            return (mask, chain[1].name, f"mask shape {list(ms)} does not broadcast to the scores")
+        dense = _dense_strides(ms)
+        st = [0 if a == 1 else s for a, s in zip(ms, dense)]
+        mstr = tuple(st) if len(st) == 4 else (st[0], 0, st[1], st[2])
+        mdt = "bool" if np.dtype(graph.values[mask].dtype) == np.bool_ else "float32"
+    spec = AttnSpec(B=B, H=H, Sq=Sq, Sk=Sk, D=D, Dv=Dv, q_strides=q4, k_strides=k4,
+                    v_strides=v4, o_strides=o4, scale=float(scale), mask=mask_kind,
+                    mask_strides=mstr, mask_dtype=mdt,
+                    fill=float(fill) if fill is not None else -3.4028234663852886e38)
+    if negate:
+        inv = f"{mask}::not"
+        if inv not in graph.values:
+            graph.values[inv] = graph.values[mask]
+            graph.add_node(Node(name=f"{chain[0].name}::mask_not", op_type="Not",
+                                inputs=(mask,), outputs=(inv,), opset=graph.opsets.get("", 13)),
+                           order=graph.g.nodes[chain[0].name]["order"] - 0.5)
+        mask = inv
+    inputs = [qbase, kbase, vbase] + ([mask] if mask is not None else [])
+    return absorbed + chain, inputs, out, spec

@@ -253,3 +253,84 @@ def test_conv_bn_not_folded_when_conv_output_escapes():
     m.graph.output.append(helper.make_tensor_value_info("c", F, [2, 12, 9, 7]))
     fused, _ = _compare(m, {"x": R.standard_normal((2, 5, 9, 7)).astype(np.float32)})
     assert any(d.rule == "conv_bn" and "also used" in d.reason for d in _log(fused))
+
+
+def _attention_model(mask="add", merge=True, scale_op="Div", k_layout="transpose", S=9, H=2,
+                     D=8, B=2):
+    """Head split (Reshape+Transpose), QKᵀ, scale, mask, Softmax, ·V, head merge."""
+    I64 = TensorProto.INT64
+    hid = H * D
+    nodes, inits = [], [("shape4", np.array([B, S, H, D], np.int64))]
+    for n in "qkv":
+        nodes.append(helper.make_node("Reshape", [n, "shape4"], [f"{n}4"]))
+    nodes.append(helper.make_node("Transpose", ["q4"], ["qh"], perm=[0, 2, 1, 3]))
+    nodes.append(helper.make_node("Transpose", ["v4"], ["vh"], perm=[0, 2, 1, 3]))
+    if k_layout == "transpose":
+        nodes.append(helper.make_node("Transpose", ["k4"], ["kt"], perm=[0, 2, 3, 1]))
+    else:  # [B,H,S,D] then swap the last two
+        nodes.append(helper.make_node("Transpose", ["k4"], ["kh"], perm=[0, 2, 1, 3]))
+        nodes.append(helper.make_node("Transpose", ["kh"], ["kt"], perm=[0, 1, 3, 2]))
+    nodes.append(helper.make_node("MatMul", ["qh", "kt"], ["sc"]))
+    if scale_op == "Div":
+        nodes.append(helper.make_node("Div", ["sc", "sq"], ["ss"]))
+        inits.append(("sq", np.float32(np.sqrt(D))))
+    else:
+        nodes.append(helper.make_node("Mul", ["sc", "sq"], ["ss"]))
+        inits.append(("sq", np.float32(1 / np.sqrt(D))))
+    inputs = [(n, [B, S, hid]) for n in "qkv"]
+    extra_inputs = []
+    if mask == "add":
+        nodes.append(helper.make_node("Add", ["ss", "m"], ["sm_in"]))
+        inputs.append(("m", [B, 1, 1, S]))
+    elif mask == "where_causal":
+        causal = np.tril(np.ones((S, S), bool))[None, None]
+        inits.append(("causal", causal))
+        nodes.append(helper.make_node("Where", ["causal", "ss", "neg"], ["sm_in"]))
+        inits.append(("neg", np.float32(-1e9)))
+    elif mask == "where_inverted":
+        nodes.append(helper.make_node("Equal", ["mi", "zero"], ["eq"]))
+        nodes.append(helper.make_node("Where", ["eq", "neg", "ss"], ["sm_in"]))
+        inits += [("zero", np.int64(0)), ("neg", np.float32(np.finfo(np.float32).min))]
+        extra_inputs.append(helper.make_tensor_value_info("mi", I64, [B, 1, 1, S]))
+    else:
+        nodes.append(helper.make_node("Identity", ["ss"], ["sm_in"]))
+    nodes.append(helper.make_node("Softmax", ["sm_in"], ["p"], axis=-1))
+    nodes.append(helper.make_node("MatMul", ["p", "vh"], ["ctx"]))
+    out_shape = [B, H, S, D]
+    if merge:
+        nodes.append(helper.make_node("Transpose", ["ctx"], ["y"], perm=[0, 2, 1, 3]))
+        out_shape = [B, S, H, D]
+    else:
+        nodes.append(helper.make_node("Identity", ["ctx"], ["y"]))
+    g = helper.make_graph(
+        nodes, "attn", [helper.make_tensor_value_info(n, F, s) for n, s in inputs] + extra_inputs,
+        [helper.make_tensor_value_info("y", F, out_shape)],
+        [numpy_helper.from_array(np.asarray(a), n) for n, a in inits])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("mask,merge,scale_op,k_layout", [
+    ("add", True, "Div", "transpose"), ("none", False, "Mul", "swap"),
+    ("where_causal", True, "Div", "swap"), ("where_inverted", True, "Mul", "transpose")])
+def test_attention_is_one_kernel(mask, merge, scale_op, k_layout):
+    B, S, H, D = 2, 9, 2, 8
+    m = _attention_model(mask, merge, scale_op, k_layout, S, H, D, B)
+    feeds = {n: R.standard_normal((B, S, H * D)).astype(np.float32) for n in "qkv"}
+    if mask == "add":
+        feeds["m"] = np.where(R.random((B, 1, 1, S)) > 0.3, 0, -10000).astype(np.float32)
+    if mask == "where_inverted":
+        mi = (R.random((B, 1, 1, S)) > 0.3).astype(np.int64)
+        mi[..., 0] = 1
+        feeds["mi"] = mi
+    fused, plain = _compare(m, feeds)
+    att = [k for k in _kernels(fused) if "attention" in k.notes]
+    assert len(att) == 1
+    assert "Softmax" in att[0].op_types and att[0].op_types.count("MatMul") == 2
+    assert ("Transpose" in att[0].op_types) and len(_kernels(fused)) <= 2
+
+
+def test_attention_switch_off_logs_nothing_fused():
+    m = _attention_model()
+    sess = cannc.compile(m, cores=1, shapes={"q": (2, 9, 16), "k": (2, 9, 16), "v": (2, 9, 16),
+                                             "m": (2, 1, 1, 9)}, fusion={"attention": False})
+    assert not any("attention" in k.notes for k in _kernels(sess))

@@ -337,3 +337,24 @@ def _gather(b: ir.IRBuilder, ptr: ir.Value, idx: ir.Value, mask: ir.Value, dt: n
 
 register(OpDef(name="FusedConv", domain=DOMAIN, category=Category.CONTRACTION,
                lower=_lower_fused_conv, doc="convolution with an elementwise epilogue"))
+
+
+# -- attention -----------------------------------------------------------------------
+
+
+def _lower_fused_attention(ctx: Any) -> None:
+    from ...codegen.attention import (attention_num_tiles, attention_workspace_bytes,
+                                      emit_attention)
+
+    spec = ctx.attr("spec")
+    emit_attention(ctx.module, ctx.symbol, spec)
+    ctx.num_tiles = attention_num_tiles(spec)
+    ctx.workspace_bytes = attention_workspace_bytes(spec)
+    ctx.flops = 2 * spec.B * spec.H * spec.Sq * spec.Sk * (spec.D + spec.Dv)
+    ctx.notes["attention"] = f"B{spec.B} H{spec.H} Sq{spec.Sq} Sk{spec.Sk} D{spec.D} " \
+                             f"mask={spec.mask}"
+
+
+register(OpDef(name="FusedAttention", domain=DOMAIN, category=Category.OPAQUE,
+               lower=_lower_fused_attention,
+               doc="scaled dot-product attention, tiled with an online softmax"))

@@ -1,0 +1,699 @@
+"""Tests of the fused attention kernel generator (cannc/codegen/attention.py).
+
+Every kernel is JIT-compiled with llvmlite for the host CPU and called
+through ctypes with the tile range split like two cores would (plus empty
+ranges), then compared with a float64 numpy reference of the unfused graph
+(matmul, scale, mask, causal, softmax, matmul) at rtol 1e-4 / atol 1e-5.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+import llvmlite.binding as llvm
+from llvmlite import ir
+
+from cannc.codegen.attention import (
+    AttnSpec,
+    attention_num_tiles,
+    attention_plan,
+    attention_workspace_bytes,
+    dense_strides,
+    emit_attention,
+)
+
+llvm.initialize_native_target()
+llvm.initialize_native_asmprinter()
+
+KERNEL = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p)
+_ENGINES = []  # keep engines (and the code) alive for the whole session
+SENTINEL = np.float32(-12345.5)
+F32_LOWEST = float(np.finfo(np.float32).min)
+
+
+# ---------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------
+
+
+def _target_machine():
+    target = llvm.Target.from_default_triple()
+    return target.create_target_machine(
+        cpu=llvm.get_host_cpu_name(),
+        features=llvm.get_host_cpu_features().flatten(),
+        opt=3,
+        codemodel="jitdefault",
+    )
+
+
+def jit(module: ir.Module, name: str, speed_level: int = 0):
+    """Compile ``module`` (fresh TargetMachine per engine) and return the kernel."""
+    module.triple = llvm.get_process_triple()
+    text = str(module)
+    assert "i8*" not in text  # opaque pointers only
+    mod = llvm.parse_assembly(text)
+    mod.verify()
+    tm = _target_machine()
+    pb = llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=speed_level))
+    pb.getModulePassManager().run(mod, pb)
+    ee = llvm.create_mcjit_compiler(mod, tm)
+    ee.finalize_object()
+    _ENGINES.append(ee)
+    return KERNEL(ee.get_function_address(name))
+
+
+def aligned(n: int, dtype=np.float32, offset_elems: int = 0) -> np.ndarray:
+    """1-D array of n elements starting 64-byte aligned (+ offset_elems)."""
+    buf = np.empty(n + 64 + offset_elems, dtype=dtype)
+    off = (-buf.ctypes.data % 64) // buf.itemsize + offset_elems
+    return buf[off : off + n]
+
+
+def extent(shape, strides) -> int:
+    return 1 + sum((n - 1) * st for n, st in zip(shape, strides))
+
+
+def view(buf, shape, strides):
+    return np.lib.stride_tricks.as_strided(
+        buf, shape=shape, strides=[st * buf.itemsize for st in strides], writeable=False
+    )
+
+
+def reference(spec: AttnSpec, q, k, v, mask):
+    """float64 numpy of the unfused graph."""
+    q, k, v = (x.astype(np.float64) for x in (q, k, v))
+    raw = np.einsum("bhid,bhjd->bhij", q, k)
+    scale = float(np.float32(spec.scale))
+    fill = float(np.float32(spec.fill))
+    with np.errstate(invalid="ignore", over="ignore"):
+        if spec.mask == "add":
+            mk = mask.astype(np.float64)
+            s = raw * scale + mk if spec.score_bias_after_scale else (raw + mk) * scale
+            # the float32 graph rounds the masked scores to float32: with a
+            # -10000 mask they only carry ~1e-3 absolute precision (ulp of 1e4)
+            s = s.astype(np.float32).astype(np.float64)
+        elif spec.mask == "where":
+            keep = mask != 0
+            s = (
+                np.where(keep, raw * scale, fill)
+                if spec.score_bias_after_scale
+                else np.where(keep, raw, fill) * scale
+            )
+        else:
+            s = raw * scale
+        s = np.broadcast_to(s, (spec.B, spec.H, spec.Sq, spec.Sk)).copy()
+        if spec.causal:
+            i = np.arange(spec.Sq)[:, None]
+            j = np.arange(spec.Sk)[None, :]
+            s[..., j > i + (spec.Sk - spec.Sq)] = -np.inf
+        m = s.max(-1, keepdims=True)
+        e = np.exp(s - m)
+        p = e / e.sum(-1, keepdims=True)
+        return p @ v
+
+
+class Case:
+    """Buffers (in the spec's layouts), a float64 reference and a runner."""
+
+    def __init__(self, spec: AttnSpec, seed=0, misalign=0, mask_fn=None, qk_scale=1.0):
+        s = self.spec = spec
+        rng = np.random.default_rng(seed)
+        shapes = {
+            "q": (s.B, s.H, s.Sq, s.D),
+            "k": (s.B, s.H, s.Sk, s.D),
+            "v": (s.B, s.H, s.Sk, s.Dv),
+        }
+        self.bufs, self.views = {}, {}
+        for nm, st in (("q", s.q_strides), ("k", s.k_strides), ("v", s.v_strides)):
+            n = extent(shapes[nm], st)
+            buf = aligned(n, offset_elems=misalign)
+            buf[:] = rng.standard_normal(n) * (qk_scale if nm != "v" else 1.0)
+            self.bufs[nm] = buf
+            self.views[nm] = view(buf, shapes[nm], st)
+        self.mask = None
+        if s.mask != "none":
+            mshape = (s.B, s.H, s.Sq, s.Sk)
+            n = extent(mshape, s.mask_strides)
+            dt = np.bool_ if s.mask_dtype == "bool" else np.float32
+            mbuf = aligned(n, dtype=dt, offset_elems=misalign)
+            if mask_fn is not None:
+                mbuf[:] = mask_fn(rng, n)
+            elif s.mask == "add":
+                mbuf[:] = rng.standard_normal(n)
+            else:
+                mbuf[:] = rng.random(n) < 0.7
+            self.bufs["mask"] = mbuf
+            self.mask = view(mbuf, mshape, s.mask_strides)
+        self.ref = reference(spec, self.views["q"], self.views["k"], self.views["v"], self.mask)
+        oshape = (s.B, s.H, s.Sq, s.Dv)
+        self.o_len = extent(oshape, s.o_strides)
+        self.guard = 64
+        self.o_index = (
+            np.arange(s.B)[:, None, None, None] * s.o_strides[0]
+            + np.arange(s.H)[None, :, None, None] * s.o_strides[1]
+            + np.arange(s.Sq)[None, None, :, None] * s.o_strides[2]
+            + np.arange(s.Dv)[None, None, None, :] * s.o_strides[3]
+        )
+
+    def new_o(self):
+        O = aligned(self.o_len + 2 * self.guard)
+        O[:] = SENTINEL
+        return O
+
+    def args(self, O):
+        ptrs = [self.bufs[n].ctypes.data for n in ("q", "k", "v")]
+        if self.spec.mask != "none":
+            ptrs.append(self.bufs["mask"].ctypes.data)
+        ptrs.append(O.ctypes.data + 4 * self.guard)
+        return (ctypes.c_void_p * len(ptrs))(*ptrs)
+
+    def got(self, O):
+        return O[self.guard : self.guard + self.o_len][self.o_index]
+
+    def check(self, O, rtol=1e-4, atol=1e-5):
+        np.testing.assert_allclose(self.got(O), self.ref, rtol=rtol, atol=atol)
+        mask = np.ones(O.size, bool)
+        mask[self.guard + self.o_index.reshape(-1)] = False
+        assert np.all(O[mask] == SENTINEL), "kernel wrote outside O"
+
+
+def build(spec: AttnSpec, tuning=None, name="attn", speed_level=0):
+    module = ir.Module()
+    fn = emit_attention(module, name, spec, tuning=tuning)
+    assert fn.name == name
+    return jit(module, name, speed_level)
+
+
+def run_split(kernel, case: Case, tuning=None, splits=None):
+    """Run the whole tile range as 2 cores would (and with empty ranges)."""
+    spec = case.spec
+    T = attention_num_tiles(spec, tuning)
+    assert T >= 1
+    wsb = attention_workspace_bytes(spec, tuning)
+    assert wsb % 64 == 0
+    g = 64
+    ws = aligned(wsb // 4 + 2 * g)
+    ws[:] = np.nan  # the kernel must not depend on workspace contents
+    ws[:g] = SENTINEL
+    ws[g + wsb // 4 :] = SENTINEL
+    ws_ptr = ws.ctypes.data + 4 * g
+    O = case.new_o()
+    argv = case.args(O)
+    kernel(argv, 0, 0, ws_ptr)  # empty range
+    if splits is None:
+        splits = [0, T // 2, T]
+    for lo, hi in itertools.pairwise(splits):
+        kernel(argv, lo, hi, ws_ptr)
+    kernel(argv, T, T, ws_ptr)  # empty range at the end
+    assert np.all(ws[:g] == SENTINEL) and np.all(ws[g + wsb // 4 :] == SENTINEL), (
+        "kernel wrote outside its workspace"
+    )
+    return O
+
+
+def check_spec(spec: AttnSpec, tuning=None, splits=None, rtol=1e-4, atol=1e-5, **kw):
+    case = Case(spec, **kw)
+    kernel = build(spec, tuning)
+    O = run_split(kernel, case, tuning, splits)
+    case.check(O, rtol=rtol, atol=atol)
+    return case, kernel
+
+
+def dense(B, H, Sq, Sk, D, Dv=None, **kw):
+    return AttnSpec.dense(B, H, Sq, Sk, D, Dv, **kw)
+
+
+# ---------------------------------------------------------------------------
+# shapes x layouts
+# ---------------------------------------------------------------------------
+
+SHAPES = [  # B, H, Sq, Sk, D, Dv
+    (1, 1, 1, 1, 1, 1),
+    (1, 1, 5, 5, 8, 8),
+    (2, 3, 7, 7, 16, 16),
+    (1, 2, 13, 13, 33, 33),
+    (2, 2, 16, 16, 64, 64),
+    (1, 1, 37, 53, 64, 64),  # Sq != Sk
+    (1, 3, 70, 29, 80, 80),
+    (2, 1, 33, 150, 16, 48),  # Dv != D, several key blocks
+    (1, 1, 129, 130, 64, 64),
+    (1, 2, 40, 200, 33, 17),
+    (3, 1, 9, 300, 8, 100),
+    (1, 1, 200, 7, 64, 64),
+    (4, 3, 1, 200, 64, 64),  # decoding: one query row
+    (2, 2, 3, 77, 40, 24),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_shapes_layouts(shape):
+    B, H, Sq, Sk, D, Dv = shape
+    for kt, merged in itertools.product([False, True], [False, True]):
+        spec = dense(
+            B, H, Sq, Sk, D, Dv, k_transposed=kt, merged_heads_out=merged, scale=1.0 / np.sqrt(D)
+        )
+        check_spec(spec, seed=sum(shape))
+
+
+def test_scale_values():
+    for scale in (1.0, 0.125, 2.5):
+        check_spec(dense(2, 2, 20, 40, 24, scale=scale), qk_scale=0.5)
+
+
+def test_odd_strides_gather_paths():
+    """Q/K/V/O with no unit stride anywhere, V stored transposed ([B,H,Dv,S])."""
+    B, H, Sq, Sk, D, Dv = 2, 3, 11, 37, 20, 19
+    # K as [S, B, D, H] (d stride H, s stride B*D*H); V^T as [B,H,Dv,S];
+    # Q as [B,S,H,D] (merged heads); O as [H,B,Dv,S]
+    ks = (D * H, 1, B * D * H, H)
+    vs = (H * Dv * Sk, Dv * Sk, 1, Sk)
+    qs = (Sq * H * D, D, H * D, 1)
+    os_ = (Dv * Sq, B * Dv * Sq, 1, Sq)
+    spec = AttnSpec(B, H, Sq, Sk, D, Dv, qs, ks, vs, os_, scale=0.3)
+    assert attention_plan(spec).k_mode == "pack" and attention_plan(spec).v_mode == "pack"
+    check_spec(spec)
+    # V^T with unit key stride: transposed packing of V
+    spec = AttnSpec(
+        B,
+        H,
+        Sq,
+        Sk,
+        D,
+        Dv,
+        dense_strides(B, H, Sq, D),
+        dense_strides(B, H, Sk, D),
+        vs,
+        dense_strides(B, H, Sq, Dv),
+        scale=0.3,
+    )
+    check_spec(spec)
+
+
+def test_broadcast_operands():
+    """Stride-0 batch/head axes of Q, K, V (e.g. shared K/V over heads)."""
+    B, H, Sq, Sk, D = 2, 4, 10, 30, 16
+    ks = (Sk * D, 0, D, 1)
+    spec = AttnSpec(
+        B,
+        H,
+        Sq,
+        Sk,
+        D,
+        D,
+        dense_strides(B, H, Sq, D),
+        ks,
+        ks,
+        dense_strides(B, H, Sq, D),
+        scale=0.25,
+    )
+    check_spec(spec)
+
+
+# ---------------------------------------------------------------------------
+# masks
+# ---------------------------------------------------------------------------
+
+
+def _mask_strides(kind, B, H, Sq, Sk):
+    return {
+        "full": dense_strides(B, H, Sq, Sk),  # [B,H,Sq,Sk]
+        "key_pad": (Sk, 0, 0, 1),  # [B,1,1,Sk]
+        "rows": (0, 0, Sk, 1),  # [1,1,Sq,Sk]
+        "per_row": (Sq, 0, 1, 0),  # [B,1,Sq,1]
+        "head": (0, 1, 0, 0),  # [1,H,1,1]
+        "transposed": (H * Sk * Sq, Sk * Sq, 1, Sq),  # [B,H,Sk,Sq] read transposed
+    }[kind]
+
+
+MASK_KINDS = ["full", "key_pad", "rows", "per_row", "head", "transposed"]
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_add_mask(kind):
+    for (B, H, Sq, Sk, D), after in [((2, 3, 17, 45, 32), True), ((1, 2, 70, 70, 64), False)]:
+        spec = dense(
+            B,
+            H,
+            Sq,
+            Sk,
+            D,
+            scale=1 / np.sqrt(D),
+            mask="add",
+            mask_strides=_mask_strides(kind, B, H, Sq, Sk),
+            score_bias_after_scale=after,
+        )
+        check_spec(spec)
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("dtype", ["bool", "float32"])
+def test_where_mask(kind, dtype):
+    for (B, H, Sq, Sk, D), after in [((2, 3, 17, 45, 32), True), ((1, 2, 70, 70, 64), False)]:
+        spec = dense(
+            B,
+            H,
+            Sq,
+            Sk,
+            D,
+            scale=1 / np.sqrt(D),
+            mask="where",
+            mask_strides=_mask_strides(kind, B, H, Sq, Sk),
+            mask_dtype=dtype,
+            score_bias_after_scale=after,
+        )
+        # float masks: nonzero (including negative and NaN) keeps
+        fn = (
+            None
+            if dtype == "bool"
+            else (
+                lambda rng, n: np.where(
+                    rng.random(n) < 0.7, rng.choice([1.0, -2.0, np.nan], n), 0.0
+                )
+            )
+        )
+        check_spec(spec, mask_fn=fn)
+
+
+def test_bert_key_padding_mask():
+    """[B,1,1,Sk] additive -10000 padding mask (the BERT export)."""
+    B, H, S, D = 3, 4, 100, 64
+    lens = [100, 37, 1]
+
+    def fn(rng, n):
+        m = np.zeros((B, S), np.float32)
+        for b, L in enumerate(lens):
+            m[b, L:] = -10000.0
+        return m.reshape(-1)
+
+    spec = dense(B, H, S, S, D, scale=0.125, mask="add", mask_strides=(S, 0, 0, 1))
+    check_spec(spec, mask_fn=fn)
+    # rows masked entirely with -10000 stay finite (softmax of nearly equal
+    # values). Their float32 scores s + (-10000) carry only ~1e-3 absolute
+    # precision (half an ulp of 1e4), in any float32 implementation of the
+    # graph: one score rounding differently from the reference moves a weight
+    # by ~0.1%, hence the looser tolerance of this case
+    fn_all = lambda rng, n: np.full(n, -10000.0, np.float32)
+    case, _ = check_spec(spec, mask_fn=fn_all, atol=1e-3)
+    assert np.isfinite(case.ref).all()
+
+
+def test_neg_inf_additive_mask():
+    """-inf entries get weight 0 even when a whole key block is -inf; a row that
+    is all -inf is NaN (as numpy and onnxruntime)."""
+    B, H, Sq, Sk, D = 1, 2, 20, 150, 16
+
+    def fn(rng, n):
+        m = np.zeros((Sq, Sk), np.float32)
+        m[:, :70] = -np.inf  # the first key block(s) entirely -inf
+        m[3, :] = -np.inf  # one row all -inf -> NaN
+        m[5, 100:] = -np.inf
+        return m.reshape(-1)
+
+    spec = dense(B, H, Sq, Sk, D, scale=0.25, mask="add", mask_strides=(0, 0, Sk, 1))
+    case, _ = check_spec(spec, mask_fn=fn)
+    assert np.isnan(case.ref[:, :, 3]).all() and not np.isnan(case.ref[:, :, 4]).any()
+
+
+def test_where_fully_masked_rows_uniform():
+    """Rows masked entirely with the float32-lowest fill get uniform weights."""
+    B, H, Sq, Sk, D = 2, 2, 30, 140, 32
+
+    def fn(rng, n):
+        m = rng.random((B, Sq, Sk)) < 0.5
+        m[0, 4, :] = False
+        m[1, :, :] = False  # all rows of batch 1
+        m[0, 7, :100] = False  # masked first blocks, then real scores
+        return m.reshape(-1)
+
+    spec = dense(
+        B,
+        H,
+        Sq,
+        Sk,
+        D,
+        scale=0.2,
+        mask="where",
+        mask_dtype="bool",
+        mask_strides=(Sq * Sk, 0, Sk, 1),
+        fill=F32_LOWEST,
+    )
+    case, _ = check_spec(spec, mask_fn=fn)
+    np.testing.assert_allclose(
+        case.ref[1],
+        np.broadcast_to(
+            case.views["v"][1].astype(np.float64).mean(1, keepdims=True), case.ref[1].shape
+        ),
+    )
+    # fill = -inf: fully masked rows are NaN (numpy), the others unaffected
+    spec = dense(
+        B,
+        H,
+        Sq,
+        Sk,
+        D,
+        scale=0.2,
+        mask="where",
+        mask_dtype="bool",
+        mask_strides=(Sq * Sk, 0, Sk, 1),
+        fill=float("-inf"),
+    )
+    check_spec(spec, mask_fn=fn)
+    # another finite fill
+    spec = dense(
+        B,
+        H,
+        Sq,
+        Sk,
+        D,
+        scale=0.2,
+        mask="where",
+        mask_dtype="bool",
+        mask_strides=(Sq * Sk, 0, Sk, 1),
+        fill=-1e9,
+    )
+    check_spec(spec, mask_fn=fn)
+
+
+def test_sliced_causal_bool_buffer():
+    """GPT-2 style: a [1,1,N,N] bool lower-triangular buffer sliced to [Sq,Sk]."""
+    N = 64
+    tri = np.tril(np.ones((N, N), bool))
+    for Sq, Sk in [(20, 20), (5, 30), (30, 30)]:
+        off = Sk - Sq
+        # the slice tri[Sk-Sq:Sk, :Sk] as strides into the full [N,N] buffer
+        buf_off = off * N
+
+        def fn(rng, n, buf_off=buf_off):
+            flat = tri.reshape(-1)
+            return flat[buf_off : buf_off + n]
+
+        spec = dense(
+            1,
+            3,
+            Sq,
+            Sk,
+            32,
+            scale=1 / np.sqrt(32),
+            mask="where",
+            mask_dtype="bool",
+            mask_strides=(0, 0, N, 1),
+            fill=F32_LOWEST,
+        )
+        check_spec(spec, mask_fn=fn)
+
+
+# ---------------------------------------------------------------------------
+# causal
+# ---------------------------------------------------------------------------
+
+CAUSAL_SHAPES = [
+    (1, 1, 1, 1, 8),
+    (1, 2, 7, 7, 16),
+    (2, 3, 64, 64, 64),
+    (1, 1, 150, 150, 64),  # zigzag order over 10 query blocks
+    (1, 1, 5, 40, 33),  # Sq < Sk: decoding with a cache
+    (2, 2, 1, 90, 16),
+    (1, 2, 40, 25, 16),  # Sq > Sk: the first rows see no key -> NaN
+    (2, 1, 130, 260, 80),
+]
+
+
+@pytest.mark.parametrize("shape", CAUSAL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_causal(shape):
+    B, H, Sq, Sk, D = shape
+    for kt in (False, True):
+        spec = dense(B, H, Sq, Sk, D, scale=1 / np.sqrt(D), causal=True, k_transposed=kt)
+        case, _ = check_spec(spec, seed=Sq + Sk)
+        if Sq > Sk:
+            assert np.isnan(case.ref[:, :, : Sq - Sk]).all()
+    # causal + masks
+    B, H, Sq, Sk, D = 2, 2, 33, 33, 16
+    spec = dense(B, H, Sq, Sk, D, scale=0.25, causal=True, mask="add", mask_strides=(Sk, 0, 0, 1))
+    check_spec(spec, mask_fn=lambda rng, n: np.where(rng.random(n) < 0.2, -10000.0, 0.0))
+    spec = dense(
+        B,
+        H,
+        Sq,
+        Sk,
+        D,
+        scale=0.25,
+        causal=True,
+        mask="where",
+        mask_dtype="bool",
+        mask_strides=dense_strides(B, H, Sq, Sk),
+    )
+    check_spec(spec)
+
+
+def test_zigzag_balance():
+    spec = dense(1, 1, 256, 256, 64, causal=True)
+    p = attention_plan(spec)
+    assert p.zigzag and p.nq >= 4
+
+
+# ---------------------------------------------------------------------------
+# tiling, forced plans, tile ranges
+# ---------------------------------------------------------------------------
+
+
+def test_forced_plans():
+    B, H, Sq, Sk, D = 2, 2, 45, 170, 40
+    for kt in (False, True):
+        spec = dense(
+            B, H, Sq, Sk, D, scale=0.2, mask="add", mask_strides=(Sk, 0, 0, 1), k_transposed=kt
+        )
+        for tuning in [
+            {"scope": "block"},
+            {"scope": "block", "KB": 32, "NV_s": 2},
+            {"KB": 128},
+            {"KB": 16, "NV_s": 1, "MR_s": 8},
+            {"MQ": 8, "MR_s": 8, "MR_v": 2, "NV_v": 2},
+            {"MQ": 5, "MR_s": 5, "MR_v": 1},
+            {"MR_s": 6, "NV_s": 2, "MR_v": 6, "MQ": 12},
+            {"unroll_d": 1, "unroll_j": 1},
+            {"unroll_d": 3, "unroll_j": 3},
+            {"v_mode": "pack"},
+            {"v_mode": "pack", "scope": "block"},
+            {"zigzag": True},
+        ]:
+            check_spec(spec, tuning=tuning)
+    # K^T [B,H,D,S] forced through the packer
+    spec = dense(B, H, Sq, Sk, D, scale=0.2, k_transposed=True)
+    check_spec(spec, tuning={"k_mode": "pack"})
+
+
+def test_tile_ranges():
+    spec = dense(2, 3, 50, 60, 32, scale=0.2, causal=True)
+    case = Case(spec)
+    kernel = build(spec)
+    T = attention_num_tiles(spec)
+    for splits in ([0, T], [0, 1, T], [0, T - 1, T], list(range(T + 1)), [0, 3, 3, 7, T]):
+        O = run_split(kernel, case, splits=splits)
+        case.check(O)
+    # one call per tile in reverse order (K packed fresh for each call)
+    O = case.new_o()
+    wsb = attention_workspace_bytes(spec)
+    ws = aligned(wsb // 4)
+    argv = case.args(O)
+    for t in reversed(range(T)):
+        kernel(argv, t, t + 1, ws.ctypes.data)
+    case.check(O)
+
+
+def test_two_threads_concurrently():
+    """Both halves of the tile range at the same time (the JIT functions release
+    the GIL), each with its own workspace, as the runtime calls them."""
+    import threading
+
+    for spec in (
+        dense(2, 3, 70, 90, 32, scale=0.2, mask="add", mask_strides=(90, 0, 0, 1)),
+        dense(1, 1, 300, 300, 64, scale=0.125, causal=True),  # one head split in two
+    ):
+        case = Case(spec)
+        kernel = build(spec)
+        T = attention_num_tiles(spec)
+        wsb = attention_workspace_bytes(spec)
+        wss = [aligned(wsb // 4) for _ in range(2)]
+        for _ in range(3):
+            O = case.new_o()
+            argv = case.args(O)
+            ths = [
+                threading.Thread(target=kernel, args=(argv, lo, hi, wss[i].ctypes.data))
+                for i, (lo, hi) in enumerate([(0, T // 2), (T // 2, T)])
+            ]
+            for th in ths:
+                th.start()
+            for th in ths:
+                th.join()
+            case.check(O)
+
+
+def test_misaligned():
+    spec = dense(2, 2, 19, 41, 24, Dv=40, scale=0.3, mask="add", mask_strides=(41, 0, 0, 1))
+    check_spec(spec, misalign=1)
+    spec = dense(
+        1,
+        2,
+        19,
+        41,
+        24,
+        Dv=40,
+        scale=0.3,
+        mask="where",
+        mask_dtype="bool",
+        mask_strides=(0, 0, 41, 1),
+        k_transposed=True,
+    )
+    check_spec(spec, misalign=3)
+
+
+def test_bert_base_shapes():
+    for S in (128, 384):
+        spec = dense(2, 12, S, S, 64, scale=0.125, mask="add", mask_strides=(S, 0, 0, 1))
+        check_spec(spec, mask_fn=lambda rng, n: np.where(rng.random(n) < 0.1, -10000.0, 0.0))
+    spec = dense(1, 12, 512, 512, 64, scale=0.125, causal=True, merged_heads_out=True)
+    check_spec(spec)
+
+
+def test_large_scores_and_long_rows():
+    """Scores of magnitude ~100 (no overflow: exp(s - m)), several blocks, long Sk
+    (packing per key block when K^T of one head is large)."""
+    spec = dense(1, 1, 20, 3000, 64, scale=1.0)
+    assert attention_plan(spec).scope == "block"  # K^T of a head: 750 KiB
+    check_spec(spec, qk_scale=1.5, seed=3)
+    check_spec(spec, qk_scale=1.5, seed=3, tuning={"scope": "bh"})
+    spec = dense(1, 1, 17, 2500, 128, Dv=64, scale=0.1, mask="add", mask_strides=(0, 0, 0, 1))
+    check_spec(spec, tuning={"scope": "block"})
+
+
+def test_nan_propagates_to_its_row():
+    spec = dense(1, 1, 6, 40, 16, scale=0.25)
+    case = Case(spec)
+    case.bufs["q"][2 * 16 + 5] = np.nan  # Q[0,0,2,5]
+    case.ref = reference(spec, case.views["q"], case.views["k"], case.views["v"], None)
+    kernel = build(spec)
+    O = run_split(kernel, case)
+    got = case.got(O)
+    assert np.isnan(got[0, 0, 2]).all() and not np.isnan(got[0, 0, [0, 1, 3, 4, 5]]).any()
+    case.check(O)
+
+
+def test_spec_validation():
+    with pytest.raises(ValueError):
+        dense(1, 1, 0, 4, 4)
+    with pytest.raises(ValueError):
+        dense(1, 1, 4, 4, 4, mask="mul")
+    with pytest.raises(ValueError):
+        dense(1, 1, 4, 4, 4, mask="add", mask_dtype="bool")
+    with pytest.raises(ValueError):
+        AttnSpec(1, 1, 4, 4, 4, 4, (16, 16, 4, 1), (16, 16, 4, 1), (16, 16, 4, 1), (16, 16, 0, 1))
+    with pytest.raises(ValueError):
+        attention_plan(dense(1, 1, 4, 4, 4), {"k_mode": "direct"})
