@@ -58,7 +58,7 @@ class Session:
                              f"{', '.join(PIPELINES)}")
         fusion = _fusion_switches(fusion)
         proto, _ = load_model_proto(model)
-        self._model_bytes = proto.SerializeToString()
+        self._proto = proto                      # serialised only when saved
         self.graph, _ = import_model(proto)
         self.options = CompileOptions(cores=cores, pipeline=pipeline,
                                       dump_after=set(dump_after), cache=cache, fusion=fusion)
@@ -349,7 +349,7 @@ class Session:
             "objects": [],
         }
         with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
-            z.writestr("model.onnx", self._model_bytes)
+            z.writestr("model.onnx", self._proto.SerializeToString())
             for prog in self._programs.values():
                 for k in prog.spec.kernels:
                     key = cache.key(k.module_ir, 2)

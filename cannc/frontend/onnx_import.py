@@ -56,6 +56,7 @@ def check_model(proto: onnx.ModelProto) -> onnx.ModelProto:
     if opset < MIN_OPSET:
         raise ModelError(f"opset {opset} is older than the oldest supported ({MIN_OPSET}); "
                          "convert it with onnx.version_converter")
+    proto = skeleton(proto)
     try:
         onnx.checker.check_model(proto)
     except onnx.checker.ValidationError as e:
@@ -69,6 +70,36 @@ def check_model(proto: onnx.ModelProto) -> onnx.ModelProto:
         if "2GB" not in str(e) and "2 GB" not in str(e):
             raise ModelError(f"the model fails the ONNX checker: {e}") from e
     return _infer(proto)
+
+
+SKELETON_BYTES = 16 << 20
+
+
+def skeleton(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """For large models: the same graph with every big initializer turned into a typed
+    graph input, so that the checker and shape inference (which serialise the whole
+    model) do not copy the weights. Initializer values are read separately."""
+    big = [t for t in proto.graph.initializer if len(t.raw_data) > 4096]
+    if sum(len(t.raw_data) for t in big) < SKELETON_BYTES:
+        return proto
+    names = {t.name for t in big}
+    sk = onnx.ModelProto()
+    sk.CopyFrom(onnx.ModelProto(ir_version=proto.ir_version, opset_import=proto.opset_import,
+                                producer_name=proto.producer_name, domain=proto.domain,
+                                model_version=proto.model_version,
+                                functions=proto.functions))
+    g = sk.graph
+    g.name = proto.graph.name
+    g.node.extend(proto.graph.node)
+    g.output.extend(proto.graph.output)
+    g.value_info.extend(proto.graph.value_info)
+    g.initializer.extend(t for t in proto.graph.initializer if t.name not in names)
+    listed = {i.name for i in proto.graph.input}
+    g.input.extend(proto.graph.input)
+    for t in big:
+        if t.name not in listed:
+            g.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    return sk
 
 
 def _infer(proto: onnx.ModelProto) -> onnx.ModelProto:
