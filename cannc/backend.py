@@ -3,6 +3,21 @@ suite (onnx.backend.test.BackendTest) runs against cannc:
 
     import cannc.backend
     backend_test = onnx.backend.test.BackendTest(cannc.backend, __name__)
+
+Two things the backend does that a plain `cannc.compile` does not:
+
+* Models older than the oldest opset the frontend reads (7) are converted with
+  onnx.version_converter first (the frontend's own advice).
+* Value specialisation by position. The backend test cases feed every tensor as
+  a graph input, also those that real models carry as initializers and that
+  decide an output shape or a kernel's parameters: Resize scales/sizes/roi,
+  Range bounds, OneHot depth, Reshape/Expand/Tile shapes, Slice/Pad/Reduce axes,
+  a CumSum axis, a TopK k, a Compress condition... A graph input that feeds such
+  a slot (SHAPE_INPUTS) becomes an initializer holding the fed value, and the
+  model is compiled once per distinct value (cached). Every other input stays a
+  runtime input, so the computation itself still runs as native code. (The
+  Session does the same for small integer inputs after a ShapeError; this
+  covers float scales and parameters that are not shapes.)
 """
 
 from __future__ import annotations
@@ -11,15 +26,86 @@ from typing import Any, Sequence
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 from onnx.backend.base import Backend, BackendRep, Device, DeviceType
 
 from .session import Session
 
+# op type -> input positions whose values decide an output shape or kernel parameters
+SHAPE_INPUTS: dict[str, tuple[int, ...]] = {
+    "Reshape": (1,), "Expand": (1,), "Tile": (1,), "Slice": (1, 2, 3, 4), "Pad": (1, 3),
+    "Resize": (1, 2, 3), "Upsample": (1,), "Range": (0, 1, 2), "OneHot": (1,),
+    "ConstantOfShape": (0,), "Squeeze": (1,), "Unsqueeze": (1,), "Split": (1,),
+    "ReduceSum": (1,), "ReduceMean": (1,), "ReduceMax": (1,), "ReduceMin": (1,),
+    "ReduceProd": (1,), "ReduceL1": (1,), "ReduceL2": (1,), "ReduceLogSum": (1,),
+    "ReduceLogSumExp": (1,), "ReduceSumSquare": (1,), "CumSum": (1,), "CumProd": (1,),
+    "TopK": (1,), "Compress": (1,), "CenterCropPad": (1,), "Col2Im": (1, 2),
+    "MaxUnpool": (2,), "AffineGrid": (1,), "DFT": (1, 2), "STFT": (1, 2, 3),
+    "BlackmanWindow": (0,), "HannWindow": (0,), "HammingWindow": (0,),
+    "MelWeightMatrix": (0, 1, 2, 3, 4),
+}
+MIN_FRONTEND_OPSET = 7
+_MAX_SPECIALISATIONS = 16
+
+
+def shape_deciding_inputs(model: onnx.ModelProto) -> list[str]:
+    """Graph inputs that feed a value-deciding slot of some node (see SHAPE_INPUTS)."""
+    inputs = {i.name for i in model.graph.input}
+    inits = {i.name for i in model.graph.initializer}
+    out: list[str] = []
+    for n in model.graph.node:
+        for pos in SHAPE_INPUTS.get(n.op_type, ()) if n.domain in ("", "ai.onnx") else ():
+            if pos < len(n.input):
+                v = n.input[pos]
+                if v and v in inputs and v not in inits and v not in out:
+                    out.append(v)
+    return out
+
+
+def _upgrade(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Convert models older than the frontend's oldest opset (e.g. opset 1 tests)."""
+    ver = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    if ver is None or ver >= MIN_FRONTEND_OPSET:
+        return model
+    try:
+        from onnx import version_converter
+        return version_converter.convert_version(model, MIN_FRONTEND_OPSET)
+    except Exception:  # noqa: BLE001 - the frontend then reports the opset itself
+        return model
+
 
 class CanncRep(BackendRep):
-    def __init__(self, session: Session) -> None:
-        self.session = session
-        self._names = [i.name for i in session.get_inputs()]
+    def __init__(self, model: onnx.ModelProto, **kwargs: Any) -> None:
+        self.model = model
+        self.kwargs = kwargs
+        self._names = [i.name for i in model.graph.input
+                       if i.name not in {t.name for t in model.graph.initializer}]
+        self.value_inputs = shape_deciding_inputs(model)
+        self._sessions: dict[tuple, Session] = {}
+        self.session: Session | None = None
+        if not self.value_inputs:
+            self.session = Session(model, **kwargs)
+            self._names = [i.name for i in self.session.get_inputs()]
+
+    def _session_for(self, feeds: dict[str, np.ndarray]) -> Session:
+        if self.session is not None:
+            return self.session
+        key = tuple((n, feeds[n].dtype.str, feeds[n].shape, feeds[n].tobytes())
+                    for n in self.value_inputs)
+        s = self._sessions.get(key)
+        if s is None:
+            m = onnx.ModelProto()
+            m.CopyFrom(self.model)
+            keep = [i for i in m.graph.input if i.name not in self.value_inputs]
+            del m.graph.input[:]
+            m.graph.input.extend(keep)
+            for n in self.value_inputs:
+                m.graph.initializer.append(numpy_helper.from_array(feeds[n], n))
+            s = Session(m, **self.kwargs)
+            if len(self._sessions) >= _MAX_SPECIALISATIONS:
+                self._sessions.pop(next(iter(self._sessions)))
+            self._sessions[key] = s
+        return s
 
     def run(self, inputs: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
         if isinstance(inputs, dict):
@@ -29,7 +115,9 @@ class CanncRep(BackendRep):
                 inputs = [inputs]
             feeds = dict(zip(self._names, inputs))
         feeds = {k: np.asarray(v) for k, v in feeds.items()}
-        return tuple(self.session.run(None, feeds))
+        s = self._session_for(feeds)
+        names = {i.name for i in s.get_inputs()}
+        return tuple(s.run(None, {k: v for k, v in feeds.items() if k in names}))
 
 
 class CanncBackend(Backend):
@@ -40,7 +128,8 @@ class CanncBackend(Backend):
     @classmethod
     def prepare(cls, model: onnx.ModelProto, device: str = "CPU", **kwargs: Any) -> CanncRep:
         super().prepare(model, device, **kwargs)
-        return CanncRep(Session(model, eager=False, **kwargs))
+        kwargs.setdefault("eager", False)
+        return CanncRep(_upgrade(model), **kwargs)
 
     @classmethod
     def run_model(cls, model: onnx.ModelProto, inputs: Any, device: str = "CPU",

@@ -22,7 +22,7 @@ from .compiler import CompileOptions, Specialization, specialize
 from .errors import CacheError, CanncError, InputError, ShapeError
 from .frontend import import_model, load_model_proto
 from .ir.types import onnx_type_string
-from .runtime.device import Device
+from .runtime.device import shared_device
 from .runtime.program import Program, dispatcher_object
 from .runtime.stream import Event, is_pinned
 
@@ -62,7 +62,7 @@ class Session:
         self.graph, _ = import_model(proto)
         self.options = CompileOptions(cores=cores, pipeline=pipeline,
                                       dump_after=set(dump_after), cache=cache, fusion=fusion)
-        self.device = Device(cores)
+        self.device = shared_device(cores)
         self._programs: dict[tuple, Program] = {}
         # inputs whose *values* decide shapes (e.g. a Reshape target fed at run time):
         # found on the first specialisation that needs them, then part of the key

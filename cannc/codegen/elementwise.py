@@ -23,10 +23,75 @@ from .emit import I64, for_range, i64, llvm_type
 MAX_TILE_ELEMS = 16384
 
 
+def is_bf16(dtype: np.dtype) -> bool:
+    return np.dtype(dtype).name == "bfloat16"
+
+
+def expr_scalar_type(dtype: np.dtype) -> ir.Type:
+    """The LLVM type of one element inside an expression: bool is i1, bfloat16 is
+    computed in float (LLVM has no bfloat arithmetic here); else the storage type."""
+    dt = np.dtype(dtype)
+    if dt == np.bool_:
+        return ir.IntType(1)
+    if is_bf16(dt):
+        return emit.F32
+    return llvm_type(dt)
+
+
+def bf16_bits_to_f32(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    """i16 (or <n x i16>) bfloat16 bits -> float (exact)."""
+    n = v.type.count if isinstance(v.type, ir.VectorType) else 0
+    i32 = ir.VectorType(emit.I32, n) if n else emit.I32
+    f32 = ir.VectorType(emit.F32, n) if n else emit.F32
+    w = b.shl(b.zext(v, i32), emit.const_like(16, i32))
+    return b.bitcast(w, f32)
+
+
+def f32_to_bf16_bits(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    """float -> bfloat16 bits (i16), rounding to nearest even; NaN stays a (quiet) NaN."""
+    n = v.type.count if isinstance(v.type, ir.VectorType) else 0
+    i32 = ir.VectorType(emit.I32, n) if n else emit.I32
+    i16 = ir.VectorType(ir.IntType(16), n) if n else ir.IntType(16)
+    bits = b.bitcast(v, i32)
+    hi = b.lshr(bits, emit.const_like(16, i32))
+    lsb = b.and_(hi, emit.const_like(1, i32))
+    r = b.lshr(b.add(b.add(bits, emit.const_like(0x7FFF, i32)), lsb), emit.const_like(16, i32))
+    nan = b.or_(hi, emit.const_like(0x40, i32))
+    r = b.select(b.fcmp_unordered("uno", v, v), nan, r)
+    return b.trunc(r, i16)
+
+
+def round_to_bf16(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    """A float rounded to the nearest bfloat16, kept as float."""
+    return bf16_bits_to_f32(b, f32_to_bf16_bits(b, v))
+
+
+def f64_to_f16(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    """double -> half with one correct rounding and no runtime library call
+    (LLVM lowers a direct fptrunc to __truncdfhf2): round to float *to odd*, then
+    to half (round-to-odd into a format with > 2 more bits is innocuous)."""
+    n = v.type.count if isinstance(v.type, ir.VectorType) else 0
+    f32 = ir.VectorType(emit.F32, n) if n else emit.F32
+    i32 = ir.VectorType(emit.I32, n) if n else emit.I32
+    h = ir.VectorType(ir.HalfType(), n) if n else ir.HalfType()
+    f = b.fptrunc(v, f32)
+    back = b.fpext(f, v.type)
+    inexact = b.fcmp_ordered("!=", back, v)
+    bits = b.bitcast(f, i32)
+    fabs = lambda x: emit.intrinsic(b, "llvm.fabs", [x])  # noqa: E731
+    # rounded away from zero: step the magnitude back toward zero
+    away = b.fcmp_ordered(">", fabs(back), fabs(v))
+    tz = b.select(away, b.sub(bits, emit.const_like(1, i32)), bits)
+    odd = b.or_(tz, emit.const_like(1, i32))
+    f = b.bitcast(b.select(inexact, odd, bits), f32)
+    return b.fptrunc(f, h)
+
+
 @dataclass
 class TV:
     """A typed value: an LLVM value (scalar or vector) and the numpy dtype it holds.
-    Booleans are held as i1 (vectors of i1) inside expressions."""
+    Booleans are held as i1 (vectors of i1) inside expressions; bfloat16 values are
+    held as float (rounded to bfloat16 where a result is stored or cast)."""
 
     v: ir.Value
     dtype: np.dtype
@@ -45,7 +110,7 @@ class Expr:
 
     # -- types and constants ----------------------------------------------
     def ty(self, dtype: np.dtype) -> ir.Type:
-        t = ir.IntType(1) if np.dtype(dtype) == np.bool_ else llvm_type(dtype)
+        t = expr_scalar_type(dtype)
         return ir.VectorType(t, self.lanes) if self.lanes > 1 else t
 
     def const(self, value: float | int | bool, dtype: np.dtype) -> TV:
@@ -149,20 +214,38 @@ class Expr:
                 return TV(b.uitofp(x.v, t), dst)
             return TV(b.zext(x.v, t), dst)
         if emit.is_float(src) and emit.is_float(dst):
-            if src.itemsize < dst.itemsize:
-                return TV(b.fpext(x.v, t), dst)
-            return TV(b.fptrunc(x.v, t), dst)
+            return TV(self._fconvert(x.v, src, dst), dst)
         if emit.is_float(src):
             # float -> int: C truncation, like numpy's astype; saturate NaN/out-of-range
             fn = "llvm.fptosi.sat" if emit.is_signed(dst) else "llvm.fptoui.sat"
             return TV(self._sat_convert(fn, x.v, t), dst)
         if emit.is_float(dst):
-            return TV(b.sitofp(x.v, t) if emit.is_signed(src) else b.uitofp(x.v, t), dst)
+            v = b.sitofp(x.v, t) if emit.is_signed(src) else b.uitofp(x.v, t)
+            return TV(round_to_bf16(b, v) if is_bf16(dst) else v, dst)
         if src.itemsize == dst.itemsize:
             return TV(x.v, dst)
         if src.itemsize > dst.itemsize:
             return TV(b.trunc(x.v, t), dst)
         return TV(b.sext(x.v, t) if emit.is_signed(src) else b.zext(x.v, t), dst)
+
+    def _fconvert(self, v: ir.Value, src: np.dtype, dst: np.dtype) -> ir.Value:
+        """float -> float in expression representation (bfloat16 held as float)."""
+        b = self.b
+        st, dt_ = expr_scalar_type(src), expr_scalar_type(dst)
+        width = {ir.HalfType: 16, ir.FloatType: 32, ir.DoubleType: 64}
+        ws, wd = width[type(st)], width[type(dt_)]
+        t = self.ty(dst)
+        if isinstance(st, ir.DoubleType) and isinstance(dt_, ir.HalfType):
+            r = f64_to_f16(b, v)
+        elif ws < wd:
+            r = b.fpext(v, t)
+        elif ws > wd:
+            r = b.fptrunc(v, t)
+        else:
+            r = v
+        if is_bf16(dst):
+            r = round_to_bf16(b, r)
+        return r
 
     def _sat_convert(self, name: str, v: ir.Value, t: ir.Type) -> ir.Value:
         full = f"{name}.{emit._mangle(t)}.{emit._mangle(v.type)}"
@@ -206,7 +289,8 @@ def collapse(out_shape: tuple[int, ...], strides: list[list[int]]) -> tuple[list
 
 
 def vector_lanes(dtypes: Sequence[np.dtype], vector_bytes: int = 64) -> int:
-    widest = max(np.dtype(d).itemsize for d in dtypes)
+    # bfloat16 is computed in float: count it as 4 bytes
+    widest = max(4 if is_bf16(d) else np.dtype(d).itemsize for d in dtypes)
     return max(1, min(16, vector_bytes // widest))
 
 
@@ -219,6 +303,8 @@ def load_tv(b: ir.IRBuilder, ptr: ir.Value, index: ir.Value, dtype: np.dtype,
         v = b.load(p, typ=et)
         if dt == np.bool_:
             v = b.icmp_unsigned("!=", v, ir.Constant(et, 0))
+        elif is_bf16(dt):
+            v = bf16_bits_to_f32(b, v)
         if lanes > 1:
             v = emit.splat(b, v, lanes)
         return TV(v, dt)
@@ -227,6 +313,8 @@ def load_tv(b: ir.IRBuilder, ptr: ir.Value, index: ir.Value, dtype: np.dtype,
     v.align = dt.itemsize
     if dt == np.bool_:
         v = b.icmp_unsigned("!=", v, ir.Constant(vt, [0] * lanes))
+    elif is_bf16(dt):
+        v = bf16_bits_to_f32(b, v)
     return TV(v, dt)
 
 
@@ -237,6 +325,8 @@ def store_tv(b: ir.IRBuilder, ptr: ir.Value, index: ir.Value, x: TV, dtype: np.d
     if dt == np.bool_:
         t = ir.VectorType(et, x.lanes) if x.lanes > 1 else et
         v = b.zext(v, t)
+    elif is_bf16(dt):
+        v = f32_to_bf16_bits(b, v)
     st = b.store(v, emit.gep(b, ptr, index, et))
     st.align = dt.itemsize
 
@@ -249,6 +339,13 @@ def emit_map(ctx, operand_types: list[TensorType], out_types: list[TensorType],
     Outputs all have the same shape (out_types[0].shape) and are contiguous.
     """
     out_shape = tuple(int(d) for d in out_types[0].shape)
+    if any(d == 0 for d in out_shape):
+        # nothing to compute: an empty kernel
+        ctx.num_tiles = 1
+        ctx.single_core = True
+        _, b = ctx.begin()
+        b.ret_void()
+        return
     slots = operand_slots if operand_slots is not None else list(range(len(operand_types)))
     strides = [_strides(tuple(t.shape), out_shape) for t in operand_types]
     strides += [_strides(out_shape, out_shape) for _ in out_types]

@@ -32,7 +32,7 @@ import llvmlite.ir as ir
 import numpy as np
 
 from . import emit
-from .elementwise import TV, Expr
+from .elementwise import TV, Expr, bf16_bits_to_f32, f32_to_bf16_bits, is_bf16
 from .emit import I1, I32, PTR, for_range, i64, llvm_type
 
 BOOL = np.dtype(np.bool_)
@@ -128,13 +128,16 @@ def load_tv(b: ir.IRBuilder, ptr: ir.Value, off: ir.Value, dtype: np.dtype, lane
             cdt: np.dtype, mask: ir.Value | None = None) -> TV:
     """Load and convert to the compute dtype."""
     raw = load_raw(b, ptr, off, dtype, lanes, mask)
+    if is_bf16(dtype):  # bfloat16 bits -> the float that expressions hold
+        raw = bf16_bits_to_f32(b, raw)
     return Expr(b, lanes).cast(TV(raw, np.dtype(dtype)), cdt)
 
 
 def store_tv(b: ir.IRBuilder, ptr: ir.Value, off: ir.Value, x: TV, dtype: np.dtype,
              mask: ir.Value | None = None) -> None:
     y = Expr(b, x.lanes).cast(x, dtype)
-    store_raw(b, ptr, off, y.v, dtype, mask)
+    v = f32_to_bf16_bits(b, y.v) if is_bf16(dtype) else y.v
+    store_raw(b, ptr, off, v, dtype, mask)
 
 
 def splat_tv(b: ir.IRBuilder, x: TV, lanes: int) -> TV:

@@ -190,7 +190,8 @@ def remove_identities(graph: Graph) -> bool:
     """Identity and inference-mode Dropout forward their input: consumers read it directly
     (kept when the output is a graph output, which must exist under its own name)."""
     changed = False
-    for n in list(graph.nodes()):
+    for name in [n.name for n in graph.nodes()]:
+        n = graph.node(name)        # re-read: an earlier removal may have rewritten its inputs
         if n.op_type not in ("Identity", "Dropout") or n.domain:
             continue
         if n.op_type == "Dropout" and (len(n.outputs) > 1 and n.outputs[1]

@@ -137,6 +137,21 @@ class Device:
             pass
 
 
+_shared: dict[int, Device] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_device(cores: int | None = None) -> Device:
+    """The process's device with `cores` AI Cores (default: usable CPU cores). Sessions
+    share it, as programs share one chip: its worker threads are started once."""
+    n = usable_cores() if cores is None else int(cores)
+    with _shared_lock:
+        dev = _shared.get(n)
+        if dev is None:
+            dev = _shared[n] = Device(n)
+        return dev
+
+
 def address(arr: np.ndarray) -> int:
     return int(arr.ctypes.data)
 

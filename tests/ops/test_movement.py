@@ -591,7 +591,7 @@ def test_out_of_range_indices_are_safe():
 # -- what stays unsupported says why ---------------------------------------------------------------
 
 @pytest.mark.parametrize("attrs,why", [
-    ({"mode": "cubic"}, "mode 'cubic'"),
+    ({"mode": "cubic", "antialias": 1}, "antialias"),
     ({"mode": "linear", "antialias": 1}, "antialias"),
 ])
 def test_resize_unsupported_reason(attrs, why):
@@ -599,6 +599,15 @@ def test_resize_unsupported_reason(attrs, why):
                                  opset=18, const_inputs=[2], **attrs)
     with pytest.raises(cannc.errors.UnsupportedOpError, match=why):
         cannc.compile(m, cores=2)
+
+
+@pytest.mark.parametrize("coord", ["half_pixel", "align_corners", "asymmetric"])
+@pytest.mark.parametrize("exclude", [0, 1])
+@pytest.mark.parametrize("scales", [[1, 1, 2, 1.5], [1, 1, 0.6, 0.8]])
+def test_resize_cubic(coord, exclude, scales):
+    check_op("Resize", [rand((1, 2, 5, 6)), _f32([]), _f32(scales)], opset=13, mode="cubic",
+             coordinate_transformation_mode=coord, exclude_outside=exclude,
+             cubic_coeff_a=-0.5, const_inputs=[1, 2])
 
 
 def test_resize_linear_int_unsupported_reason():

@@ -7,3 +7,6 @@ from . import reduce  # noqa: F401
 from . import contraction  # noqa: F401
 from . import conv  # noqa: F401
 from . import fused  # noqa: F401
+from . import quant  # noqa: F401
+from . import misc  # noqa: F401
+from . import rnn  # noqa: F401

@@ -4,6 +4,12 @@ numpy-style MatMul batches become one batched GEMM (stride 0 for a broadcast
 operand); when B has no batch (the weight of a Linear layer) A's batch dims
 fold into M, which gives the GEMM the large M it wants. Constant B is packed
 once at compile time.
+
+Other dtypes (float16, bfloat16, float64, int32/64, uint32/64), empty operands
+and the integer contractions (MatMulInteger, QLinearMatMul in ops/quant.py)
+use `emit_matmul_nest`: a loop nest vectorised along N (one output row per
+tile, accumulators in registers), computing in an accumulator dtype (float32
+for the 16-bit floats, like onnxruntime's and NumPy's half dot products).
 """
 
 from __future__ import annotations
@@ -12,12 +18,19 @@ from typing import Any
 
 import numpy as np
 
+import llvmlite.ir as ir
+
+from ...codegen import emit
+from ...codegen.elementwise import bf16_bits_to_f32, f32_to_bf16_bits, is_bf16
+from ...codegen.emit import for_range, i64
 from ...codegen.gemm import GemmSpec, emit_gemm, gemm_num_tiles, gemm_workspace_bytes, prepack_b
 from ..graph import Node
 from ..registry import Category, OpDef, register
 from ..types import TensorType
 
 F32 = frozenset({"float32"})
+MATMUL_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "int32", "int64",
+                           "uint32", "uint64"})
 
 
 def _matmul_dims(a: tuple[int, ...], b: tuple[int, ...]):
@@ -51,15 +64,182 @@ def _matmul_spec(a: TensorType, b: TensorType) -> tuple[GemmSpec | None, str | N
                     c_batch_stride=M * N), None
 
 
+# ---------------------------------------------------------------------------
+# the loop nest (any dtype)
+# ---------------------------------------------------------------------------
+
+def acc_dtype(dt: np.dtype) -> np.dtype:
+    """The dtype a contraction over `dt` accumulates in."""
+    dt = np.dtype(dt)
+    if dt.name in ("float16", "bfloat16", "float32"):
+        return np.dtype(np.float32)
+    return dt
+
+
+def load_as(b: ir.IRBuilder, ptr: ir.Value, off: ir.Value, dt: np.dtype, acc: np.dtype,
+            lanes: int) -> ir.Value:
+    """Element(s) ptr[off : off+lanes] of dtype dt converted to the accumulator dtype."""
+    dt, acc = np.dtype(dt), np.dtype(acc)
+    et = emit.llvm_type(dt)
+    ty = ir.VectorType(et, lanes) if lanes > 1 else et
+    v = b.load(emit.gep(b, ptr, off, et), typ=ty)
+    v.align = dt.itemsize
+    at = emit.llvm_type(acc)
+    aty = ir.VectorType(at, lanes) if lanes > 1 else at
+    if dt == acc:
+        return v
+    if is_bf16(dt):
+        v = bf16_bits_to_f32(b, v)
+        return v if acc == np.float32 else b.fpext(v, aty)
+    if emit.is_float(dt) and emit.is_float(acc):
+        return b.fpext(v, aty) if dt.itemsize < acc.itemsize else b.fptrunc(v, aty)
+    if emit.is_float(acc):
+        return b.sitofp(v, aty) if emit.is_signed(dt) else b.uitofp(v, aty)
+    if dt.itemsize < acc.itemsize:
+        return b.sext(v, aty) if emit.is_signed(dt) else b.zext(v, aty)
+    return v
+
+
+def store_from(b: ir.IRBuilder, v: ir.Value, ptr: ir.Value, off: ir.Value, dt: np.dtype,
+               acc: np.dtype) -> None:
+    """Store accumulator value(s) v as dtype dt (floats round to nearest)."""
+    dt, acc = np.dtype(dt), np.dtype(acc)
+    lanes = v.type.count if isinstance(v.type, ir.VectorType) else 1
+    et = emit.llvm_type(dt)
+    ty = ir.VectorType(et, lanes) if lanes > 1 else et
+    if is_bf16(dt):
+        if acc != np.float32:
+            v = b.fptrunc(v, ir.VectorType(emit.F32, lanes) if lanes > 1 else emit.F32)
+        v = f32_to_bf16_bits(b, v)
+    elif dt != acc:
+        if emit.is_float(dt):
+            v = b.fptrunc(v, ty) if dt.itemsize < acc.itemsize else b.fpext(v, ty)
+        else:
+            v = b.trunc(v, ty)
+    st = b.store(v, emit.gep(b, ptr, off, et))
+    st.align = dt.itemsize
+
+
+def _bstrides(shape: tuple[int, ...], batch: tuple[int, ...], mat: int) -> list[int]:
+    """Element strides of an operand's batch dims (0 where broadcast), matrices of `mat`."""
+    st, acc = [0] * len(batch), mat
+    for d in range(len(batch) - 1, -1, -1):
+        st[d] = 0 if shape[d] == 1 else acc
+        acc *= shape[d]
+    return st
+
+
+def emit_matmul_nest(ctx: Any, a_shape: tuple[int, ...], b_shape: tuple[int, ...],
+                     acc: np.dtype, load_a: Any, load_b: Any, store: Any,
+                     prologue: Any = None) -> None:
+    """C[batch, M, N] = sum_k A[batch, M, k] * B[batch, k, N] (numpy matmul broadcasting,
+    1-D operands promoted) as a loop nest: a tile is one row of C, vectorised along N.
+
+    prologue(b) -> P (anything, e.g. pointers); load_a(b, P, off) -> scalar in `acc` (off:
+    element offset in A); load_b(b, P, off, n, lanes) -> `lanes` values in `acc` from
+    B[off : off+lanes] (n: the first column); store(b, P, value, c_off, n) with value the
+    accumulators of columns [n, n+lanes)."""
+    batch, M, K, N, ab, bb = _matmul_dims(tuple(a_shape), tuple(b_shape))
+    nb = int(np.prod(batch)) if batch else 1
+    acc = np.dtype(acc)
+    at = emit.llvm_type(acc)
+    lanes = max(1, 64 // acc.itemsize)
+    flt = emit.is_float(acc)
+    a_st = _bstrides(ab, batch, M * K)
+    b_st = _bstrides(bb, batch, K * N)
+    rows = nb * M
+    ctx.num_tiles = max(1, rows)
+    ctx.single_core = rows * N * max(K, 1) < 32768
+    ctx.flops = 2 * rows * N * K
+    fn, b = ctx.begin()
+    P = prologue(b) if prologue is not None else None
+    if rows == 0 or N == 0:
+        b.ret_void()
+        return
+    # accumulators live in allocas (promoted to registers by LLVM)
+    accs = {1: b.alloca(at, name="acc1")}
+    if lanes > 1:
+        accs[lanes] = b.alloca(ir.VectorType(at, lanes), name=f"acc{lanes}")
+
+    def madd(x: ir.Value, y: ir.Value, z: ir.Value) -> ir.Value:
+        if flt:
+            return emit.intrinsic(b, "llvm.fma", [x, y, z])
+        return b.add(b.mul(x, y), z)
+
+    with for_range(b, ctx.tile_begin, ctx.tile_end, name="row") as t:
+        bi = b.udiv(t, i64(M)) if M > 1 else t
+        m = b.urem(t, i64(M)) if M > 1 else i64(0)
+        a_off, b_off = b.mul(m, i64(K)), i64(0)
+        rem = bi
+        for d in range(len(batch) - 1, -1, -1):
+            idx = b.urem(rem, i64(batch[d])) if d > 0 else rem
+            rem = b.udiv(rem, i64(batch[d])) if d > 0 else rem
+            if a_st[d]:
+                a_off = b.add(a_off, b.mul(idx, i64(a_st[d])))
+            if b_st[d]:
+                b_off = b.add(b_off, b.mul(idx, i64(b_st[d])))
+        c_off = b.mul(t, i64(N))
+
+        def cols(n: ir.Value, w: int) -> None:
+            ty = ir.VectorType(at, w) if w > 1 else at
+            b.store(emit.const_like(0, ty), accs[w])
+            if K:
+                with for_range(b, 0, K, name="k") as k:
+                    av = load_a(b, P, b.add(a_off, k))
+                    if w > 1:
+                        av = emit.splat(b, av, w)
+                    bv = load_b(b, P, b.add(b_off, b.add(b.mul(k, i64(N)), n)), n, w)
+                    b.store(madd(av, bv, b.load(accs[w], typ=ty)), accs[w])
+            store(b, P, b.load(accs[w], typ=ty), b.add(c_off, n), n)
+
+        nv = N - N % lanes if lanes > 1 else 0
+        if nv:
+            with for_range(b, 0, nv, step=lanes, name="nv") as n:
+                cols(n, lanes)
+        if nv < N:
+            with for_range(b, nv, N, name="ns") as n:
+                cols(n, 1)
+    b.ret_void()
+
+
+def _lower_matmul_nest(ctx: Any) -> None:
+    a_t, b_t = ctx.in_types[0], ctx.in_types[1]
+    dt = np.dtype(ctx.out_types[0].dtype)
+    acc = acc_dtype(dt)
+
+    def prologue(b: ir.IRBuilder) -> tuple:
+        return ctx.in_ptr(b, 0), ctx.in_ptr(b, 1), ctx.out_ptr(b, 0)
+
+    def load_a(b: ir.IRBuilder, P: tuple, off: ir.Value) -> ir.Value:
+        return load_as(b, P[0], off, a_t.dtype, acc, 1)
+
+    def load_b(b: ir.IRBuilder, P: tuple, off: ir.Value, n: ir.Value, w: int) -> ir.Value:
+        return load_as(b, P[1], off, b_t.dtype, acc, w)
+
+    def store(b: ir.IRBuilder, P: tuple, v: ir.Value, off: ir.Value, n: ir.Value) -> None:
+        store_from(b, v, P[2], off, dt, acc)
+
+    emit_matmul_nest(ctx, tuple(int(d) for d in a_t.shape), tuple(int(d) for d in b_t.shape),
+                     acc, load_a, load_b, store, prologue)
+    ctx.notes["matmul"] = "loop nest"
+
+
 def _check_matmul(n: Node, ins: list[Any], outs: list[Any]) -> str | None:
-    if any(d == 0 for t in ins for d in t.shape if isinstance(d, int)):
-        return "empty tensors are not supported"
-    if all(t.is_static for t in ins):
-        return _matmul_spec(ins[0], ins[1])[1]
     return None
 
 
+def _use_gemm(ctx: Any) -> bool:
+    ins = ctx.in_types
+    if np.dtype(ins[0].dtype) != np.float32 or np.dtype(ins[1].dtype) != np.float32:
+        return False
+    if any(int(d) == 0 for t in ins for d in t.shape):
+        return False
+    return _matmul_spec(ins[0], ins[1])[0] is not None
+
+
 def _lower_matmul(ctx: Any) -> None:
+    if not _use_gemm(ctx):
+        return _lower_matmul_nest(ctx)
     spec = plan_contraction(ctx)
     emit_gemm(ctx.module, ctx.symbol, spec)
     finish_contraction(ctx, spec)
@@ -106,8 +286,9 @@ def _describe(spec: GemmSpec) -> str:
     return s + (" B-prepacked" if spec.b_prepacked else "")
 
 
-register(OpDef(name="MatMul", category=Category.CONTRACTION, lower=_lower_matmul, dtypes=F32,
-               check=_check_matmul, doc="packed, register-blocked GEMM"))
+register(OpDef(name="MatMul", category=Category.CONTRACTION, lower=_lower_matmul,
+               dtypes=MATMUL_DTYPES, check=_check_matmul,
+               doc="float32: packed, register-blocked GEMM; other dtypes: a loop nest"))
 
 
 def _gemm_spec(ctx_or_types: Any, n: Node, ins: list[TensorType]) -> GemmSpec:

@@ -16,8 +16,10 @@ import numpy as np
 from ...codegen.elementwise import TV, Expr, emit_map
 from ..registry import Category, OpDef, register
 
-FLOATS = frozenset({"float32", "float64", "float16"})
-NUMERIC = FLOATS | {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
+FLOATS = frozenset({"float32", "float64", "float16", "bfloat16"})
+UINTS = frozenset({"uint8", "uint16", "uint32", "uint64"})
+INTS = frozenset({"int8", "int16", "int32", "int64"}) | UINTS
+NUMERIC = FLOATS | INTS
 ALL = NUMERIC | {"bool"}
 
 ExprFn = Callable[[Expr, Any, Sequence[TV]], Sequence[TV]]
@@ -38,8 +40,24 @@ def _spread(ctx: Any, vals: Sequence[TV]) -> list[TV | None]:
     return [next(it) if v else None for v in ctx.node.inputs]
 
 
+def _input_dtypes(allowed: frozenset[str]):
+    """A support check on the input dtypes only (for ops whose output is bool)."""
+    def check(n: Any, ins: list, outs: list) -> str | None:
+        for t in ins:
+            if t is not None and np.dtype(t.dtype).name not in allowed:
+                return f"dtype {np.dtype(t.dtype).name} not supported " \
+                       f"(supported: {', '.join(sorted(allowed))})"
+        return None
+    return check
+
+
 def defmap(name: str, expr: ExprFn, dtypes: frozenset[str] = FLOATS,
-           category: Category = Category.BROADCAST, flops: int = 1, **kw: Any) -> None:
+           category: Category = Category.BROADCAST, flops: int = 1,
+           input_dtypes: frozenset[str] | None = None, **kw: Any) -> None:
+    """input_dtypes: check the inputs only (the outputs' dtype is fixed, e.g. bool)."""
+    if input_dtypes is not None:
+        kw["check"] = _input_dtypes(input_dtypes)
+        dtypes = None  # type: ignore[assignment]
     register(OpDef(name=name, category=category, lower=_lower_map, dtypes=dtypes,
                    fusible=True, extra={"expr": expr, "flops_per_elem": flops}, **kw))
 
@@ -170,6 +188,69 @@ unary("Relu", lambda E, x, n: E.max(x, E.const(0, x.dtype)),
       NUMERIC - {"uint8", "uint16", "uint32", "uint64"})
 
 
+def _softsign(E: Expr, x: TV, n: Any) -> TV:
+    return E.div(x, E.add(_c(E, 1.0, x), E.abs(x)))
+
+
+unary("Softsign", _softsign, flops=3)
+
+
+def _shrink(E: Expr, x: TV, n: Any) -> TV:
+    lam, bias = float(n.attr("lambd", 0.5)), float(n.attr("bias", 0.0))
+    if E.is_float(x):
+        lo, hi = _c(E, -lam, x), _c(E, lam, x)
+        bv = _c(E, bias, x)
+    else:  # integer inputs: the attributes are floats; compare in float64
+        xf = E.cast(x, np.float64)
+        lo_c, hi_c = E.cmp("<", xf, E.const(-lam, np.float64)), E.cmp(">", xf, E.const(lam, np.float64))
+        bv = E.const(int(bias), x.dtype)
+        zero = E.const(0, x.dtype)
+        return E.select(lo_c, E.add(x, bv), E.select(hi_c, E.sub(x, bv), zero))
+    zero = _c(E, 0.0, x)
+    return E.select(E.cmp("<", x, lo), E.add(x, bv), E.select(E.cmp(">", x, hi), E.sub(x, bv), zero))
+
+
+unary("Shrink", _shrink, NUMERIC, flops=3)
+
+
+def _libm(name: str) -> Callable[[Expr, TV, Any], TV]:
+    """An LLVM math intrinsic (llvm.tan, llvm.asin, ...: libm per lane)."""
+    return lambda E, x, n: E.call(name, x)
+
+
+for _name, _intr in (("Tan", "llvm.tan"), ("Asin", "llvm.asin"), ("Acos", "llvm.acos"),
+                     ("Atan", "llvm.atan"), ("Sinh", "llvm.sinh"), ("Cosh", "llvm.cosh")):
+    unary(_name, _libm(_intr), flops=20)
+
+
+def _asinh(E: Expr, x: TV, n: Any) -> TV:
+    # sign(x) * log(|x| + sqrt(x^2 + 1)), on |x| so that it is odd and exact at 0
+    a = E.abs(x)
+    r = TV(vmath.log(E.b, E.add(a, E.call("llvm.sqrt", E.fma(a, a, _c(E, 1.0, x)))).v), x.dtype)
+    return TV(emit_copysign(E, r, x), x.dtype)
+
+
+def emit_copysign(E: Expr, mag: TV, sgn: TV) -> Any:
+    from ...codegen import emit as _emit
+    return _emit.intrinsic(E.b, "llvm.copysign", [mag.v, sgn.v])
+
+
+def _acosh(E: Expr, x: TV, n: Any) -> TV:
+    return TV(vmath.log(E.b, E.add(x, E.call("llvm.sqrt", E.fma(x, x, _c(E, -1.0, x)))).v),
+              x.dtype)
+
+
+def _atanh(E: Expr, x: TV, n: Any) -> TV:
+    lp = TV(vmath.log1p(E.b, x.v), x.dtype)
+    lm = TV(vmath.log1p(E.b, E.neg(x).v), x.dtype)
+    return E.mul(_c(E, 0.5, x), E.sub(lp, lm))
+
+
+unary("Asinh", _asinh, flops=20)
+unary("Acosh", _acosh, flops=20)
+unary("Atanh", _atanh, flops=20)
+
+
 def _sign(E: Expr, x: TV, n: Any) -> TV:
     zero, one = E.const(0, x.dtype), E.const(1, x.dtype)
     pos = E.select(E.cmp(">", x, zero), one, zero)
@@ -289,7 +370,8 @@ defmap("Clip", _clip, NUMERIC, Category.ELEMENTWISE)
 # -- comparisons, logic, selection ---------------------------------------------------
 for _name, _op in (("Equal", "=="), ("Less", "<"), ("Greater", ">"),
                    ("LessOrEqual", "<="), ("GreaterOrEqual", ">=")):
-    defmap(_name, (lambda op: lambda E, n, xs: [E.cmp(op, xs[0], xs[1])])(_op), ALL)
+    defmap(_name, (lambda op: lambda E, n, xs: [E.cmp(op, xs[0], xs[1])])(_op), ALL,
+           input_dtypes=ALL)
 
 defmap("Not", lambda E, n, xs: [E.not_(xs[0])], frozenset({"bool"}), Category.ELEMENTWISE)
 defmap("And", lambda E, n, xs: [E.and_(xs[0], xs[1])], frozenset({"bool"}))
@@ -302,7 +384,23 @@ def _isnan(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
     return [TV(E.b.fcmp_unordered("uno", xs[0].v, xs[0].v), np.dtype(np.bool_))]
 
 
-defmap("IsNaN", _isnan, FLOATS, Category.ELEMENTWISE)
+defmap("IsNaN", _isnan, FLOATS, Category.ELEMENTWISE, input_dtypes=FLOATS)
+
+
+def _isinf(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
+    x = xs[0]
+    pos, neg = int(n.attr("detect_positive", 1)), int(n.attr("detect_negative", 1))
+    inf = _c(E, math.inf, x)
+    if pos and neg:
+        return [E.cmp("==", E.abs(x), inf)]
+    if pos:
+        return [E.cmp("==", x, inf)]
+    if neg:
+        return [E.cmp("==", x, E.neg(inf))]
+    return [E.cmp("!=", x, x)]  # ordered !=: always false
+
+
+defmap("IsInf", _isinf, FLOATS, Category.ELEMENTWISE, input_dtypes=FLOATS, min_opset=10)
 
 
 def _cast(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
@@ -311,3 +409,38 @@ def _cast(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
 
 defmap("Cast", _cast, ALL, Category.ELEMENTWISE)
 defmap("CastLike", _cast, ALL, Category.ELEMENTWISE)
+
+
+def _prelu(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
+    x, slope = xs
+    zero = E.const(0, x.dtype)
+    return [E.select(E.cmp("<", x, zero), E.mul(x, slope), x)]
+
+
+defmap("PRelu", _prelu, NUMERIC - UINTS, flops=2)
+
+
+# -- bitwise ------------------------------------------------------------------------
+def _bitshift(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
+    x, y = xs
+    left = n.attr("direction", "LEFT")
+    left = (left.decode() if isinstance(left, bytes) else left) == "LEFT"
+    bits = np.dtype(x.dtype).itemsize * 8
+    b = E.b
+    wide = E.const(bits, y.dtype)
+    # a shift by the width or more, or by a negative amount (large as unsigned), shifts
+    # every bit out (LLVM would make it poison): 0, or -1 for an arithmetic right shift
+    oor = TV(b.icmp_unsigned(">=", y.v, wide.v), np.dtype(np.bool_))
+    if left:
+        return [E.select(oor, E.const(0, x.dtype), TV(b.shl(x.v, y.v), x.dtype))]
+    if np.dtype(x.dtype).kind == "i":
+        amt = E.select(oor, E.const(bits - 1, y.dtype), y)
+        return [TV(b.ashr(x.v, amt.v), x.dtype)]
+    return [E.select(oor, E.const(0, x.dtype), TV(b.lshr(x.v, y.v), x.dtype))]
+
+
+defmap("BitShift", _bitshift, INTS, min_opset=11)
+defmap("BitwiseAnd", lambda E, n, xs: [E.and_(xs[0], xs[1])], INTS, min_opset=18)
+defmap("BitwiseOr", lambda E, n, xs: [E.or_(xs[0], xs[1])], INTS, min_opset=18)
+defmap("BitwiseXor", lambda E, n, xs: [E.xor(xs[0], xs[1])], INTS, min_opset=18)
+defmap("BitwiseNot", lambda E, n, xs: [E.not_(xs[0])], INTS, Category.ELEMENTWISE, min_opset=18)

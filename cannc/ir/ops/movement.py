@@ -681,6 +681,58 @@ def _no_col_split(rows: int, n: int) -> int:
     return max(n, unit_target(rows * n))
 
 
+def _lower_bitcast(ctx: Any) -> None:
+    out = _shape(ctx.out_types[0])
+    if prod(out) == 0:
+        return _empty_kernel(ctx)
+    piece = Piece(shape=out, dst=0, dst_strides=contiguous_strides(out), src=0,
+                  src_strides=contiguous_strides(out))
+    emit_pieces(ctx, [piece], _isz(ctx))
+
+
+def _bitcast_check(n: Node, ins: list[Any], outs: list[Any]) -> str | None:
+    if ins and outs and np.dtype(ins[0].dtype).itemsize != np.dtype(outs[0].dtype).itemsize:
+        return "BitCast between element types of different sizes (the shape changes)"
+    return None
+
+
+_reg("BitCast", _lower_bitcast, check=_bitcast_check, min_opset=26,
+     doc="a copy of the bits (equal element sizes)")
+
+
+def _lower_eyelike(ctx: Any) -> None:
+    out = _shape(ctx.out_types[0])
+    dt = np.dtype(ctx.out_types[0].dtype)
+    if prod(out) == 0:
+        return _empty_kernel(ctx)
+    rows, cols = out
+    k = int(ctx.attr("k", 0))
+    ety = itype(dt)
+    zero, one = const_fill(0, dt), const_fill(1, dt)
+    ctx.drop_input(0)  # only the input's shape matters
+    fn, b = ctx.begin()
+    dst = ctx.out_ptr(b, 0)
+
+    def body(b: ir.IRBuilder, dg: list, r: ir.Value, c0: Any, nc: Any) -> None:
+        base = b.mul(r, i64(cols))
+        fill_row(b, zero(b), dst, as_val(add(b, base, c0)), 1, nc)
+        c = b.add(r, i64(k))
+        lo = as_val(c0)
+        ok = b.and_(b.icmp_signed(">=", c, lo), b.icmp_signed("<", c, b.add(lo, as_val(nc))))
+        with b.if_then(ok):
+            b.store(one(b), emit.gep(b, dst, b.add(base, c), ety))
+
+    units = emit_rows(ctx, b, [rows], cols, body, itemsize=dt.itemsize)
+    b.ret_void()
+    ctx.num_tiles = max(1, units)
+    ctx.single_core = prod(out) < SMALL_ELEMS
+
+
+_reg("EyeLike", _lower_eyelike, check=lambda n, ins, outs: None if ins[0] is None or len(
+    ins[0].shape) == 2 else "the input must be 2-D", min_opset=9,
+     doc="zeros with ones on diagonal k (only the input's shape is read)")
+
+
 _reg("Trilu", _lower_trilu, min_opset=14, doc="row copies and zero fills (k may be runtime)")
 
 
@@ -706,15 +758,15 @@ def _resize_attrs(n: Node) -> tuple[str, str, str]:
 
 def _resize_check(n: Node, ins: list[Any], outs: list[Any]) -> str | None:
     mode, coord, nearest = _resize_attrs(n)
-    if mode not in ("nearest", "linear", "bilinear"):
-        return f"mode '{mode}' (supported: nearest, linear)"
+    if mode not in ("nearest", "linear", "bilinear", "cubic"):
+        return f"mode '{mode}' (supported: nearest, linear, cubic)"
     if coord not in COORD_MODES:
         return f"coordinate_transformation_mode '{coord}'"
     if mode == "nearest" and nearest not in NEAREST_MODES + ("simple",):
         return f"nearest_mode '{nearest}'"
     if n.attrs.get("antialias", 0):
         return "antialias=1"
-    if n.attrs.get("exclude_outside", 0) and mode != "nearest":
+    if n.attrs.get("exclude_outside", 0) and mode not in ("nearest", "cubic"):
         return "exclude_outside=1"
     if mode != "nearest" and ins and ins[0] is not None \
             and np.dtype(ins[0].dtype).name not in LINEAR_DTYPES:
@@ -740,7 +792,9 @@ def _resize_scales(ctx: Any, shp: list[int], out: list[int]) -> tuple[list[float
         for a, s in zip(axes, sc.reshape(-1)):
             scale[a] = float(np.float32(s))
     elif sz is not None:
-        ratios = [np.float32(out[a]) / np.float32(shp[a]) for a in axes]
+        # the requested sizes (with a keep_aspect_ratio_policy they differ from the output)
+        szv = [int(v) for v in sz.reshape(-1)]
+        ratios = [np.float32(szv[i]) / np.float32(shp[a]) for i, a in enumerate(axes)]
         policy = n.attrs.get("keep_aspect_ratio_policy", "stretch")
         if policy == "not_larger":
             ratios = [min(ratios)] * len(axes)
@@ -801,6 +855,25 @@ def _nearest_index(xo: np.ndarray, how: str, scale: float) -> np.ndarray:
     return v.astype(np.int64)
 
 
+def _cubic_taps(xo: np.ndarray, n_in: int, A: float,
+                exclude_outside: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Four taps (x0-1 .. x0+2, edge-clamped) with Keys' cubic weights of coefficient A;
+    exclude_outside drops the taps outside the input and renormalises."""
+    x = xo.astype(np.float64)
+    x0 = np.floor(x)
+    t = x - x0
+    w = [((A * (t + 1) - 5 * A) * (t + 1) + 8 * A) * (t + 1) - 4 * A,
+         ((A + 2) * t - (A + 3)) * t * t + 1,
+         ((A + 2) * (1 - t) - (A + 3)) * (1 - t) * (1 - t) + 1,
+         ((A * (2 - t) - 5 * A) * (2 - t) + 8 * A) * (2 - t) - 4 * A]
+    idx = [x0.astype(np.int64) + k for k in (-1, 0, 1, 2)]
+    if exclude_outside:
+        w = [np.where((i >= 0) & (i < n_in), wk, 0.0) for i, wk in zip(idx, w)]
+        tot = sum(w)
+        w = [wk / np.where(tot == 0, 1.0, tot) for wk in w]
+    return [(np.clip(i, 0, n_in - 1), wk.astype(np.float32)) for i, wk in zip(idx, w)]
+
+
 def _resize_taps(ctx: Any) -> tuple[list[list[tuple[np.ndarray, np.ndarray | None]]],
                                     list[np.ndarray | None]]:
     """Per dim: taps [(source index table, weight table or None)] and an
@@ -826,6 +899,9 @@ def _resize_taps(ctx: Any) -> tuple[list[list[tuple[np.ndarray, np.ndarray | Non
         if mode == "nearest":
             idx = np.clip(_nearest_index(xo, nearest, scale[d]), 0, n_in - 1)
             taps.append([(idx, None)])
+        elif mode == "cubic":
+            taps.append(_cubic_taps(xo, n_in, float(ctx.attr("cubic_coeff_a", -0.75)),
+                                    bool(int(ctx.attr("exclude_outside", 0)))))
         else:
             xc = np.clip(xo, np.float32(0), np.float32(n_in - 1)).astype(np.float32)
             x1 = np.minimum(xc.astype(np.int64), n_in - 1)

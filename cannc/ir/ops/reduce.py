@@ -19,7 +19,7 @@ from ..graph import Node
 from ..registry import Category, OpDef, register
 from ..types import TensorType
 
-FLOATS = frozenset({"float32", "float64", "float16"})
+FLOATS = frozenset({"float32", "float64", "float16", "bfloat16"})
 INTS = frozenset({"int32", "int64", "uint32", "uint64"})
 SMALL_INTS = frozenset({"int8", "uint8", "int16", "uint16"})
 
@@ -56,8 +56,8 @@ def _norm_axis(axis: int, rank: int) -> int:
 _REDUCES = [
     ("ReduceSum", "sum", FLOATS | INTS, 13),
     ("ReduceMean", "mean", FLOATS | INTS, 18),
-    ("ReduceMax", "max", FLOATS | INTS | SMALL_INTS, 18),
-    ("ReduceMin", "min", FLOATS | INTS | SMALL_INTS, 18),
+    ("ReduceMax", "max", FLOATS | INTS | SMALL_INTS | {"bool"}, 18),
+    ("ReduceMin", "min", FLOATS | INTS | SMALL_INTS | {"bool"}, 18),
     ("ReduceProd", "prod", FLOATS | INTS, 18),
     ("ReduceL1", "l1", FLOATS | INTS, 18),
     ("ReduceL2", "l2", FLOATS, 18),
@@ -90,7 +90,16 @@ def reduce_axes(ctx: Any, axes_input_from: int) -> list[int]:
 
 def _make_reduce(kind: str, axes_input_from: int):
     def lower(ctx: Any) -> None:
-        R.emit_reduce(ctx, kind, reduce_axes(ctx, axes_input_from))
+        axes = reduce_axes(ctx, axes_input_from)
+        if np.dtype(ctx.in_types[0].dtype) == np.bool_:
+            # bool is stored as uint8 0/1: max is any, min is all
+            shape = [int(d) for d in ctx.in_types[0].shape]
+            if kind == "min" and any(shape[a] == 0 for a in axes):
+                raise _unsupported(ctx, "ReduceMin of bool over an empty set")
+            u8 = np.dtype(np.uint8)
+            ctx.in_types = [TensorType(u8, ctx.in_types[0].shape)] + list(ctx.in_types[1:])
+            ctx.out_types = [TensorType(u8, t.shape) for t in ctx.out_types]
+        R.emit_reduce(ctx, kind, axes)
     return lower
 
 

@@ -61,7 +61,6 @@ def _needs_constant(what: str):
 
 # Folded by the constant folder; reaching the compiler means a runtime input decides a shape.
 for _name, _what in (("Constant", "value"), ("ConstantOfShape", "the shape input"),
-                     ("Range", "start/limit/delta"), ("NonZero", "the input"),
-                     ("EyeLike", "the input")):
+                     ("Range", "start/limit/delta"), ("NonZero", "the input")):
     register(OpDef(name=_name, category=Category.SHAPE, check=_needs_constant(_what),
                    doc="folded at compile time"))
