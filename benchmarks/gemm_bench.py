@@ -45,10 +45,8 @@ for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import ctypes
 import statistics
-import threading
 import time
 
-import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
 
@@ -61,43 +59,8 @@ from cannc.codegen.gemm import (
     gemm_workspace_bytes,
     prepack_b,
 )
-
-llvm.initialize_native_target()
-llvm.initialize_native_asmprinter()
-
-KERNEL = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p)
-_engines = []
-
-
-def _tm():
-    target = llvm.Target.from_default_triple()
-    return target.create_target_machine(
-        cpu=llvm.get_host_cpu_name(),
-        features=llvm.get_host_cpu_features().flatten(),
-        opt=3,
-        codemodel="jitdefault",
-    )
-
-
-def compile_kernel(module: ir.Module, name: str, speed_level: int):
-    t0 = time.perf_counter()
-    module.triple = llvm.get_process_triple()
-    mod = llvm.parse_assembly(str(module))
-    mod.verify()
-    tm = _tm()  # a fresh TargetMachine per engine (the engine owns it)
-    pb = llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=speed_level))
-    pb.getModulePassManager().run(mod, pb)
-    ee = llvm.create_mcjit_compiler(mod, tm)
-    ee.finalize_object()
-    _engines.append(ee)
-    return KERNEL(ee.get_function_address(name)), time.perf_counter() - t0
-
-
-def aligned(shape, dtype=np.float32):
-    n = int(np.prod(shape))
-    buf = np.empty(n + 64, dtype=dtype)
-    off = (-buf.ctypes.data % 64) // buf.itemsize
-    return buf[off : off + n].reshape(shape)
+from cannc.codegen.target import host, jit_kernel
+from tests.helpers import aligned, run_concurrently, tile_ranges
 
 
 def bench(shape: str):
@@ -128,7 +91,9 @@ def bench(shape: str):
         Bk[...] = packed
     module = ir.Module()
     emit_gemm(module, "gemm", spec, tuning=tuning)
-    fn, ctime = compile_kernel(module, "gemm", ARGS.speed_level)
+    t0 = time.perf_counter()
+    fn = jit_kernel(module, "gemm", ARGS.speed_level)  # cannc's own compile pipeline
+    ctime = time.perf_counter() - t0
     T = gemm_num_tiles(spec, tuning)
     ptrs = (
         [A.ctypes.data, Bk.ctypes.data]
@@ -140,20 +105,10 @@ def bench(shape: str):
     wss = [aligned((wsb // 4 + 16,)) for _ in range(ARGS.cores)]
     wsp = [w.ctypes.data for w in wss]
     cores = ARGS.cores
-    ranges = [(i * T // cores, (i + 1) * T // cores) for i in range(cores)]
+    ranges = tile_ranges(T, cores)
 
     def run_cannc():
-        if cores == 1:
-            fn(argv, 0, T, wsp[0])
-            return
-        ths = [
-            threading.Thread(target=fn, args=(argv, lo, hi, wsp[i]))
-            for i, (lo, hi) in enumerate(ranges)
-        ]
-        for t in ths:
-            t.start()
-        for t in ths:
-            t.join()
+        run_concurrently(fn, argv, ranges, wsp)
 
     Aop = A.T if ARGS.trans_a else A
     Bop = B.T if ARGS.trans_b else B
@@ -201,7 +156,7 @@ def bench(shape: str):
 if __name__ == "__main__":
     print(
         f"cores={ARGS.cores} prepacked_b={not ARGS.raw_b} trans_a={ARGS.trans_a} "
-        f"trans_b={ARGS.trans_b} bias={ARGS.bias} reps={ARGS.reps} cpu={llvm.get_host_cpu_name()}"
+        f"trans_b={ARGS.trans_b} bias={ARGS.bias} reps={ARGS.reps} cpu={host().cpu}"
     )
     for s in ARGS.shapes:
         bench(s)

@@ -1,8 +1,11 @@
-"""One helper to compare cannc with onnxruntime (and with the NumPy reference)."""
+"""Helpers shared by the tests (and benchmarks): compare cannc with onnxruntime
+(and with the NumPy reference); aligned arrays for calling kernels directly."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import itertools
+import threading
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import onnx
@@ -11,6 +14,64 @@ from onnx import TensorProto, helper, numpy_helper
 
 import cannc
 from cannc.ir.types import NP_TO_ONNX
+from cannc.runtime.device import aligned_empty
+
+
+def aligned(shape: int | Sequence[int], dtype: Any = np.float32,
+            offset_elems: int = 0) -> np.ndarray:
+    """A zero-filled C-contiguous array whose data starts 64-byte aligned, or
+    ``offset_elems`` elements past that (to test misaligned data); an int
+    ``shape`` gives a 1-D array."""
+    dt = np.dtype(dtype)
+    n = int(np.prod(shape))
+    buf = aligned_empty((n + offset_elems) * dt.itemsize, 64).view(dt)
+    return buf[offset_elems:offset_elems + n].reshape(shape)
+
+
+def tile_ranges(num_tiles: int, cores: int) -> list[tuple[int, int]]:
+    """[0, num_tiles) split into ``cores`` contiguous ranges, as the runtime splits it."""
+    return [(i * num_tiles // cores, (i + 1) * num_tiles // cores) for i in range(cores)]
+
+
+def run_concurrently(kernel: Callable, argv: Any, ranges: Sequence[tuple[int, int]],
+                     workspaces: Sequence[int]) -> None:
+    """One call of the ABI ``kernel`` per tile range, each on a thread of its own
+    with its own workspace pointer, as the runtime's cores make them (the JIT
+    functions release the GIL); a single range runs on the calling thread."""
+    if len(ranges) == 1:
+        kernel(argv, ranges[0][0], ranges[0][1], workspaces[0])
+        return
+    threads = [threading.Thread(target=kernel, args=(argv, lo, hi, ws))
+               for (lo, hi), ws in zip(ranges, workspaces)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+WS_GUARD = np.float32(-12345.5)  # the floats around a test's workspace
+
+
+def run_splits(kernel: Callable, argv: Any, num_tiles: int, ws_bytes: int,
+               splits: Sequence[int] | None = None, ws_fill: float = np.nan) -> None:
+    """Call the ABI ``kernel`` over [0, num_tiles) in the consecutive ranges
+    between ``splits`` (default: the halves two cores get), one after the other,
+    with an empty range before and after. The workspace (``ws_bytes``, filled
+    with ``ws_fill``) has 64 guard floats on either side that must stay intact."""
+    g, n = 64, ws_bytes // 4
+    ws = aligned(n + 2 * g)
+    ws[:] = WS_GUARD
+    ws[g:g + n] = ws_fill
+    ws_ptr = ws.ctypes.data + 4 * g
+    kernel(argv, 0, 0, ws_ptr)
+    if splits is None:
+        splits = [0, num_tiles // 2, num_tiles]
+    for lo, hi in itertools.pairwise(splits):
+        kernel(argv, lo, hi, ws_ptr)
+    kernel(argv, num_tiles, num_tiles, ws_ptr)
+    assert np.all(ws[:g] == WS_GUARD) and np.all(ws[g + n:] == WS_GUARD), (
+        "kernel wrote outside its workspace"
+    )
 
 
 def ort_run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], threads: int = 1) -> list:

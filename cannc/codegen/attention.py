@@ -76,7 +76,6 @@ onnxruntime's unfused MatMul/Div/Add/Softmax/MatMul and ~2x numpy
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -85,6 +84,8 @@ import numpy as np
 from llvmlite import ir
 
 from . import vmath
+from .emit import F32, I8, I32, I64, PTR, i32, i64
+from .vec import VF, VI8, VI32, VI64, VM, VPTR, VecBuilder, abi_function, declare
 
 __all__ = [
     "AttnPlan",
@@ -94,19 +95,6 @@ __all__ = [
     "attention_workspace_bytes",
     "emit_attention",
 ]
-
-F32 = ir.FloatType()
-I1 = ir.IntType(1)
-I8 = ir.IntType(8)
-I32 = ir.IntType(32)
-I64 = ir.IntType(64)
-PTR = ir.PointerType()
-VF = ir.VectorType(F32, 16)
-VM = ir.VectorType(I1, 16)
-VI8 = ir.VectorType(I8, 16)
-VI32 = ir.VectorType(I32, 16)
-VI64 = ir.VectorType(I64, 16)
-VPTR = ir.VectorType(PTR, 16)
 
 NEG_INF = float("-inf")
 _MASK_MODES = ("none", "add", "where")
@@ -414,92 +402,22 @@ def attention_workspace_bytes(spec: AttnSpec, tuning: dict | None = None) -> int
 # ---------------------------------------------------------------------------
 
 
-def _c64(v: int) -> ir.Constant:
-    return ir.Constant(I64, int(v))
-
-
-def _c32(v: int) -> ir.Constant:
-    return ir.Constant(I32, int(v))
-
-
-def _fn(module: ir.Module, name: str, fnty: ir.FunctionType) -> ir.Function:
-    g = module.globals.get(name)
-    if g is None:
-        g = ir.Function(module, fnty, name)
-    return g
-
-
-class _Gen:
+class _Gen(VecBuilder):
     def __init__(self, module: ir.Module, fn: ir.Function, spec: AttnSpec, plan: AttnPlan):
-        self.m = module
-        self.fn = fn
+        super().__init__(module, fn)
         self.s = spec
         self.p = plan
-        self.b = ir.IRBuilder(fn.append_basic_block("entry"))
-        self.fma = _fn(module, "llvm.fma.v16f32", ir.FunctionType(VF, [VF, VF, VF]))
-        self.mload = _fn(
-            module, "llvm.masked.load.v16f32.p0", ir.FunctionType(VF, [PTR, I32, VM, VF])
+        # byte masks: a bool mask is read as i8
+        self.mload8 = declare(module, "llvm.masked.load.v16i8.p0", VI8, [PTR, I32, VM, VI8])
+        self.gather8 = declare(
+            module, "llvm.masked.gather.v16i8.v16p0", VI8, [VPTR, I32, VM, VI8]
         )
-        self.mload8 = _fn(
-            module, "llvm.masked.load.v16i8.p0", ir.FunctionType(VI8, [PTR, I32, VM, VI8])
-        )
-        self.mstore = _fn(
-            module,
-            "llvm.masked.store.v16f32.p0",
-            ir.FunctionType(ir.VoidType(), [VF, PTR, I32, VM]),
-        )
-        self.gather = _fn(
-            module, "llvm.masked.gather.v16f32.v16p0", ir.FunctionType(VF, [VPTR, I32, VM, VF])
-        )
-        self.gather8 = _fn(
-            module, "llvm.masked.gather.v16i8.v16p0", ir.FunctionType(VI8, [VPTR, I32, VM, VI8])
-        )
-        self.prefetch = _fn(
-            module, "llvm.prefetch.p0", ir.FunctionType(ir.VoidType(), [PTR, I32, I32, I32])
-        )
-        self.scatter = _fn(
-            module,
-            "llvm.masked.scatter.v16f32.v16p0",
-            ir.FunctionType(ir.VoidType(), [VF, VPTR, I32, VM]),
-        )
-        self.zero_v = ir.Constant(VF, None)
-        self.zero_m = ir.Constant(VM, None)
-        self.ones_m = ir.Constant(VM, [1] * 16)
         self.iota32 = ir.Constant(VI32, list(range(16)))
         self.iota64 = ir.Constant(VI64, list(range(16)))
-        self._n = 0
 
     # -- small utilities ---------------------------------------------------
-    def name(self, base):
-        self._n += 1
-        return f"{base}{self._n}"
-
-    def gep(self, ptr, idx, ty=F32):
-        if isinstance(idx, int):
-            if idx == 0:
-                return ptr
-            idx = _c64(idx)
-        return self.b.gep(ptr, [idx], source_etype=ty)
-
     def mul(self, a, c: int):
-        return a if c == 1 else _c64(0) if c == 0 else self.b.mul(a, _c64(c))
-
-    def smin(self, a, c):
-        c = _c64(c) if isinstance(c, int) else c
-        return self.b.select(self.b.icmp_signed("<", a, c), a, c)
-
-    def smax(self, a, c):
-        c = _c64(c) if isinstance(c, int) else c
-        return self.b.select(self.b.icmp_signed(">", a, c), a, c)
-
-    def splat(self, x, vt=VF):
-        if isinstance(x, (int, float)):
-            return ir.Constant(vt, [x] * vt.count)
-        b = self.b
-        v = b.insert_element(ir.Constant(vt, ir.Undefined), x, _c32(0))
-        return b.shuffle_vector(
-            v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(I32, vt.count), None)
-        )
+        return a if c == 1 else i64(0) if c == 0 else self.b.mul(a, i64(c))
 
     def lanes_lt(self, count, first: int = 0):
         """Lanes first + i < count (count an i64 value or int)."""
@@ -509,83 +427,12 @@ class _Gen:
         lanes = self.iota32 if first == 0 else ir.Constant(VI32, [first + i for i in range(16)])
         return self.b.icmp_signed("<", lanes, self.splat(c32, VI32))
 
-    def load_v(self, ptr, mask=None):
-        if mask is None:
-            return self.b.load(ptr, typ=VF, align=4)
-        return self.b.call(self.mload, [ptr, _c32(4), mask, self.zero_v])
-
-    def store_v(self, val, ptr, mask=None):
-        if mask is None:
-            self.b.store(val, ptr, align=4)
-        else:
-            self.b.call(self.mstore, [val, ptr, _c32(4), mask])
-
     def load_f(self, ptr):
         return self.b.load(ptr, typ=F32, align=4)
 
     def fmax(self, a, c):
         # ordered: NaN in a is dropped (the NaN still reaches p = exp(NaN))
         return self.b.select(self.b.fcmp_ordered(">", a, c), a, c)
-
-    @contextlib.contextmanager
-    def loop(self, start, stop, step, name):
-        """for (i = start; i < stop; i += step), signed i64."""
-        b = self.b
-        start = _c64(start) if isinstance(start, int) else start
-        stop = _c64(stop) if isinstance(stop, int) else stop
-        step = _c64(step) if isinstance(step, int) else step
-        pre = b.block
-        hdr = b.append_basic_block(self.name(name + ".h"))
-        body = b.append_basic_block(self.name(name + ".b"))
-        ext = b.append_basic_block(self.name(name + ".x"))
-        b.branch(hdr)
-        b.position_at_end(hdr)
-        i = b.phi(I64, name=name)
-        i.add_incoming(start, pre)
-        b.cbranch(b.icmp_signed("<", i, stop), body, ext)
-        b.position_at_end(body)
-        yield i
-        i.add_incoming(b.add(i, step), b.block)
-        b.branch(hdr)
-        b.position_at_end(ext)
-
-    def carry_loop(self, start, stop, step, init, body, name):
-        """Loop with loop-carried values: init is a flat list of values,
-        body(i, vals) -> new vals; returns (final i, final vals)."""
-        b = self.b
-        start = _c64(start) if isinstance(start, int) else start
-        stop = _c64(stop) if isinstance(stop, int) else stop
-        pre = b.block
-        hdr = b.append_basic_block(self.name(name + ".h"))
-        bod = b.append_basic_block(self.name(name + ".b"))
-        ext = b.append_basic_block(self.name(name + ".x"))
-        b.branch(hdr)
-        b.position_at_end(hdr)
-        i = b.phi(I64, name=name)
-        i.add_incoming(start, pre)
-        phis = [b.phi(v.type) for v in init]
-        for ph, v in zip(phis, init):
-            ph.add_incoming(v, pre)
-        b.cbranch(b.icmp_signed("<", i, stop), bod, ext)
-        b.position_at_end(bod)
-        new = body(i, phis)
-        i.add_incoming(b.add(i, _c64(step)), b.block)
-        for ph, v in zip(phis, new):
-            ph.add_incoming(v, b.block)
-        b.branch(hdr)
-        b.position_at_end(ext)
-        return i, phis
-
-    @contextlib.contextmanager
-    def if_then(self, cond):
-        b = self.b
-        then = b.append_basic_block(self.name("if.t"))
-        done = b.append_basic_block(self.name("if.x"))
-        b.cbranch(cond, then, done)
-        b.position_at_end(then)
-        yield
-        b.branch(done)
-        b.position_at_end(done)
 
     def exp_nonpos(self, x):
         """e^x for x <= 0 or NaN (the softmax's s - max), <16 x float>.
@@ -601,14 +448,14 @@ class _Gen:
         below = b.fcmp_ordered("<", x, c(-87.3))
         xc = b.select(below, c(-87.3), x)
         # t = magic + k; (bits(t) << 23) == k << 23 (the magic's bits shift out)
-        t = b.call(self.fma, [xc, c(vmath._LOG2E), c(vmath._MAGIC32)])
+        t = self.fma(xc, c(vmath._LOG2E), c(vmath._MAGIC32))
         kf = b.fsub(t, c(vmath._MAGIC32))
-        r = b.call(self.fma, [kf, c(-vmath._LN2_HI), xc])
-        r = b.call(self.fma, [kf, c(-vmath._LN2_LO), r])
+        r = self.fma(kf, c(-vmath._LN2_HI), xc)
+        r = self.fma(kf, c(-vmath._LN2_LO), r)
         P = (1.0, 1.0) + tuple(vmath._EXP_P)
         pp = c(P[-1])
         for cf in reversed(P[:-1]):
-            pp = b.call(self.fma, [pp, r, c(cf)])
+            pp = self.fma(pp, r, c(cf))
         # x >= -87.3 gives k >= -126 and p >= 1 when k == -126: always normal
         kbits = b.shl(b.bitcast(t, VI32), ir.Constant(VI32, [23] * 16))
         res = b.bitcast(b.add(b.bitcast(pp, VI32), kbits), VF)
@@ -618,14 +465,9 @@ class _Gen:
     def emit(self):
         s, p, b = self.s, self.p, self.b
         args, tb, te, ws = self.fn.args
-        args.name, tb.name, te.name, ws.name = "args", "tile_begin", "tile_end", "workspace"
-
-        def arg(i):
-            return b.load(b.gep(args, [_c64(i)], source_etype=PTR), typ=PTR, align=8)
-
-        Q, K, V = arg(0), arg(1), arg(2)
-        Mk = arg(3) if s.mask != "none" else None
-        O = arg(4 if s.mask != "none" else 3)
+        Q, K, V = self.arg(args, 0), self.arg(args, 1), self.arg(args, 2)
+        Mk = self.arg(args, 3) if s.mask != "none" else None
+        O = self.arg(args, 4 if s.mask != "none" else 3)
         self.ws_k = self.gep(ws, p.ws_k, I8)
         self.ws_v = self.gep(ws, p.ws_v, I8)
         self.ws_s = self.gep(ws, p.ws_s, I8)
@@ -640,16 +482,16 @@ class _Gen:
 
         with self.loop(tb, te, 1, "tile") as t:
             nq = p.nq
-            bh = b.sdiv(t, _c64(nq)) if nq > 1 else t
-            u = b.srem(t, _c64(nq)) if nq > 1 else _c64(0)
+            bh = b.sdiv(t, i64(nq)) if nq > 1 else t
+            u = b.srem(t, i64(nq)) if nq > 1 else i64(0)
             if p.zigzag:
-                half = b.ashr(u, _c64(1))
-                odd = b.icmp_signed("!=", b.and_(u, _c64(1)), _c64(0))
-                qb = b.select(odd, b.sub(_c64(nq - 1), half), half)
+                half = b.ashr(u, i64(1))
+                odd = b.icmp_signed("!=", b.and_(u, i64(1)), i64(0))
+                qb = b.select(odd, b.sub(i64(nq - 1), half), half)
             else:
                 qb = u
-            bi = b.sdiv(bh, _c64(s.H)) if s.H > 1 else bh
-            hi = b.srem(bh, _c64(s.H)) if s.H > 1 else _c64(0)
+            bi = b.sdiv(bh, i64(s.H)) if s.H > 1 else bh
+            hi = b.srem(bh, i64(s.H)) if s.H > 1 else i64(0)
 
             def base(ptr, st, ty=F32):
                 off = b.add(self.mul(bi, st[0]), self.mul(hi, st[1]))
@@ -662,22 +504,22 @@ class _Gen:
             M_bh = base(Mk, s.mask_strides, mask_ty) if Mk is not None else None
 
             if p.scope == "bh" and (p.k_mode == "pack" or p.v_mode == "pack"):
-                need = b.or_(b.icmp_signed("==", t, tb), b.icmp_signed("==", u, _c64(0)))
+                need = b.or_(b.icmp_signed("==", t, tb), b.icmp_signed("==", u, i64(0)))
                 with self.if_then(need):
                     if p.k_mode == "pack":
-                        self.pack_k(K_bh, _c64(s.Sk))
+                        self.pack_k(K_bh, i64(s.Sk))
                     if p.v_mode == "pack":
-                        self.pack_v(V_bh, _c64(s.Sk))
+                        self.pack_v(V_bh, i64(s.Sk))
 
             q0 = self.mul(qb, p.MQ)
-            mq = self.smin(b.sub(_c64(s.Sq), q0), p.MQ)
+            mq = self.smin(b.sub(i64(s.Sq), q0), p.MQ)
             self.init_state()
             if p.prefetch_o:
                 self.prefetch_out(O_bh, q0, mq)
             if s.causal:
-                kend = self.smax(self.smin(b.add(b.add(q0, mq), _c64(s.Sk - s.Sq)), s.Sk), 0)
+                kend = self.smax(self.smin(b.add(b.add(q0, mq), i64(s.Sk - s.Sq)), s.Sk), 0)
             else:
-                kend = _c64(s.Sk)
+                kend = i64(s.Sk)
             with self.loop(0, kend, p.KB, "kb") as kb0:
                 kbl = self.smin(b.sub(kend, kb0), p.KB)
                 if p.k_mode == "direct":
@@ -697,11 +539,11 @@ class _Gen:
                     vb, ldv = self.ws_v, p.Dv_pad
                 self.scores(Q_bh, M_bh, q0, mq, kt, ldk, kb0, kbl)
                 self.softmax_rows(mq, kbl)
-                first = b.icmp_signed("==", kb0, _c64(0))
-                last = b.icmp_signed(">=", b.add(kb0, _c64(p.KB)), kend)
+                first = b.icmp_signed("==", kb0, i64(0))
+                last = b.icmp_signed(">=", b.add(kb0, i64(p.KB)), kend)
                 self.pv(vb, ldv, mq, kbl, first, last, O_bh, q0)
             if s.causal and s.Sq > s.Sk:
-                with self.if_then(b.icmp_signed("<=", kend, _c64(0))):
+                with self.if_then(b.icmp_signed("<=", kend, i64(0))):
                     self.store_nan_rows(O_bh, q0, mq)
         b.ret_void()
 
@@ -725,18 +567,18 @@ class _Gen:
             row = self.gep(O_bh, self.mul(b.add(q0, r), oi))
             for k in range(lines):
                 ptr = self.gep(row, min(16 * k, s.Dv - 1))
-                b.call(self.prefetch, [ptr, _c32(1), _c32(3), _c32(1)])
+                self.prefetch_w(ptr)
 
     # -- packing ---------------------------------------------------------------
     def pack_k(self, src, count):
         """ws_k[d * ldk + j] = K(j, d) for keys j < count (zero-padded to 16)."""
         s, p = self.s, self.p
-        self.pack_t(src, count, s.k_strides[2], _c64(s.D), s.k_strides[3], self.ws_k, p.ldk)
+        self.pack_t(src, count, s.k_strides[2], i64(s.D), s.k_strides[3], self.ws_k, p.ldk)
 
     def pack_v(self, src, count):
         """ws_v[j * Dv_pad + e] = V(j, e) for keys j < count."""
         s, p = self.s, self.p
-        self.pack_t(src, _c64(s.Dv), s.v_strides[3], count, s.v_strides[2], self.ws_v, p.Dv_pad)
+        self.pack_t(src, i64(s.Dv), s.v_strides[3], count, s.v_strides[2], self.ws_v, p.Dv_pad)
 
     def pack_t(self, src, n_a, rs, n_c, cs, dst, dst_ld):
         """dst[c * dst_ld + a] = src[a * rs + c * cs] for a < n_a, c < n_c; lanes
@@ -745,7 +587,7 @@ class _Gen:
         b = self.b
         if cs == 1:
             with self.loop(0, n_a, 16, "pta") as a0:
-                rowok = [b.icmp_signed("<", b.add(a0, _c64(k)), n_a) for k in range(16)]
+                rowok = [b.icmp_signed("<", b.add(a0, i64(k)), n_a) for k in range(16)]
                 row0 = self.gep(src, self.mul(a0, rs))
                 with self.loop(0, n_c, 16, "ptc") as c0:
                     cmask = self.lanes_lt(b.sub(n_c, c0))
@@ -755,9 +597,9 @@ class _Gen:
                         for k in range(16)
                     ]
                     cols = self.transpose16(rows)
-                    dbase = self.gep(dst, b.add(b.mul(c0, _c64(dst_ld)), a0))
+                    dbase = self.gep(dst, b.add(b.mul(c0, i64(dst_ld)), a0))
                     for i in range(16):
-                        ok = b.icmp_signed("<", b.add(c0, _c64(i)), n_c)
+                        ok = b.icmp_signed("<", b.add(c0, i64(i)), n_c)
                         self.store_v(
                             cols[i],
                             self.gep(dbase, i * dst_ld),
@@ -772,27 +614,9 @@ class _Gen:
                 )
                 row_i = b.add(self.splat(src_i, VI64), offs)
                 with self.loop(0, n_c, 1, "pgc") as c:
-                    ptrs = b.inttoptr(b.add(row_i, self.splat(b.mul(c, _c64(4 * cs)), VI64)), VPTR)
-                    g = b.call(self.gather, [ptrs, _c32(4), amask, self.zero_v])
-                    self.store_v(g, self.gep(dst, b.add(b.mul(c, _c64(dst_ld)), a0)))
-
-    def transpose16(self, rows):
-        """16 <16 x float> rows -> 16 columns (4 stages of 2-source shuffles)."""
-        b = self.b
-        R = list(rows)
-        for st in range(4):
-            bit = 1 << st
-            lo = [j if not (j & bit) else 16 + j - bit for j in range(16)]
-            hi = [16 + j if (j & bit) else j + bit for j in range(16)]
-            lo_c = ir.Constant(VI32, lo)
-            hi_c = ir.Constant(VI32, hi)
-            for i in range(16):
-                if i & bit:
-                    continue
-                a, c = R[i], R[i | bit]
-                R[i] = b.shuffle_vector(a, c, lo_c)
-                R[i | bit] = b.shuffle_vector(a, c, hi_c)
-        return R
+                    ptrs = b.inttoptr(b.add(row_i, self.splat(b.mul(c, i64(4 * cs)), VI64)), VPTR)
+                    g = self.gather(ptrs, amask)
+                    self.store_v(g, self.gep(dst, b.add(b.mul(c, i64(dst_ld)), a0)))
 
     # -- S = Q K^T for one key block, with scale/mask/causal and row maxima ----
     def scores(self, Q_bh, M_bh, q0, mq, kt, ldk, kb0, kbl):
@@ -805,7 +629,7 @@ class _Gen:
         Dmain = s.D - s.D % U
         with self.loop(0, mq, MR, "sr") as r0:
             rows = [
-                self.smin(b.add(r0, _c64(k)), b.sub(mq, _c64(1))) if k else r0 for k in range(MR)
+                self.smin(b.add(r0, i64(k)), b.sub(mq, i64(1))) if k else r0 for k in range(MR)
             ]
             q_ptrs = [self.gep(Q_bh, self.mul(b.add(q0, r), qi)) for r in rows]
             s_ptrs = [self.gep(self.ws_s, self.mul(r, KB)) for r in rows]
@@ -820,34 +644,26 @@ class _Gen:
                     new = []
                     for r in range(MR):
                         x = self.splat(self.load_f(self.gep(qps[r], u * qd)))
-                        new.append([b.call(self.fma, [x, kv[v], accs[r][v]]) for v in range(NV)])
+                        new.append([self.fma(x, kv[v], accs[r][v]) for v in range(NV)])
                     return new
 
                 accs = [[self.zero_v] * NV for _ in range(MR)]
                 if Dmain:
 
-                    def body(d, vals):
-                        a = [vals[r * NV : (r + 1) * NV] for r in range(MR)]
-                        kp, qps = vals[MR * NV], vals[MR * NV + 1 :]
+                    def body(d, a, ptrs):
+                        kp, qps = ptrs[0], ptrs[1:]
                         for u in range(U):
                             a = step(a, kp, qps, u)
-                        return (
-                            [x for row in a for x in row]
-                            + [self.gep(kp, U * ldk)]
-                            + [self.gep(q, U * qd) for q in qps]
-                        )
+                        return a, [self.gep(kp, U * ldk)] + [self.gep(q, U * qd) for q in qps]
 
-                    _, vals = self.carry_loop(
-                        0, Dmain, U, [x for row in accs for x in row] + [k0] + q_ptrs, body, "sd"
-                    )
-                    accs = [vals[r * NV : (r + 1) * NV] for r in range(MR)]
-                    kp, qps = vals[MR * NV], vals[MR * NV + 1 :]
+                    _, accs, ptrs = self.grid_loop(0, Dmain, U, accs, [k0] + q_ptrs, body, "sd")
+                    kp, qps = ptrs[0], ptrs[1:]
                 else:
                     kp, qps = k0, q_ptrs
                 for u in range(s.D - Dmain):
                     accs = step(accs, kp, qps, u)
                 # epilogue: scale, mask, causal limit, key padding; row maxima
-                first = b.icmp_signed("==", c0, _c64(0))
+                first = b.icmp_signed("==", c0, i64(0))
                 kstart = b.add(kb0, c0)
                 for r in range(MR):
                     sv = self.score_epilogue(accs[r], M_bh, b.add(q0, rows[r]), kstart, masks)
@@ -855,7 +671,7 @@ class _Gen:
                     for v in range(1, NV):
                         mx = self.fmax(mx, sv[v])
                     for v in range(NV):
-                        self.store_v(sv[v], self.gep(s_ptrs[r], b.add(c0, _c64(16 * v))))
+                        self.store_v(sv[v], self.gep(s_ptrs[r], b.add(c0, i64(16 * v))))
                     if KB > 16 * NV:
                         old = self.load_v(x_ptrs[r])
                         mx = b.select(first, mx, self.fmax(mx, old))
@@ -874,7 +690,7 @@ class _Gen:
             if s.mask == "add":
                 if s.score_bias_after_scale:
                     x = (
-                        b.call(self.fma, [x, self.splat(scale), mv[v]])
+                        self.fma(x, self.splat(scale), mv[v])
                         if scale != 1.0
                         else b.fadd(x, mv[v])
                     )
@@ -897,7 +713,7 @@ class _Gen:
         ninf = self.splat(NEG_INF)
         if s.causal:
             # keys j = kstart + 16v + lane are visible while j <= i + Sk - Sq
-            lim = b.sub(b.add(i, _c64(s.Sk - s.Sq)), kstart)
+            lim = b.sub(b.add(i, i64(s.Sk - s.Sq)), kstart)
             lim32 = self.splat(b.trunc(self.smax(self.smin(lim, 1 << 30), -1), I32), VI32)
             for v in range(NV):
                 lanes = ir.Constant(VI32, [16 * v + k for k in range(16)])
@@ -929,7 +745,7 @@ class _Gen:
                 ptr = self.gep(row, 16 * v, ety)
                 if is_bool:
                     out.append(
-                        b.call(self.mload8, [ptr, _c32(1), valid[v], ir.Constant(VI8, None)])
+                        b.call(self.mload8, [ptr, i32(1), valid[v], ir.Constant(VI8, None)])
                     )
                 else:
                     out.append(self.load_v(ptr, valid[v]))
@@ -941,10 +757,10 @@ class _Gen:
                 ptrs = b.inttoptr(b.add(row_i, offs), VPTR)
                 if is_bool:
                     out.append(
-                        b.call(self.gather8, [ptrs, _c32(1), valid[v], ir.Constant(VI8, None)])
+                        b.call(self.gather8, [ptrs, i32(1), valid[v], ir.Constant(VI8, None)])
                     )
                 else:
-                    out.append(b.call(self.gather, [ptrs, _c32(4), valid[v], self.zero_v]))
+                    out.append(self.gather(ptrs, valid[v]))
         if s.mask == "add":
             return out
         if is_bool:
@@ -958,7 +774,7 @@ class _Gen:
         p, b = self.p, self.b
         KB = p.KB
         NVk = KB // 16
-        nvec = b.sdiv(b.add(kbl, _c64(15)), _c64(16)) if NVk > p.NV_s else None
+        nvec = b.sdiv(b.add(kbl, i64(15)), i64(16)) if NVk > p.NV_s else None
         with self.loop(0, mq, 16, "sg") as g0:
             mblk = self.reduce16(self.gep(self.ws_x, self.mul(g0, 16)), self.fmax)
             m_ptr = self.gep(self.ws_m, g0)
@@ -969,7 +785,7 @@ class _Gen:
             self.store_v(m_new, m_ptr)
             self.store_v(alpha, self.gep(self.ws_a, g0))
             self.store_v(m_use, self.ws_u)
-            g1 = self.smin(b.add(g0, _c64(16)), mq)
+            g1 = self.smin(b.add(g0, i64(16)), mq)
             with self.loop(g0, g1, 1, "row") as r:
                 mu = self.splat(self.load_f(self.gep(self.ws_u, b.sub(r, g0))))
                 srow = self.gep(self.ws_s, self.mul(r, KB))
@@ -979,42 +795,19 @@ class _Gen:
                     pv = self.exp_nonpos(b.fsub(self.load_v(ptr), mu))
                     if v >= p.NV_s:
                         # vectors past the block's last chunk hold stale data: p = 0
-                        ok = b.icmp_signed(">", nvec, _c64(v))
+                        ok = b.icmp_signed(">", nvec, i64(v))
                         pv = b.select(ok, pv, self.zero_v)
                     self.store_v(pv, ptr)
                     acc = pv if acc is None else b.fadd(acc, pv)
                 self.store_v(acc, self.gep(self.ws_y, self.mul(b.sub(r, g0), 16)))
             psum = self.reduce16(self.ws_y, b.fadd)
             l_ptr = self.gep(self.ws_l, g0)
-            self.store_v(b.call(self.fma, [self.load_v(l_ptr), alpha, psum]), l_ptr)
+            self.store_v(self.fma(self.load_v(l_ptr), alpha, psum), l_ptr)
 
     def reduce16(self, ptr, op):
         """16 vectors at ptr (row-major [16][16]) -> vector with lane j =
-        op-reduction of vector j (a shuffle tree: 30 shuffles, 15 ops)."""
-        b = self.b
-        items = [(self.load_v(self.gep(ptr, 16 * j)), [j] * 16) for j in range(16)]
-        h = 8
-        while h >= 1:
-            new = []
-            for (x, xl), (y, yl) in zip(items[0::2], items[1::2]):
-                lo, hi, lab = [0] * 16, [0] * 16, [0] * 16
-                for s0 in range(0, 16, 2 * h):
-                    for i in range(h):
-                        lo[s0 + i], hi[s0 + i] = s0 + i, s0 + h + i
-                        lo[s0 + h + i], hi[s0 + h + i] = 16 + s0 + i, 16 + s0 + h + i
-                        lab[s0 + i], lab[s0 + h + i] = xl[s0 + i], yl[s0 + i]
-                v = op(
-                    b.shuffle_vector(x, y, ir.Constant(VI32, lo)),
-                    b.shuffle_vector(x, y, ir.Constant(VI32, hi)),
-                )
-                new.append((v, lab))
-            items = new
-            h //= 2
-        v, lab = items[0]
-        perm = [lab.index(j) for j in range(16)]
-        if perm == list(range(16)):
-            return v
-        return b.shuffle_vector(v, ir.Constant(VF, ir.Undefined), ir.Constant(VI32, perm))
+        op-reduction of vector j."""
+        return self.hreduce([self.load_v(self.gep(ptr, 16 * j)) for j in range(16)], op)
 
     # -- Oacc = alpha * Oacc + P @ V -------------------------------------------
     def pv(self, vb, ldv, mq, kbl, first, last, O_bh, q0):
@@ -1030,12 +823,12 @@ class _Gen:
             dmask = omask if p.v_mode == "direct" else [None] * nv
             with self.loop(0, mq, MR, "vr") as r0:
                 rows = [
-                    self.smin(b.add(r0, _c64(k)), b.sub(mq, _c64(1))) if k else r0
+                    self.smin(b.add(r0, i64(k)), b.sub(mq, i64(1))) if k else r0
                     for k in range(MR)
                 ]
                 p_ptrs = [self.gep(self.ws_s, self.mul(r, KB)) for r in rows]
                 o_ptrs = [
-                    self.gep(self.ws_o, b.add(self.mul(r, Dvp), _c64(16 * cv0))) for r in rows
+                    self.gep(self.ws_o, b.add(self.mul(r, Dvp), i64(16 * cv0))) for r in rows
                 ]
                 accs = []
                 for k in range(MR):
@@ -1057,50 +850,44 @@ class _Gen:
                     new = []
                     for k in range(MR):
                         x = self.splat(self.load_f(self.gep(pps[k], u)))
-                        new.append([b.call(self.fma, [x, vv[v], a[k][v]]) for v in range(nv)])
+                        new.append([self.fma(x, vv[v], a[k][v]) for v in range(nv)])
                     return new
 
-                def make_body(nstep, nv=nv, step=step):
-                    def body(j, cur):
-                        a = [cur[k * nv : (k + 1) * nv] for k in range(MR)]
-                        vp, pps = cur[MR * nv], cur[MR * nv + 1 :]
+                def make_body(nstep, step=step):
+                    def body(j, a, ptrs):
+                        vp, pps = ptrs[0], ptrs[1:]
                         for u in range(nstep):
                             a = step(a, vp, pps, u)
-                        return (
-                            [x for row in a for x in row]
-                            + [self.gep(vp, nstep * ldv)]
-                            + [self.gep(q, nstep) for q in pps]
-                        )
+                        return a, [self.gep(vp, nstep * ldv)] + [self.gep(q, nstep) for q in pps]
 
                     return body
 
-                init = [x for row in accs for x in row] + [v0] + p_ptrs
+                ptrs = [v0] + p_ptrs
                 if U > 1:
-                    jmain = b.sub(kbl, b.srem(kbl, _c64(U)))
-                    j, vals = self.carry_loop(0, jmain, U, init, make_body(U), "vj")
-                    _, vals = self.carry_loop(j, kbl, 1, list(vals), make_body(1), "vjr")
+                    jmain = b.sub(kbl, b.srem(kbl, i64(U)))
+                    j, accs, ptrs = self.grid_loop(0, jmain, U, accs, ptrs, make_body(U), "vj")
+                    _, accs, _ = self.grid_loop(j, kbl, 1, accs, ptrs, make_body(1), "vjr")
                 else:
-                    _, vals = self.carry_loop(0, kbl, 1, init, make_body(1), "vj")
-                fin_bb = b.append_basic_block(self.name("pv.fin"))
-                acc_bb = b.append_basic_block(self.name("pv.acc"))
-                done_bb = b.append_basic_block(self.name("pv.done"))
-                b.cbranch(last, fin_bb, acc_bb)
-                b.position_at_end(acc_bb)
-                for k in range(MR):
-                    for v in range(nv):
-                        self.store_v(vals[k * nv + v], self.gep(o_ptrs[k], 16 * v))
-                b.branch(done_bb)
-                b.position_at_end(fin_bb)
-                for k in range(MR):
-                    inv = b.fdiv(ir.Constant(F32, 1.0), self.load_f(self.gep(self.ws_l, rows[k])))
-                    invs = self.splat(inv)
-                    orow = self.gep(
-                        O_bh, b.add(self.mul(b.add(q0, rows[k]), oi), _c64(16 * cv0 * od))
-                    )
-                    for v in range(nv):
-                        self.store_out(b.fmul(vals[k * nv + v], invs), orow, 16 * v, omask[v])
-                b.branch(done_bb)
-                b.position_at_end(done_bb)
+                    _, accs, _ = self.grid_loop(0, kbl, 1, accs, ptrs, make_body(1), "vj")
+
+                def partial():
+                    for k in range(MR):
+                        for v in range(nv):
+                            self.store_v(accs[k][v], self.gep(o_ptrs[k], 16 * v))
+
+                def final():
+                    for k in range(MR):
+                        inv = b.fdiv(
+                            ir.Constant(F32, 1.0), self.load_f(self.gep(self.ws_l, rows[k]))
+                        )
+                        invs = self.splat(inv)
+                        orow = self.gep(
+                            O_bh, b.add(self.mul(b.add(q0, rows[k]), oi), i64(16 * cv0 * od))
+                        )
+                        for v in range(nv):
+                            self.store_out(b.fmul(accs[k][v], invs), orow, 16 * v, omask[v])
+
+                self.finish_block(last, final, partial, "pv")
 
     def store_out(self, val, orow, e0: int, mask):
         """O elements e0 + lane of the row at orow (mask: lanes inside Dv)."""
@@ -1111,7 +898,7 @@ class _Gen:
         else:
             offs = ir.Constant(VI64, [(e0 + k) * od * 4 for k in range(16)])
             ptrs = b.inttoptr(b.add(self.splat(b.ptrtoint(orow, I64), VI64), offs), VPTR)
-            b.call(self.scatter, [val, ptrs, _c32(4), mask if mask is not None else self.ones_m])
+            self.scatter(val, ptrs, mask)
 
     def store_nan_rows(self, O_bh, q0, mq):
         """Rows that see no key at all (causal, Sq > Sk): softmax over nothing, 0/0."""
@@ -1136,8 +923,6 @@ def emit_attention(
     :func:`attention_workspace_bytes`.
     """
     plan = attention_plan(spec, tuning)
-    fnty = ir.FunctionType(ir.VoidType(), [PTR, I64, I64, PTR])
-    fn = ir.Function(module, fnty, name)
-    fn.attributes.add("nounwind")
+    fn = abi_function(module, name)
     _Gen(module, fn, spec, plan).emit()
     return fn

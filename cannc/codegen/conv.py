@@ -44,24 +44,16 @@ when ``iv % stride == 0``, with the kernel flipped and in/out channels swapped
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import llvmlite.ir as ir
 import numpy as np
 
-F32 = ir.FloatType()
-I1 = ir.IntType(1)
-I8 = ir.IntType(8)
-I32 = ir.IntType(32)
-I64 = ir.IntType(64)
-PTR = ir.PointerType()
-VOID = ir.VoidType()
-VF = ir.VectorType(F32, 16)
-VM = ir.VectorType(I1, 16)
-VI = ir.VectorType(I32, 16)
-VPTR = ir.VectorType(PTR, 16)
+from .emit import F32, I8, I32, I64, PTR, i64
+from .vec import VF, VI32, VM, VPTR, VecBuilder, abi_function
+
+VI = VI32  # <16 x i32>: the lane indices and offsets of the window kernels
 
 # epilogue(builder, value, offset, stride, mask) -> value: applied to each final
 # <16 x float> of results (after the bias) before it is stored, e.g. a fused activation or
@@ -69,14 +61,6 @@ VPTR = ir.VectorType(PTR, 16)
 # index into the whole output tensor; stride: a Python int, 1 or OD*OH*OW); lanes off in
 # `mask` (<16 x i1>) are not stored and must not be read from other tensors.
 Epilogue = Callable[[ir.IRBuilder, ir.Value, ir.Value, int, ir.Value], ir.Value]
-
-
-def c64(v: int) -> ir.Constant:
-    return ir.Constant(I64, int(v))
-
-
-def c32(v: int) -> ir.Constant:
-    return ir.Constant(I32, int(v))
 
 
 def cdiv(a: int, b: int) -> int:
@@ -91,76 +75,18 @@ def rup(a: int, b: int) -> int:
 # a small vector-kernel builder shared by the conv and pool emitters
 # ---------------------------------------------------------------------------
 
-class VB:
-    """IRBuilder plus the vector helpers the window and GEMM kernels need."""
+class VB(VecBuilder):
+    """VecBuilder plus the i32-lane helpers of the window and GEMM kernels."""
 
     def __init__(self, module: ir.Module, fn: ir.Function) -> None:
-        self.m = module
-        self.fn = fn
-        self.b = ir.IRBuilder(fn.append_basic_block("entry"))
-        self._n = 0
-        self.zero_v = ir.Constant(VF, None)
-        self.zero_m = ir.Constant(VM, None)
-        self.ones_m = ir.Constant(VM, [1] * 16)
+        super().__init__(module, fn)
         self.iota = ir.Constant(VI, list(range(16)))
 
-    # intrinsics
-    def intr(self, name: str, ret: ir.Type, args: Sequence[ir.Type]) -> ir.Function:
-        g = self.m.globals.get(name)
-        if g is None:
-            g = ir.Function(self.m, ir.FunctionType(ret, list(args)), name)
-        return g
-
-    def fma(self, a, x, c):
-        return self.b.call(self.intr("llvm.fma.v16f32", VF, [VF, VF, VF]), [a, x, c])
-
-    def mload(self, ptr, mask, passthru=None):
-        f = self.intr("llvm.masked.load.v16f32.p0", VF, [PTR, I32, VM, VF])
-        return self.b.call(f, [ptr, c32(4), mask, passthru if passthru is not None else self.zero_v])
-
-    def mstore(self, val, ptr, mask):
-        f = self.intr("llvm.masked.store.v16f32.p0", VOID, [VF, PTR, I32, VM])
-        self.b.call(f, [val, ptr, c32(4), mask])
-
-    def load(self, ptr, mask=None, passthru=None):
-        if mask is None:
-            return self.b.load(ptr, typ=VF, align=4)
-        return self.mload(ptr, mask, passthru)
-
-    def store(self, val, ptr, mask=None):
-        if mask is None:
-            self.b.store(val, ptr, align=4)
-        else:
-            self.mstore(val, ptr, mask)
-
-    def gather(self, base, idx, mask, passthru=None):
+    def gather_idx(self, base, idx, mask, passthru=None):
         """Masked gather of base[idx[i]] (idx a <16 x i32>)."""
         ptrs = self.b.gep(base, [idx], source_etype=F32)
         ptrs.type = VPTR  # llvmlite types a vector GEP as a scalar ptr
-        f = self.intr("llvm.masked.gather.v16f32.v16p0", VF, [VPTR, I32, VM, VF])
-        return self.b.call(f, [ptrs, c32(4), mask, passthru if passthru is not None else self.zero_v])
-
-    def prefetch_w(self, ptr):
-        f = self.intr("llvm.prefetch.p0", VOID, [PTR, I32, I32, I32])
-        self.b.call(f, [ptr, c32(1), c32(3), c32(1)])
-
-    # scalars and splats
-    def gep(self, ptr, idx, ty=F32):
-        if isinstance(idx, int):
-            if idx == 0:
-                return ptr
-            idx = c64(idx)
-        return self.b.gep(ptr, [idx], source_etype=ty)
-
-    def splat(self, x, vt):
-        b = self.b
-        v = b.insert_element(ir.Constant(vt, ir.Undefined), x, c32(0))
-        return b.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(VI, None))
-
-    def splat_f(self, x):
-        if isinstance(x, (int, float)):
-            return ir.Constant(VF, [float(x)] * 16)
-        return self.splat(x, VF)
+        return self.gather(ptrs, mask, passthru)
 
     def splat_i(self, x):
         if isinstance(x, int):
@@ -168,14 +94,6 @@ class VB:
         if x.type == I64:
             x = self.b.trunc(x, I32)
         return self.splat(x, VI)
-
-    def smin(self, a, c):
-        c = c64(c) if isinstance(c, int) else c
-        return self.b.select(self.b.icmp_signed("<", a, c), a, c)
-
-    def smax(self, a, c):
-        c = c64(c) if isinstance(c, int) else c
-        return self.b.select(self.b.icmp_signed(">", a, c), a, c)
 
     def lanes_lt(self, first: ir.Value | int, limit: ir.Value | int):
         """mask of lanes with first + i < limit (signed, i32 lanes)."""
@@ -191,53 +109,15 @@ class VB:
             return m
         return self.b.select(cond, m, self.zero_m)
 
-    def name(self, base):
-        self._n += 1
-        return f"{base}{self._n}"
-
-    @contextlib.contextmanager
-    def loop(self, start, stop, step=1, name="i"):
-        """for (i = start; i < stop; i += step), signed i64."""
-        b = self.b
-        start = c64(start) if isinstance(start, int) else start
-        stop = c64(stop) if isinstance(stop, int) else stop
-        step = c64(step) if isinstance(step, int) else step
-        pre = b.block
-        hdr = b.append_basic_block(self.name(name + ".h"))
-        body = b.append_basic_block(self.name(name + ".b"))
-        ext = b.append_basic_block(self.name(name + ".x"))
-        b.branch(hdr)
-        b.position_at_end(hdr)
-        i = b.phi(I64, name=name)
-        i.add_incoming(start, pre)
-        b.cbranch(b.icmp_signed("<", i, stop), body, ext)
-        b.position_at_end(body)
-        yield i
-        i.add_incoming(b.add(i, step), b.block)
-        b.branch(hdr)
-        b.position_at_end(ext)
-
     def divmod_c(self, x, d: int):
         if d == 1:
-            return x, c64(0)
-        return self.b.udiv(x, c64(d)), self.b.urem(x, c64(d))
-
-    def arg(self, args, i):
-        return self.b.load(self.b.gep(args, [c64(i)], source_etype=PTR), typ=PTR, align=8)
+            return x, i64(0)
+        return self.b.udiv(x, i64(d)), self.b.urem(x, i64(d))
 
     def flat_index(self, ptr, base):
         """(ptr - base) / 4: the float index of ptr in the tensor at base."""
         b = self.b
-        return b.ashr(b.sub(b.ptrtoint(ptr, I64), b.ptrtoint(base, I64)), c64(2))
-
-
-def abi_function(module: ir.Module, name: str) -> ir.Function:
-    fnty = ir.FunctionType(VOID, [PTR, I64, I64, PTR])
-    fn = ir.Function(module, fnty, name=name)
-    for a, n in zip(fn.args, ("args", "tile_begin", "tile_end", "workspace")):
-        a.name = n
-    fn.attributes.add("nounwind")
-    return fn
+        return b.ashr(b.sub(b.ptrtoint(ptr, I64), b.ptrtoint(base, I64)), i64(2))
 
 
 def _chunks_per_core() -> int:
@@ -282,8 +162,40 @@ def distinct_splits(P: int, limit: int | None = None):
 # geometry and planning
 # ---------------------------------------------------------------------------
 
+class _GroupedGeom:
+    """Sizes derived from the fields N, C, M, G, isz, osz, k that ConvGeom and
+    ConvTGeom share."""
+
+    C: int
+    M: int
+    G: int
+    isz: tuple
+    osz: tuple
+    k: tuple
+
+    @property
+    def Cg(self) -> int:
+        return self.C // self.G
+
+    @property
+    def Mg(self) -> int:
+        return self.M // self.G
+
+    @property
+    def KK(self) -> int:
+        return self.k[0] * self.k[1] * self.k[2]
+
+    @property
+    def OHW(self) -> int:
+        return self.osz[0] * self.osz[1] * self.osz[2]
+
+    @property
+    def DHW(self) -> int:
+        return self.isz[0] * self.isz[1] * self.isz[2]
+
+
 @dataclass(frozen=True)
-class ConvGeom:
+class ConvGeom(_GroupedGeom):
     """A convolution normalised to 3 spatial dims (D, H, W).
 
     ``u`` > 1 marks a transposed convolution seen as a stride-1 convolution over
@@ -305,28 +217,8 @@ class ConvGeom:
     bias: bool = False
 
     @property
-    def Cg(self) -> int:
-        return self.C // self.G
-
-    @property
-    def Mg(self) -> int:
-        return self.M // self.G
-
-    @property
-    def KK(self) -> int:
-        return self.k[0] * self.k[1] * self.k[2]
-
-    @property
     def K(self) -> int:
         return self.Cg * self.KK
-
-    @property
-    def OHW(self) -> int:
-        return self.osz[0] * self.osz[1] * self.osz[2]
-
-    @property
-    def DHW(self) -> int:
-        return self.isz[0] * self.isz[1] * self.isz[2]
 
     @property
     def transposed(self) -> bool:
@@ -586,8 +478,9 @@ class Slots:
 
 
 class _ConvGen:
-    def __init__(self, module, fn, geom: ConvGeom, plan: ConvPlan, slots: Slots,
-                 a_prepacked: bool, transposed_layout: bool, epilogue: Optional[Epilogue]):
+    def __init__(self, module, fn, geom: ConvGeom | ConvTGeom, plan: ConvPlan | ConvTPlan,
+                 slots: Slots, a_prepacked: bool, transposed_layout: bool,
+                 epilogue: Optional[Epilogue]):
         self.v = VB(module, fn)
         self.g = geom
         self.p = plan
@@ -596,29 +489,34 @@ class _ConvGen:
         self.tl = transposed_layout
         self.epilogue = epilogue
 
+    def load_args(self, args):
+        """X, W, Bias (None without a bias) and Y from the kernel's argument array."""
+        v, sl = self.v, self.slots
+        self.X = v.arg(args, sl.x)
+        self.W = v.arg(args, sl.w)
+        self.Bias = v.arg(args, sl.b) if self.g.bias else None
+        self.Y = v.arg(args, sl.y)
+
     def emit(self):
         v, g, p = self.v, self.g, self.p
         b = v.b
         args, tb, te, ws = v.fn.args
-        self.X = v.arg(args, self.slots.x)
-        self.W = v.arg(args, self.slots.w)
-        self.Bias = v.arg(args, self.slots.b) if g.bias else None
-        self.Y = v.arg(args, self.slots.y)
-        self.col = b.gep(ws, [c64(p.ws_col)], source_etype=I8)
-        self.wsa = b.gep(ws, [c64(p.ws_a)], source_etype=I8)
-        self.acc = b.gep(ws, [c64(p.ws_acc)], source_etype=I8)
+        self.load_args(args)
+        self.col = b.gep(ws, [i64(p.ws_col)], source_etype=I8)
+        self.wsa = b.gep(ws, [i64(p.ws_a)], source_etype=I8)
+        self.acc = b.gep(ws, [i64(p.ws_acc)], source_etype=I8)
         MB, PB, G = p.MB, p.PB, g.G
         with v.loop(tb, te, 1, "tile") as t:
             r, mb = v.divmod_c(t, MB)
             r, pb = v.divmod_c(r, PB)
             n, gi = v.divmod_c(r, G)
-            p0 = b.mul(pb, c64(p.P))
-            p1 = v.smin(b.add(p0, c64(p.P)), g.OHW)
-            m_lo = b.mul(mb, c64(p.CH))
-            m_hi = v.smin(b.add(m_lo, c64(p.CH)), g.Mg)
-            x_ng = v.gep(self.X, b.mul(b.add(b.mul(n, c64(g.C)), b.mul(gi, c64(g.Cg))), c64(g.DHW)))
-            ch0 = b.mul(gi, c64(g.Mg))   # first output channel of the group
-            y_ng = v.gep(self.Y, b.mul(b.add(b.mul(n, c64(g.M)), ch0), c64(g.OHW)))
+            p0 = b.mul(pb, i64(p.P))
+            p1 = v.smin(b.add(p0, i64(p.P)), g.OHW)
+            m_lo = b.mul(mb, i64(p.CH))
+            m_hi = v.smin(b.add(m_lo, i64(p.CH)), g.Mg)
+            x_ng = v.gep(self.X, b.mul(b.add(b.mul(n, i64(g.C)), b.mul(gi, i64(g.Cg))), i64(g.DHW)))
+            ch0 = b.mul(gi, i64(g.Mg))   # first output channel of the group
+            y_ng = v.gep(self.Y, b.mul(b.add(b.mul(n, i64(g.M)), ch0), i64(g.OHW)))
             self.tile(gi, ch0, x_ng, y_ng, p0, p1, m_lo, m_hi)
         b.ret_void()
 
@@ -632,22 +530,22 @@ class _ConvGen:
         def w_panel(m, k0, kc):
             """weight panel of channel m (multiple of CU) in the group, from row k0."""
             if self.a_prepacked:
-                panel = b.add(b.mul(gi, c64(cdiv(g.Mg, CU))), b.udiv(m, c64(CU)))
-                return v.gep(self.W, b.add(b.mul(panel, c64(g.K * CU)), b.mul(k0, c64(CU))))
-            return v.gep(self.wsa, b.mul(b.udiv(b.sub(m, m_lo), c64(CU)), b.mul(kc, c64(CU))))
+                panel = b.add(b.mul(gi, i64(cdiv(g.Mg, CU))), b.udiv(m, i64(CU)))
+                return v.gep(self.W, b.add(b.mul(panel, i64(g.K * CU)), b.mul(k0, i64(CU))))
+            return v.gep(self.wsa, b.mul(b.udiv(b.sub(m, m_lo), i64(CU)), b.mul(kc, i64(CU))))
 
         def body(kb, first, last):
             if p.direct:
-                c0 = b.mul(kb, c64(p.CB)) if p.nkb > 1 else c64(0)
-                cb = v.smin(b.sub(c64(g.Cg), c0), p.CB) if p.nkb > 1 else c64(g.Cg)
-                k0 = b.mul(c0, c64(g.KK))
-                kc = b.mul(cb, c64(g.KK))
-                x_blk = v.gep(x_ng, b.add(b.mul(c0, c64(g.DHW)), p0))
+                c0 = b.mul(kb, i64(p.CB)) if p.nkb > 1 else i64(0)
+                cb = v.smin(b.sub(i64(g.Cg), c0), p.CB) if p.nkb > 1 else i64(g.Cg)
+                k0 = b.mul(c0, i64(g.KK))
+                kc = b.mul(cb, i64(g.KK))
+                x_blk = v.gep(x_ng, b.add(b.mul(c0, i64(g.DHW)), p0))
             else:
-                c0 = b.mul(kb, c64(p.CB)) if p.nkb > 1 else c64(0)
-                cb = v.smin(b.sub(c64(g.Cg), c0), p.CB) if p.nkb > 1 else c64(g.Cg)
-                k0 = b.mul(c0, c64(g.KK))
-                kc = b.mul(cb, c64(g.KK))
+                c0 = b.mul(kb, i64(p.CB)) if p.nkb > 1 else i64(0)
+                cb = v.smin(b.sub(i64(g.Cg), c0), p.CB) if p.nkb > 1 else i64(g.Cg)
+                k0 = b.mul(c0, i64(g.KK))
+                kc = b.mul(cb, i64(g.KK))
                 self.im2col(x_ng, c0, cb, p0, p1)
             if not self.a_prepacked:
                 self.pack_a(gi, k0, kc, m_lo, m_hi)
@@ -658,13 +556,13 @@ class _ConvGen:
                     nch = v.smin(b.sub(m_hi, jr), p.NR)
                     chmask = [v.lanes_lt(16 * j, nch) for j in range(p.NV)]
                     b_base = w_panel(jr, k0, kc)
-                    with v.loop(c64(0), npix, p.MR, "ir") as ir_:
+                    with v.loop(i64(0), npix, p.MR, "ir") as ir_:
                         npx = v.smin(b.sub(npix, ir_), p.MR)
                         segs = [(v.gep(self.col, ir_), p.NCP, b_base, p.NR, kc, None)]
                         io = _SwapIO(self, y_ng, ch0, jr, m_lo, ir_, p0, npx, chmask)
                         self.micro(segs, io, first, last)
                 return
-            with v.loop(c64(0), npix, p.NR, "jr") as jr:
+            with v.loop(i64(0), npix, p.NR, "jr") as jr:
                 nr = v.smin(b.sub(npix, jr), p.NR)
                 colmask = [v.lanes_lt(16 * j, nr) for j in range(p.NV)]
                 if p.direct:
@@ -678,12 +576,12 @@ class _ConvGen:
                     if p.direct:
                         segs = []
                         for tap in range(g.KK):
-                            a_t = v.gep(a_base, b.mul(cb, c64(tap * p.MR))) if tap else a_base
+                            a_t = v.gep(a_base, b.mul(cb, i64(tap * p.MR))) if tap else a_base
                             segs.append((a_t, p.MR, v.gep(b_jr, g.tap_offset(tap)), g.DHW, cb,
                                          tapmasks[tap]))
                     else:
                         segs = [(a_base, p.MR, b_jr, p.NCP, kc, None)]
-                    c_ptr = v.gep(y_ng, b.add(b.mul(ir_, c64(g.OHW)), b.add(p0, jr)))
+                    c_ptr = v.gep(y_ng, b.add(b.mul(ir_, i64(g.OHW)), b.add(p0, jr)))
                     io = _NormalIO(self, c_ptr, mr, colmask, b.add(ch0, ir_))
                     self.micro(segs, io, first, last)
 
@@ -691,8 +589,8 @@ class _ConvGen:
             body(None, True, True)
         else:
             with v.loop(0, p.nkb, 1, "kb") as kb:
-                first = b.icmp_signed("==", kb, c64(0))
-                last = b.icmp_signed("==", kb, c64(p.nkb - 1))
+                first = b.icmp_signed("==", kb, i64(0))
+                last = b.icmp_signed("==", kb, i64(p.nkb - 1))
                 body(kb, first, last)
 
     def tap_masks(self, pix0, colmask):
@@ -761,33 +659,33 @@ class _ConvGen:
         pd, ph, pw = g.pb
         ud, uh, uw = g.u
         Dv, Hv, Wv = (D - 1) * ud + 1, (H - 1) * uh + 1, (W - 1) * uw + 1
-        x_c0 = v.gep(x_ng, b.mul(c0, c64(g.DHW)))
-        row_first = b.udiv(p0, c64(OW))
-        row_last = b.udiv(b.sub(p1, c64(1)), c64(OW))
+        x_c0 = v.gep(x_ng, b.mul(c0, i64(g.DHW)))
+        row_first = b.udiv(p0, i64(OW))
+        row_last = b.udiv(b.sub(p1, i64(1)), i64(OW))
         dst_cstride = g.KK * p.NCP
         with v.loop(0, g.KK, 1, "tap") as tap:
             rem, kw = v.divmod_c(tap, KW)
             kd, kh = v.divmod_c(rem, KH)
-            dst_tap = v.gep(self.col, b.mul(tap, c64(p.NCP)))
+            dst_tap = v.gep(self.col, b.mul(tap, i64(p.NCP)))
             # input column of output column 0, in the (virtual) input row
-            offw = b.sub(b.mul(kw, c64(dw)), c64(pw))
-            with v.loop(row_first, b.add(row_last, c64(1)), 1, "row") as row:
+            offw = b.sub(b.mul(kw, i64(dw)), i64(pw))
+            with v.loop(row_first, b.add(row_last, i64(1)), 1, "row") as row:
                 od, oh = v.divmod_c(row, OH)
-                idv = b.add(b.mul(od, c64(sd)), b.sub(b.mul(kd, c64(dd)), c64(pd)))
-                ihv = b.add(b.mul(oh, c64(sh)), b.sub(b.mul(kh, c64(dh)), c64(ph)))
-                ok = b.and_(b.icmp_unsigned("<", idv, c64(Dv)), b.icmp_unsigned("<", ihv, c64(Hv)))
+                idv = b.add(b.mul(od, i64(sd)), b.sub(b.mul(kd, i64(dd)), i64(pd)))
+                ihv = b.add(b.mul(oh, i64(sh)), b.sub(b.mul(kh, i64(dh)), i64(ph)))
+                ok = b.and_(b.icmp_unsigned("<", idv, i64(Dv)), b.icmp_unsigned("<", ihv, i64(Hv)))
                 if ud > 1:
-                    ok = b.and_(ok, b.icmp_unsigned("==", b.urem(idv, c64(ud)), c64(0)))
+                    ok = b.and_(ok, b.icmp_unsigned("==", b.urem(idv, i64(ud)), i64(0)))
                 if uh > 1:
-                    ok = b.and_(ok, b.icmp_unsigned("==", b.urem(ihv, c64(uh)), c64(0)))
-                id_ = b.udiv(idv, c64(ud)) if ud > 1 else idv
-                ih = b.udiv(ihv, c64(uh)) if uh > 1 else ihv
+                    ok = b.and_(ok, b.icmp_unsigned("==", b.urem(ihv, i64(uh)), i64(0)))
+                id_ = b.udiv(idv, i64(ud)) if ud > 1 else idv
+                ih = b.udiv(ihv, i64(uh)) if uh > 1 else ihv
                 # safe row index when invalid (the loads are all masked off then)
-                rowidx = b.select(ok, b.add(b.mul(id_, c64(H)), ih), c64(0))
-                src_row = v.gep(x_c0, b.mul(rowidx, c64(W)))
-                rs = b.mul(row, c64(OW))
+                rowidx = b.select(ok, b.add(b.mul(id_, i64(H)), ih), i64(0))
+                src_row = v.gep(x_c0, b.mul(rowidx, i64(W)))
+                rs = b.mul(row, i64(OW))
                 a = b.sub(v.smax(p0, rs), rs)
-                e = b.sub(v.smin(p1, b.add(rs, c64(OW))), rs)
+                e = b.sub(v.smin(p1, b.add(rs, i64(OW))), rs)
                 dst_row = v.gep(dst_tap, b.sub(b.add(rs, a), p0))
                 if p.CB >= IM2COL_CHANNEL_INNER:
                     with v.loop(a, e, 16, "ow") as ow:
@@ -796,13 +694,13 @@ class _ConvGen:
                         dst0 = v.gep(dst_row, b.sub(ow, a))
                         self.channel_copy(src0, dst0, cb, load, g.DHW, dst_cstride)
                 else:
-                    with v.loop(c64(0), cb, 1, "ci") as ci:
-                        src_c = v.gep(src_row, b.mul(ci, c64(g.DHW)))
-                        dst_c = v.gep(dst_row, b.mul(ci, c64(dst_cstride)))
+                    with v.loop(i64(0), cb, 1, "ci") as ci:
+                        src_c = v.gep(src_row, b.mul(ci, i64(g.DHW)))
+                        dst_c = v.gep(dst_row, b.mul(ci, i64(dst_cstride)))
                         with v.loop(a, e, 16, "ow") as ow:
                             first, load = self.row_loader(ow, offw, ok, W, Wv, sw, uw)
                             src0 = v.gep(src_c, first) if first is not None else src_c
-                            v.store(load(src0), v.gep(dst_c, b.sub(ow, a)))
+                            v.store_v(load(src0), v.gep(dst_c, b.sub(ow, a)))
 
     def channel_copy(self, src0, dst0, cb, load, sstride, dstride):
         """for ci < cb: dst0[ci*dstride:+16] = load(src0 + ci*sstride), unrolled by 2."""
@@ -813,28 +711,28 @@ class _ConvGen:
         body = b.append_basic_block(v.name("cc.b"))
         tail = b.append_basic_block(v.name("cc.t"))
         ext = b.append_basic_block(v.name("cc.x"))
-        npair = b.sub(cb, b.and_(cb, c64(1)))
+        npair = b.sub(cb, b.and_(cb, i64(1)))
         b.branch(hdr)
         b.position_at_end(hdr)
         ci = b.phi(I64)
         sp = b.phi(PTR)
         dp = b.phi(PTR)
-        ci.add_incoming(c64(0), pre)
+        ci.add_incoming(i64(0), pre)
         sp.add_incoming(src0, pre)
         dp.add_incoming(dst0, pre)
         b.cbranch(b.icmp_signed("<", ci, npair), body, tail)
         b.position_at_end(body)
         x0 = load(sp)
         x1 = load(v.gep(sp, sstride))
-        v.store(x0, dp)
-        v.store(x1, v.gep(dp, dstride))
-        ci.add_incoming(b.add(ci, c64(2)), body)
+        v.store_v(x0, dp)
+        v.store_v(x1, v.gep(dp, dstride))
+        ci.add_incoming(b.add(ci, i64(2)), body)
         sp.add_incoming(v.gep(sp, 2 * sstride), body)
         dp.add_incoming(v.gep(dp, 2 * dstride), body)
         b.branch(hdr)
         b.position_at_end(tail)
         with b.if_then(b.icmp_signed("<", ci, cb)):
-            v.store(load(sp), dp)
+            v.store_v(load(sp), dp)
         b.branch(ext)
         b.position_at_end(ext)
 
@@ -843,7 +741,7 @@ class _ConvGen:
         columns ow..ow+15 of an input row (zeros outside the input)."""
         v = self.v
         b = v.b
-        base = b.add(b.mul(ow, c64(sw)), offw)     # input column of lane 0 (virtual if uw>1)
+        base = b.add(b.mul(ow, i64(sw)), offw)     # input column of lane 0 (virtual if uw>1)
         if uw == 1 and sw == 1:
             lanes = b.add(v.splat_i(base), v.iota)
             m = v.mask_and(b.icmp_unsigned("<", lanes, v.splat_i(W)), ok)
@@ -862,7 +760,7 @@ class _ConvGen:
             m = b.and_(m, b.icmp_unsigned("==", b.urem(lanes, v.splat_i(uw)), v.splat_i(0)))
             lanes = b.udiv(lanes, v.splat_i(uw))
         m = v.mask_and(m, ok)
-        return None, lambda src: v.gather(src, lanes, m)
+        return None, lambda src: v.gather_idx(src, lanes, m)
 
     # -- runtime weight packing ------------------------------------------------
     def pack_a(self, gi, k0, kc, m_lo, m_hi):
@@ -872,29 +770,29 @@ class _ConvGen:
         b = v.b
         MR = p.CU
         with v.loop(m_lo, m_hi, MR, "pa") as ir_:
-            dst0 = v.gep(self.wsa, b.mul(b.udiv(b.sub(ir_, m_lo), c64(MR)), b.mul(kc, c64(MR))))
-            with v.loop(c64(0), kc, 1, "pak") as kk:
-                dst = v.gep(dst0, b.mul(kk, c64(MR)))
+            dst0 = v.gep(self.wsa, b.mul(b.udiv(b.sub(ir_, m_lo), i64(MR)), b.mul(kc, i64(MR))))
+            with v.loop(i64(0), kc, 1, "pak") as kk:
+                dst = v.gep(dst0, b.mul(kk, i64(MR)))
                 if p.direct:
                     # block of cb channels starting at c0 = k0/KK, tap-major
-                    cb = b.udiv(kc, c64(g.KK))
+                    cb = b.udiv(kc, i64(g.KK))
                     tap = b.udiv(kk, cb)
-                    ci = b.add(b.udiv(k0, c64(g.KK)), b.urem(kk, cb))
+                    ci = b.add(b.udiv(k0, i64(g.KK)), b.urem(kk, cb))
                 else:
                     ci, tap = v.divmod_c(b.add(k0, kk), g.KK)
-                k = b.add(b.mul(ci, c64(g.KK)), tap)
+                k = b.add(b.mul(ci, i64(g.KK)), tap)
                 if self.tl:
-                    sp = b.sub(c64(g.KK - 1), tap)
+                    sp = b.sub(i64(g.KK - 1), tap)
                 for r in range(MR):
-                    m = b.add(ir_, c64(r))
+                    m = b.add(ir_, i64(r))
                     okr = b.icmp_signed("<", m, m_hi)
                     m = b.select(okr, m, m_lo)
                     if self.tl:
                         # W_T[(g*Cg + ci)][m][KK-1-tap]
-                        idx = b.add(b.mul(b.add(b.mul(b.add(b.mul(gi, c64(g.Cg)), ci), c64(g.Mg)), m),
-                                          c64(g.KK)), sp)
+                        idx = b.add(b.mul(b.add(b.mul(b.add(b.mul(gi, i64(g.Cg)), ci), i64(g.Mg)), m),
+                                          i64(g.KK)), sp)
                     else:
-                        idx = b.add(b.mul(b.add(b.mul(gi, c64(g.Mg)), m), c64(g.K)), k)
+                        idx = b.add(b.mul(b.add(b.mul(gi, i64(g.Mg)), m), i64(g.K)), k)
                     x = b.load(v.gep(self.W, idx), typ=F32, align=4)
                     x = b.select(okr, x, ir.Constant(F32, 0.0))
                     b.store(x, v.gep(dst, r), align=4)
@@ -912,7 +810,7 @@ class _ConvGen:
                 for r in range(MR)]
 
         def step(accs, a_ptr, b_ptr, u, a_ks, b_ks, bmasks):
-            bv = [v.load(v.gep(b_ptr, u * b_ks + 16 * j), bmasks[j] if bmasks else None)
+            bv = [v.load_v(v.gep(b_ptr, u * b_ks + 16 * j), bmasks[j] if bmasks else None)
                   for j in range(NV)]
             new = []
             for r in range(MR):
@@ -922,64 +820,45 @@ class _ConvGen:
             return new
 
         def kloop(k0, kend, accs, a_ptr, b_ptr, nstep, a_ks, b_ks, bmasks, tag):
-            pre = b.block
-            hdr = b.append_basic_block(v.name(tag + ".h"))
-            body = b.append_basic_block(v.name(tag + ".b"))
-            ext = b.append_basic_block(v.name(tag + ".x"))
-            b.branch(hdr)
-            b.position_at_end(hdr)
-            k = b.phi(I64, name="k")
-            k.add_incoming(k0, pre)
-            acc_phi = [[b.phi(VF) for _ in range(NV)] for _ in range(MR)]
-            a_phi = b.phi(PTR)
-            b_phi = b.phi(PTR)
-            for r in range(MR):
-                for j in range(NV):
-                    acc_phi[r][j].add_incoming(accs[r][j], pre)
-            a_phi.add_incoming(a_ptr, pre)
-            b_phi.add_incoming(b_ptr, pre)
-            b.cbranch(b.icmp_signed("<", k, kend), body, ext)
-            b.position_at_end(body)
-            cur = acc_phi
-            for u in range(nstep):
-                cur = step(cur, a_phi, b_phi, u, a_ks, b_ks, bmasks)
-            latch = b.block
-            k.add_incoming(b.add(k, c64(nstep)), latch)
-            for r in range(MR):
-                for j in range(NV):
-                    acc_phi[r][j].add_incoming(cur[r][j], latch)
-            a_phi.add_incoming(v.gep(a_phi, nstep * a_ks), latch)
-            b_phi.add_incoming(v.gep(b_phi, nstep * b_ks), latch)
-            b.branch(hdr)
-            b.position_at_end(ext)
-            return k, acc_phi, a_phi, b_phi
+            """k from k0 to kend, nstep per iteration; returns the final k,
+            accumulators and A / B pointers."""
+            def body(k, cur, ptrs):
+                for u in range(nstep):
+                    cur = step(cur, ptrs[0], ptrs[1], u, a_ks, b_ks, bmasks)
+                return cur, [v.gep(ptrs[0], nstep * a_ks), v.gep(ptrs[1], nstep * b_ks)]
+
+            k, accs, (a_ptr, b_ptr) = v.grid_loop(k0, kend, nstep, accs, [a_ptr, b_ptr], body, tag,
+                                                  iv_name="k")
+            return k, accs, a_ptr, b_ptr
 
         for a_base, a_ks, b_base, b_ks, kc, bmasks in segs:
             if U > 1:
-                kmain = b.sub(kc, b.srem(kc, c64(U)))
-                k, accs, a_ptr, b_ptr = kloop(c64(0), kmain, accs, a_base, b_base, U, a_ks, b_ks,
+                kmain = b.sub(kc, b.srem(kc, i64(U)))
+                k, accs, a_ptr, b_ptr = kloop(i64(0), kmain, accs, a_base, b_base, U, a_ks, b_ks,
                                               bmasks, "ku")
                 _, accs, _, _ = kloop(k, kc, accs, a_ptr, b_ptr, 1, a_ks, b_ks, bmasks, "kr")
             else:
-                _, accs, _, _ = kloop(c64(0), kc, accs, a_base, b_base, 1, a_ks, b_ks, bmasks, "k")
+                _, accs, _, _ = kloop(i64(0), kc, accs, a_base, b_base, 1, a_ks, b_ks, bmasks, "k")
 
-        if last is True:
-            io.store_final(accs)
-        else:
-            fin = b.append_basic_block(v.name("st.fin"))
-            raw = b.append_basic_block(v.name("st.raw"))
-            done = b.append_basic_block(v.name("st.done"))
-            b.cbranch(last, fin, raw)
-            b.position_at_end(raw)
-            io.store_partial(accs)
-            b.branch(done)
-            b.position_at_end(fin)
-            io.store_final(accs)
-            b.branch(done)
-            b.position_at_end(done)
+        v.finish_block(last, lambda: io.store_final(accs), lambda: io.store_partial(accs), "st")
 
 
-class _NormalIO:
+class _MicroIO:
+    """Where a micro-tile's MR x 16*NV accumulators live between K blocks: rows
+    ``self.partial`` (one pointer per accumulator row) under ``self.masks``."""
+
+    def load_partial(self, r, j, first):
+        v = self.v
+        mk = v.b.select(first, v.zero_m, self.masks[r][j])
+        return v.mload(v.gep(self.partial[r], 16 * j), mk)
+
+    def store_partial(self, accs):
+        for r in range(self.p.MR):
+            for j in range(self.p.NV):
+                self.v.mstore(accs[r][j], self.v.gep(self.partial[r], 16 * j), self.masks[r][j])
+
+
+class _NormalIO(_MicroIO):
     """Micro-tile of MR output channels (rows) x 16*NV pixels, stored to Y in place."""
 
     def __init__(self, gen, c_ptr, mr, colmask, ch, ldc=None, raw=False):
@@ -989,25 +868,16 @@ class _NormalIO:
         self.mr = mr
         self.raw = raw      # final values without bias/epilogue (an intermediate result)
         ldc = gen.g.OHW if ldc is None else ldc
-        rowok = [True] + [b.icmp_signed("<", c64(r), mr) for r in range(1, self.p.MR)]
+        rowok = [True] + [b.icmp_signed("<", i64(r), mr) for r in range(1, self.p.MR)]
         self.masks = [[v.mask_and(colmask[j], rowok[r]) for j in range(self.p.NV)]
                       for r in range(self.p.MR)]
         self.rows = [c_ptr] + [v.gep(c_ptr, r * ldc) for r in range(1, self.p.MR)]
+        self.partial = self.rows  # partial sums in Y itself
 
     def prefetch(self):
         for r in range(self.p.MR):
             for j in range(self.p.NV):
                 self.v.prefetch_w(self.v.gep(self.rows[r], 16 * j))
-
-    def load_partial(self, r, j, first):
-        v = self.v
-        mk = v.b.select(first, v.zero_m, self.masks[r][j])
-        return v.mload(v.gep(self.rows[r], 16 * j), mk)
-
-    def store_partial(self, accs):
-        for r in range(self.p.MR):
-            for j in range(self.p.NV):
-                self.v.mstore(accs[r][j], self.v.gep(self.rows[r], 16 * j), self.masks[r][j])
 
     def store_final(self, accs):
         v, b, gen = self.v, self.v.b, self.gen
@@ -1015,8 +885,8 @@ class _NormalIO:
             return self.store_partial(accs)
         for r in range(self.p.MR):
             if gen.Bias is not None:
-                m = b.add(self.ch, c64(r)) if r else self.ch
-                mm = b.select(b.icmp_signed("<", c64(r), self.mr), m, self.ch) if r else m
+                m = b.add(self.ch, i64(r)) if r else self.ch
+                mm = b.select(b.icmp_signed("<", i64(r), self.mr), m, self.ch) if r else m
                 bias = v.splat(b.load(v.gep(gen.Bias, mm), typ=F32, align=4), VF)
             for j in range(self.p.NV):
                 val = accs[r][j]
@@ -1028,7 +898,7 @@ class _NormalIO:
                 v.mstore(val, ptr, self.masks[r][j])
 
 
-class _SwapIO:
+class _SwapIO(_MicroIO):
     """Micro-tile of MR output pixels (rows) x 16*NV channels: partial sums in the
     workspace ([P][CH], pixel-major), final values scattered to Y."""
 
@@ -1038,32 +908,21 @@ class _SwapIO:
         self.jr = jr
         self.ch0 = ch0
         self.chmask = chmask
-        pxok = [True] + [b.icmp_signed("<", c64(r), npx) for r in range(1, p.MR)]
+        pxok = [True] + [b.icmp_signed("<", i64(r), npx) for r in range(1, p.MR)]
         self.masks = [[v.mask_and(chmask[j], pxok[r]) for j in range(p.NV)] for r in range(p.MR)]
         # partial sums: acc[(ir + r) * CH + (jr - m_lo) + 16j]
-        base = b.add(b.mul(ir_, c64(p.CH)), b.sub(jr, m_lo))
-        self.acc_rows = [v.gep(gen.acc, b.add(base, c64(r * p.CH))) for r in range(p.MR)]
+        base = b.add(b.mul(ir_, i64(p.CH)), b.sub(jr, m_lo))
+        self.partial = [v.gep(gen.acc, b.add(base, i64(r * p.CH))) for r in range(p.MR)]
         # Y[(jr + lane) * OHW + p0 + ir + r]
-        self.y_pix = v.gep(y_ng, b.add(b.mul(jr, c64(g.OHW)), b.add(p0, ir_)))
+        self.y_pix = v.gep(y_ng, b.add(b.mul(jr, i64(g.OHW)), b.add(p0, ir_)))
         self.lane_off = [ir.Constant(VI, [(16 * j + i) * g.OHW for i in range(16)])
                          for j in range(p.NV)]
 
     def prefetch(self):
         pass
 
-    def load_partial(self, r, j, first):
-        v = self.v
-        mk = v.b.select(first, v.zero_m, self.masks[r][j])
-        return v.mload(v.gep(self.acc_rows[r], 16 * j), mk)
-
-    def store_partial(self, accs):
-        for r in range(self.p.MR):
-            for j in range(self.p.NV):
-                self.v.mstore(accs[r][j], self.v.gep(self.acc_rows[r], 16 * j), self.masks[r][j])
-
     def store_final(self, accs):
         v, b, gen, p = self.v, self.v.b, self.gen, self.p
-        f = v.intr("llvm.masked.scatter.v16f32.v16p0", ir.VoidType(), [VF, VPTR, I32, VM])
         biases = []
         if gen.Bias is not None:
             bp = v.gep(gen.Bias, b.add(self.ch0, self.jr))
@@ -1080,7 +939,7 @@ class _SwapIO:
                                        self.masks[r][j])
                 ptrs = b.gep(yp, [self.lane_off[j]], source_etype=F32)
                 ptrs.type = VPTR
-                b.call(f, [val, ptrs, c32(4), self.masks[r][j]])
+                v.scatter(val, ptrs, self.masks[r][j])
 
 
 # ---------------------------------------------------------------------------
@@ -1088,7 +947,7 @@ class _SwapIO:
 # ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class ConvTGeom:
+class ConvTGeom(_GroupedGeom):
     """A ConvTranspose normalised to 3 spatial dims: y[o] += x[i] w[k] for
     o = i*s - pb + k*d. Weights [C, Mg, KD, KH, KW]."""
 
@@ -1105,24 +964,9 @@ class ConvTGeom:
     bias: bool = False
 
     @property
-    def Cg(self) -> int:
-        return self.C // self.G
-
-    @property
-    def Mg(self) -> int:
-        return self.M // self.G
-
-    @property
-    def KK(self) -> int:
-        return self.k[0] * self.k[1] * self.k[2]
-
-    @property
     def HW(self) -> int:
-        return self.isz[0] * self.isz[1] * self.isz[2]
-
-    @property
-    def OHW(self) -> int:
-        return self.osz[0] * self.osz[1] * self.osz[2]
+        """Input pixels per channel (DHW)."""
+        return self.DHW
 
     @property
     def flops(self) -> int:
@@ -1199,31 +1043,26 @@ def pack_convtranspose_weights(geom: ConvTGeom, plan: ConvTPlan, w: np.ndarray) 
 class _ConvTGen(_ConvGen):
     def __init__(self, module, fn, geom: ConvTGeom, plan: ConvTPlan, slots: Slots,
                  epilogue: Optional[Epilogue]):
-        self.v = VB(module, fn)
-        self.g = geom
-        self.p = plan
-        self.slots = slots
-        self.epilogue = epilogue
+        # weights packed at compile time (pack_convtranspose_weights)
+        super().__init__(module, fn, geom, plan, slots, a_prepacked=True,
+                         transposed_layout=False, epilogue=epilogue)
 
     def emit(self):
         v, g, p = self.v, self.g, self.p
         b = v.b
         args, tb, te, ws = v.fn.args
-        self.X = v.arg(args, self.slots.x)
-        self.W = v.arg(args, self.slots.w)
-        self.Bias = v.arg(args, self.slots.b) if g.bias else None
-        self.Y = v.arg(args, self.slots.y)
+        self.load_args(args)
         self.Z = ws
         with v.loop(tb, te, 1, "tile") as t:
             r, mb = v.divmod_c(t, p.MB)
             n, gi = v.divmod_c(r, g.G)
-            m_lo = b.mul(mb, c64(p.CHB))
-            nch = b.sub(v.smin(b.add(m_lo, c64(p.CHB)), g.Mg), m_lo)
-            x_ng = v.gep(self.X, b.mul(b.add(b.mul(n, c64(g.C)), b.mul(gi, c64(g.Cg))), c64(g.HW)))
-            ch0 = b.add(b.mul(gi, c64(g.Mg)), m_lo)
-            y_t = v.gep(self.Y, b.mul(b.add(b.mul(n, c64(g.M)), ch0), c64(g.OHW)))
-            w_t = v.gep(self.W, b.mul(b.add(b.mul(gi, c64(p.MB)), mb), c64(p.rows * g.Cg)))
-            self.gemm(x_ng, w_t, b.mul(nch, c64(g.KK)))
+            m_lo = b.mul(mb, i64(p.CHB))
+            nch = b.sub(v.smin(b.add(m_lo, i64(p.CHB)), g.Mg), m_lo)
+            x_ng = v.gep(self.X, b.mul(b.add(b.mul(n, i64(g.C)), b.mul(gi, i64(g.Cg))), i64(g.HW)))
+            ch0 = b.add(b.mul(gi, i64(g.Mg)), m_lo)
+            y_t = v.gep(self.Y, b.mul(b.add(b.mul(n, i64(g.M)), ch0), i64(g.OHW)))
+            w_t = v.gep(self.W, b.mul(b.add(b.mul(gi, i64(p.MB)), mb), i64(p.rows * g.Cg)))
+            self.gemm(x_ng, w_t, b.mul(nch, i64(g.KK)))
             self.col2im(y_t, ch0, nch)
         b.ret_void()
 
@@ -1233,19 +1072,19 @@ class _ConvTGen(_ConvGen):
         b = v.b
 
         def body(kb, first, last):
-            c0 = b.mul(kb, c64(p.CB)) if p.nkb > 1 else c64(0)
-            cb = v.smin(b.sub(c64(g.Cg), c0), p.CB) if p.nkb > 1 else c64(g.Cg)
-            x_blk = v.gep(x_ng, b.mul(c0, c64(g.HW)))
-            with v.loop(c64(0), c64(g.HW), p.NR, "jr") as jr:
-                nr = v.smin(b.sub(c64(g.HW), jr), p.NR)
+            c0 = b.mul(kb, i64(p.CB)) if p.nkb > 1 else i64(0)
+            cb = v.smin(b.sub(i64(g.Cg), c0), p.CB) if p.nkb > 1 else i64(g.Cg)
+            x_blk = v.gep(x_ng, b.mul(c0, i64(g.HW)))
+            with v.loop(i64(0), i64(g.HW), p.NR, "jr") as jr:
+                nr = v.smin(b.sub(i64(g.HW), jr), p.NR)
                 colmask = [v.lanes_lt(16 * j, nr) for j in range(p.NV)]
                 b_jr = v.gep(x_blk, jr)
-                with v.loop(c64(0), nrows, p.MR, "ir") as ir_:
+                with v.loop(i64(0), nrows, p.MR, "ir") as ir_:
                     mr = v.smin(b.sub(nrows, ir_), p.MR)
-                    a = v.gep(w_t, b.add(b.mul(b.udiv(ir_, c64(p.MR)), c64(g.Cg * p.MR)),
-                                         b.mul(c0, c64(p.MR))))
+                    a = v.gep(w_t, b.add(b.mul(b.udiv(ir_, i64(p.MR)), i64(g.Cg * p.MR)),
+                                         b.mul(c0, i64(p.MR))))
                     segs = [(a, p.MR, b_jr, g.HW, cb, colmask)]
-                    c_ptr = v.gep(self.Z, b.add(b.mul(ir_, c64(g.HW)), jr))
+                    c_ptr = v.gep(self.Z, b.add(b.mul(ir_, i64(g.HW)), jr))
                     io = _NormalIO(self, c_ptr, mr, colmask, ir_, ldc=g.HW, raw=True)
                     self.micro(segs, io, first, last)
 
@@ -1253,7 +1092,7 @@ class _ConvTGen(_ConvGen):
             body(None, True, True)
         else:
             with v.loop(0, p.nkb, 1, "kb") as kb:
-                body(kb, b.icmp_signed("==", kb, c64(0)), b.icmp_signed("==", kb, c64(p.nkb - 1)))
+                body(kb, b.icmp_signed("==", kb, i64(0)), b.icmp_signed("==", kb, i64(p.nkb - 1)))
 
     def col2im(self, y_t, ch0, nch):
         """Y[m][o] = bias[m] + sum over taps of Z[(m*KK + tap)][i], o = i*s - pb + k*d."""
@@ -1265,9 +1104,9 @@ class _ConvTGen(_ConvGen):
         sd, sh, sw = g.s
         dd, dh, dw = g.d
         pd, ph, pw = g.pb
-        with v.loop(c64(0), nch, 1, "m") as m:
-            z_m = v.gep(self.Z, b.mul(m, c64(g.KK * g.HW)))
-            y_m = v.gep(y_t, b.mul(m, c64(g.OHW)))
+        with v.loop(i64(0), nch, 1, "m") as m:
+            z_m = v.gep(self.Z, b.mul(m, i64(g.KK * g.HW)))
+            y_m = v.gep(y_t, b.mul(m, i64(g.OHW)))
             if self.Bias is not None:
                 init = v.splat(b.load(v.gep(self.Bias, b.add(ch0, m)), typ=F32, align=4), VF)
             else:
@@ -1277,24 +1116,24 @@ class _ConvTGen(_ConvGen):
                 rows = []
                 for kd in range(KD):
                     for kh in range(KH):
-                        idv = b.add(od, c64(pd - kd * dd))
-                        ihv = b.add(oh, c64(ph - kh * dh))
-                        ok = b.and_(b.icmp_unsigned("<", idv, c64((D - 1) * sd + 1)),
-                                    b.icmp_unsigned("<", ihv, c64((H - 1) * sh + 1)))
+                        idv = b.add(od, i64(pd - kd * dd))
+                        ihv = b.add(oh, i64(ph - kh * dh))
+                        ok = b.and_(b.icmp_unsigned("<", idv, i64((D - 1) * sd + 1)),
+                                    b.icmp_unsigned("<", ihv, i64((H - 1) * sh + 1)))
                         if sd > 1:
-                            ok = b.and_(ok, b.icmp_unsigned("==", b.urem(idv, c64(sd)), c64(0)))
+                            ok = b.and_(ok, b.icmp_unsigned("==", b.urem(idv, i64(sd)), i64(0)))
                         if sh > 1:
-                            ok = b.and_(ok, b.icmp_unsigned("==", b.urem(ihv, c64(sh)), c64(0)))
-                        id_ = b.udiv(idv, c64(sd)) if sd > 1 else idv
-                        ih = b.udiv(ihv, c64(sh)) if sh > 1 else ihv
-                        rowidx = b.select(ok, b.add(b.mul(id_, c64(H)), ih), c64(0))
+                            ok = b.and_(ok, b.icmp_unsigned("==", b.urem(ihv, i64(sh)), i64(0)))
+                        id_ = b.udiv(idv, i64(sd)) if sd > 1 else idv
+                        ih = b.udiv(ihv, i64(sh)) if sh > 1 else ihv
+                        rowidx = b.select(ok, b.add(b.mul(id_, i64(H)), ih), i64(0))
                         rows.append((kd, kh, ok, rowidx))
-                y_row = v.gep(y_m, b.mul(orow, c64(OW)))
+                y_row = v.gep(y_m, b.mul(orow, i64(OW)))
                 with v.loop(0, OW, 16, "ow") as ow:
                     acc = init
                     for kw in range(KW):
                         off = pw - kw * dw
-                        base = b.add(ow, c64(off))           # virtual input column of lane 0
+                        base = b.add(ow, i64(off))           # virtual input column of lane 0
                         if sw in (2, 4, 8, 16):
                             # ow is a multiple of 16, so the lanes that hit an input column
                             # (base + i divisible by sw) are known here: load the run of
@@ -1305,7 +1144,7 @@ class _ConvTGen(_ConvGen):
                                    for i in range(16)]
                             par = ir.Constant(VM, [1 if i >= i0 and (i - i0) % sw == 0 else 0
                                                    for i in range(16)])
-                            e0 = b.sdiv(b.add(base, c64(i0)), c64(sw))
+                            e0 = b.sdiv(b.add(base, i64(i0)), i64(sw))
                             nload = cdiv(16 - i0, sw)
                             lm = b.and_(b.icmp_unsigned("<", b.add(v.splat_i(e0), v.iota),
                                                         v.splat_i(W)),
@@ -1322,7 +1161,7 @@ class _ConvTGen(_ConvGen):
                                 gidx = b.udiv(lanes, v.splat_i(sw))
                         for kd, kh, ok, rowidx in rows:
                             tap = (kd * KH + kh) * KW + kw
-                            src = v.gep(z_m, b.add(c64(tap * g.HW), b.mul(rowidx, c64(W))))
+                            src = v.gep(z_m, b.add(i64(tap * g.HW), b.mul(rowidx, i64(W))))
                             mk = v.mask_and(cm, ok)
                             if sw == 1:
                                 x = v.mload(v.gep(src, base), mk)
@@ -1331,7 +1170,7 @@ class _ConvTGen(_ConvGen):
                                 x = b.select(mk, b.shuffle_vector(z, ir.Constant(VF, ir.Undefined),
                                                                   spread), v.zero_v)
                             else:
-                                x = v.gather(src, gidx, mk)
+                                x = v.gather_idx(src, gidx, mk)
                             acc = b.fadd(acc, x)
                     ptr = v.gep(y_row, ow)
                     om = v.lanes_lt(ow, OW)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -20,6 +21,10 @@ VOID = ir.VoidType()
 
 def i64(v: int) -> ir.Constant:
     return ir.Constant(I64, int(v))
+
+
+def i32(v: int) -> ir.Constant:
+    return ir.Constant(I32, int(v))
 
 
 def llvm_type(dtype: np.dtype) -> ir.Type:
@@ -109,29 +114,54 @@ def _scalar_const(value: float | int, ty: ir.Type) -> float | int:
 def intrinsic(b: ir.IRBuilder, name: str, args: list[ir.Value],
               ret: ir.Type | None = None) -> ir.Value:
     """Call an overloaded LLVM intrinsic such as 'llvm.fma' on the type of args[0]."""
-    t = args[0].type
-    suffix = _mangle(t)
-    full = f"{name}.{suffix}"
-    mod = b.module
-    fn = mod.globals.get(full)
-    if fn is None:
-        fnty = ir.FunctionType(ret or t, [a.type for a in args])
-        fn = ir.Function(mod, fnty, name=full)
-    return b.call(fn, args)
+    return call_intrinsic(b, name, args, ret)
 
 
-def _mangle(t: ir.Type) -> str:
-    if isinstance(t, ir.VectorType):
-        return f"v{t.count}{_mangle(t.element)}"
-    if isinstance(t, ir.FloatType):
+def mangle(ty: ir.Type) -> str:
+    """The overloaded-intrinsic name suffix of a type (``v16f32``, ``f64``, ``i32``)."""
+    if isinstance(ty, ir.VectorType):
+        return f"v{ty.count}{mangle(ty.element)}"
+    if isinstance(ty, ir.FloatType):
         return "f32"
-    if isinstance(t, ir.DoubleType):
+    if isinstance(ty, ir.DoubleType):
         return "f64"
-    if isinstance(t, ir.HalfType):
+    if isinstance(ty, ir.HalfType):
         return "f16"
-    if isinstance(t, ir.IntType):
-        return f"i{t.width}"
-    return str(t)
+    if isinstance(ty, ir.IntType):
+        return f"i{ty.width}"
+    if str(ty) == "bfloat":
+        return "bf16"
+    if isinstance(ty, ir.PointerType):
+        return "p0"
+    raise TypeError(f"cannot mangle type {ty}")
+
+
+_mangle = mangle  # the name elementwise, movement, reduce and ops/fused use
+
+
+def call_intrinsic(builder: ir.IRBuilder, name: str, args: Sequence[ir.Value],
+                   ret_type: ir.Type | None = None,
+                   overload: Sequence[ir.Type] | None = None) -> ir.Value:
+    """Declare (once per module) and call an overloaded LLVM intrinsic.
+
+    ``name`` is the base name (``'llvm.fma'``); the mangled suffix is built
+    from ``overload`` (default: the type of the first argument), giving e.g.
+    ``llvm.fma.v16f32``. A name that already carries that suffix is used as is.
+    The return type defaults to the first argument's type.
+    """
+    args = list(args)
+    if overload is None:
+        overload = [args[0].type]
+    suffix = "".join("." + mangle(t) for t in overload)
+    full = name if name.endswith(suffix) else name + suffix
+    if ret_type is None:
+        ret_type = args[0].type
+    module = builder.block.parent.module
+    fn = module.globals.get(full)
+    if fn is None:
+        fnty = ir.FunctionType(ret_type, [a.type for a in args])
+        fn = ir.Function(module, fnty, name=full)
+    return builder.call(fn, args)
 
 
 def internalise(module: ir.Module, keep: str) -> None:

@@ -41,7 +41,6 @@ balanced work (the model evaluates the ``[i*T//n, (i+1)*T//n)`` split).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +48,9 @@ from functools import lru_cache
 
 import numpy as np
 from llvmlite import ir
+
+from .emit import F32, I8, I64, i64
+from .vec import VF, VI64, VM, VPTR, VecBuilder, abi_function
 
 __all__ = [
     "GemmSpec",
@@ -59,16 +61,6 @@ __all__ = [
     "prepack_b",
     "prepacked_b_size",
 ]
-
-F32 = ir.FloatType()
-I1 = ir.IntType(1)
-I32 = ir.IntType(32)
-I64 = ir.IntType(64)
-PTR = ir.PointerType()
-VF = ir.VectorType(F32, 16)
-VM = ir.VectorType(I1, 16)
-VI64 = ir.VectorType(I64, 16)
-VPTR = ir.VectorType(PTR, 16)
 
 PANEL = 32  # columns of a packed B panel
 
@@ -477,50 +469,16 @@ def prepack_b(spec: GemmSpec, b: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------
-# IR helpers
+# code generation
 # ---------------------------------------------------------------------------
 
 
-def _c64(v: int) -> ir.Constant:
-    return ir.Constant(I64, int(v))
-
-
-def _c32(v: int) -> ir.Constant:
-    return ir.Constant(I32, int(v))
-
-
-def _intrinsic(module: ir.Module, name: str, fnty: ir.FunctionType) -> ir.Function:
-    g = module.globals.get(name)
-    if g is None:
-        g = ir.Function(module, fnty, name)
-    return g
-
-
-class _Gen:
+class _Gen(VecBuilder):
     def __init__(self, module, fn, spec: GemmSpec, plan: GemmPlan, epilogue):
-        self.m = module
-        self.fn = fn
+        super().__init__(module, fn)
         self.s = spec
         self.p = plan
         self.epilogue = epilogue
-        self.b = ir.IRBuilder(fn.append_basic_block("entry"))
-        self.fma = _intrinsic(module, "llvm.fma.v16f32", ir.FunctionType(VF, [VF, VF, VF]))
-        self.mload = _intrinsic(
-            module, "llvm.masked.load.v16f32.p0", ir.FunctionType(VF, [PTR, I32, VM, VF])
-        )
-        self.mstore = _intrinsic(
-            module,
-            "llvm.masked.store.v16f32.p0",
-            ir.FunctionType(ir.VoidType(), [VF, PTR, I32, VM]),
-        )
-        self.mgather = _intrinsic(
-            module, "llvm.masked.gather.v16f32.v16p0", ir.FunctionType(VF, [VPTR, I32, VM, VF])
-        )
-        self.prefetch = _intrinsic(
-            module, "llvm.prefetch.p0", ir.FunctionType(ir.VoidType(), [PTR, I32, I32, I32])
-        )
-        self.zero_v = ir.Constant(VF, None)
-        self.zero_m = ir.Constant(VM, None)
         self.iota = ir.Constant(VI64, list(range(16)))
         # 'dot' mode: elements between consecutive B columns (each contiguous in K)
         self.dot_src = _dot_b_source(spec) if plan.b_mode == "dot" else None
@@ -533,190 +491,116 @@ class _Gen:
         self._n = 0
 
     # -- small utilities ---------------------------------------------------
-    def name(self, base):
-        self._n += 1
-        return f"{base}{self._n}"
-
-    def gep(self, ptr, idx):
-        if isinstance(idx, int):
-            idx = _c64(idx)
-        return self.b.gep(ptr, [idx], source_etype=F32)
-
-    def smin(self, a, c):
-        b = self.b
-        return b.select(b.icmp_signed("<", a, c), a, c)
-
-    def splat_f(self, x):
-        if isinstance(x, (int, float)):
-            return ir.Constant(VF, [float(x)] * 16)
-        b = self.b
-        v = b.insert_element(ir.Constant(VF, ir.Undefined), x, _c32(0))
-        return b.shuffle_vector(
-            v, ir.Constant(VF, ir.Undefined), ir.Constant(ir.VectorType(I32, 16), None)
-        )
-
-    def splat_i(self, x):
-        b = self.b
-        v = b.insert_element(ir.Constant(VI64, ir.Undefined), x, _c32(0))
-        return b.shuffle_vector(
-            v, ir.Constant(VI64, ir.Undefined), ir.Constant(ir.VectorType(I32, 16), None)
-        )
+    def gep(self, ptr, idx, ty=F32):
+        """&ptr[idx]; unlike VecBuilder.gep a GEP even for a constant 0: without
+        the IR optimiser (speed level 0: these tests, gemm_bench's default) the
+        micro-kernels' loads select better addressing from it."""
+        return self.b.gep(ptr, [i64(idx) if isinstance(idx, int) else idx], source_etype=ty)
 
     def lane_mask(self, limit_splat, first_lane: int):
-        """lanes with first_lane + i < limit."""
+        """lanes with first_lane + i < limit (an i64 splat)."""
         lanes = ir.Constant(VI64, list(range(first_lane, first_lane + 16)))
         return self.b.icmp_signed("<", lanes, limit_splat)
-
-    def load_v(self, ptr, mask=None):
-        if mask is None:
-            return self.b.load(ptr, typ=VF, align=4)
-        return self.b.call(self.mload, [ptr, _c32(4), mask, self.zero_v])
-
-    def store_v(self, val, ptr, mask=None):
-        if mask is None:
-            self.b.store(val, ptr, align=4)
-        else:
-            self.b.call(self.mstore, [val, ptr, _c32(4), mask])
-
-    @contextlib.contextmanager
-    def loop(self, start, stop, step, name):
-        """for (i = start; i < stop; i += step) -- signed i64."""
-        b = self.b
-        if isinstance(start, int):
-            start = _c64(start)
-        if isinstance(stop, int):
-            stop = _c64(stop)
-        if isinstance(step, int):
-            step = _c64(step)
-        pre = b.block
-        hdr = b.append_basic_block(self.name(name + ".h"))
-        body = b.append_basic_block(self.name(name + ".b"))
-        ext = b.append_basic_block(self.name(name + ".x"))
-        b.branch(hdr)
-        b.position_at_end(hdr)
-        i = b.phi(I64, name=name)
-        i.add_incoming(start, pre)
-        b.cbranch(b.icmp_signed("<", i, stop), body, ext)
-        b.position_at_end(body)
-        yield i
-        nxt = b.add(i, step)
-        i.add_incoming(nxt, b.block)
-        b.branch(hdr)
-        b.position_at_end(ext)
 
     # -- kernel ------------------------------------------------------------
     def emit(self):
         s, p, b = self.s, self.p, self.b
         args, tb, te, ws = self.fn.args
-        args.name, tb.name, te.name, ws.name = "args", "tile_begin", "tile_end", "workspace"
-
-        def arg(i):
-            return b.load(b.gep(args, [_c64(i)], source_etype=PTR), typ=PTR, align=8)
-
-        self.A = arg(0)
-        self.B = arg(1)
-        self.bias = arg(2) if s.bias else None
-        self.C = arg(3 if s.bias else 2)
-        self.ws_a = b.gep(ws, [_c64(p.ws_a)], source_etype=ir.IntType(8))
-        self.ws_b = b.gep(ws, [_c64(p.ws_b)], source_etype=ir.IntType(8))
+        self.A = self.arg(args, 0)
+        self.B = self.arg(args, 1)
+        self.bias = self.arg(args, 2) if s.bias else None
+        self.C = self.arg(args, 3 if s.bias else 2)
+        self.ws_a = self.gep(ws, p.ws_a, I8)
+        self.ws_b = self.gep(ws, p.ws_b, I8)
 
         mt, nt, per_b = p.mt, p.nt, p.mt * p.nt
-        pre = b.block
-        hdr = b.append_basic_block("tiles.h")
-        body = b.append_basic_block("tiles.b")
-        ext = b.append_basic_block("tiles.x")
-        b.branch(hdr)
-        b.position_at_end(hdr)
-        t = b.phi(I64, name="t")
-        t.add_incoming(tb, pre)
-        b.cbranch(b.icmp_signed("<", t, te), body, ext)
-        b.position_at_end(body)
-        bi = b.sdiv(t, _c64(per_b)) if s.batch > 1 else _c64(0)
-        r = b.srem(t, _c64(per_b)) if s.batch > 1 else t
+        # a tile loop whose step (the tiles one block covers) is computed in the body
+        tiles = self.begin_loop(tb, te, "tiles", iv_name="t", unique=False)
+        t = tiles.i
+        bi = b.sdiv(t, i64(per_b)) if s.batch > 1 else i64(0)
+        r = b.srem(t, i64(per_b)) if s.batch > 1 else t
         left = b.sub(te, t)
         if mt == 1:
             jt0 = r
-            jt1 = self.smin(b.add(jt0, left), _c64(nt))
+            jt1 = self.smin(b.add(jt0, left), i64(nt))
             count = b.sub(jt1, jt0)
-            m_lo, m_hi = _c64(0), _c64(s.M)
-            n_lo = b.mul(jt0, _c64(p.NB))
-            n_hi = self.smin(b.mul(jt1, _c64(p.NB)), _c64(s.N))
+            m_lo, m_hi = i64(0), i64(s.M)
+            n_lo = b.mul(jt0, i64(p.NB))
+            n_hi = self.smin(b.mul(jt1, i64(p.NB)), i64(s.N))
         else:
-            jt = b.sdiv(r, _c64(mt)) if nt > 1 else _c64(0)
-            it0 = b.srem(r, _c64(mt)) if nt > 1 else r
-            it1 = self.smin(b.add(it0, left), _c64(mt))
+            jt = b.sdiv(r, i64(mt)) if nt > 1 else i64(0)
+            it0 = b.srem(r, i64(mt)) if nt > 1 else r
+            it1 = self.smin(b.add(it0, left), i64(mt))
             count = b.sub(it1, it0)
-            m_lo = b.mul(it0, _c64(p.MB))
-            m_hi = self.smin(b.mul(it1, _c64(p.MB)), _c64(s.M))
+            m_lo = b.mul(it0, i64(p.MB))
+            m_hi = self.smin(b.mul(it1, i64(p.MB)), i64(s.M))
             if nt > 1:
-                n_lo = b.mul(jt, _c64(p.NB))
-                n_hi = self.smin(b.add(n_lo, _c64(p.NB)), _c64(s.N))
+                n_lo = b.mul(jt, i64(p.NB))
+                n_hi = self.smin(b.add(n_lo, i64(p.NB)), i64(s.N))
             else:
-                n_lo, n_hi = _c64(0), _c64(s.N)
+                n_lo, n_hi = i64(0), i64(s.N)
         self.block(bi, m_lo, m_hi, n_lo, n_hi)
-        t.add_incoming(b.add(t, count), b.block)
-        b.branch(hdr)
-        b.position_at_end(ext)
+        self.end_loop(tiles, count)
         b.ret_void()
 
     def block(self, bi, m_lo, m_hi, n_lo, n_hi):
         s, p, b = self.s, self.p, self.b
-        A_b = self.gep(self.A, b.mul(bi, _c64(s.a_batch_stride))) if s.a_batch_stride else self.A
+        A_b = self.gep(self.A, b.mul(bi, i64(s.a_batch_stride))) if s.a_batch_stride else self.A
         if s.b_prepacked:
             B_b = (
-                self.gep(self.B, b.mul(bi, _c64(_prepacked_batch_stride(s))))
+                self.gep(self.B, b.mul(bi, i64(_prepacked_batch_stride(s))))
                 if s.b_batch_stride
                 else self.B
             )
         else:
             B_b = (
-                self.gep(self.B, b.mul(bi, _c64(s.b_batch_stride))) if s.b_batch_stride else self.B
+                self.gep(self.B, b.mul(bi, i64(s.b_batch_stride))) if s.b_batch_stride else self.B
             )
         cbs = s.c_batch_stride_
-        C_b = self.gep(self.C, b.mul(bi, _c64(cbs))) if cbs else self.C
+        C_b = self.gep(self.C, b.mul(bi, i64(cbs))) if cbs else self.C
         K = s.K
         if self.dot_src == "pack":
             self.pack_bt(B_b)
             B_b = self.ws_b
         single_k = p.KC >= K
         with self.loop(n_lo, n_hi, p.NC, "jc") as jc:
-            nc = self.smin(b.sub(n_hi, jc), _c64(p.NC))
+            nc = self.smin(b.sub(n_hi, jc), i64(p.NC))
             with self.loop(0, K, p.KC, "pc") as pc:
-                kc = self.smin(b.sub(_c64(K), pc), _c64(p.KC))
+                kc = self.smin(b.sub(i64(K), pc), i64(p.KC))
                 if single_k:
                     first = last = True
                 else:
-                    first = b.icmp_signed("==", pc, _c64(0))
-                    last = b.icmp_signed("==", b.add(pc, kc), _c64(K))
+                    first = b.icmp_signed("==", pc, i64(0))
+                    last = b.icmp_signed("==", b.add(pc, kc), i64(K))
                 if p.b_mode == "pack":
                     self.pack_b(B_b, pc, kc, jc, nc)
                 with self.loop(m_lo, m_hi, p.MC, "ic") as ic:
-                    mc = self.smin(b.sub(m_hi, ic), _c64(p.MC))
+                    mc = self.smin(b.sub(m_hi, ic), i64(p.MC))
                     if p.pack_a:
                         self.pack_a(A_b, ic, mc, pc, kc)
                     with self.loop(0, nc, p.NR, "jr") as jr:
-                        nr = self.smin(b.sub(nc, jr), _c64(p.NR))
+                        nr = self.smin(b.sub(nc, jr), i64(p.NR))
                         n0 = b.add(jc, jr)
                         # B micro-panel(s)
                         if p.b_mode == "prepacked":
                             # panel q = n0/32 of [np][K][32]; + pc rows
                             off = b.add(
-                                b.mul(b.sdiv(n0, _c64(PANEL)), _c64(K * PANEL)),
-                                b.mul(pc, _c64(PANEL)),
+                                b.mul(b.sdiv(n0, i64(PANEL)), i64(K * PANEL)),
+                                b.mul(pc, i64(PANEL)),
                             )
                             b_base = self.gep(B_b, off)
-                            b_pstride = _c64(K * PANEL)
+                            b_pstride = i64(K * PANEL)
                         elif p.b_mode == "pack":
                             b_base = self.gep(self.ws_b, b.mul(jr, kc))
-                            b_pstride = b.mul(kc, _c64(PANEL))
+                            b_pstride = b.mul(kc, i64(PANEL))
                         elif p.b_mode == "dot":
-                            b_base = self.gep(B_b, b.add(b.mul(n0, _c64(self.dot_bns)), pc))
+                            b_base = self.gep(B_b, b.add(b.mul(n0, i64(self.dot_bns)), pc))
                             b_pstride = None
                         else:
-                            b_base = self.gep(B_b, b.add(b.mul(pc, _c64(s.ldb_)), n0))
+                            b_base = self.gep(B_b, b.add(b.mul(pc, i64(s.ldb_)), n0))
                             b_pstride = None
                         with self.loop(0, mc, p.MR, "ir") as ir_:
-                            mr = self.smin(b.sub(mc, ir_), _c64(p.MR))
+                            mr = self.smin(b.sub(mc, ir_), i64(p.MR))
                             m0 = b.add(ic, ir_)
                             if p.pack_a:
                                 a_ptrs = [self.gep(self.ws_a, b.mul(ir_, kc))]
@@ -724,16 +608,16 @@ class _Gen:
                                 a_ptrs = []
                                 for r in range(p.MR):
                                     row = (
-                                        b.add(m0, self.smin(_c64(r), b.sub(mr, _c64(1))))
+                                        b.add(m0, self.smin(i64(r), b.sub(mr, i64(1))))
                                         if r
                                         else m0
                                     )
                                     if s.trans_a:
-                                        off = b.add(b.mul(pc, _c64(s.lda_)), row)
+                                        off = b.add(b.mul(pc, i64(s.lda_)), row)
                                     else:
-                                        off = b.add(b.mul(row, _c64(s.lda_)), pc)
+                                        off = b.add(b.mul(row, i64(s.lda_)), pc)
                                     a_ptrs.append(self.gep(A_b, off))
-                            c_ptr = self.gep(C_b, b.add(b.mul(m0, _c64(s.ldc_)), n0))
+                            c_ptr = self.gep(C_b, b.add(b.mul(m0, i64(s.ldc_)), n0))
                             if p.b_mode == "dot":
                                 self.micro_dot(a_ptrs, b_base, c_ptr, mr, nr, m0, n0)
                             else:
@@ -756,30 +640,30 @@ class _Gen:
         """Ap[panel][k][MR] = A(ic + min(panel*MR + r, mc-1), pc + k)."""
         s, p, b = self.s, self.p, self.b
         MR = p.MR
-        npan = b.sdiv(b.add(mc, _c64(MR - 1)), _c64(MR))
+        npan = b.sdiv(b.add(mc, i64(MR - 1)), i64(MR))
         with self.loop(0, npan, 1, "pa") as q:
-            r0 = b.mul(q, _c64(MR))
+            r0 = b.mul(q, i64(MR))
             dst0 = self.gep(self.ws_a, b.mul(r0, kc))
             if s.trans_a and MR <= 16:
                 # the MR rows of a k are contiguous: one masked vector copy per k
-                src0 = self.gep(A_b, b.add(b.mul(pc, _c64(s.lda_)), b.add(ic, r0)))
-                lmask = b.icmp_signed("<", self.iota, self.splat_i(b.sub(mc, r0)))
+                src0 = self.gep(A_b, b.add(b.mul(pc, i64(s.lda_)), b.add(ic, r0)))
+                lmask = b.icmp_signed("<", self.iota, self.splat(b.sub(mc, r0), VI64))
                 smask = ir.Constant(VM, [1 if i < MR else 0 for i in range(16)])
                 with self.loop(0, kc, 1, "pak") as k:
-                    x = self.load_v(self.gep(src0, b.mul(k, _c64(s.lda_))), lmask)
-                    self.store_v(x, self.gep(dst0, b.mul(k, _c64(MR))), smask)
+                    x = self.load_v(self.gep(src0, b.mul(k, i64(s.lda_))), lmask)
+                    self.store_v(x, self.gep(dst0, b.mul(k, i64(MR))), smask)
             else:
                 srcs = []
                 for r in range(MR):
-                    row = b.add(ic, self.smin(b.add(r0, _c64(r)), b.sub(mc, _c64(1))))
+                    row = b.add(ic, self.smin(b.add(r0, i64(r)), b.sub(mc, i64(1))))
                     if s.trans_a:
-                        srcs.append(self.gep(A_b, b.add(b.mul(pc, _c64(s.lda_)), row)))
+                        srcs.append(self.gep(A_b, b.add(b.mul(pc, i64(s.lda_)), row)))
                     else:
-                        srcs.append(self.gep(A_b, b.add(b.mul(row, _c64(s.lda_)), pc)))
+                        srcs.append(self.gep(A_b, b.add(b.mul(row, i64(s.lda_)), pc)))
                 a_ks = s.lda_ if s.trans_a else 1
                 with self.loop(0, kc, 1, "pak") as k:
-                    dst = self.gep(dst0, b.mul(k, _c64(MR)))
-                    ko = b.mul(k, _c64(a_ks)) if a_ks != 1 else k
+                    dst = self.gep(dst0, b.mul(k, i64(MR)))
+                    ko = b.mul(k, i64(a_ks)) if a_ks != 1 else k
                     for r in range(MR):
                         v = b.load(self.gep(srcs[r], ko), typ=F32, align=4)
                         b.store(v, self.gep(dst, r), align=4)
@@ -787,40 +671,40 @@ class _Gen:
     def pack_b(self, B_b, pc, kc, jc, nc):
         """Bp[q][k][32] = B(pc + k, jc + 32q + j), zero for columns >= nc."""
         s, b = self.s, self.b
-        nq = b.sdiv(b.add(nc, _c64(PANEL - 1)), _c64(PANEL))
-        nc_s = self.splat_i(nc)
+        nq = b.sdiv(b.add(nc, i64(PANEL - 1)), i64(PANEL))
+        nc_s = self.splat(nc, VI64)
         ldb = s.ldb_
         if not s.trans_b:
             with self.loop(0, kc, 1, "pbk") as k:
-                src = self.gep(B_b, b.add(b.mul(b.add(pc, k), _c64(ldb)), jc))
-                dst = self.gep(self.ws_b, b.mul(k, _c64(PANEL)))
+                src = self.gep(B_b, b.add(b.mul(b.add(pc, k), i64(ldb)), jc))
+                dst = self.gep(self.ws_b, b.mul(k, i64(PANEL)))
                 with self.loop(0, nq, 1, "pbq") as q:
-                    col = b.mul(q, _c64(PANEL))
-                    col_s = self.splat_i(col)
+                    col = b.mul(q, i64(PANEL))
+                    col_s = self.splat(col, VI64)
                     for v in range(2):
                         lanes = b.add(col_s, ir.Constant(VI64, list(range(16 * v, 16 * v + 16))))
                         mask = b.icmp_signed("<", lanes, nc_s)
-                        x = self.load_v(self.gep(src, b.add(col, _c64(16 * v))), mask)
+                        x = self.load_v(self.gep(src, b.add(col, i64(16 * v))), mask)
                         self.store_v(
-                            x, self.gep(dst, b.add(b.mul(q, b.mul(kc, _c64(PANEL))), _c64(16 * v)))
+                            x, self.gep(dst, b.add(b.mul(q, b.mul(kc, i64(PANEL))), i64(16 * v)))
                         )
         else:
             # B stored [N,K]: 16x16 blocks loaded along K and transposed in registers
-            base = self.gep(B_b, b.add(b.mul(jc, _c64(ldb)), pc))
+            base = self.gep(B_b, b.add(b.mul(jc, i64(ldb)), pc))
             with self.loop(0, nq, 1, "pbq") as q:
-                col = b.mul(q, _c64(PANEL))
-                qbase = self.gep(base, b.mul(col, _c64(ldb)))
-                dstq = self.gep(self.ws_b, b.mul(q, b.mul(kc, _c64(PANEL))))
-                rowok = [b.icmp_signed("<", b.add(col, _c64(j)), nc) for j in range(PANEL)]
+                col = b.mul(q, i64(PANEL))
+                qbase = self.gep(base, b.mul(col, i64(ldb)))
+                dstq = self.gep(self.ws_b, b.mul(q, b.mul(kc, i64(PANEL))))
+                rowok = [b.icmp_signed("<", b.add(col, i64(j)), nc) for j in range(PANEL)]
                 with self.loop(0, kc, 16, "pbk") as kk:
-                    kmask = b.icmp_signed("<", self.iota, self.splat_i(b.sub(kc, kk)))
+                    kmask = b.icmp_signed("<", self.iota, self.splat(b.sub(kc, kk), VI64))
                     src = self.gep(qbase, kk)
-                    dst = self.gep(dstq, b.mul(kk, _c64(PANEL)))
-                    full = b.icmp_signed("<=", b.add(kk, _c64(16)), kc)
+                    dst = self.gep(dstq, b.mul(kk, i64(PANEL)))
+                    full = b.icmp_signed("<=", b.add(kk, i64(16)), kc)
                     smask = [
                         b.select(
-                            b.or_(full, b.icmp_signed("<", b.add(kk, _c64(i)), kc)),
-                            ir.Constant(VM, [1] * 16),
+                            b.or_(full, b.icmp_signed("<", b.add(kk, i64(i)), kc)),
+                            self.ones_m,
                             self.zero_m,
                         )
                         for i in range(16)
@@ -842,75 +726,20 @@ class _Gen:
         dst0 = self.ws_b
         nmask = ir.Constant(VM, [1 if i < N else 0 for i in range(16)]) if N < 16 else None
         with self.loop(0, K, 16, "pbt") as kk:
-            left = b.sub(_c64(K), kk)
+            left = b.sub(i64(K), kk)
             rows = []
             for i in range(16):
-                ok = b.icmp_signed("<", _c64(i), left)
+                ok = b.icmp_signed("<", i64(i), left)
                 mk = b.select(
-                    ok, nmask if nmask is not None else ir.Constant(VM, [1] * 16), self.zero_m
+                    ok, nmask if nmask is not None else self.ones_m, self.zero_m
                 )
                 rows.append(
-                    self.load_v(self.gep(B_b, b.add(b.mul(kk, _c64(ldb)), _c64(i * ldb))), mk)
+                    self.load_v(self.gep(B_b, b.add(b.mul(kk, i64(ldb)), i64(i * ldb))), mk)
                 )
             cols = self.transpose16(rows)
-            kmask = b.icmp_signed("<", self.iota, self.splat_i(left))
+            kmask = b.icmp_signed("<", self.iota, self.splat(left, VI64))
             for n in range(N):
-                self.store_v(cols[n], self.gep(dst0, b.add(kk, _c64(n * K))), kmask)
-
-    def transpose16(self, rows):
-        """16 <16 x float> rows -> 16 columns (4 stages of 2-source shuffles)."""
-        b = self.b
-        R = list(rows)
-        for st in range(4):
-            bit = 1 << st
-            lo = [j if not (j & bit) else 16 + j - bit for j in range(16)]
-            hi = [16 + j if (j & bit) else j + bit for j in range(16)]
-            lo_c = ir.Constant(ir.VectorType(I32, 16), lo)
-            hi_c = ir.Constant(ir.VectorType(I32, 16), hi)
-            for i in range(16):
-                if i & bit:
-                    continue
-                a, c = R[i], R[i | bit]
-                R[i] = b.shuffle_vector(a, c, lo_c)
-                R[i | bit] = b.shuffle_vector(a, c, hi_c)
-        return R
-
-    def hreduce(self, vecs):
-        """len(vecs) <= 16 vectors -> vector with lane j = sum(vecs[j])."""
-        b = self.b
-        n = len(vecs)
-        vecs = list(vecs) + [self.zero_v] * ((1 << (n - 1).bit_length()) - n)  # pad to 2^i
-        items = [(v, [j] * 16) for j, v in enumerate(vecs)]
-        h = 8
-        while h >= 1:
-            new = []
-            pairs = (
-                [(items[i], items[i + 1]) for i in range(0, len(items) - 1, 2)]
-                if len(items) > 1
-                else [(items[0], items[0])]
-            )
-            for (x, xl), (y, yl) in pairs:
-                lo, hi, lab = [0] * 16, [0] * 16, [0] * 16
-                for s0 in range(0, 16, 2 * h):
-                    for i in range(h):
-                        lo[s0 + i], hi[s0 + i] = s0 + i, s0 + h + i
-                        lo[s0 + h + i], hi[s0 + h + i] = 16 + s0 + i, 16 + s0 + h + i
-                        assert xl[s0 + i] == xl[s0 + h + i] and yl[s0 + i] == yl[s0 + h + i]
-                        lab[s0 + i], lab[s0 + h + i] = xl[s0 + i], yl[s0 + i]
-                v = b.fadd(
-                    b.shuffle_vector(x, y, ir.Constant(ir.VectorType(I32, 16), lo)),
-                    b.shuffle_vector(x, y, ir.Constant(ir.VectorType(I32, 16), hi)),
-                )
-                new.append((v, lab))
-            items = new
-            h //= 2
-        v, lab = items[0]
-        perm = [lab.index(j) if j < n else 0 for j in range(16)]
-        if perm == list(range(16)):
-            return v
-        return b.shuffle_vector(
-            v, ir.Constant(VF, ir.Undefined), ir.Constant(ir.VectorType(I32, 16), perm)
-        )
+                self.store_v(cols[n], self.gep(dst0, b.add(kk, i64(n * K))), kmask)
 
     def micro_dot(self, a_ptrs, b_base, c_ptr, mr, nr, m0, n0):
         """C[m0:m0+MR, n0:n0+NR] from dot products of A rows and B rows (B [N,K])."""
@@ -919,7 +748,7 @@ class _Gen:
         lda, ldb = s.lda_, self.dot_bns
         kmain, rem = K - K % 16, K % 16
         rem_mask = ir.Constant(VM, [1 if i < rem else 0 for i in range(16)])
-        full = b.and_(b.icmp_signed("==", nr, _c64(NJ)), b.icmp_signed("==", mr, _c64(MR)))
+        full = b.and_(b.icmp_signed("==", nr, i64(NJ)), b.icmp_signed("==", mr, i64(MR)))
         full_bb = b.append_basic_block(self.name("dot.full"))
         edge_bb = b.append_basic_block(self.name("dot.edge"))
         join_bb = b.append_basic_block(self.name("dot.join"))
@@ -930,7 +759,7 @@ class _Gen:
             if edge:
                 a_rows = a_ptrs
                 b_rows = [b_base] + [
-                    self.gep(b_base, b.mul(self.smin(_c64(j), b.sub(nr, _c64(1))), _c64(ldb)))
+                    self.gep(b_base, b.mul(self.smin(i64(j), b.sub(nr, i64(1))), i64(ldb)))
                     for j in range(1, NJ)
                 ]
             else:
@@ -941,36 +770,18 @@ class _Gen:
                 av = [self.load_v(self.gep(a_rows[r], k), mask) for r in range(MR)]
                 bv = [self.load_v(self.gep(b_rows[j], k), mask) for j in range(NJ)]
                 return [
-                    [b.call(self.fma, [av[r], bv[j], accs[r][j]]) for j in range(NJ)]
+                    [self.fma(av[r], bv[j], accs[r][j]) for j in range(NJ)]
                     for r in range(MR)
                 ]
 
             accs = [[self.zero_v] * NJ for _ in range(MR)]
             if kmain:
-                pre = b.block
-                hdr = b.append_basic_block(self.name("dk.h"))
-                body = b.append_basic_block(self.name("dk.b"))
-                ext = b.append_basic_block(self.name("dk.x"))
-                b.branch(hdr)
-                b.position_at_end(hdr)
-                k = b.phi(I64, name="k")
-                k.add_incoming(_c64(0), pre)
-                ph = [[b.phi(VF) for _ in range(NJ)] for _ in range(MR)]
-                for r in range(MR):
-                    for j in range(NJ):
-                        ph[r][j].add_incoming(accs[r][j], pre)
-                b.cbranch(b.icmp_signed("<", k, _c64(kmain)), body, ext)
-                b.position_at_end(body)
-                nxt = step(ph, k, None)
-                k.add_incoming(b.add(k, _c64(16)), b.block)
-                for r in range(MR):
-                    for j in range(NJ):
-                        ph[r][j].add_incoming(nxt[r][j], b.block)
-                b.branch(hdr)
-                b.position_at_end(ext)
-                accs = ph
+                _, accs, _ = self.grid_loop(
+                    0, kmain, 16, accs, [], lambda k, g, _, step=step: (step(g, k, None), []),
+                    "dk", iv_name="k",
+                )
             if rem:
-                accs = step(accs, _c64(kmain), rem_mask)
+                accs = step(accs, i64(kmain), rem_mask)
             outs.append((b.block, accs))
             b.branch(join_bb)
         b.position_at_end(join_bb)
@@ -984,9 +795,9 @@ class _Gen:
                 row.append(phv)
             accs.append(row)
         red = [[self.hreduce(accs[r])] for r in range(MR)]
-        colmask = self.lane_mask(self.splat_i(nr), 0)
+        colmask = self.lane_mask(self.splat(nr, VI64), 0)
         masks = [
-            [colmask if r == 0 else b.select(b.icmp_signed("<", _c64(r), mr), colmask, self.zero_m)]
+            [colmask if r == 0 else b.select(b.icmp_signed("<", i64(r), mr), colmask, self.zero_m)]
             for r in range(MR)
         ]
         c_rows = [c_ptr] + [self.gep(c_ptr, r * s.ldc_) for r in range(1, MR)]
@@ -997,9 +808,9 @@ class _Gen:
         s, p, b = self.s, self.p, self.b
         MR, NV, U = p.MR, p.NV, p.unroll
         ldc = s.ldc_
-        nr_s = self.splat_i(nr)
+        nr_s = self.splat(nr, VI64)
         colmask = [self.lane_mask(nr_s, 16 * v) for v in range(NV)]
-        rowok = [None] + [b.icmp_signed("<", _c64(r), mr) for r in range(1, MR)]
+        rowok = [None] + [b.icmp_signed("<", i64(r), mr) for r in range(1, MR)]
         masks = [
             [
                 colmask[v] if r == 0 else b.select(rowok[r], colmask[v], self.zero_m)
@@ -1012,9 +823,7 @@ class _Gen:
         if p.prefetch_c:
             for r in range(MR):
                 for line in range(NV):
-                    b.call(
-                        self.prefetch, [self.gep(c_rows[r], 16 * line), _c32(1), _c32(3), _c32(1)]
-                    )
+                    self.prefetch_w(self.gep(c_rows[r], 16 * line))
 
         # initial accumulators: 0, or the partial sums in C (K blocks after the first)
         accs = []
@@ -1037,7 +846,7 @@ class _Gen:
             b_masked = True
         else:
             b_ptrs = [b_base] + [
-                self.gep(b_base, b.mul(b_pstride, _c64(q))) for q in range(1, NV // 2)
+                self.gep(b_base, b.mul(b_pstride, i64(q))) for q in range(1, NV // 2)
             ]
             b_ks = PANEL
             b_off = [(v // 2, 16 * (v % 2)) for v in range(NV)]
@@ -1047,8 +856,6 @@ class _Gen:
         else:
             a_ks = s.lda_ if s.trans_a else 1
             a_off = [(r, 0) for r in range(MR)]
-
-        zero32 = ir.Constant(ir.VectorType(I32, 16), None)
 
         def step(accs, a_ps, b_ps, u):
             bv = []
@@ -1060,78 +867,43 @@ class _Gen:
             for r in range(MR):
                 q, o = a_off[r]
                 x = b.load(self.gep(a_ps[q], u * a_ks + o), typ=F32, align=4)
-                xs = b.shuffle_vector(
-                    b.insert_element(ir.Constant(VF, ir.Undefined), x, _c32(0)),
-                    ir.Constant(VF, ir.Undefined),
-                    zero32,
-                )
-                new.append([b.call(self.fma, [xs, bv[v], accs[r][v]]) for v in range(NV)])
+                xs = self.splat(x)
+                new.append([self.fma(xs, bv[v], accs[r][v]) for v in range(NV)])
             return new
 
         def kloop(k0, kend, accs, a_ps, b_ps, nstep, tag):
-            pre = b.block
-            hdr = b.append_basic_block(self.name(tag + ".h"))
-            body = b.append_basic_block(self.name(tag + ".b"))
-            ext = b.append_basic_block(self.name(tag + ".x"))
-            b.branch(hdr)
-            b.position_at_end(hdr)
-            k = b.phi(I64, name="k")
-            k.add_incoming(k0, pre)
-            acc_phi = [[b.phi(VF) for _ in range(NV)] for _ in range(MR)]
-            a_phi = [b.phi(PTR) for _ in a_ps]
-            b_phi = [b.phi(PTR) for _ in b_ps]
-            for r in range(MR):
-                for v in range(NV):
-                    acc_phi[r][v].add_incoming(accs[r][v], pre)
-            for ph, val in zip(a_phi, a_ps):
-                ph.add_incoming(val, pre)
-            for ph, val in zip(b_phi, b_ps):
-                ph.add_incoming(val, pre)
-            b.cbranch(b.icmp_signed("<", k, kend), body, ext)
-            b.position_at_end(body)
-            cur = acc_phi
-            for u in range(nstep):
-                cur = step(cur, a_phi, b_phi, u)
-            a_n = [self.gep(x, nstep * a_ks) for x in a_phi]
-            b_n = [self.gep(x, nstep * b_ks) for x in b_phi]
-            k_n = b.add(k, _c64(nstep))
-            latch = b.block
-            k.add_incoming(k_n, latch)
-            for r in range(MR):
-                for v in range(NV):
-                    acc_phi[r][v].add_incoming(cur[r][v], latch)
-            for ph, val in zip(a_phi, a_n):
-                ph.add_incoming(val, latch)
-            for ph, val in zip(b_phi, b_n):
-                ph.add_incoming(val, latch)
-            b.branch(hdr)
-            b.position_at_end(ext)
-            return k, acc_phi, a_phi, b_phi
+            """k from k0 to kend, nstep per iteration; returns the final k,
+            accumulators and A / B stream pointers."""
+            na = len(a_ps)
+
+            def body(k, cur, ptrs):
+                a_phi, b_phi = ptrs[:na], ptrs[na:]
+                for u in range(nstep):
+                    cur = step(cur, a_phi, b_phi, u)
+                return cur, [self.gep(x, nstep * a_ks) for x in a_phi] + [
+                    self.gep(x, nstep * b_ks) for x in b_phi
+                ]
+
+            ptrs = list(a_ps) + list(b_ps)
+            k, accs, ptrs = self.grid_loop(k0, kend, nstep, accs, ptrs, body, tag, iv_name="k")
+            return k, accs, ptrs[:na], ptrs[na:]
 
         if U > 1:
-            kmain = b.sub(kc, b.srem(kc, _c64(U)))
-            k, accs, a_ps, b_ps = kloop(_c64(0), kmain, accs, a_ptrs, b_ptrs, U, "ku")
+            kmain = b.sub(kc, b.srem(kc, i64(U)))
+            k, accs, a_ps, b_ps = kloop(i64(0), kmain, accs, a_ptrs, b_ptrs, U, "ku")
             _, accs, _, _ = kloop(k, kc, accs, a_ps, b_ps, 1, "kr")
         else:
-            _, accs, _, _ = kloop(_c64(0), kc, accs, a_ptrs, b_ptrs, 1, "k")
+            _, accs, _, _ = kloop(i64(0), kc, accs, a_ptrs, b_ptrs, 1, "k")
 
         # store
-        if last is True:
-            self.store_final(accs, c_rows, masks, m0, n0)
-        else:
-            fin = b.append_basic_block(self.name("st.fin"))
-            raw = b.append_basic_block(self.name("st.raw"))
-            done = b.append_basic_block(self.name("st.done"))
-            b.cbranch(last, fin, raw)
-            b.position_at_end(raw)
+        def partial():
             for r in range(MR):
                 for v in range(NV):
                     self.store_v(accs[r][v], self.gep(c_rows[r], 16 * v), masks[r][v])
-            b.branch(done)
-            b.position_at_end(fin)
-            self.store_final(accs, c_rows, masks, m0, n0)
-            b.branch(done)
-            b.position_at_end(done)
+
+        self.finish_block(
+            last, lambda: self.store_final(accs, c_rows, masks, m0, n0), partial, "st"
+        )
 
     def store_final(self, accs, c_rows, masks, m0, n0):
         s, p, b = self.s, self.p, self.b
@@ -1143,23 +915,25 @@ class _Gen:
             bias_i = b.ptrtoint(self.bias, I64)
             col_off = [
                 b.mul(
-                    b.add(self.splat_i(n0), ir.Constant(VI64, list(range(16 * v, 16 * v + 16)))),
+                    b.add(
+                        self.splat(n0, VI64), ir.Constant(VI64, list(range(16 * v, 16 * v + 16)))
+                    ),
                     ir.Constant(VI64, [4 * bcs] * 16),
                 )
                 for v in range(p.NV)
             ]
         for r in range(p.MR):
-            m = b.add(m0, _c64(r)) if r else m0
+            m = b.add(m0, i64(r)) if r else m0
             bias_row = None
             if use_bias:
                 if bcs == 0:
-                    mm = self.smin(m, _c64(s.M - 1)) if brs else _c64(0)
-                    x = b.load(self.gep(self.bias, b.mul(mm, _c64(brs))), typ=F32, align=4)
+                    mm = self.smin(m, i64(s.M - 1)) if brs else i64(0)
+                    x = b.load(self.gep(self.bias, b.mul(mm, i64(brs))), typ=F32, align=4)
                     bias_row = self.splat_f(x)
                 elif bcs == 1:
-                    bias_row_ptr = self.gep(self.bias, b.add(b.mul(m, _c64(brs)), n0))
+                    bias_row_ptr = self.gep(self.bias, b.add(b.mul(m, i64(brs)), n0))
                 else:
-                    row_i = self.splat_i(b.add(bias_i, b.mul(m, _c64(4 * brs))))
+                    row_i = self.splat(b.add(bias_i, b.mul(m, i64(4 * brs))), VI64)
             for v in range(p.NV):
                 val = accs[r][v]
                 if alpha != 1.0:
@@ -1171,13 +945,13 @@ class _Gen:
                         bv = self.load_v(self.gep(bias_row_ptr, 16 * v), masks[r][v])
                     else:
                         ptrs = b.inttoptr(b.add(row_i, col_off[v]), VPTR)
-                        bv = b.call(self.mgather, [ptrs, _c32(4), masks[r][v], self.zero_v])
+                        bv = self.gather(ptrs, masks[r][v])
                     if beta == 1.0:
                         val = b.fadd(val, bv)
                     else:
-                        val = b.call(self.fma, [bv, self.splat_f(beta), val])
+                        val = self.fma(bv, self.splat_f(beta), val)
                 if self.epilogue is not None:
-                    nv = b.add(n0, _c64(16 * v)) if v else n0
+                    nv = b.add(n0, i64(16 * v)) if v else n0
                     val = self.epilogue(b, val, m, nv)
                 self.store_v(val, self.gep(c_rows[r], 16 * v), masks[r][v])
 
@@ -1202,8 +976,6 @@ def emit_gemm(
     same ``tuning`` to :func:`gemm_num_tiles`/:func:`gemm_workspace_bytes`.
     """
     plan = gemm_plan(spec, tuning)
-    fnty = ir.FunctionType(ir.VoidType(), [PTR, I64, I64, PTR])
-    fn = ir.Function(module, fnty, name)
-    fn.attributes.add("nounwind")
+    fn = abi_function(module, name)
     _Gen(module, fn, spec, plan, epilogue).emit()
     return fn

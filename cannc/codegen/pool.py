@@ -23,7 +23,9 @@ import llvmlite.ir as ir
 import numpy as np
 
 from . import vmath
-from .conv import (F32, VF, VI, VM, VB, Epilogue, Slots, abi_function, c64, cdiv, rup)
+from .conv import VB, VI, Epilogue, Slots, cdiv, rup
+from .emit import F32, i64, intrinsic
+from .vec import VF, VM, abi_function
 
 KINDS = ("dw", "max", "avg", "lp")
 
@@ -135,21 +137,21 @@ class _WindowGen:
         with v.loop(tb, te, 1, "tile") as t:
             plane, rb = v.divmod_c(t, p.nrb)
             n, co = v.divmod_c(plane, s.M)
-            ci = b.udiv(co, c64(s.mult)) if s.mult > 1 else co
-            x_p = v.gep(X, b.mul(b.add(b.mul(n, c64(s.C)), ci), c64(s.isz[0] * H * W)))
-            y_p = v.gep(Y, b.mul(plane, c64(s.rows * OW)))
+            ci = b.udiv(co, i64(s.mult)) if s.mult > 1 else co
+            x_p = v.gep(X, b.mul(b.add(b.mul(n, i64(s.C)), ci), i64(s.isz[0] * H * W)))
+            y_p = v.gep(Y, b.mul(plane, i64(s.rows * OW)))
             wts = None
             init = self.identity()
             if Wt is not None:
-                wts = [v.splat(b.load(v.gep(Wt, b.add(b.mul(co, c64(s.KK)), c64(i))), typ=F32,
+                wts = [v.splat(b.load(v.gep(Wt, b.add(b.mul(co, i64(s.KK)), i64(i))), typ=F32,
                                       align=4), VF) for i in range(s.KK)]
                 if Bias is not None:
                     init = v.splat(b.load(v.gep(Bias, co), typ=F32, align=4), VF)
-            r_lo = b.mul(rb, c64(p.RB))
-            r_hi = v.smin(b.add(r_lo, c64(p.RB)), s.rows)
+            r_lo = b.mul(rb, i64(p.RB))
+            r_hi = v.smin(b.add(r_lo, i64(p.RB)), s.rows)
             with v.loop(r_lo, r_hi, p.R, "rows") as r0:
                 if p.chunks == 1:
-                    self.step(x_p, y_p, r0, r_hi, c64(0), wts, init)
+                    self.step(x_p, y_p, r0, r_hi, i64(0), wts, init)
                 else:
                     with v.loop(0, p.chunks * p.V * 16, p.V * 16, "chunk") as ow0:
                         self.step(x_p, y_p, r0, r_hi, ow0, wts, init)
@@ -170,7 +172,7 @@ class _WindowGen:
         # per-row data
         rows = []
         for i in range(R):
-            rr = b.add(r0, c64(i)) if i else r0
+            rr = b.add(r0, i64(i)) if i else r0
             act = b.icmp_signed("<", rr, r_hi) if i else None
             od, oh = v.divmod_c(rr, OH)
             rows.append((rr, act, od, oh))
@@ -185,13 +187,13 @@ class _WindowGen:
             for kh in range(KH):
                 for i in range(R):
                     rr, act, od, oh = rows[i]
-                    idd = b.add(b.mul(od, c64(sd)), c64(kd * dd - pd))
-                    ihh = b.add(b.mul(oh, c64(sh)), c64(kh * dh - ph))
-                    ok = b.and_(b.icmp_unsigned("<", idd, c64(D)), b.icmp_unsigned("<", ihh, c64(H)))
+                    idd = b.add(b.mul(od, i64(sd)), i64(kd * dd - pd))
+                    ihh = b.add(b.mul(oh, i64(sh)), i64(kh * dh - ph))
+                    ok = b.and_(b.icmp_unsigned("<", idd, i64(D)), b.icmp_unsigned("<", ihh, i64(H)))
                     if act is not None:
                         ok = b.and_(ok, act)
-                    rowidx = b.select(ok, b.add(b.mul(idd, c64(H)), ihh), c64(0))
-                    src = v.gep(x_p, b.mul(rowidx, c64(W)))
+                    rowidx = b.select(ok, b.add(b.mul(idd, i64(H)), ihh), i64(0))
+                    src = v.gep(x_p, b.mul(rowidx, i64(W)))
                     for kw in range(KW):
                         tap = (kd * KH + kh) * KW + kw
                         for j in range(V):
@@ -200,23 +202,23 @@ class _WindowGen:
         # finish and store
         for i in range(R):
             rr, act, od, oh = rows[i]
-            y_row = v.gep(y_p, b.add(b.mul(rr, c64(OW)), ow0))
+            y_row = v.gep(y_p, b.add(b.mul(rr, i64(OW)), ow0))
             if s.kind == "avg":
                 crow = b.load(v.gep(self.cnt_rows, rr), typ=F32, align=4)
                 crow = v.splat(crow, VF)
             for j in range(V):
                 val = accs[i][j]
                 if s.kind == "avg":
-                    ccol = b.load(v.gep(self.cnt_cols, b.add(ow0, c64(16 * j))), typ=VF, align=4)
+                    ccol = b.load(v.gep(self.cnt_cols, b.add(ow0, i64(16 * j))), typ=VF, align=4)
                     val = b.fdiv(val, b.fmul(crow, ccol))
                 elif s.kind == "lp" and s.p == 2:
-                    val = b.call(v.intr("llvm.sqrt.v16f32", VF, [VF]), [val])
+                    val = intrinsic(b, "llvm.sqrt", [val])
                 elif s.kind == "lp" and s.p != 1:
                     val = vmath.pow(b, val, ir.Constant(VF, [1.0 / s.p] * 16))
                 if const_cols:
                     m = v.lanes_lt(int(ow0.constant) + 16 * j, OW)
                 else:
-                    m = v.lanes_lt(b.add(ow0, c64(16 * j)), OW)
+                    m = v.lanes_lt(b.add(ow0, i64(16 * j)), OW)
                 m = v.mask_and(m, act)
                 ptr = v.gep(y_row, 16 * j)
                 if self.epilogue is not None:
@@ -232,15 +234,15 @@ class _WindowGen:
             first = base * sw + off
             if sw == 1:
                 m = ir.Constant(VM, [1 if 0 <= first + i < W else 0 for i in range(16)])
-                return c64(first), [m]
+                return i64(first), [m]
             if sw == 2:
                 m0 = ir.Constant(VM, [1 if 0 <= first + i < W else 0 for i in range(16)])
                 m1 = ir.Constant(VM, [1 if 0 <= first + 16 + i < W else 0 for i in range(16)])
-                return c64(first), [m0, m1]
+                return i64(first), [m0, m1]
             idx = ir.Constant(VI, [first + i * sw for i in range(16)])
             m = ir.Constant(VM, [1 if 0 <= first + i * sw < W else 0 for i in range(16)])
             return idx, [m]
-        first = b.add(b.mul(b.add(ow0, c64(16 * j)), c64(sw)), c64(off))
+        first = b.add(b.mul(b.add(ow0, i64(16 * j)), i64(sw)), i64(off))
         if sw == 1:
             lanes = b.add(v.splat_i(first), v.iota)
             return first, [b.icmp_unsigned("<", lanes, v.splat_i(W))]
@@ -261,9 +263,9 @@ class _WindowGen:
             return v.mload(v.gep(src, first), masks[0], ident)
         if sw == 2:
             x0 = v.mload(v.gep(src, first), masks[0], ident)
-            x1 = v.mload(v.gep(src, b.add(first, c64(16))), masks[1], ident)
+            x1 = v.mload(v.gep(src, b.add(first, i64(16))), masks[1], ident)
             return b.shuffle_vector(x0, x1, ir.Constant(VI, list(range(0, 32, 2))))
-        return v.gather(src, first, masks[0], ident)
+        return v.gather_idx(src, first, masks[0], ident)
 
     def combine(self, acc, x, w):
         v = self.v
@@ -279,7 +281,7 @@ class _WindowGen:
             p = self.s.p
             if p == 2:
                 return v.fma(x, x, acc)
-            a = b.call(v.intr("llvm.fabs.v16f32", VF, [VF]), [x])
+            a = intrinsic(b, "llvm.fabs", [x])
             if p <= 8:
                 y = a
                 for _ in range(p - 1):

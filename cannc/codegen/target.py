@@ -8,6 +8,7 @@ emission (llvmlite's MCJIT takes ownership of the one it is given).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import threading
@@ -84,6 +85,14 @@ def new_module(name: str) -> ir.Module:
 
 def optimise_and_emit(module_ir: str, name: str, speed_level: int = 2) -> bytes:
     """Parse, verify, optimise, verify and emit an object file for host."""
+    mod, tm = _optimise(module_ir, name, speed_level)
+    return tm.emit_object(mod)
+
+
+def _optimise(module_ir: str, name: str,
+              speed_level: int) -> tuple[llvm.ModuleRef, llvm.TargetMachine]:
+    """The optimisation half of optimise_and_emit: the optimised module and the
+    TargetMachine that emits it."""
     tgt = host()
     try:
         mod = llvm.parse_assembly(module_ir)
@@ -104,7 +113,7 @@ def optimise_and_emit(module_ir: str, name: str, speed_level: int = 2) -> bytes:
     if config.DUMP_DIR:
         _dump(name, str(mod))
         _dump(name + ".s", tgt.machine().emit_assembly(mod), ext="")
-    return tm.emit_object(mod)
+    return mod, tm
 
 
 def _dump(name: str, text: str, ext: str = ".ll") -> None:
@@ -210,3 +219,37 @@ class JitLibrary:
         if not addr:
             raise CompileError(f"symbol {name} missing from compiled objects")
         return addr
+
+
+# ---------------------------------------------------------------------------
+# JIT of one module outside a compiled model (tests, benchmarks): the same
+# optimise_and_emit + JitLibrary pipeline as the compiler, without the cache
+# ---------------------------------------------------------------------------
+
+# void kernel(ptr args, i64 tile_begin, i64 tile_end, ptr workspace) -- see ABI.md
+KernelFunction = ctypes.CFUNCTYPE(
+    None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p
+)
+
+
+def jit_library(module: ir.Module | str, name: str = "jit", speed_level: int = 2,
+                keep_ir: bool = False) -> JitLibrary:
+    """Optimise and emit ``module`` as the compiler does and load it into a
+    JitLibrary of its own (look symbols up with ``lib.address(symbol)``). With
+    ``keep_ir`` the optimised module text is kept as ``lib.optimised_ir``."""
+    text = module if isinstance(module, str) else str(module)
+    mod, tm = _optimise(text, name, speed_level)
+    lib = JitLibrary([tm.emit_object(mod)])
+    if keep_ir:
+        lib.optimised_ir = str(mod)
+    return lib
+
+
+def jit_kernel(module: ir.Module | str, name: str, speed_level: int = 2):
+    """Compile ``module`` and return its ABI kernel ``name`` as a ctypes function
+    ``f(args, tile_begin, tile_end, workspace)``. The function holds its library
+    (``f.library``), so the code lives as long as the function."""
+    lib = jit_library(module, name, speed_level)
+    fn = KernelFunction(lib.address(name))
+    fn.library = lib
+    return fn

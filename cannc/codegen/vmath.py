@@ -51,6 +51,8 @@ from collections.abc import Callable, Sequence
 
 from llvmlite import ir
 
+from .emit import call_intrinsic, mangle  # noqa: F401  (part of this module's API)
+
 __all__ = [
     "call_intrinsic",
     "ceil",
@@ -103,25 +105,6 @@ def _is_half_like(t: ir.Type) -> bool:
     return isinstance(t, ir.HalfType) or str(t) == "bfloat"
 
 
-def mangle(ty: ir.Type) -> str:
-    """The overloaded-intrinsic name suffix of a type (``v16f32``, ``f64``, ``i32``)."""
-    if isinstance(ty, ir.VectorType):
-        return f"v{ty.count}{mangle(ty.element)}"
-    if isinstance(ty, ir.FloatType):
-        return "f32"
-    if isinstance(ty, ir.DoubleType):
-        return "f64"
-    if isinstance(ty, ir.HalfType):
-        return "f16"
-    if isinstance(ty, ir.IntType):
-        return f"i{ty.width}"
-    if str(ty) == "bfloat":
-        return "bf16"
-    if isinstance(ty, ir.PointerType):
-        return "p0"
-    raise TypeError(f"cannot mangle type {ty}")
-
-
 def splat(builder_or_type, value, like) -> ir.Constant:
     """A constant ``value`` with the shape of ``like`` (a value or a type).
 
@@ -143,31 +126,6 @@ def splat(builder_or_type, value, like) -> ir.Constant:
 
 def _module_of(builder: ir.IRBuilder) -> ir.Module:
     return builder.block.parent.module
-
-
-def call_intrinsic(builder: ir.IRBuilder, name: str, args: Sequence[ir.Value],
-                   ret_type: ir.Type | None = None,
-                   overload: Sequence[ir.Type] | None = None) -> ir.Value:
-    """Declare (once per module) and call an overloaded LLVM intrinsic.
-
-    ``name`` is the base name (``'llvm.fma'``); the mangled suffix is built
-    from ``overload`` (default: the type of the first argument), giving e.g.
-    ``llvm.fma.v16f32``. A name that already carries that suffix is used as is.
-    The return type defaults to the first argument's type.
-    """
-    args = list(args)
-    if overload is None:
-        overload = [args[0].type]
-    suffix = "".join("." + mangle(t) for t in overload)
-    full = name if name.endswith(suffix) else name + suffix
-    if ret_type is None:
-        ret_type = args[0].type
-    module = _module_of(builder)
-    fn = module.globals.get(full)
-    if fn is None:
-        fnty = ir.FunctionType(ret_type, [a.type for a in args])
-        fn = ir.Function(module, fnty, name=full)
-    return builder.call(fn, args)
 
 
 def _libm_call(builder: ir.IRBuilder, name: str, x: ir.Value) -> ir.Value:

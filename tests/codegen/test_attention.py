@@ -1,9 +1,10 @@
 """Tests of the fused attention kernel generator (cannc/codegen/attention.py).
 
-Every kernel is JIT-compiled with llvmlite for the host CPU and called
-through ctypes with the tile range split like two cores would (plus empty
-ranges), then compared with a float64 numpy reference of the unfused graph
-(matmul, scale, mask, causal, softmax, matmul) at rtol 1e-4 / atol 1e-5.
+Every kernel is JIT-compiled for the host CPU through the compiler's own
+pipeline (cannc.codegen.target.jit_kernel) and called through ctypes with the
+tile range split like two cores would (plus empty ranges), then compared with
+a float64 numpy reference of the unfused graph (matmul, scale, mask, causal,
+softmax, matmul) at rtol 1e-4 / atol 1e-5.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import pytest
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-import llvmlite.binding as llvm
 from llvmlite import ir
 
 from cannc.codegen.attention import (
@@ -29,12 +29,9 @@ from cannc.codegen.attention import (
     dense_strides,
     emit_attention,
 )
+from cannc.codegen.target import jit_kernel
+from tests.helpers import aligned, run_concurrently, run_splits, tile_ranges
 
-llvm.initialize_native_target()
-llvm.initialize_native_asmprinter()
-
-KERNEL = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p)
-_ENGINES = []  # keep engines (and the code) alive for the whole session
 SENTINEL = np.float32(-12345.5)
 F32_LOWEST = float(np.finfo(np.float32).min)
 
@@ -42,39 +39,6 @@ F32_LOWEST = float(np.finfo(np.float32).min)
 # ---------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------
-
-
-def _target_machine():
-    target = llvm.Target.from_default_triple()
-    return target.create_target_machine(
-        cpu=llvm.get_host_cpu_name(),
-        features=llvm.get_host_cpu_features().flatten(),
-        opt=3,
-        codemodel="jitdefault",
-    )
-
-
-def jit(module: ir.Module, name: str, speed_level: int = 0):
-    """Compile ``module`` (fresh TargetMachine per engine) and return the kernel."""
-    module.triple = llvm.get_process_triple()
-    text = str(module)
-    assert "i8*" not in text  # opaque pointers only
-    mod = llvm.parse_assembly(text)
-    mod.verify()
-    tm = _target_machine()
-    pb = llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=speed_level))
-    pb.getModulePassManager().run(mod, pb)
-    ee = llvm.create_mcjit_compiler(mod, tm)
-    ee.finalize_object()
-    _ENGINES.append(ee)
-    return KERNEL(ee.get_function_address(name))
-
-
-def aligned(n: int, dtype=np.float32, offset_elems: int = 0) -> np.ndarray:
-    """1-D array of n elements starting 64-byte aligned (+ offset_elems)."""
-    buf = np.empty(n + 64 + offset_elems, dtype=dtype)
-    off = (-buf.ctypes.data % 64) // buf.itemsize + offset_elems
-    return buf[off : off + n]
 
 
 def extent(shape, strides) -> int:
@@ -189,7 +153,7 @@ def build(spec: AttnSpec, tuning=None, name="attn", speed_level=0):
     module = ir.Module()
     fn = emit_attention(module, name, spec, tuning=tuning)
     assert fn.name == name
-    return jit(module, name, speed_level)
+    return jit_kernel(module, name, speed_level)
 
 
 def run_split(kernel, case: Case, tuning=None, splits=None):
@@ -199,23 +163,9 @@ def run_split(kernel, case: Case, tuning=None, splits=None):
     assert T >= 1
     wsb = attention_workspace_bytes(spec, tuning)
     assert wsb % 64 == 0
-    g = 64
-    ws = aligned(wsb // 4 + 2 * g)
-    ws[:] = np.nan  # the kernel must not depend on workspace contents
-    ws[:g] = SENTINEL
-    ws[g + wsb // 4 :] = SENTINEL
-    ws_ptr = ws.ctypes.data + 4 * g
     O = case.new_o()
-    argv = case.args(O)
-    kernel(argv, 0, 0, ws_ptr)  # empty range
-    if splits is None:
-        splits = [0, T // 2, T]
-    for lo, hi in itertools.pairwise(splits):
-        kernel(argv, lo, hi, ws_ptr)
-    kernel(argv, T, T, ws_ptr)  # empty range at the end
-    assert np.all(ws[:g] == SENTINEL) and np.all(ws[g + wsb // 4 :] == SENTINEL), (
-        "kernel wrote outside its workspace"
-    )
+    # NaN workspace: the kernel must not depend on workspace contents
+    run_splits(kernel, case.args(O), T, wsb, splits, ws_fill=np.nan)
     return O
 
 
@@ -611,8 +561,6 @@ def test_tile_ranges():
 def test_two_threads_concurrently():
     """Both halves of the tile range at the same time (the JIT functions release
     the GIL), each with its own workspace, as the runtime calls them."""
-    import threading
-
     for spec in (
         dense(2, 3, 70, 90, 32, scale=0.2, mask="add", mask_strides=(90, 0, 0, 1)),
         dense(1, 1, 300, 300, 64, scale=0.125, causal=True),  # one head split in two
@@ -624,15 +572,7 @@ def test_two_threads_concurrently():
         wss = [aligned(wsb // 4) for _ in range(2)]
         for _ in range(3):
             O = case.new_o()
-            argv = case.args(O)
-            ths = [
-                threading.Thread(target=kernel, args=(argv, lo, hi, wss[i].ctypes.data))
-                for i, (lo, hi) in enumerate([(0, T // 2), (T // 2, T)])
-            ]
-            for th in ths:
-                th.start()
-            for th in ths:
-                th.join()
+            run_concurrently(kernel, case.args(O), tile_ranges(T, 2), [w.ctypes.data for w in wss])
             case.check(O)
 
 

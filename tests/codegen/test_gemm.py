@@ -1,8 +1,9 @@
 """Tests of the fp32 GEMM kernel generator (cannc/codegen/gemm.py).
 
-Every kernel is JIT-compiled with llvmlite for the host CPU and called
-through ctypes with the tile range split like two cores would (plus empty
-ranges), then compared with numpy (float64 reference).
+Every kernel is JIT-compiled for the host CPU through the compiler's own
+pipeline (cannc.codegen.target.jit_kernel) and called through ctypes with the
+tile range split like two cores would (plus empty ranges), then compared with
+numpy (float64 reference).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import pytest
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-import llvmlite.binding as llvm
 from llvmlite import ir
 
+from cannc.codegen import emit
 from cannc.codegen.gemm import (
     GemmSpec,
     emit_gemm,
@@ -30,50 +31,13 @@ from cannc.codegen.gemm import (
     prepack_b,
     prepacked_b_size,
 )
-
-llvm.initialize_native_target()
-llvm.initialize_native_asmprinter()
-
-KERNEL = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p)
-_ENGINES = []  # keep engines (and the code) alive for the whole session
-
+from cannc.codegen.target import KernelFunction, jit_kernel, jit_library
+from cannc.codegen.vec import declare
+from tests.helpers import aligned, run_splits
 
 # ---------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------
-
-
-def _target_machine():
-    target = llvm.Target.from_default_triple()
-    return target.create_target_machine(
-        cpu=llvm.get_host_cpu_name(),
-        features=llvm.get_host_cpu_features().flatten(),
-        opt=3,
-        codemodel="jitdefault",
-    )
-
-
-def jit(module: ir.Module, name: str, speed_level: int = 0):
-    """Compile ``module`` (fresh TargetMachine per engine) and return the kernel."""
-    module.triple = llvm.get_process_triple()
-    text = str(module)
-    assert "i8*" not in text  # opaque pointers only
-    mod = llvm.parse_assembly(text)
-    mod.verify()
-    tm = _target_machine()
-    pb = llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=speed_level))
-    pb.getModulePassManager().run(mod, pb)
-    ee = llvm.create_mcjit_compiler(mod, tm)
-    ee.finalize_object()
-    _ENGINES.append(ee)
-    return KERNEL(ee.get_function_address(name))
-
-
-def aligned(n: int, dtype=np.float32, offset_elems: int = 0) -> np.ndarray:
-    """1-D array of n elements starting 64-byte aligned (+ offset_elems)."""
-    buf = np.empty(n + 64 + offset_elems, dtype=dtype)
-    off = (-buf.ctypes.data % 64) // buf.itemsize + offset_elems
-    return buf[off : off + n]
 
 
 def strided(buf, base, rows, cols, ld):
@@ -167,7 +131,7 @@ def build(spec: GemmSpec, epilogue=None, tuning=None, name="gemm"):
     module = ir.Module()
     fn = emit_gemm(module, name, spec, epilogue, tuning=tuning)
     assert fn.name == name
-    return jit(module, name)
+    return jit_kernel(module, name, speed_level=0)
 
 
 def run_split(kernel, case: Case, tuning=None, splits=None, C=None):
@@ -177,22 +141,9 @@ def run_split(kernel, case: Case, tuning=None, splits=None, C=None):
     assert T >= 1
     wsb = gemm_workspace_bytes(spec, tuning)
     assert wsb % 64 == 0
-    ws_guard = 64
-    ws = aligned(wsb // 4 + 2 * ws_guard)
-    ws[:] = SENTINEL
-    ws_ptr = ws.ctypes.data + 4 * ws_guard
     if C is None:
         C = case.new_c()
-    argv = case.args(C)
-    kernel(argv, 0, 0, ws_ptr)  # empty range
-    if splits is None:
-        splits = [0, T // 2, T]
-    for lo, hi in itertools.pairwise(splits):
-        kernel(argv, lo, hi, ws_ptr)
-    kernel(argv, T, T, ws_ptr)  # empty range at the end
-    assert np.all(ws[:ws_guard] == SENTINEL) and np.all(ws[ws_guard + wsb // 4 :] == SENTINEL), (
-        "kernel wrote outside its workspace"
-    )
+    run_splits(kernel, case.args(C), T, wsb, splits, ws_fill=SENTINEL)
     return C
 
 
@@ -422,32 +373,16 @@ def test_leading_dimensions_and_misalignment():
 # ---------------------------------------------------------------------------
 
 
-def declare(module, name, ret, argtys):
-    fn = module.globals.get(name)
-    if fn is None:
-        fn = ir.Function(module, ir.FunctionType(ret, argtys), name)
-    return fn
-
-
 def relu_epilogue(builder, value, m, n):
-    fmax = declare(builder.module, "llvm.maxnum.v16f32", value.type, [value.type, value.type])
-    return builder.call(fmax, [value, ir.Constant(value.type, None)])
+    return emit.intrinsic(builder, "llvm.maxnum", [value, ir.Constant(value.type, None)])
 
 
 def index_epilogue(builder, value, m, n):
     """value + 0.5*m + 0.25*(n + lane): checks the indices passed."""
     vt = value.type
-    i64v = ir.VectorType(ir.IntType(64), vt.count)
-    i32v = ir.VectorType(ir.IntType(32), vt.count)
-
-    def splat(x):
-        v = builder.insert_element(
-            ir.Constant(i64v, ir.Undefined), x, ir.Constant(ir.IntType(32), 0)
-        )
-        return builder.shuffle_vector(v, ir.Constant(i64v, ir.Undefined), ir.Constant(i32v, None))
-
-    cols = builder.add(splat(n), ir.Constant(i64v, list(range(vt.count))))
-    fm = builder.sitofp(splat(m), vt)
+    lanes = ir.Constant(ir.VectorType(emit.I64, vt.count), list(range(vt.count)))
+    cols = builder.add(emit.splat(builder, n, vt.count), lanes)
+    fm = builder.sitofp(emit.splat(builder, m, vt.count), vt)
     fn_ = builder.sitofp(cols, vt)
     half = ir.Constant(vt, [0.5] * vt.count)
     quarter = ir.Constant(vt, [0.25] * vt.count)
@@ -480,54 +415,23 @@ def test_epilogue_can_use_kernel_arguments():
     spec = GemmSpec(10, 50, 30, bias=True, bias_row_stride=50, bias_col_stride=1, beta=0.0)
 
     def residual(builder, value, m, n):
-        args = builder.function.args[0]
-        ptr_t = ir.PointerType()
-        res = builder.load(
-            builder.gep(args, [ir.Constant(ir.IntType(64), 2)], source_etype=ptr_t), typ=ptr_t
-        )
-        off = builder.add(builder.mul(m, ir.Constant(ir.IntType(64), 50)), n)
-        p = builder.gep(res, [off], source_etype=ir.FloatType())
-        mask = builder.icmp_signed(
-            "<",
-            builder.add(
-                ir.Constant(ir.VectorType(ir.IntType(64), 16), list(range(16))),
-                builder.shuffle_vector(
-                    builder.insert_element(
-                        ir.Constant(ir.VectorType(ir.IntType(64), 16), ir.Undefined),
-                        n,
-                        ir.Constant(ir.IntType(32), 0),
-                    ),
-                    ir.Constant(ir.VectorType(ir.IntType(64), 16), ir.Undefined),
-                    ir.Constant(ir.VectorType(ir.IntType(32), 16), None),
-                ),
-            ),
-            ir.Constant(ir.VectorType(ir.IntType(64), 16), [50] * 16),
-        )
+        res = emit.load_arg(builder, builder.function.args[0], 2)
+        off = builder.add(builder.mul(m, emit.i64(50)), n)
+        p = emit.gep(builder, res, off, emit.F32)
+        lanes = ir.Constant(ir.VectorType(emit.I64, 16), list(range(16)))
+        cols = builder.add(lanes, emit.splat(builder, n, 16))
+        rows = emit.splat(builder, m, 16)
         mask = builder.and_(
-            mask,
-            builder.icmp_signed(
-                "<",
-                builder.shuffle_vector(
-                    builder.insert_element(
-                        ir.Constant(ir.VectorType(ir.IntType(64), 16), ir.Undefined),
-                        m,
-                        ir.Constant(ir.IntType(32), 0),
-                    ),
-                    ir.Constant(ir.VectorType(ir.IntType(64), 16), ir.Undefined),
-                    ir.Constant(ir.VectorType(ir.IntType(32), 16), None),
-                ),
-                ir.Constant(ir.VectorType(ir.IntType(64), 16), [10] * 16),
-            ),
+            builder.icmp_signed("<", cols, emit.splat(builder, emit.i64(50), 16)),
+            builder.icmp_signed("<", rows, emit.splat(builder, emit.i64(10), 16)),
         )
         ml = declare(
             builder.module,
             "llvm.masked.load.v16f32.p0",
             value.type,
-            [ptr_t, ir.IntType(32), mask.type, value.type],
+            [emit.PTR, emit.I32, mask.type, value.type],
         )
-        r = builder.call(
-            ml, [p, ir.Constant(ir.IntType(32), 4), mask, ir.Constant(value.type, None)]
-        )
+        r = builder.call(ml, [p, emit.i32(4), mask, ir.Constant(value.type, None)])
         return builder.fadd(value, r)
 
     # the "bias" input (beta=0, unused by the GEMM itself) is the residual
@@ -652,16 +556,10 @@ def test_several_kernels_in_one_module():
     s1, s2 = GemmSpec(5, 40, 30), GemmSpec(20, 40, 300, trans_b=True)
     emit_gemm(module, "k1", s1)
     emit_gemm(module, "k2", s2, relu_epilogue)
-    module.triple = llvm.get_process_triple()
-    mod = llvm.parse_assembly(str(module))
-    mod.verify()
-    tm = _target_machine()
-    ee = llvm.create_mcjit_compiler(mod, tm)
-    ee.finalize_object()
-    _ENGINES.append(ee)
+    lib = jit_library(module, "two_gemms", speed_level=0)
     for name, spec, post in [("k1", s1, lambda r: r), ("k2", s2, lambda r: np.maximum(r, 0))]:
         case = Case(spec)
-        C = run_split(KERNEL(ee.get_function_address(name)), case)
+        C = run_split(KernelFunction(lib.address(name)), case)
         case.check(C, ref=post(case.ref))
 
 
@@ -670,6 +568,6 @@ def test_compile_time_is_small():
     module = ir.Module()
     emit_gemm(module, "gemm", spec)
     t0 = time.perf_counter()
-    jit(module, "gemm")
+    jit_kernel(module, "gemm", speed_level=0)
     dt = time.perf_counter() - t0
     assert dt < 1.0, dt  # ~0.03-0.06 s on the project's machine; loose for noisy CI

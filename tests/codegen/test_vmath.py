@@ -1,8 +1,9 @@
 """Accuracy and vectorisation tests of cannc.codegen.vmath.
 
-All kernels are built into one module, optimised once with the new pass
-manager and JIT-compiled once (module-scoped fixture). Each kernel has the
-shape ``void f(ptr in, [ptr in2,] ptr out, i64 n)``: a ``<16 x T>`` loop and a
+All kernels are built into one module, optimised and JIT-compiled once
+through the compiler's own pipeline (cannc.codegen.target.jit_library; a
+module-scoped fixture). Each kernel has the shape
+``void f(ptr in, [ptr in2,] ptr out, i64 n)``: a ``<16 x T>`` loop and a
 scalar tail, so both the vector and the scalar forms of every function run.
 
 Run as a script (``python tests/codegen/test_vmath.py``) to print the error
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
+import sys
 import time
 
 import llvmlite.binding as llvm
@@ -20,7 +23,11 @@ import numpy as np
 import pytest
 from llvmlite import ir
 
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
 from cannc.codegen import vmath
+from cannc.codegen.target import jit_library
+from tests.helpers import aligned
 
 PTR = ir.PointerType()
 I64 = ir.IntType(64)
@@ -80,39 +87,17 @@ def _emit_kernel(module: ir.Module, name: str, body, elem: ir.Type, nin: int, wi
     b.ret_void()
 
 
-def _host_tm():
-    target = llvm.Target.from_triple(llvm.get_process_triple())
-    return target.create_target_machine(
-        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(),
-        opt=3, reloc="default", codemodel="jitdefault")
-
-
 class Jit:
     def __init__(self, module: ir.Module, speed_level: int = 3) -> None:
-        llvm.initialize_native_target()
-        llvm.initialize_native_asmprinter()
-        mod = llvm.parse_assembly(str(module))
-        mod.verify()
-        tm = _host_tm()
-        mod.triple = llvm.get_process_triple()
-        mod.data_layout = str(tm.target_data)
-        pto = llvm.create_pipeline_tuning_options(speed_level=speed_level)
-        pb = llvm.create_pass_builder(tm, pto)
-        pb.getModulePassManager().run(mod, pb)
-        mod.verify()
-        self.optimised_ir = str(mod)
-        self.mod = mod
-        self.engine = llvm.create_mcjit_compiler(mod, _host_tm())  # fresh TM per engine
-        self.engine.finalize_object()
+        self.lib = jit_library(module, module.name, speed_level, keep_ir=True)
+        self.optimised_ir = self.lib.optimised_ir
         self._fns: dict = {}
 
     def func(self, name: str, nin: int):
         key = (name, nin)
         if key not in self._fns:
             proto = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * (nin + 1)), ctypes.c_int64)
-            addr = self.engine.get_function_address(name)
-            assert addr, name
-            self._fns[key] = proto(addr)
+            self._fns[key] = proto(self.lib.address(name))
         return self._fns[key]
 
     def run(self, name: str, *xs: np.ndarray) -> np.ndarray:
@@ -551,9 +536,9 @@ def main() -> None:
     for n, reps in ((10_000_000, 1), (16_384, 50)):
         print(f"throughput, {n} floats in [-80, 80] (|x| for log)"
               + (", L2-resident, repeated" if reps > 1 else "") + ":")
-        x, out = _aligned(n), _aligned(n)
+        x, out = aligned(n), aligned(n)
         x[:] = rng.uniform(-80, 80, n).astype(np.float32)
-        ax = _aligned(n)
+        ax = aligned(n)
         ax[:] = np.abs(x)
         oa = out.ctypes.data
         for name in ("exp", "log", "tanh", "sigmoid", "erf", "gelu_erf", "gelu_tanh", "softplus", "sin"):
@@ -575,11 +560,6 @@ def main() -> None:
                 line += f"   numpy {n / t_np / 1e9:6.2f} Gelem/s   ratio x{t_np / t_jit:.2f}"
             print(line)
 
-
-def _aligned(n):
-    buf = np.empty(n + 16, np.float32)
-    off = (-buf.ctypes.data // 4) % 16
-    return buf[off:off + n]
 
 
 if __name__ == "__main__":
