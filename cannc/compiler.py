@@ -31,12 +31,14 @@ PIPELINES: dict[str, list[str]] = {
         "infer_and_fold",             # bind shapes: every value gets a concrete type; fold
         "dce",                        # drop what no output needs (e.g. folded shape chains)
         "legalize_matmul_broadcast",  # partial batch broadcasts -> Expand + batched GEMM
+        "legalize_attention",         # Attention: KV cache -> Concat, float16/bfloat16 -> float32
     ],
     "O1": [
         "infer_and_fold",
         "dce",
         "remove_identities",          # Identity / inference Dropout: read the source directly
         "legalize_matmul_broadcast",
+        "legalize_attention",
         "fold_conv_bn",               # BatchNormalization after Conv folded into its weights
         "fuse_layernorm",             # decomposed LayerNorm (older exporters) -> one op
         "fuse_attention",             # QKᵀ/scale/mask/Softmax/·V (+ head transposes) -> one op

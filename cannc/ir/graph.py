@@ -183,6 +183,8 @@ def verify(graph: Graph) -> None:
             if v and v not in defined:
                 raise AssertionError(f"node {n.name!r} reads {v!r} before it is defined")
         for v in n.outputs:
+            if not v:
+                continue  # an absent optional output
             if v in defined:
                 raise AssertionError(f"value {v!r} defined twice (at node {n.name!r})")
             if v and v not in graph.values:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+from onnx import TensorProto
 
 from ..ir.graph import Graph, Node
-from ..ir.types import TensorType
+from ..ir.types import NP_TO_ONNX, TensorType
 from .manager import graph_pass
 
 
@@ -41,3 +42,150 @@ def legalize_matmul_broadcast(graph: Graph) -> bool:
             graph.replace_node(n.name, n.replace(inputs=tuple(new_inputs), proto=None))
             changed = True
     return changed
+
+
+@graph_pass("legalize_attention")
+def legalize_attention(graph: Graph) -> bool:
+    """ONNX Attention into the form its fused kernel takes (ir/ops/attention_op.py):
+
+    - past_key / past_value: Concat(past, K) along the sequence (K of a 3-D node first
+      split into heads: Reshape + Transpose) gives present_key / present_value (the
+      node's outputs when requested) and becomes the node's K / V; the past length
+      stays in the attribute cannc_past_len (the causal offset). present_* requested
+      without a past are K / V in [B, heads, S, d] (Identity, or Reshape + Transpose);
+    - float16 / bfloat16: Q, K, V and a float mask are cast to float32 (after the
+      Concat, so present_* keep their type), Y is cast back; the scale keeps the
+      reference's sqrt(scale) rounded to the input type.
+
+    Nodes with a feature the kernel lacks (softcap, qk_matmul_output, ...) are left
+    alone, so that the support check reports them as they are."""
+    from ..ir.ops.attention_op import (
+        K_IN,
+        MASK_IN,
+        NONPAD_IN,
+        PAST_K_IN,
+        PAST_LEN_ATTR,
+        PAST_V_IN,
+        V_IN,
+        feature_problem,
+    )
+
+    changed = False
+    for n in list(graph.nodes()):
+        if n.op_type != "Attention" or n.domain not in ("", "ai.onnx"):
+            continue
+        qt = graph.values.get(n.inputs[0])
+        if qt is None or not qt.is_static or feature_problem(n, qt.dtype):
+            continue
+        ins = list(n.inputs) + [""] * (7 - len(n.inputs))
+        outs = list(n.outputs) + [""] * (4 - len(n.outputs))
+        dt = np.dtype(qt.dtype)
+        cast = dt != np.float32
+        past = bool(ins[PAST_K_IN] or ins[PAST_V_IN])
+        if past and not (ins[PAST_K_IN] and ins[PAST_V_IN]) or past and ins[NONPAD_IN]:
+            continue                      # invalid: the support check names it
+        cache = past or bool(outs[1] or outs[2])
+        if cache and not _attention_cache_shapes_ok(graph, n, ins, past):
+            continue
+        if not cast and not cache:
+            continue
+        opset = graph.opsets.get("", 23)
+        order = graph.g.nodes[n.name]["order"]
+        attrs = dict(n.attrs)
+        added: list[Node] = []
+
+        def add(op: str, inputs: tuple, out: str, t: TensorType, added=added, n=n,
+                opset=opset, **kw) -> str:
+            graph.values[out] = t
+            added.append(Node(name=f"{n.name}::{op.lower()}{len(added)}", op_type=op,
+                              inputs=inputs, outputs=(out,), attrs=kw, opset=opset))
+            return out
+
+        if cache:
+            P = int(graph.values[ins[PAST_K_IN]].shape[2]) if past else 0
+            for x_in, p_in, o_idx in ((K_IN, PAST_K_IN, 1), (V_IN, PAST_V_IN, 2)):
+                x = ins[x_in]
+                xt = graph.values[x]
+                if len(xt.shape) == 4:
+                    B, H, _, d = (int(s) for s in xt.shape)
+                else:
+                    H = int(attrs["kv_num_heads"])
+                    B, d = int(xt.shape[0]), int(xt.shape[2]) // H
+                if len(xt.shape) == 3:
+                    S = int(xt.shape[1])
+                    shp = f"{n.name}::heads_shape{x_in}"
+                    graph.set_constant(shp, np.array([B, S, H, d], np.int64))
+                    x = add("Reshape", (x, shp), f"{n.name}::heads{x_in}",
+                            TensorType(xt.dtype, (B, S, H, d)))
+                    x = add("Transpose", (x,), f"{n.name}::bhsd{x_in}",
+                            TensorType(xt.dtype, (B, H, S, d)), perm=[0, 2, 1, 3])
+                S = int(graph.values[x].shape[2])
+                present = outs[o_idx] or f"{n.name}::present{x_in}"
+                if past:
+                    add("Concat", (ins[p_in], x), present,
+                        TensorType(xt.dtype, (B, H, P + S, d)), axis=2)
+                elif outs[o_idx]:
+                    add("Identity", (x,), present, TensorType(xt.dtype, (B, H, S, d)))
+                else:
+                    present = x
+                ins[x_in], ins[p_in], outs[o_idx] = present, "", ""
+            attrs[PAST_LEN_ATTR] = P
+        if cast:
+            f32 = np.dtype(np.float32)
+            idx = [0, K_IN, V_IN]
+            if ins[MASK_IN] and np.dtype(graph.values[ins[MASK_IN]].dtype) == dt:
+                idx.append(MASK_IN)
+            for i in idx:
+                t = graph.values[ins[i]]
+                ins[i] = add("Cast", (ins[i],), f"{n.name}::f32_{i}", TensorType(f32, t.shape),
+                             to=int(TensorProto.FLOAT))
+            scale = attrs.get("scale")
+            if scale is None:
+                d = int(qt.shape[-1]) if len(qt.shape) == 4 else \
+                    int(qt.shape[-1]) // int(attrs["q_num_heads"])
+                scale = 1.0 / np.sqrt(d)
+            # the reference multiplies Q and K by sqrt(scale) rounded to the input type
+            attrs["scale"] = float(np.asarray(np.sqrt(float(scale))).astype(dt).astype(
+                np.float64)) ** 2
+            attrs.pop("softmax_precision", None)   # the kernel's softmax is float32
+            y = outs[0]
+            y32 = f"{n.name}::y_f32"
+            graph.values[y32] = TensorType(f32, graph.values[y].shape)
+            added.append(Node(name=f"{n.name}::cast_y", op_type="Cast", inputs=(y32,),
+                              outputs=(y,), attrs={"to": int(NP_TO_ONNX[dt])}, opset=opset))
+            outs[0] = y32
+        while len(ins) > 3 and not ins[-1]:
+            ins.pop()
+        while len(outs) > 1 and not outs[-1]:
+            outs.pop()
+        graph.remove_node(n.name)
+        for k, a in enumerate(added):
+            after = a.name.endswith("::cast_y")
+            graph.add_node(a, order=order + 0.5 if after else order - 0.5 + k * 1e-3)
+        graph.add_node(n.replace(inputs=tuple(ins), outputs=tuple(outs), attrs=attrs, proto=None),
+                       order=order)
+        changed = True
+    return changed
+
+
+def _attention_cache_shapes_ok(graph: Graph, n: Node, ins: list[str], past: bool) -> bool:
+    """K/V (3-D with kv_num_heads, or 4-D) and past_key/past_value agree on batch, heads and
+    head sizes, so that the Concat along the sequence is the reference's."""
+    for x_in, p_in in ((1, 4), (2, 5)):
+        xt = graph.values.get(ins[x_in])
+        if xt is None or not xt.is_static or len(xt.shape) not in (3, 4):
+            return False
+        if len(xt.shape) == 3:
+            H = int(n.attrs.get("kv_num_heads", 0) or 0)
+            if H < 1 or int(xt.shape[2]) % H:
+                return False
+            B, d = int(xt.shape[0]), int(xt.shape[2]) // H
+        else:
+            B, H, _, d = (int(s) for s in xt.shape)
+        if past:
+            pt = graph.values.get(ins[p_in])
+            if pt is None or not pt.is_static or tuple(int(s) for s in pt.shape[:2]) != (B, H) \
+                    or len(pt.shape) != 4 or int(pt.shape[3]) != d \
+                    or np.dtype(pt.dtype) != np.dtype(xt.dtype):
+                return False
+    return not past or graph.values[ins[4]].shape[2] == graph.values[ins[5]].shape[2]

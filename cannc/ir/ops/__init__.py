@@ -10,3 +10,4 @@ from . import fused  # noqa: F401
 from . import quant  # noqa: F401
 from . import misc  # noqa: F401
 from . import rnn  # noqa: F401
+from . import attention_op  # noqa: F401
