@@ -118,9 +118,13 @@ class Device:
         n = int(np.prod(shp)) * dt.itemsize
         return aligned_empty(max(n, 1))[:n].view(dt).reshape(shp)
 
-    def launch(self, job: Callable[[int], None]) -> None:
+    def post(self, job: Callable[[int], None]) -> None:
+        """Queue job(c) for every worker core c >= 1 (core 0 is the caller's)."""
         for c in range(1, self.cores):
             self._queues[c].put(job)
+
+    def launch(self, job: Callable[[int], None]) -> None:
+        self.post(job)
         job(0)
 
     def close(self) -> None:

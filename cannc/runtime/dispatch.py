@@ -14,7 +14,10 @@ for each kernel (for the profiler): PROFILE_WORDS i64 per (kernel, core) =
 start of its first chunk, end of its last chunk, cycles inside kernel calls,
 and the moment the kernel was complete.
 
-`counters` holds two i64 per kernel (claimed, done) and must be zero at entry.
+`counters` holds two i64 per kernel (claimed, done) and must be zero at entry;
+the word after them is the start gate: core 0 opens it on entry and the other
+cores wait for it, so they can be woken (a Python thread hand-off) while the
+caller is still copying the inputs in, and be spinning, ready, when it starts.
 `cannc_cycles()` reads the same cycle counter (for calibration).
 """
 
@@ -102,6 +105,13 @@ def build_dispatcher() -> bytes:
     sched, nk, core, ncores, counters, ws_base, ws_stride, times = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     ws = b.gep(ws_base, [b.mul(core, ws_stride)], source_etype=emit.I8)
+    gate = emit.gep(b, counters, b.mul(nk, i64(COUNTER_WORDS)), I64)
+    is0 = b.icmp_signed("==", core, i64(0))
+    with b.if_else(is0) as (then, otherwise):
+        with then:
+            b.atomic_rmw("xchg", gate, i64(1), "release")
+        with otherwise:
+            b.call(wait, [gate, i64(1)])
     cyc = ir.Function(m, ir.FunctionType(I64, []), name="llvm.readcyclecounter")
     pieces = b.mul(ncores, i64(CHUNKS_PER_CORE))
     profiling = b.icmp_unsigned("!=", b.ptrtoint(times, I64), i64(0))

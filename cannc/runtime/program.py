@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -227,10 +228,12 @@ class Program:
         try:
             if times is not None:
                 times.t_start = time.perf_counter()
+            # wake the other cores first: they wait at the start gate while we copy in
+            core0 = self.prepare_launch(ctx, times)
             self.copy_in(ctx, feeds)
             if times is not None:
                 times.t_h2d_end = time.perf_counter()
-            self.launch(ctx, times)
+            core0()
             if times is not None:
                 times.t_compute_end = time.perf_counter()
             out = self.copy_out(ctx)
@@ -248,14 +251,20 @@ class Program:
         return [np.array(v, copy=True) for v in ctx.outputs]
 
     def launch(self, ctx: Context, times: RunTimes | None = None) -> None:
+        self.prepare_launch(ctx, times)()
+
+    def prepare_launch(self, ctx: Context, times: RunTimes | None = None) -> Callable[[], None]:
+        """Hand the launch to the worker cores (they wait at the start gate) and return
+        the function that runs core 0's share and opens the gate; it returns when all
+        the work is done."""
         nk = len(self.spec.kernels)
         if nk == 0:
-            return
+            return lambda: None
         ncores = self.device.cores
         sched = ctx.sched.ctypes.data
-        # fresh claim/done counters per launch: a late core still walking an earlier
-        # launch only ever sees that launch's (finished) counters
-        counters = np.zeros(nk * dispatch.COUNTER_WORDS + 8, np.int64)
+        # fresh claim/done counters (and gate) per launch: a late core still walking an
+        # earlier launch only ever sees that launch's (finished) counters
+        counters = np.zeros(nk * dispatch.COUNTER_WORDS + 16, np.int64)
         cptr = (counters.ctypes.data + 63) // 64 * 64
         ws = ctx.workspace.ctypes.data
         stride = self.ws_stride
@@ -263,19 +272,22 @@ class Program:
         if times is not None:
             times.cycles = np.zeros((nk, ncores, dispatch.PROFILE_WORDS), np.int64)
             tptr = times.cycles.ctypes.data
-            times.t0 = time.perf_counter()
-            times.cycles0 = self._cycles()
         run = self._run
-        if ncores == 1:
-            run(sched, nk, 0, 1, cptr, ws, stride, tptr)
-            return
-        keep = (self, ctx, counters, times)
 
         def job(core: int) -> None:
             run(sched, nk, core, ncores, cptr, ws, stride, tptr)
 
-        job.keep = keep  # type: ignore[attr-defined]  (buffers live while a core may run)
-        self.device.launch(job)
+        job.keep = (self, ctx, counters, times)  # type: ignore[attr-defined]
+        if ncores > 1:
+            self.device.post(job)
+
+        def core0() -> None:
+            if times is not None:
+                times.t0 = time.perf_counter()
+                times.cycles0 = self._cycles()
+            job(0)
+
+        return core0
 
     def cycles(self) -> int:
         return int(self._cycles())
