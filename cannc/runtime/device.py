@@ -31,9 +31,9 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def aligned_empty(nbytes: int, align: int = PAGE) -> np.ndarray:
+def aligned_empty(nbytes: int, align: int = PAGE, zero: bool = True) -> np.ndarray:
     """A uint8 buffer whose data pointer is `align`-aligned (page-aligned by default)."""
-    raw = np.zeros(nbytes + align, dtype=np.uint8)
+    raw = (np.zeros if zero else np.empty)(nbytes + align, dtype=np.uint8)
     off = (-raw.ctypes.data) % align
     buf = raw[off:off + nbytes]
     assert buf.ctypes.data % align == 0
@@ -116,7 +116,7 @@ class Device:
         dt = np.dtype(dtype)
         shp = (shape,) if isinstance(shape, int) else tuple(shape)
         n = int(np.prod(shp)) * dt.itemsize
-        return aligned_empty(max(n, 1))[:n].view(dt).reshape(shp)
+        return aligned_empty(max(n, 1), zero=False)[:n].view(dt).reshape(shp)
 
     def post(self, job: Callable[[int], None]) -> None:
         """Queue job(c) for every worker core c >= 1 (core 0 is the caller's)."""

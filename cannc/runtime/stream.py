@@ -27,18 +27,22 @@ def is_pinned(a: np.ndarray) -> bool:
 
 
 class CopyEngine:
-    """One thread that performs host<->device copies in submission order."""
+    """Host<->device copies in submission order, one lane (thread) per direction, as a
+    device with separate upload and download DMA engines: the copy-in of one request
+    and the copy-out of another proceed together."""
 
     def __init__(self) -> None:
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._qs = {k: queue.SimpleQueue() for k in ("h2d", "d2h")}
         self.log: list[tuple[str, float, float, int]] = []   # (kind, t0, t1, bytes)
         self.keep_log = False
-        self._t = threading.Thread(target=self._loop, daemon=True, name="cannc-copy-engine")
-        self._t.start()
+        self._threads = [threading.Thread(target=self._loop, args=(q,), daemon=True,
+                                          name=f"cannc-copy-{k}") for k, q in self._qs.items()]
+        for t in self._threads:
+            t.start()
 
-    def _loop(self) -> None:
+    def _loop(self, q: queue.SimpleQueue) -> None:
         while True:
-            item = self._q.get()
+            item = q.get()
             if item is None:
                 return
             kind, dst, src, fut = item
@@ -53,11 +57,12 @@ class CopyEngine:
 
     def submit(self, kind: str, dst: np.ndarray, src: np.ndarray) -> Future:
         fut: Future = Future()
-        self._q.put((kind, dst, src, fut))
+        self._qs["d2h" if kind == "d2h" else "h2d"].put((kind, dst, src, fut))
         return fut
 
     def close(self) -> None:
-        self._q.put(None)
+        for q in self._qs.values():
+            q.put(None)
 
 
 class Event:
