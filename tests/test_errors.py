@@ -304,3 +304,24 @@ def test_bad_compile_options(options):
     except Exception as e:
         raise AssertionError(f"{type(e).__name__}: {e}") from e
     raise AssertionError(f"{options} accepted")
+
+
+def test_unresolvable_symbol_is_an_error_not_a_crash():
+    """Generated code can need a runtime-library symbol the process lacks (LLVM lowers
+    some conversions to compiler-rt calls, e.g. __truncdfhf2, which only some processes
+    have): loading must fail with a CompileError, not abort inside MCJIT."""
+    import llvmlite.ir as ir
+
+    from cannc.codegen.target import JitLibrary, elf_symbols, new_module, optimise_and_emit
+
+    m = new_module("t")
+    f = ir.Function(m, ir.FunctionType(ir.DoubleType(), [ir.DoubleType()]), "calls_missing")
+    ext = ir.Function(m, ir.FunctionType(ir.DoubleType(), [ir.DoubleType()]),
+                      "__cannc_no_such_symbol")
+    b = ir.IRBuilder(f.append_basic_block())
+    b.ret(b.call(ext, [f.args[0]]))
+    obj = optimise_and_emit(str(m), "t")
+    defined, undefined = elf_symbols(obj)
+    assert "calls_missing" in defined and "__cannc_no_such_symbol" in undefined
+    with pytest.raises(cannc.CompileError, match="__cannc_no_such_symbol"):
+        JitLibrary([obj])

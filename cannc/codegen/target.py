@@ -203,11 +203,67 @@ def default_cache() -> ObjectCache:
     return _default_cache
 
 
+_process = None
+
+
+def _resolvable(name: str) -> bool:
+    """Whether MCJIT can bind `name`: a symbol given to LLVM or one in the process."""
+    global _process
+    if llvm.address_of_symbol(name):
+        return True
+    if _process is None:
+        import ctypes
+        _process = ctypes.CDLL(None)
+    try:
+        getattr(_process, name)
+        return True
+    except AttributeError:
+        return False
+
+
+def elf_symbols(obj: bytes) -> tuple[set[str], set[str]]:
+    """(defined, undefined) global symbol names of an ELF64 little-endian object file."""
+    import struct
+
+    if obj[:4] != b"\x7fELF" or obj[4] != 2 or obj[5] != 1:
+        return set(), set()
+    shoff, = struct.unpack_from("<Q", obj, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", obj, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", obj, shoff + i * shentsize)
+                for i in range(shnum)]
+    defined, undefined = set(), set()
+    for sh in sections:
+        if sh[1] != 2:          # SHT_SYMTAB
+            continue
+        strtab = sections[sh[6]]
+        str_off = strtab[4]
+        for off in range(sh[4], sh[4] + sh[5], sh[9] or 24):
+            name_i, info, _, shndx, _, _ = struct.unpack_from("<IBBHQQ", obj, off)
+            if info >> 4 == 0 or name_i == 0:   # local or unnamed
+                continue
+            end = obj.index(b"\0", str_off + name_i)
+            name = obj[str_off + name_i:end].decode()
+            (undefined if shndx == 0 else defined).add(name)
+    return defined, undefined
+
+
 class JitLibrary:
     """A set of object files loaded into one MCJIT engine."""
 
     def __init__(self, objects: list[bytes]) -> None:
         init()
+        defined: set[str] = set()
+        needed: set[str] = set()
+        for obj in objects:
+            d, u = elf_symbols(obj)
+            defined |= d
+            needed |= u
+        # MCJIT aborts the process on a symbol it cannot resolve (e.g. a compiler-rt
+        # helper LLVM chose for a conversion): refuse before loading instead
+        missing = sorted(s for s in needed - defined if not _resolvable(s))
+        if missing:
+            raise CompileError(f"compiled code needs symbols this process does not provide: "
+                               f"{', '.join(missing)}")
         self._engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), host().machine())
         for obj in objects:
             self._engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
