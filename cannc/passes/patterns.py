@@ -264,6 +264,21 @@ def _as4(strides: list[int], shape: tuple[int, ...]) -> tuple[tuple[int, ...], t
     return (strides[0], 0, strides[1], strides[2]), (shape[0], 1, shape[1], shape[2])
 
 
+def _peel_scalar_scale(graph: Graph, v: str, absorbed: list[Node]) -> tuple[str, float]:
+    """v == x * c (or x / c) for a scalar constant c, used only here: (x, c)."""
+    p = graph.producer(v)
+    if p is None or p.op_type not in ("Mul", "Div") or v in graph.outputs \
+            or len(graph.consumers(v)) != 1:
+        return v, 1.0
+    for i in ((0, 1) if p.op_type == "Mul" else (0,)):
+        c = _scalar_const(graph, p.inputs[1 - i])
+        if c is not None and c != 0 and tuple(graph.values[p.inputs[i]].shape) == tuple(
+                graph.values[v].shape):
+            absorbed.append(p)
+            return p.inputs[i], (c if p.op_type == "Mul" else 1.0 / c)
+    return v, 1.0
+
+
 @graph_pass("fuse_attention")
 def fuse_attention(graph: Graph) -> bool:
     """MatMul(Q, Kᵀ) -> scale -> mask -> Softmax -> MatMul(·, V), with the head split/merge
@@ -299,6 +314,13 @@ def _match_attention(graph: Graph, mm: Node):
     if any(np.dtype(graph.values[v].dtype) != np.float32 for v in mm.inputs):
         return None
     qv, ktv = mm.inputs
+    pre: list[Node] = []
+    pre_scale = 1.0
+    # torch's scaled_dot_product_attention export scales Q and Kᵀ by sqrt(scale) each
+    qv, f = _peel_scalar_scale(graph, qv, pre)
+    pre_scale *= f
+    ktv, f = _peel_scalar_scale(graph, ktv, pre)
+    pre_scale *= f
     qs, kts = graph.values[qv].shape, graph.values[ktv].shape
     if len(qs) not in (3, 4) or len(kts) != len(qs):
         return None
@@ -388,7 +410,7 @@ def _match_attention(graph: Graph, mm: Node):
         mstr = tuple(st) if len(st) == 4 else (st[0], 0, st[1], st[2])
         mdt = "bool" if np.dtype(graph.values[mask].dtype) == np.bool_ else "float32"
     spec = AttnSpec(B=B, H=H, Sq=Sq, Sk=Sk, D=D, Dv=Dv, q_strides=q4, k_strides=k4,
-                    v_strides=v4, o_strides=o4, scale=float(scale), mask=mask_kind,
+                    v_strides=v4, o_strides=o4, scale=float(scale * pre_scale), mask=mask_kind,
                     mask_strides=mstr, mask_dtype=mdt,
                     fill=float(fill) if fill is not None else -3.4028234663852886e38)
     if negate:
@@ -400,4 +422,4 @@ def _match_attention(graph: Graph, mm: Node):
                            order=graph.g.nodes[chain[0].name]["order"] - 0.5)
         mask = inv
     inputs = [qbase, kbase, vbase] + ([mask] if mask is not None else [])
-    return absorbed + chain, inputs, out, spec
+    return pre + absorbed + chain, inputs, out, spec

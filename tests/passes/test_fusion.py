@@ -270,8 +270,16 @@ def _attention_model(mask="add", merge=True, scale_op="Div", k_layout="transpose
     else:  # [B,H,S,D] then swap the last two
         nodes.append(helper.make_node("Transpose", ["k4"], ["kh"], perm=[0, 2, 1, 3]))
         nodes.append(helper.make_node("Transpose", ["kh"], ["kt"], perm=[0, 1, 3, 2]))
-    nodes.append(helper.make_node("MatMul", ["qh", "kt"], ["sc"]))
-    if scale_op == "Div":
+    if scale_op == "sqrt_qk":   # torch's scaled_dot_product_attention export
+        nodes.append(helper.make_node("Mul", ["qh", "rs"], ["qs"]))
+        nodes.append(helper.make_node("Mul", ["kt", "rs"], ["ks"]))
+        nodes.append(helper.make_node("MatMul", ["qs", "ks"], ["ss"]))
+        inits.append(("rs", np.float32(np.sqrt(1 / np.sqrt(D)))))
+    else:
+        nodes.append(helper.make_node("MatMul", ["qh", "kt"], ["sc"]))
+    if scale_op == "sqrt_qk":
+        pass
+    elif scale_op == "Div":
         nodes.append(helper.make_node("Div", ["sc", "sq"], ["ss"]))
         inits.append(("sq", np.float32(np.sqrt(D))))
     else:
@@ -311,7 +319,8 @@ def _attention_model(mask="add", merge=True, scale_op="Div", k_layout="transpose
 
 @pytest.mark.parametrize("mask,merge,scale_op,k_layout", [
     ("add", True, "Div", "transpose"), ("none", False, "Mul", "swap"),
-    ("where_causal", True, "Div", "swap"), ("where_inverted", True, "Mul", "transpose")])
+    ("where_causal", True, "Div", "swap"), ("where_inverted", True, "Mul", "transpose"),
+    ("add", True, "sqrt_qk", "transpose")])
 def test_attention_is_one_kernel(mask, merge, scale_op, k_layout):
     B, S, H, D = 2, 9, 2, 8
     m = _attention_model(mask, merge, scale_op, k_layout, S, H, D, B)
