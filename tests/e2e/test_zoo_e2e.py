@@ -71,3 +71,17 @@ def test_value_specialisation_of_shape_inputs():
         (y,) = sess.run(None, {"x": x, "shape": np.array(shp, np.int64)})
         np.testing.assert_array_equal(y, np.maximum(x, 0).reshape(shp))
     assert len(sess.programs) == 2
+
+
+def test_external_data_model_from_path(tmp_path):
+    import onnx
+
+    ref = zoo.build("mlp")
+    m = zoo.build("mlp")
+    onnx.save_model(m, str(tmp_path / "mlp.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="weights.bin", size_threshold=1024)
+    assert (tmp_path / "weights.bin").stat().st_size > (tmp_path / "mlp.onnx").stat().st_size
+    sess = cannc.compile(str(tmp_path / "mlp.onnx"), cores=1)
+    _compare(ref, sess, zoo.example_inputs(ref, batch=3))
+    sess.save(tmp_path / "mlp.cnc")
+    _compare(ref, cannc.load(tmp_path / "mlp.cnc"), zoo.example_inputs(ref, batch=3))
