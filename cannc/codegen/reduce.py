@@ -414,6 +414,16 @@ class Engine:
         self.lanes = lanes or lanes_for(self.x_dtype)
         self.in_ptrs: list[ir.Value | None] = []
         self.out_ptrs: list[ir.Value | None] = []
+        # a fused prologue: computes the input vector at element offset `off` instead of
+        # loading it (elementwise producers fused into the reduction, see ops/fused.py)
+        self.x_source: Callable[[ir.IRBuilder, ir.Value, int, ir.Value | None], TV] | None = \
+            getattr(ctx, "reduce_x_source", None)
+
+    def load_x(self, b: ir.IRBuilder, src_ptr: ir.Value, off: ir.Value, lanes: int,
+               mask: ir.Value | None) -> TV:
+        if self.x_source is not None:
+            return self.x_source(b, off, lanes, mask)
+        return load_tv(b, src_ptr, off, self.x_dtype, lanes, self.cdt, mask)
 
     # -- types of the node's inputs/outputs by position --------------------------
     def in_dtype(self, i: int) -> np.dtype:
@@ -495,7 +505,8 @@ class Engine:
 
             def body(j: ir.Value, slot: int, mask: ir.Value | None) -> None:
                 off = add(b, roff, j)
-                x = load_tv(b, src_ptr, off, src_dt, lanes, self.cdt, mask)
+                x = self.load_x(b, src_ptr, off, lanes, mask) if p.src < 0 else \
+                    load_tv(b, src_ptr, off, src_dt, lanes, self.cdt, mask)
                 bd = Body(self, E, x, mask, off, add(b, rel, j), j, ridx, row, stats, slot)
                 if slots is None:
                     p.step(E, (), bd)
@@ -592,7 +603,8 @@ class Engine:
             with nest(b, lay.red, add(b, in_base, j)) as (roff, ridx):
                 for k in range(nv):
                     off = add(b, roff, k * lanes)
-                    x = load_tv(b, src_ptr, off, src_dt, lanes, self.cdt, masks[k])
+                    x = self.load_x(b, src_ptr, off, lanes, masks[k]) if p.src < 0 else \
+                        load_tv(b, src_ptr, off, src_dt, lanes, self.cdt, masks[k])
                     kpos = add(b, j, k * lanes)
                     bd = Body(self, E, x, masks[k], off, kpos, kpos, ridx, o, stats[k], k)
                     if slots is None:

@@ -28,7 +28,8 @@ from ..ir.registry import Category, lookup
 from ..ir.types import TensorType
 from .manager import graph_pass
 
-RULES = ("conv_bn", "layernorm", "attention", "elementwise", "gemm_epilogue", "conv_epilogue")
+RULES = ("conv_bn", "layernorm", "attention", "elementwise", "gemm_epilogue", "conv_epilogue",
+         "softmax_prologue")
 EPILOGUE_RULE = {"MatMul": "gemm_epilogue", "Gemm": "gemm_epilogue", "Conv": "conv_epilogue"}
 FUSED_OP = {"MatMul": "FusedGemm", "Gemm": "FusedGemm", "Conv": "FusedConv"}
 MAP_CATEGORIES = (Category.ELEMENTWISE, Category.BROADCAST)
@@ -240,6 +241,25 @@ def fusion(graph: Graph) -> bool:
         _replace_group(graph, [n.name] + names, FUSED_OP[n.op_type], list(n.inputs) + ext,
                        outs, n)
         changed = True
+    # elementwise producers of a Softmax (scale, additive mask...) read inside it
+    for n in list(graph.nodes()):
+        if n.op_type not in ("Softmax", "LogSoftmax") or n.domain:
+            continue
+        p = graph.producer(n.inputs[0])
+        if p is None or p.name not in groups.group_of:
+            continue
+        gid = groups.group_of[p.name]
+        if gid not in groups.members:
+            continue
+        reason = _prologue_reason(graph, n, groups, gid)
+        if reason:
+            log(graph, p.name, n.name, "softmax_prologue", reason)
+            continue
+        names = groups.members.pop(gid)
+        ins, _ = group_io(graph, names)
+        _replace_group(graph, names + [n.name], "FusedSoftmax", ins, list(n.outputs),
+                       graph.node(names[0]))
+        changed = True
     for gid, names in groups.members.items():
         if len(names) < 2:
             continue
@@ -247,6 +267,25 @@ def fusion(graph: Graph) -> bool:
         _replace_group(graph, names, "FusedMap", ins, outs, graph.node(names[0]))
         changed = True
     return changed
+
+
+def _prologue_reason(graph: Graph, sm: Node, groups: Groups, gid: int) -> str | None:
+    if not enabled(graph, "softmax_prologue"):
+        return "rule switched off"
+    x = sm.inputs[0]
+    t = graph.values[x]
+    rank = len(t.shape)
+    if np.dtype(t.dtype) != np.float32:
+        return "prologues are generated for float32 only"
+    axis = sm.attrs.get("axis", -1 if sm.opset >= 13 else 1)
+    if rank == 0 or axis % rank != rank - 1 or int(t.shape[-1]) <= 1:
+        return f"{sm.op_type} is not over the last axis"
+    if groups.shape[gid] != tuple(t.shape):
+        return "the prologue's shape differs from the Softmax input"
+    _, outs = group_io(graph, groups.members[gid])
+    if outs != [x] or graph.consumers(x) != [sm.name]:
+        return f"the prologue also writes values used elsewhere ({', '.join(outs)})"
+    return None
 
 
 def _epilogue_reason(graph: Graph, n: Node, cons: list[str], groups: Groups) -> str | None:

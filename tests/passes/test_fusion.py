@@ -343,3 +343,34 @@ def test_attention_switch_off_logs_nothing_fused():
     sess = cannc.compile(m, cores=1, shapes={"q": (2, 9, 16), "k": (2, 9, 16), "v": (2, 9, 16),
                                              "m": (2, 1, 1, 9)}, fusion={"attention": False})
     assert not any("attention" in k.notes for k in _kernels(sess))
+
+
+@pytest.mark.parametrize("mask_kind", ["add", "where", "none"])
+def test_softmax_with_scale_and_mask_is_one_kernel(mask_kind):
+    S = 37
+    nodes = [helper.make_node("Div", ["x", "t"], ["s"])]
+    inits = [("t", np.float32(1.7))]
+    inputs = [("x", [2, 3, 5, S])]
+    extra = []
+    if mask_kind == "add":
+        nodes.append(helper.make_node("Add", ["s", "m"], ["z"]))
+        inputs.append(("m", [2, 1, 1, S]))
+    elif mask_kind == "where":
+        nodes.append(helper.make_node("Where", ["c", "s", "neg"], ["z"]))
+        inits.append(("neg", np.float32(-1e4)))
+        extra.append(helper.make_tensor_value_info("c", TensorProto.BOOL, [1, 1, 5, S]))
+    else:
+        nodes.append(helper.make_node("Relu", ["s"], ["z"]))
+    nodes.append(helper.make_node("Softmax", ["z"], ["y"], axis=-1))
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, F, s) for n, s in inputs]
+                          + extra, [helper.make_tensor_value_info("y", F, [2, 3, 5, S])],
+                          [numpy_helper.from_array(np.asarray(a, np.float32), n) for n, a in inits])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    feeds = {"x": R.standard_normal((2, 3, 5, S)).astype(np.float32) * 3}
+    if mask_kind == "add":
+        feeds["m"] = np.where(R.random((2, 1, 1, S)) > 0.3, 0, -10000).astype(np.float32)
+    if mask_kind == "where":
+        feeds["c"] = R.random((1, 1, 5, S)) > 0.3
+    fused, plain = _compare(m, feeds)
+    k = _kernels(fused)
+    assert len(k) == 1 and k[0].op_types[-1] == "Softmax" and "prologue" in k[0].notes

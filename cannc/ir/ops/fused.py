@@ -358,3 +358,78 @@ def _lower_fused_attention(ctx: Any) -> None:
 register(OpDef(name="FusedAttention", domain=DOMAIN, category=Category.OPAQUE,
                lower=_lower_fused_attention,
                doc="scaled dot-product attention, tiled with an online softmax"))
+
+
+# -- elementwise prologue + Softmax / LogSoftmax -----------------------------------
+
+
+class _ReductionView(_NodeView):
+    """The reduction node alone, reading a virtual input 0 computed by the prologue."""
+
+    def in_ptr(self, b: ir.IRBuilder, i: int) -> ir.Value:
+        return ir.Constant(emit.PTR, None)
+
+
+def _lower_fused_softmax(ctx: Any) -> None:
+    body: list[Node] = ctx.attr("body")
+    types = _types(ctx)
+    pro, sm = body[:-1], body[-1]
+    x_name = sm.inputs[0]
+    xt = types[x_name]
+    shape = tuple(int(d) for d in xt.shape)
+    dense = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        dense[d] = dense[d + 1] * shape[d + 1]
+    consts = {v: ctx.const(i) for i, v in enumerate(ctx.node.inputs) if ctx.const(i) is not None}
+    imm = _scalar_consts(ctx)
+    for i in imm:
+        ctx.drop_input(i)
+    ext = [i for i, v in enumerate(ctx.node.inputs) if v and i not in imm]
+    strides = {}
+    for i in ext:
+        t = ctx.in_types[i]
+        oshape = (1,) * (len(shape) - len(t.shape)) + tuple(int(d) for d in t.shape)
+        st, acc = [0] * len(shape), 1
+        for d in range(len(shape) - 1, -1, -1):
+            st[d] = 0 if oshape[d] == 1 else acc
+            acc *= oshape[d]
+        strides[i] = st
+
+    def x_source(b: ir.IRBuilder, off: ir.Value, lanes: int, mask: ir.Value | None) -> TV:
+        from ...codegen.reduce import load_tv as rload
+
+        E = Expr(b, lanes)
+        env = {ctx.node.inputs[i]: _immediate(E, c) for i, c in imm.items()}
+        for i in ext:
+            st = strides[i]
+            base = emit.i64(0)
+            for d in range(len(shape)):
+                if st[d] == 0:
+                    continue
+                idx = b.urem(b.udiv(off, emit.i64(dense[d])), emit.i64(shape[d]))
+                base = b.add(base, b.mul(idx, emit.i64(st[d])))
+            dt = np.dtype(ctx.in_types[i].dtype)
+            ldt = np.dtype(np.uint8) if dt == np.bool_ else dt
+            ptr = ctx.in_ptr(b, i)
+            n = 1 if st[-1] == 0 else lanes      # broadcast along the vector: load one, splat
+            v = rload(b, ptr, base, ldt, n, ldt, None if n == 1 else mask).v
+            if dt == np.bool_:
+                v = b.icmp_unsigned("!=", v, emit.const_like(0, v.type))
+            if n == 1 and lanes > 1:
+                v = emit.splat(b, v, lanes)
+            env[ctx.node.inputs[i]] = TV(v, dt)
+        eval_body(E, pro, env, types, consts)
+        return env[x_name]
+
+    ctx.reduce_x_source = x_source
+    view = _ReductionView(ctx, sm, types[sm.outputs[0]])
+    object.__setattr__(view, "in_types", [xt])
+    lookup(sm.op_type).lower(view)
+    ctx.flops += sum(int(np.prod(shape)) * lookup(n.op_type).extra.get("flops_per_elem", 1)
+                     for n in pro)
+    ctx.notes["prologue"] = "+".join(n.op_type for n in pro)
+
+
+register(OpDef(name="FusedSoftmax", domain=DOMAIN, category=Category.REDUCTION,
+               lower=_lower_fused_softmax,
+               doc="Softmax/LogSoftmax reading an elementwise prologue (scale, mask...)"))
