@@ -132,11 +132,26 @@ def _foldable(graph: Graph, n: Node) -> bool:
 
 @graph_pass("infer_and_fold")
 def infer_and_fold(graph: Graph) -> bool:
-    """Infer concrete types node by node and fold every node whose result is known."""
+    """Infer concrete types node by node and fold every node whose result is known.
+    Tensors with no elements carry no data: they fold like constants (an empty batch
+    runs no kernel at all)."""
     changed = False
+    for v in graph.inputs:
+        t = graph.values[v]
+        if t.is_static and t.numel == 0:
+            graph.constants[v] = np.zeros(t.shape, t.dtype)
     for n in list(graph.nodes()):
         if _foldable(graph, n):
             ins = [graph.constants.get(v) if v else None for v in n.inputs]
+            if any(a is not None and a.size == 0 for a in ins):
+                types = infer_node(graph, n)
+                if all(t is None or t.numel == 0 for t in types):
+                    graph.remove_node(n.name)   # no data: the result is an empty constant
+                    for v, t in zip(n.outputs, types):
+                        if v and t is not None:
+                            graph.set_constant(v, np.zeros(t.shape, t.dtype))
+                    changed = True
+                    continue
             op = lookup(n.op_type, n.domain)
             if op is not None and op.category == Category.SHAPE and op.extra.get("fold"):
                 outs = op.extra["fold"](n, [graph.values[v] if v else None for v in n.inputs])
@@ -153,9 +168,16 @@ def infer_and_fold(graph: Graph) -> bool:
                         graph.set_constant(v, o)
                 changed = True
                 continue
-        for v, t in zip(n.outputs, infer_node(graph, n)):
+        types = infer_node(graph, n)
+        for v, t in zip(n.outputs, types):
             if v and t is not None:
                 graph.values[v] = t
+        if all(t is None or t.numel == 0 for t in types):
+            graph.remove_node(n.name)
+            for v, t in zip(n.outputs, types):
+                if v and t is not None:
+                    graph.set_constant(v, np.zeros(t.shape, t.dtype))
+            changed = True
     return changed
 
 

@@ -85,3 +85,13 @@ def test_external_data_model_from_path(tmp_path):
     _compare(ref, sess, zoo.example_inputs(ref, batch=3))
     sess.save(tmp_path / "mlp.cnc")
     _compare(ref, cannc.load(tmp_path / "mlp.cnc"), zoo.example_inputs(ref, batch=3))
+
+
+@pytest.mark.parametrize("name", ["mlp", "bert", "resnet"])
+def test_empty_batch_gives_empty_outputs(name):
+    """A batch of 0 carries no data: everything folds, no kernel runs, shapes match ORT."""
+    model = zoo.build(name)
+    sess = cannc.compile(model, cores=1)
+    feeds = {k: v[:0] for k, v in zoo.example_inputs(model, batch=2).items()}
+    for g, e in zip(sess.run(None, feeds), ort_run(model, feeds)):
+        assert g.shape == e.shape and g.dtype == e.dtype and g.size == 0
