@@ -181,34 +181,34 @@ def _lower_fused_gemm(ctx: Any) -> None:
     ctx.notes["epilogue"] = "+".join(n.op_type for n in epi)
 
 
+def _operand(b: ir.IRBuilder, ptr: ir.Value, off: ir.Value, dt: np.dtype, lanes: int,
+             broadcast: bool, mask: ir.Value | None = None) -> TV:
+    """An operand of a fused epilogue or prologue at ptr[off]: `lanes` elements (lanes off in
+    `mask` are not read), or one element splat over the lanes when `broadcast`; bools
+    become i1, as expressions hold them."""
+    from ...codegen.reduce import load_raw
+
+    n = 1 if broadcast else lanes
+    v = load_raw(b, ptr, off, dt, n, mask if n > 1 else None)
+    if dt == np.bool_:
+        v = b.icmp_unsigned("!=", v, emit.const_like(0, v.type))
+    if n == 1 and lanes > 1:
+        v = emit.splat(b, v, lanes)
+    return TV(v, dt)
+
+
 def _load_operand(b: ir.IRBuilder, E: Expr, ptr: ir.Value, dt: np.dtype, pat: str,
                   m: ir.Value, n: ir.Value, N: int, lanes: int) -> TV:
-    et = emit.llvm_type(dt)
     if pat == "scalar" or pat == "col":
-        off = emit.i64(0) if pat == "scalar" else m
-        v = b.load(emit.gep(b, ptr, off, et), typ=et)
-        if dt == np.bool_:
-            v = b.icmp_unsigned("!=", v, ir.Constant(et, 0))
-        return TV(emit.splat(b, v, lanes) if lanes > 1 else v, dt)
+        return _operand(b, ptr, emit.i64(0) if pat == "scalar" else m, dt, lanes, True)
     off = n if pat == "row" else b.add(b.mul(m, emit.i64(N)), n)
-    if lanes == 1:
-        return TV(b.load(emit.gep(b, ptr, off, et), typ=et), dt)
-    # masked load: lanes past N are not read (the GEMM discards their results)
-    vt = ir.VectorType(et, lanes)
-    idx = ir.Constant(ir.VectorType(emit.I64, lanes), list(range(lanes)))
-    cols = b.add(emit.splat(b, n, lanes), idx)
-    mask = b.icmp_signed("<", cols, emit.splat(b, emit.i64(N), lanes))
-    name = f"llvm.masked.load.{emit._mangle(vt)}.p0"
-    fn = b.module.globals.get(name)
-    if fn is None:
-        fn = ir.Function(b.module, ir.FunctionType(vt, [emit.PTR, emit.I32,
-                                                        ir.VectorType(emit.I1, lanes), vt]),
-                         name=name)
-    v = b.call(fn, [emit.gep(b, ptr, off, et), ir.Constant(emit.I32, dt.itemsize), mask,
-                    ir.Constant(vt, ir.Undefined)])
-    if dt == np.bool_:
-        v = b.icmp_unsigned("!=", v, ir.Constant(vt, [0] * lanes))
-    return TV(v, dt)
+    mask = None
+    if lanes > 1:
+        # lanes past N are not read (the GEMM discards their results)
+        idx = ir.Constant(ir.VectorType(emit.I64, lanes), list(range(lanes)))
+        cols = b.add(emit.splat(b, n, lanes), idx)
+        mask = b.icmp_signed("<", cols, emit.splat(b, emit.i64(N), lanes))
+    return _operand(b, ptr, off, dt, lanes, False, mask)
 
 
 register(OpDef(name="FusedGemm", domain=DOMAIN, category=Category.CONTRACTION,
@@ -292,14 +292,14 @@ def _lower_fused_conv(ctx: Any) -> None:
             ptr = emit.load_arg(b, args, slot_of[i])
             dt = np.dtype(ctx.in_types[i].dtype)
             if pat == "scalar":
-                et = emit.llvm_type(dt)
-                v = b.load(ptr, typ=et)
-                env[ctx.node.inputs[i]] = TV(emit.splat(b, v, lanes), dt)
-                continue
-            at = idx if pat == "full" else b.urem(b.udiv(idx, emit.splat(b, emit.i64(SP), lanes)),
-                                                  emit.splat(b, emit.i64(M), lanes))
-            env[ctx.node.inputs[i]] = _gather(b, ptr, at, mask, dt, lanes,
-                                              offset if pat == "full" and stride == 1 else None)
+                env[ctx.node.inputs[i]] = _operand(b, ptr, emit.i64(0), dt, lanes, True)
+            elif pat == "full" and stride == 1:       # consecutive lanes: a masked load
+                env[ctx.node.inputs[i]] = _operand(b, ptr, offset, dt, lanes, False, mask)
+            else:
+                at = idx if pat == "full" else b.urem(
+                    b.udiv(idx, emit.splat(b, emit.i64(SP), lanes)),
+                    emit.splat(b, emit.i64(M), lanes))
+                env[ctx.node.inputs[i]] = _gather(b, ptr, at, mask, dt, lanes)
         eval_body(E, epi, env, types, consts)
         return env[final].v
 
@@ -310,28 +310,22 @@ def _lower_fused_conv(ctx: Any) -> None:
 
 
 def _gather(b: ir.IRBuilder, ptr: ir.Value, idx: ir.Value, mask: ir.Value, dt: np.dtype,
-            lanes: int, contiguous_at: ir.Value | None) -> TV:
-    """Masked lanes of ptr[idx] (a contiguous masked load when the lanes are consecutive)."""
+            lanes: int) -> TV:
+    """The masked lanes of ptr[idx] for a <lanes x i64> index vector."""
     et = emit.llvm_type(dt)
     vt = ir.VectorType(et, lanes)
     mt = ir.VectorType(emit.I1, lanes)
-    if contiguous_at is not None:
-        name = f"llvm.masked.load.{emit._mangle(vt)}.p0"
-        fn = b.module.globals.get(name) or ir.Function(
-            b.module, ir.FunctionType(vt, [emit.PTR, emit.I32, mt, vt]), name=name)
-        v = b.call(fn, [emit.gep(b, ptr, contiguous_at, et), ir.Constant(emit.I32, dt.itemsize),
-                        mask, ir.Constant(vt, ir.Undefined)])
-    else:
-        pv = ir.VectorType(emit.PTR, lanes)
-        # a vector of addresses (llvmlite's gep does not type vector GEPs)
-        base = emit.splat(b, b.ptrtoint(ptr, emit.I64), lanes)
-        off = b.mul(idx, emit.splat(b, emit.i64(dt.itemsize), lanes))
-        ptrs = b.inttoptr(b.add(base, off), pv)
-        name = f"llvm.masked.gather.{emit._mangle(vt)}.v{lanes}p0"
-        fn = b.module.globals.get(name) or ir.Function(
-            b.module, ir.FunctionType(vt, [pv, emit.I32, mt, vt]), name=name)
-        v = b.call(fn, [ptrs, ir.Constant(emit.I32, dt.itemsize), mask,
-                        ir.Constant(vt, ir.Undefined)])
+    pv = ir.VectorType(emit.PTR, lanes)
+    # a vector of addresses (llvmlite's gep does not type vector GEPs)
+    base = emit.splat(b, b.ptrtoint(ptr, emit.I64), lanes)
+    off = b.mul(idx, emit.splat(b, emit.i64(dt.itemsize), lanes))
+    ptrs = b.inttoptr(b.add(base, off), pv)
+    name = f"llvm.masked.gather.{emit._mangle(vt)}.v{lanes}p0"
+    fn = b.module.globals.get(name) or ir.Function(
+        b.module, ir.FunctionType(vt, [pv, emit.I32, mt, vt]), name=name)
+    v = b.call(fn, [ptrs, ir.Constant(emit.I32, dt.itemsize), mask, ir.Constant(vt, ir.Undefined)])
+    if dt == np.bool_:
+        v = b.icmp_unsigned("!=", v, emit.const_like(0, vt))
     return TV(v, dt)
 
 
@@ -396,8 +390,6 @@ def _lower_fused_softmax(ctx: Any) -> None:
         strides[i] = st
 
     def x_source(b: ir.IRBuilder, off: ir.Value, lanes: int, mask: ir.Value | None) -> TV:
-        from ...codegen.reduce import load_tv as rload
-
         E = Expr(b, lanes)
         env = {ctx.node.inputs[i]: _immediate(E, c) for i, c in imm.items()}
         for i in ext:
@@ -408,16 +400,10 @@ def _lower_fused_softmax(ctx: Any) -> None:
                     continue
                 idx = b.urem(b.udiv(off, emit.i64(dense[d])), emit.i64(shape[d]))
                 base = b.add(base, b.mul(idx, emit.i64(st[d])))
-            dt = np.dtype(ctx.in_types[i].dtype)
-            ldt = np.dtype(np.uint8) if dt == np.bool_ else dt
-            ptr = ctx.in_ptr(b, i)
-            n = 1 if st[-1] == 0 else lanes      # broadcast along the vector: load one, splat
-            v = rload(b, ptr, base, ldt, n, ldt, None if n == 1 else mask).v
-            if dt == np.bool_:
-                v = b.icmp_unsigned("!=", v, emit.const_like(0, v.type))
-            if n == 1 and lanes > 1:
-                v = emit.splat(b, v, lanes)
-            env[ctx.node.inputs[i]] = TV(v, dt)
+            # broadcast along the vector (last stride 0): one element, splat
+            env[ctx.node.inputs[i]] = _operand(b, ctx.in_ptr(b, i), base,
+                                               np.dtype(ctx.in_types[i].dtype), lanes,
+                                               st[-1] == 0, mask)
         eval_body(E, pro, env, types, consts)
         return env[x_name]
 
