@@ -8,7 +8,6 @@ Python is involved once per launch, not once per kernel or tile.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import queue
@@ -43,11 +42,10 @@ def aligned_empty(nbytes: int, align: int = PAGE, zero: bool = True) -> np.ndarr
 class Device:
     """N AI Cores sharing device memory.
 
-    `launch(job)` runs job(0) on the calling thread and queues job(c) for the
-    worker of each other core, then returns as soon as job(0) returns: the
-    native dispatcher makes core 0 return only when all the work is done, so
-    there is no need to wait for a worker the OS has not scheduled yet (it will
-    find its share already taken).
+    `post(job)` queues job(c) for the worker of each other core; the caller then
+    runs job(0) itself (Program.prepare_launch). The native dispatcher makes
+    core 0 return only when all the work is done, so nobody waits for a worker
+    the OS has not scheduled yet (it will find its share already taken).
     """
 
     def __init__(self, cores: int | None = None) -> None:
@@ -123,10 +121,6 @@ class Device:
         for c in range(1, self.cores):
             self._queues[c].put(job)
 
-    def launch(self, job: Callable[[int], None]) -> None:
-        self.post(job)
-        job(0)
-
     def close(self) -> None:
         for c in range(1, self.cores):
             self._queues[c].put(None)
@@ -155,9 +149,3 @@ def shared_device(cores: int | None = None) -> Device:
             dev = _shared[n] = Device(n)
         return dev
 
-
-def address(arr: np.ndarray) -> int:
-    return int(arr.ctypes.data)
-
-
-c_void_p = ctypes.c_void_p
