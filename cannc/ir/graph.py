@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import networkx as nx
 import numpy as np
@@ -196,6 +196,3 @@ def verify(graph: Graph) -> None:
     if not nx.is_directed_acyclic_graph(graph.g):
         raise AssertionError("graph has a cycle")
 
-
-def iter_attrs(items: Iterable[tuple[str, Any]]) -> dict[str, Any]:
-    return dict(items)

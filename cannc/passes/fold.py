@@ -143,15 +143,10 @@ def infer_and_fold(graph: Graph) -> bool:
     for n in list(graph.nodes()):
         if _foldable(graph, n):
             ins = [graph.constants.get(v) if v else None for v in n.inputs]
-            if any(a is not None and a.size == 0 for a in ins):
-                types = infer_node(graph, n)
-                if all(t is None or t.numel == 0 for t in types):
-                    graph.remove_node(n.name)   # no data: the result is an empty constant
-                    for v, t in zip(n.outputs, types):
-                        if v and t is not None:
-                            graph.set_constant(v, np.zeros(t.shape, t.dtype))
-                    changed = True
-                    continue
+            if any(a is not None and a.size == 0 for a in ins) and \
+                    _fold_empty(graph, n, infer_node(graph, n)):
+                changed = True
+                continue
             op = lookup(n.op_type, n.domain)
             if op is not None and op.category == Category.SHAPE and op.extra.get("fold"):
                 outs = op.extra["fold"](n, [graph.values[v] if v else None for v in n.inputs])
@@ -172,13 +167,20 @@ def infer_and_fold(graph: Graph) -> bool:
         for v, t in zip(n.outputs, types):
             if v and t is not None:
                 graph.values[v] = t
-        if all(t is None or t.numel == 0 for t in types):
-            graph.remove_node(n.name)
-            for v, t in zip(n.outputs, types):
-                if v and t is not None:
-                    graph.set_constant(v, np.zeros(t.shape, t.dtype))
-            changed = True
+        changed |= _fold_empty(graph, n, types)
     return changed
+
+
+def _fold_empty(graph: Graph, n: Node, types: list[TensorType | None]) -> bool:
+    """A node all of whose outputs have no elements computes nothing: its outputs become
+    empty constants and the node goes."""
+    if not all(t is None or t.numel == 0 for t in types):
+        return False
+    graph.remove_node(n.name)
+    for v, t in zip(n.outputs, types):
+        if v and t is not None:
+            graph.set_constant(v, np.zeros(t.shape, t.dtype))
+    return True
 
 
 @graph_pass("dce")
