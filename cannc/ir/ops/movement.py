@@ -102,6 +102,13 @@ def _reg(name: str, lower: Any, dtypes: frozenset[str] = ALL, check: Any = None,
                    check=check, min_opset=min_opset, doc=doc))
 
 
+def _finish_rows(ctx: Any, b: ir.IRBuilder, units: int, elems: int) -> None:
+    """Close a row-walking kernel: its tiles are emit_rows' units; tiny ones run on one core."""
+    b.ret_void()
+    ctx.num_tiles = max(1, units)
+    ctx.single_core = elems < SMALL_ELEMS
+
+
 # ---------------------------------------------------------------------------
 # Transpose, Concat, Split, Slice, Expand, Tile, DepthToSpace, SpaceToDepth
 # ---------------------------------------------------------------------------
@@ -364,9 +371,7 @@ def _lower_gather(ctx: Any) -> None:
                 with other:
                     fill_row(b, _zero(ety), dst, doff, 1, nc)
         units = emit_rows(ctx, b, [outer, nidx], inner, body, itemsize=isz)
-    b.ret_void()
-    ctx.num_tiles = max(1, units)
-    ctx.single_core = prod(out) < SMALL_ELEMS
+    _finish_rows(ctx, b, units, prod(out))
 
 
 _reg("Gather", _lower_gather, doc="runtime indices, checked natively (out of range: zeros)")
@@ -405,9 +410,7 @@ def _lower_gather_elements(ctx: Any) -> None:
             b.store(b.select(ok, v, _zero(ety)), emit.gep(b, dst, o, ety))
 
     units = emit_rows(ctx, b, outer, inner, body, itemsize=isz)
-    b.ret_void()
-    ctx.num_tiles = max(1, units)
-    ctx.single_core = prod(ish) < SMALL_ELEMS
+    _finish_rows(ctx, b, units, prod(ish))
 
 
 _reg("GatherElements", _lower_gather_elements, doc="runtime indices, checked natively")
@@ -459,9 +462,7 @@ def _lower_gather_nd(ctx: Any) -> None:
                 fill_row(b, _zero(ety), dst, doff, 1, nc)
 
     units = emit_rows(ctx, b, [nb, m], sl, body, itemsize=isz)
-    b.ret_void()
-    ctx.num_tiles = max(1, units)
-    ctx.single_core = prod(out) < SMALL_ELEMS
+    _finish_rows(ctx, b, units, prod(out))
 
 
 _reg("GatherND", _lower_gather_nd, doc="runtime index tuples, checked natively")
@@ -627,9 +628,7 @@ def _lower_onehot(ctx: Any) -> None:
             b.store(v, emit.gep(b, dst, b.add(b.mul(r, i64(inner)), c), ety))
 
     units = emit_rows(ctx, b, [outer, depth], inner, body, itemsize=dt.itemsize)
-    b.ret_void()
-    ctx.num_tiles = max(1, units)
-    ctx.single_core = prod(out) < SMALL_ELEMS
+    _finish_rows(ctx, b, units, prod(out))
 
 
 _reg("OneHot", _lower_onehot, doc="runtime indices (out of range: all off)")
@@ -671,9 +670,7 @@ def _lower_trilu(ctx: Any) -> None:
 
     units = emit_rows(ctx, b, [prod(shp[:-2]), m], n, body, itemsize=dt.itemsize,
                       target=_no_col_split(m * prod(shp[:-2]), n))
-    b.ret_void()
-    ctx.num_tiles = max(1, units)
-    ctx.single_core = prod(shp) < SMALL_ELEMS
+    _finish_rows(ctx, b, units, prod(shp))
 
 
 def _no_col_split(rows: int, n: int) -> int:
@@ -723,9 +720,7 @@ def _lower_eyelike(ctx: Any) -> None:
             b.store(one(b), emit.gep(b, dst, b.add(base, c), ety))
 
     units = emit_rows(ctx, b, [rows], cols, body, itemsize=dt.itemsize)
-    b.ret_void()
-    ctx.num_tiles = max(1, units)
-    ctx.single_core = prod(out) < SMALL_ELEMS
+    _finish_rows(ctx, b, units, prod(out))
 
 
 _reg("EyeLike", _lower_eyelike, check=lambda n, ins, outs: None if ins[0] is None or len(
@@ -997,9 +992,7 @@ def _lower_resize(ctx: Any) -> None:
             b.store(acc, emit.gep(b, dst, b.add(base, c), ety))
 
     units = emit_rows(ctx, b, out[:-1], out[-1], body, itemsize=dt.itemsize)
-    b.ret_void()
-    ctx.num_tiles = max(1, units)
-    ctx.single_core = prod(out) < SMALL_ELEMS
+    _finish_rows(ctx, b, units, prod(out))
     ctx.flops = prod(out) * (2 * sum(len(t) for t in taps) if linear else 0)
 
 
