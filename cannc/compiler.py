@@ -50,7 +50,6 @@ DEFAULT_PIPELINE = "O1"
 
 @dataclass
 class CompileOptions:
-    cores: int | None = None
     pipeline: str = DEFAULT_PIPELINE
     dump_after: set[str] = field(default_factory=set)
     cache: ObjectCache | None = None

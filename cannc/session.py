@@ -60,7 +60,7 @@ class Session:
         proto, _ = load_model_proto(model)
         self._proto = proto                      # serialised only when saved
         self.graph, _ = import_model(proto)
-        self.options = CompileOptions(cores=cores, pipeline=pipeline,
+        self.options = CompileOptions(pipeline=pipeline,
                                       dump_after=set(dump_after), cache=cache, fusion=fusion)
         self.device = shared_device(cores)
         self._programs: dict[tuple, Program] = {}
