@@ -52,6 +52,8 @@ class Session:
                  fusion: bool | dict[str, bool] | str = True, inflight: int = 2) -> None:
         if cores is not None and (not isinstance(cores, int) or cores < 1):
             raise CanncError(f"cores must be a positive integer, got {cores!r}")
+        if not isinstance(inflight, int) or inflight < 1:
+            raise CanncError(f"inflight must be a positive integer, got {inflight!r}")
         from .compiler import PIPELINES
         if pipeline not in PIPELINES:
             raise CanncError(f"unknown pipeline {pipeline!r}; choose one of "
@@ -70,7 +72,7 @@ class Session:
         self._lock = threading.Lock()
         self._pipe: dict[str, Any] | None = None
         self._compute_log: list[tuple[float, float]] | None = None
-        self.inflight = max(1, int(inflight))
+        self.inflight = inflight
         self._inputs = [NodeArg(n, list(self.graph.values[n].shape),
                                 onnx_type_string(self.graph.values[n].dtype))
                         for n in self.graph.inputs]

@@ -292,8 +292,10 @@ def test_garbage_objects_in_artifact_do_not_crash(tmp_path, artifact):
 # -- compile options -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("options", [{"cores": 0}, {"pipeline": "O9"},
-                                     {"shapes": {"x": (2, 16, 1)}}],
-                         ids=["cores=0", "pipeline=O9", "shape-rank"])
+                                     {"shapes": {"x": (2, 16, 1)}}, {"inflight": 0},
+                                     {"fusion": {"nonsense": True}}],
+                         ids=["cores=0", "pipeline=O9", "shape-rank", "inflight=0",
+                              "fusion-rule"])
 def test_bad_compile_options(options):
     m = _model([helper.make_node("Relu", ["x"], ["y"], name="r")], [_vi("x", shape=["n", 16])],
                [_vi("y", shape=["n", 16])])
