@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import llvmlite.ir as ir
 import numpy as np
@@ -42,6 +42,18 @@ class Kernel:
     inplace: bool = False        # an output may share the buffer of a same-shaped input
 
 
+@dataclass(frozen=True)
+class ConstRef:
+    """In a constant recipe: the value of constant input ``index``."""
+    index: int
+
+
+def apply_recipe(fn: Callable[..., np.ndarray], args: tuple,
+                 consts: list[np.ndarray | None]) -> np.ndarray:
+    vals = [consts[a.index] if isinstance(a, ConstRef) else a for a in args]
+    return np.array(fn(*vals), order="C", copy=True)
+
+
 class LowerCtx:
     """Everything a lowering may read, and the few things it sets.
 
@@ -64,6 +76,7 @@ class LowerCtx:
         self.single_core = False
         self.flops = 0
         self.new_consts: dict[int, np.ndarray] = {}
+        self.recipes: dict[int, tuple[Callable[..., np.ndarray], tuple]] = {}
         self.dropped: set[int] = set()
         self.notes: dict[str, Any] = {}
 
@@ -115,9 +128,14 @@ class LowerCtx:
     def const(self, i: int) -> np.ndarray | None:
         return self.consts[i] if i < len(self.consts) else None
 
-    def replace_const(self, i: int, value: np.ndarray) -> None:
-        """Feed input i with a transformed constant (e.g. weights packed for the GEMM)."""
-        self.new_consts[i] = np.array(value, order="C", copy=True)
+    def replace_const(self, i: int, fn: Callable[..., np.ndarray], *args: Any) -> None:
+        """Feed input i with ``fn(*args)``, a transformed constant (e.g. weights
+        packed for the GEMM). ``fn`` is a module-level function and ``args`` are
+        picklable, with ``ConstRef(j)`` standing for constant input j: the
+        transformation is a recipe the compiler can replay on other weights of
+        the same kernel without lowering it again (see compiler.lower_node)."""
+        self.recipes[i] = (fn, args)
+        self.new_consts[i] = apply_recipe(fn, args, self.consts)
 
 
 def finish(ctx: LowerCtx) -> tuple[str, str]:

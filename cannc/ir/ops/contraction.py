@@ -24,6 +24,7 @@ from ...codegen import emit
 from ...codegen.elementwise import bf16_bits_to_f32, f32_to_bf16_bits, is_bf16
 from ...codegen.emit import for_range, i64
 from ...codegen.gemm import GemmSpec, emit_gemm, gemm_num_tiles, gemm_workspace_bytes, prepack_b
+from ...codegen.kernel import ConstRef
 from ..graph import Node
 from ..registry import Category, OpDef, register
 from ..types import TensorType
@@ -260,11 +261,15 @@ def plan_contraction(ctx: Any, node: Node | None = None) -> GemmSpec:
     b = ctx.const(1)
     if b is not None:
         spec = _with(spec, b_prepacked=True)
-        if n.op_type == "MatMul":
-            nb = spec.batch if spec.b_batch_stride else 1
-            b = b.reshape(nb, spec.K, spec.N) if spec.b_batch_stride else b.reshape(spec.K, spec.N)
-        ctx.replace_const(1, prepack_b(spec, b))
+        ctx.replace_const(1, _prepack_const_b, spec, n.op_type == "MatMul", ConstRef(1))
     return spec
+
+
+def _prepack_const_b(spec: GemmSpec, matmul: bool, b: np.ndarray) -> np.ndarray:
+    if matmul:
+        nb = spec.batch if spec.b_batch_stride else 1
+        b = b.reshape(nb, spec.K, spec.N) if spec.b_batch_stride else b.reshape(spec.K, spec.N)
+    return prepack_b(spec, b)
 
 
 def finish_contraction(ctx: Any, spec: GemmSpec, extra_ws: int = 0) -> None:

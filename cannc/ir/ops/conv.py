@@ -25,6 +25,7 @@ from ...codegen.conv import (ConvGeom, ConvTGeom, Slots, abi_function, emit_conv
                              emit_convtranspose, pack_convtranspose_weights, pack_weights,
                              plan_conv, plan_convtranspose)
 from ...codegen.pool import WindowSpec, avg_counts_1d, emit_window, plan_window
+from ...codegen.kernel import ConstRef
 from ..registry import Category, OpDef, register
 
 F32 = frozenset({"float32"})
@@ -138,7 +139,7 @@ def _lower_conv(ctx: Any, epilogue: Any = None, y_slot: int | None = None) -> No
     w = ctx.const(1)
     plan = plan_conv(geom, const_weights=w is not None)
     if w is not None:
-        ctx.replace_const(1, pack_weights(geom, plan, w.reshape(geom.M, geom.Cg, *geom.k)))
+        ctx.replace_const(1, _pack_conv_weights, geom, plan, ConstRef(1), False)
     emit_conv(ctx.module, ctx.symbol, geom, plan, slots, a_prepacked=w is not None,
               epilogue=epilogue)
     ctx.num_tiles = plan.num_tiles
@@ -203,6 +204,13 @@ def convtranspose_geometry(ctx: Any) -> ConvGeom:
                     u=_to3(s, 1), bias=_has_bias(ctx))
 
 
+def _pack_conv_weights(geom: Any, plan: Any, w: np.ndarray, transposed: bool) -> np.ndarray:
+    if transposed:
+        return pack_weights(geom, plan, w.reshape(geom.C, geom.Mg, *geom.k),
+                            transposed_layout=True)
+    return pack_weights(geom, plan, w.reshape(geom.M, geom.Cg, *geom.k))
+
+
 def _lower_convtranspose(ctx: Any) -> None:
     if ctx.out_types[0].numel == 0:
         return _noop(ctx)
@@ -216,7 +224,7 @@ def _lower_convtranspose(ctx: Any) -> None:
                        pb=tuple(geom.d[i] * (geom.k[i] - 1) - geom.pb[i] for i in range(3)),
                        bias=geom.bias)
         tplan = plan_convtranspose(tg)
-        ctx.replace_const(1, pack_convtranspose_weights(tg, tplan, w))
+        ctx.replace_const(1, pack_convtranspose_weights, tg, tplan, ConstRef(1))
         emit_convtranspose(ctx.module, ctx.symbol, tg, tplan, slots)
         ctx.num_tiles = tplan.num_tiles
         ctx.workspace_bytes = tplan.ws_bytes
@@ -226,8 +234,7 @@ def _lower_convtranspose(ctx: Any) -> None:
         return
     plan = plan_conv(geom, const_weights=False)
     if w is not None:
-        ctx.replace_const(1, pack_weights(geom, plan, w.reshape(geom.C, geom.Mg, *geom.k),
-                                          transposed_layout=True))
+        ctx.replace_const(1, _pack_conv_weights, geom, plan, ConstRef(1), True)
     emit_conv(ctx.module, ctx.symbol, geom, plan, slots, a_prepacked=w is not None,
               transposed_layout=True)
     ctx.num_tiles = plan.num_tiles

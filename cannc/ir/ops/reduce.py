@@ -14,6 +14,7 @@ import numpy as np
 
 from ...codegen import reduce as R
 from ...codegen.elementwise import TV, Expr, emit_map
+from ...codegen.kernel import ConstRef
 from ...errors import UnsupportedOpError
 from ..graph import Node
 from ..registry import Category, OpDef, register
@@ -344,6 +345,15 @@ def _bn_check(n: Node, ins: list, outs: list) -> str | None:
     return None
 
 
+def _bn_fold(which: int, pshape: tuple, eps: float, cdt: np.dtype, sc: np.ndarray,
+             b: np.ndarray, mean: np.ndarray, var: np.ndarray) -> np.ndarray:
+    """Inference BatchNorm as y = x*s + t: s (which=0) or t (which=1), folded in
+    float64 and kept in the compute dtype (float32 for float16 inputs)."""
+    sc, b, mean, var = (np.asarray(c, np.float64).reshape(pshape) for c in (sc, b, mean, var))
+    s = sc / np.sqrt(var + np.float64(np.float32(eps)))
+    return (s if which == 0 else b - mean * s).astype(cdt)
+
+
 def _lower_batch_norm(ctx: Any) -> None:
     xt = ctx.in_types[0]
     shape = tuple(int(d) for d in xt.shape)
@@ -355,12 +365,9 @@ def _lower_batch_norm(ctx: Any) -> None:
     consts = [ctx.const(i) for i in range(1, 5)]
     cdt = R.compute_dtype(xdt)
     if all(c is not None for c in consts):
-        sc, b, mean, var = (np.asarray(c, np.float64).reshape(pshape) for c in consts)
-        s = sc / np.sqrt(var + np.float64(np.float32(eps)))
-        t = b - mean * s
-        # folded in float64, kept in the compute dtype (float32 for float16 inputs)
-        ctx.replace_const(1, s.astype(cdt))
-        ctx.replace_const(2, t.astype(cdt))
+        refs = [ConstRef(i) for i in range(1, 5)]
+        ctx.replace_const(1, _bn_fold, 0, pshape, eps, cdt, *refs)
+        ctx.replace_const(2, _bn_fold, 1, pshape, eps, cdt, *refs)
         pt = TensorType(cdt, pshape)
 
         def expr(E: Expr, ops: Sequence[TV]) -> list[TV]:
