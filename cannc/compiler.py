@@ -10,14 +10,21 @@ shapes, so a model with dynamic batch and sequence compiles once per size.
 from __future__ import annotations
 
 import os
+import pickle
+import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .codegen.kernel import Kernel, LowerCtx, finish
+from .codegen import target
+from .codegen.kernel import ConstRef, Kernel, LowerCtx, Tiling, apply_recipe, finish
+from .codegen.memo import (LoweringMemo, MemoEntry, baked_key, default_memo,
+                           node_key)
+from .codegen.memo import salt as memo_salt
 from .codegen.target import ObjectCache, default_cache
 from .errors import CanncError, CompileError, UnsupportedOpError
 from .ir.graph import Graph, Node
@@ -123,19 +130,25 @@ def specialize(base: Graph, shapes: dict[str, tuple[int, ...]],
     problems = support_problems(g)
     if problems:
         raise UnsupportedOpError(problems)
-    kernels, aliases, constants, modules = lower_graph(g)
     cache = options.cache or default_cache()
     h0, m0 = cache.hits, cache.misses
-    objects = compile_modules(modules, cache)
+    kernels, aliases, constants, modules, objects = lower_graph(g, cache)
+    objects.update(compile_modules(modules, cache))
     return Specialization(g, kernels, aliases, constants, objects, pm.records, pm.dumps,
                           time.perf_counter() - t0, cache.hits - h0, cache.misses - m0)
 
 
-def lower_graph(g: Graph) -> tuple[list[Kernel], dict[str, str], dict[str, np.ndarray],
-                                   dict[str, str]]:
+def lower_graph(g: Graph, cache: ObjectCache | None = None, memo: LoweringMemo | None = None
+                ) -> tuple[list[Kernel], dict[str, str], dict[str, np.ndarray],
+                           dict[str, str], dict[str, bytes]]:
+    """Lower every node (views alias their source). Returns the kernels, the
+    aliases, the constants, the modules still to compile (symbol -> IR) and the
+    object code of kernels the memo already had (symbol -> object)."""
+    cache = cache or default_cache()
+    memo = memo or default_memo()
+    lw = _Lowering(cache, memo, memo_salt())
     kernels: list[Kernel] = []
     aliases: dict[str, str] = {}
-    modules: dict[str, str] = {}
     constants = dict(g.constants)
 
     def root(v: str) -> str:
@@ -151,52 +164,153 @@ def lower_graph(g: Graph) -> tuple[list[Kernel], dict[str, str], dict[str, np.nd
             for o in n.outputs[:1]:
                 aliases[o] = src
             continue
-        kernels.append(lower_node(g, n, op, root, constants, modules))
-    return kernels, aliases, constants, modules
+        kernels.append(lw.lower_node(g, n, op, root, constants))
+    return kernels, aliases, constants, lw.modules, lw.objects
 
 
-def lower_node(g: Graph, n: Node, op: OpDef, root: Any, constants: dict[str, np.ndarray],
-               modules: dict[str, str]) -> Kernel:
-    in_types = [g.values[v] if v else None for v in n.inputs]
-    out_types = [g.values[v] for v in n.outputs if v]
-    consts = [g.constants.get(root(v)) if v else None for v in n.inputs]
-    ctx = LowerCtx(n, in_types, out_types, consts)
-    ctx.opdef = op  # type: ignore[attr-defined]
-    try:
-        assert op.lower is not None
-        op.lower(ctx)
-    except CanncError:
-        raise
-    except Exception as e:
-        raise CompileError(f"lowering {n.op_type} at node '{n.name}' failed: "
-                           f"{type(e).__name__}: {e}") from e
-    symbol, text = finish(ctx)
-    modules.setdefault(symbol, text)
-    inputs = []
-    for i, v in enumerate(n.inputs):
-        if i in ctx.dropped:
-            continue
-        if i in ctx.new_consts:
-            cname = f"{n.name}::packed{i}"
-            constants[cname] = ctx.new_consts[i]
-            inputs.append(cname)
+_counts_lock = threading.Lock()
+_lowerings = 0
+
+
+def codegen_counts() -> tuple[int, int]:
+    """(node lowerings run, LLVM modules compiled) in this process: what a run at
+    a new shape of shape-polymorphic kernels must not increase."""
+    with _counts_lock:
+        return _lowerings, target.emitted_modules()
+
+
+class _Lowering:
+    """One specialisation's lowering: memo lookups, lowerings on a miss, replayed
+    constant recipes on a hit."""
+
+    def __init__(self, cache: ObjectCache, memo: LoweringMemo, salt: str) -> None:
+        self.cache, self.memo, self.salt = cache, memo, salt
+        self.modules: dict[str, str] = {}
+        self.objects: dict[str, bytes] = {}
+
+    def lower_node(self, g: Graph, n: Node, op: OpDef, root: Any,
+                   constants: dict[str, np.ndarray]) -> Kernel:
+        global _lowerings
+        in_types = [g.values[v] if v else None for v in n.inputs]
+        out_types = [g.values[v] for v in n.outputs if v]
+        consts = [g.constants.get(root(v)) if v else None for v in n.inputs]
+        tiling = op.tiling(n, in_types, out_types) if op.tiling is not None else None
+        key = node_key(n, in_types, out_types, consts, tiling.key if tiling else None, self.salt)
+        entry = self._lookup(key, consts)
+        if entry is None:
+            with _counts_lock:
+                _lowerings += 1
+            entry = self._lower(n, op, in_types, out_types, consts, tiling, key)
+        new_consts = {i: _replay(fn, args, consts) for i, (fn, args) in entry.recipes.items()}
+        inputs = []
+        for i, v in enumerate(n.inputs):
+            if i in entry.dropped:
+                continue
+            if i in new_consts:
+                cname = f"{n.name}::packed{i}"
+                constants[cname] = new_consts[i]
+                inputs.append(cname)
+            else:
+                inputs.append(root(v) if v else "")
+        br = sum(t.nbytes for t in in_types if t is not None)
+        bw = sum(t.nbytes for t in out_types)
+        if tiling is not None:
+            num_tiles, ws, single = tiling.num_tiles, tiling.workspace_bytes, tiling.single_core
+            flops = tiling.flops
+            notes = {**entry.notes, **tiling.notes}
         else:
-            inputs.append(root(v) if v else "")
-    br = sum(t.nbytes for t in in_types if t is not None)
-    bw = sum(t.nbytes for t in out_types)
-    if op.flops is not None:
-        flops = op.flops(n, in_types, out_types)
-    else:
-        flops = ctx.flops
-    names, op_types = onnx_origin(n)
-    return Kernel(symbol=symbol, nodes=names, op_types=op_types, inputs=inputs,
-                  outputs=[v for v in n.outputs], num_tiles=max(1, int(ctx.num_tiles)),
-                  workspace_bytes=int(ctx.workspace_bytes), single_core=bool(ctx.single_core),
-                  flops=int(flops), bytes_read=br, bytes_written=bw, module_ir=text,
-                  notes=dict(ctx.notes),
-                  # maps read and write element i together: an output may overwrite an input
-                  inplace=op.category in (Category.ELEMENTWISE, Category.BROADCAST)
-                  and (op.name == "FusedMap" or "expr" in op.extra))
+            num_tiles, ws, single = entry.num_tiles, entry.workspace_bytes, entry.single_core
+            flops, notes = None, dict(entry.notes)
+        if flops is None:
+            flops = op.flops(n, in_types, out_types) if op.flops is not None else entry.flops
+        names, op_types = onnx_origin(n)
+        return Kernel(symbol=entry.symbol, nodes=names, op_types=op_types, inputs=inputs,
+                      outputs=[v for v in n.outputs], num_tiles=max(1, int(num_tiles)),
+                      workspace_bytes=int(ws), single_core=bool(single),
+                      flops=int(flops), bytes_read=br, bytes_written=bw,
+                      object_key=entry.object_key, notes=notes,
+                      dims=tuple(int(d) for d in tiling.dims) if tiling else (),
+                      # maps read and write element i together: an output may overwrite an input
+                      inplace=op.category in (Category.ELEMENTWISE, Category.BROADCAST)
+                      and (op.name == "FusedMap" or "expr" in op.extra))
+
+    def _lookup(self, key: str, consts: list[np.ndarray | None]) -> MemoEntry | None:
+        e = self.memo.get(key)
+        if e is not None and e.baked:
+            e = self.memo.get(baked_key(key, consts, e.baked))
+        if e is None:
+            return None
+        if e.symbol not in self.objects and e.symbol not in self.modules:
+            obj = self.cache.get(e.object_key)
+            if obj is None:        # the object was evicted: lower and compile again
+                return None
+            self.cache.hits += 1
+            self.objects[e.symbol] = obj
+        return e
+
+    def _lower(self, n: Node, op: OpDef, in_types: list, out_types: list,
+               consts: list[np.ndarray | None], tiling: Tiling | None, key: str) -> MemoEntry:
+        ctx = LowerCtx(n, in_types, out_types, consts)
+        ctx.opdef = op  # type: ignore[attr-defined]
+        ctx.tiling = tiling
+        try:
+            assert op.lower is not None
+            op.lower(ctx)
+        except CanncError:
+            raise
+        except Exception as e:
+            raise CompileError(f"lowering {n.op_type} at node '{n.name}' failed: "
+                               f"{type(e).__name__}: {e}") from e
+        symbol, text = finish(ctx)
+        okey = self.cache.key(text, 2)
+        if symbol not in self.objects:
+            self.modules.setdefault(symbol, text)
+        # a constant read without a recipe may be folded into the code
+        baked = tuple(sorted(i for i in ctx.const_reads
+                             if i not in ctx.recipes and consts[i] is not None))
+        entry = MemoEntry(symbol=symbol, object_key=okey, dropped=tuple(sorted(ctx.dropped)),
+                          recipes=dict(ctx.recipes), num_tiles=int(ctx.num_tiles),
+                          workspace_bytes=int(ctx.workspace_bytes),
+                          single_core=bool(ctx.single_core), flops=int(ctx.flops),
+                          notes=dict(ctx.notes), baked=baked)
+        if baked:
+            self.memo.put(key, MemoEntry(symbol="", object_key="", dropped=(), recipes={},
+                                         num_tiles=0, workspace_bytes=0, single_core=False,
+                                         flops=0, baked=baked))
+            self.memo.put(baked_key(key, consts, baked), entry)
+        else:
+            self.memo.put(key, entry)
+        return entry
+
+
+_recipe_cache: dict[tuple, tuple[list[weakref.ref], weakref.ref]] = {}
+_recipe_lock = threading.Lock()
+
+
+def _replay(fn: Any, args: tuple, consts: list[np.ndarray | None]) -> np.ndarray:
+    """A constant recipe's result, shared while its source constants and result live
+    (a second shape of the same model does not pack its weights again)."""
+    srcs = [consts[a.index] for a in args if isinstance(a, ConstRef)]
+    try:
+        k = (fn.__module__, fn.__qualname__, tuple(id(s) for s in srcs), pickle.dumps(
+            [None if isinstance(a, ConstRef) else a for a in args]))
+    except Exception:
+        return apply_recipe(fn, args, consts)
+    with _recipe_lock:
+        hit = _recipe_cache.get(k)
+    if hit is not None:
+        refs, out = hit
+        v = out()
+        if v is not None and all(r() is s for r, s in zip(refs, srcs)):
+            return v
+    v = apply_recipe(fn, args, consts)
+    v.setflags(write=False)
+    with _recipe_lock:
+        if len(_recipe_cache) > 4096:
+            for kk in [kk for kk, (rs, o) in _recipe_cache.items() if o() is None]:
+                del _recipe_cache[kk]
+        _recipe_cache[k] = ([weakref.ref(s) for s in srcs], weakref.ref(v))
+    return v
 
 
 def onnx_origin(n: Node) -> tuple[list[str], list[str]]:

@@ -342,7 +342,6 @@ class Session:
     # -- save / load ------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
         """Write a .cnc artifact: the model, and the object code of every specialisation."""
-        cache = self.options.cache or default_cache()
         manifest = {
             "format": "cannc-artifact", "version": 1, "cannc": __version__,
             "host": host().fingerprint, "cpu": host().cpu, "pipeline": self.options.pipeline,
@@ -354,7 +353,7 @@ class Session:
             z.writestr("model.onnx", self._proto.SerializeToString())
             for prog in self._programs.values():
                 for k in prog.spec.kernels:
-                    key = cache.key(k.module_ir, 2)
+                    key = k.object_key
                     if key in manifest["objects"]:
                         continue
                     obj = prog.spec.objects[k.symbol]

@@ -146,3 +146,46 @@ def check_op(op_type: str, inputs: Sequence[np.ndarray | None], n_outputs: int =
     """Single-node model: cannc vs onnxruntime."""
     m, feeds = single_node_model(op_type, inputs, n_outputs, opset, const_inputs, **attrs)
     return assert_matches_ort(m, feeds, rtol=rtol, atol=atol, cores=cores)
+
+
+def with_dynamic_dims(model: onnx.ModelProto, dims: dict[str, dict[int, str]]) -> onnx.ModelProto:
+    """A copy of ``model`` whose graph inputs have symbolic dims: ``{input: {axis: name}}``
+    (e.g. ``{"x": {0: "batch", 1: "seq"}}``); outputs lose their static shapes."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for vi in m.graph.input:
+        for axis, name in dims.get(vi.name, {}).items():
+            d = vi.type.tensor_type.shape.dim[axis]
+            d.Clear()
+            d.dim_param = name
+    for vi in m.graph.output:
+        vi.type.tensor_type.ClearField("shape")
+    return m
+
+
+def check_runtime_dims(model: onnx.ModelProto, feeds_list: Sequence[dict[str, np.ndarray]],
+                       rtol: float = 1e-4, atol: float = 1e-5, cores: int = 2,
+                       **compile_opts: Any) -> "cannc.Session":
+    """Shape-polymorphic kernels: compile ``model`` (symbolic input dims) once,
+    run it at the first feeds (this generates the code), then at every other
+    feeds with *no* lowering and no LLVM compile; every run matches onnxruntime."""
+    from cannc.compiler import codegen_counts
+    sess = cannc.compile(model, cores=cores, **compile_opts)
+    for i, feeds in enumerate(feeds_list):
+        before = codegen_counts()
+        got = sess.run(None, feeds)
+        after = codegen_counts()
+        if i > 0:
+            assert after == before, (
+                f"run {i} (shapes {({k: v.shape for k, v in feeds.items()})}) generated code: "
+                f"lowerings/LLVM compiles {before} -> {after}")
+        expected = ort_run(model, feeds)
+        for g, e, o in zip(got, expected, model.graph.output):
+            e = np.asarray(e)
+            assert g.dtype == e.dtype and g.shape == e.shape, \
+                f"{o.name}: {g.dtype}{g.shape} != {e.dtype}{e.shape}"
+            if e.dtype.kind in "fc":
+                np.testing.assert_allclose(g, e, rtol=rtol, atol=atol, err_msg=f"run {i}: {o.name}")
+            else:
+                np.testing.assert_array_equal(g, e, err_msg=f"run {i}: {o.name}")
+    return sess

@@ -37,15 +37,60 @@ class Kernel:
     flops: int
     bytes_read: int
     bytes_written: int
-    module_ir: str = field(repr=False, default="")
+    object_key: str = ""                 # the object cache key of its code
+    dims: tuple[int, ...] = ()           # runtime dimensions (ABI.md), after the pointers
     notes: dict[str, Any] = field(default_factory=dict)
     inplace: bool = False        # an output may share the buffer of a same-shaped input
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """The host tiling of a shape-polymorphic kernel for one set of shapes (the
+    CANN tiling-function pattern; see ABI.md "Runtime dimensions").
+
+    ``key`` is everything about the shapes that the generated code depends on
+    (rank, broadcast pattern, the static extents such as a GEMM's N and K); it
+    never holds a runtime dimension. ``dims`` are the values the kernel reads at
+    run time with ``ctx.rt_dim(b, i)``. The rest is what the runtime needs for
+    these shapes."""
+
+    key: tuple
+    dims: tuple[int, ...]
+    num_tiles: int
+    workspace_bytes: int = 0
+    single_core: bool = False
+    flops: int | None = None
+    notes: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
 class ConstRef:
     """In a constant recipe: the value of constant input ``index``."""
     index: int
+
+
+class ConstMap:
+    """value name -> constant, marking a constant read only when it is looked up."""
+
+    def __init__(self, ctx: "LowerCtx") -> None:
+        self._ctx = ctx
+        self._index = {v: i for i, v in enumerate(ctx.node.inputs) if v and ctx.is_const(i)}
+
+    def get(self, v: str, default: Any = None) -> Any:
+        i = self._index.get(v)
+        return self._ctx.const(i) if i is not None else default
+
+    def __getitem__(self, v: str) -> np.ndarray:
+        return self._ctx.const(self._index[v])
+
+    def __contains__(self, v: object) -> bool:
+        return v in self._index
+
+    def __iter__(self):
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
 
 
 def apply_recipe(fn: Callable[..., np.ndarray], args: tuple,
@@ -79,6 +124,8 @@ class LowerCtx:
         self.recipes: dict[int, tuple[Callable[..., np.ndarray], tuple]] = {}
         self.dropped: set[int] = set()
         self.notes: dict[str, Any] = {}
+        self.tiling: Tiling | None = None     # set by the compiler for tiling op families
+        self.const_reads: set[int] = set()
 
     # -- the ABI function --------------------------------------------------
     def begin(self) -> tuple[ir.Function, ir.IRBuilder]:
@@ -113,6 +160,15 @@ class LowerCtx:
     def out_ptr(self, b: ir.IRBuilder, j: int) -> ir.Value:
         return emit.load_arg(b, self.args, len(self.node.inputs) - len(self.dropped) + j)
 
+    def rt_dim(self, b: ir.IRBuilder, i: int) -> ir.Value:
+        """Runtime dimension ``i`` of ``ctx.tiling.dims`` (an i64), read from the
+        argument array after the tensor pointers."""
+        assert self.tiling is not None and 0 <= i < len(self.tiling.dims), \
+            f"runtime dim {i} is not declared by the tiling function"
+        n_ptrs = len(self.node.inputs) - len(self.dropped) + len(self.node.outputs)
+        slot = emit.gep(b, self.args, n_ptrs + i, emit.I64)
+        return b.load(slot, typ=emit.I64)
+
     def drop_input(self, i: int) -> None:
         """The kernel does not read input i: it gets no slot in the argument array
         (call before emitting code that uses argument indices)."""
@@ -126,7 +182,19 @@ class LowerCtx:
         return self.node.opset
 
     def const(self, i: int) -> np.ndarray | None:
-        return self.consts[i] if i < len(self.consts) else None
+        if i < len(self.consts) and self.consts[i] is not None:
+            self.const_reads.add(i)
+            return self.consts[i]
+        return None
+
+    def is_const(self, i: int) -> bool:
+        """Whether input i is a compile-time constant (without reading its value:
+        a value read may be folded into the code, so it joins the kernel's key)."""
+        return i < len(self.consts) and self.consts[i] is not None
+
+    def const_map(self) -> "ConstMap":
+        """The constant inputs by value name, read (and keyed) only when looked up."""
+        return ConstMap(self)
 
     def replace_const(self, i: int, fn: Callable[..., np.ndarray], *args: Any) -> None:
         """Feed input i with ``fn(*args)``, a transformed constant (e.g. weights

@@ -83,8 +83,20 @@ def new_module(name: str) -> ir.Module:
     return m
 
 
+_emitted = 0
+_emitted_lock = threading.Lock()
+
+
+def emitted_modules() -> int:
+    """How many modules this process has compiled to objects."""
+    return _emitted
+
+
 def optimise_and_emit(module_ir: str, name: str, speed_level: int = 2) -> bytes:
     """Parse, verify, optimise, verify and emit an object file for host."""
+    global _emitted
+    with _emitted_lock:
+        _emitted += 1
     mod, tm = _optimise(module_ir, name, speed_level)
     return tm.emit_object(mod)
 

@@ -52,6 +52,10 @@ class OpDef:
     fusible: bool = False
     doc: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # host tiling function of a shape-polymorphic lowering: (node, in_types,
+    # out_types) -> codegen.kernel.Tiling, or None where that shape is emitted
+    # statically (see codegen/ABI.md "Runtime dimensions")
+    tiling: Callable[["Node", list["TensorType | None"], list["TensorType"]], Any] | None = None
 
     def unsupported_reason(self, node: "Node", ins: list["TensorType"],
                            outs: list["TensorType"]) -> str | None:

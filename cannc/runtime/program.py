@@ -171,7 +171,7 @@ class Program:
         dev, kernels = self.device, self.spec.kernels
         arena = dev.malloc(max(self.plan.arena_bytes, ALIGN), "arena")
         ws = dev.malloc(max(self.ws_stride * dev.cores, ALIGN), "workspace")
-        ntab = sum(len(k.inputs) + len(k.outputs) for k in kernels)
+        ntab = sum(len(k.inputs) + len(k.outputs) + len(k.dims) for k in kernels)
         table = np.zeros(max(ntab, 8), np.uint64)
         sched = np.zeros(max(len(kernels) * dispatch.RECORD_WORDS, 8), np.uint64)
 
@@ -187,10 +187,12 @@ class Program:
         for i, k in enumerate(kernels):
             vals = list(k.inputs) + list(k.outputs)
             table[pos:pos + len(vals)] = [addr(v) for v in vals]
+            # runtime dimensions follow the pointers (codegen/ABI.md)
+            table[pos + len(vals):pos + len(vals) + len(k.dims)] = k.dims
             flags = dispatch.FLAG_SINGLE_CORE if k.single_core else 0
             r = i * dispatch.RECORD_WORDS
             sched[r:r + 4] = [self._fn[i], table.ctypes.data + pos * 8, k.num_tiles, flags]
-            pos += len(vals)
+            pos += len(vals) + len(k.dims)
         g = self.spec.graph
         return Context(arena, ws, table, sched,
                        inputs={v: self._view(arena, v) for v in g.inputs},

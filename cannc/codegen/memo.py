@@ -1,0 +1,262 @@
+"""The lowering memo: a kernel is generated once per *signature*, not per node.
+
+Lowering a node (building its LLVM IR in Python) and compiling it cost far more
+than everything else a compile does, and most kernels repeat: the twelve layers
+of an encoder have the same four GEMMs, and a new sequence length of a
+shape-polymorphic kernel (codegen/ABI.md "Runtime dimensions") is the same code.
+So the compiler asks the memo before lowering. The key is what the generated
+code may depend on:
+
+- the op (name, domain, opset) and its attributes, with the value names of a
+  fused body renamed canonically (layer 3's chain is layer 0's chain);
+- the dtypes, and either the full shapes or, for a tiling op family, its
+  ``Tiling.key`` (the runtime dimensions are left out: that is the point);
+- the shapes of constant inputs, and the contents of those the lowering read
+  without a recipe (a scalar folded into the code, a mask whose structure
+  picks a variant): the first-level entry names them, their digests make the
+  second-level key. Weights read through a pointer or transformed by a
+  recorded recipe (packing) are not read, so every layer shares one kernel;
+- the host target, the cannc sources, the tuning cache in effect.
+
+An entry keeps the symbol, the object-cache key of its code, the inputs it
+dropped, its constant recipes and its tiling results. It lives in memory and,
+checksummed, in the cache directory (``lower/``), so a warm compile of an
+unchanged model lowers nothing and compiles nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import threading
+from dataclasses import dataclass, field, fields, is_dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import config
+from ..ir.graph import Node
+from ..ir.types import TensorType
+from .target import host
+
+_MAGIC = b"CNCMEMO1\n"
+# attributes that name where a node came from and never change its code
+METADATA_ATTRS = frozenset({"fused_from"})
+
+
+@dataclass
+class MemoEntry:
+    symbol: str
+    object_key: str
+    dropped: tuple[int, ...]
+    recipes: dict[int, tuple[Any, tuple]]
+    num_tiles: int
+    workspace_bytes: int
+    single_core: bool
+    flops: int
+    notes: dict[str, Any] = field(default_factory=dict)
+    baked: tuple[int, ...] = ()        # constant inputs whose content is in the key
+
+
+_source_digest: str | None = None
+
+
+def source_digest() -> str:
+    """A digest of cannc's own sources: a changed emitter never reuses old entries."""
+    global _source_digest
+    if _source_digest is None:
+        root = Path(__file__).resolve().parent.parent
+        h = hashlib.sha256()
+        for p in sorted(root.rglob("*.py")):
+            h.update(str(p.relative_to(root)).encode())
+            h.update(p.read_bytes())
+        _source_digest = h.hexdigest()[:16]
+    return _source_digest
+
+
+_array_digests: dict[int, tuple[Any, str]] = {}
+_digest_lock = threading.Lock()
+
+
+def array_digest(a: np.ndarray) -> str:
+    """sha256 of an array's dtype, shape and bytes (memoised per array object:
+    compile-time constants are not mutated)."""
+    with _digest_lock:
+        hit = _array_digests.get(id(a))
+        if hit is not None and hit[0] is a:
+            return hit[1]
+    c = np.ascontiguousarray(a)
+    h = hashlib.sha256(f"{c.dtype.str}{c.shape}".encode())
+    h.update(memoryview(c.reshape(-1).view(np.uint8)))
+    d = h.hexdigest()
+    with _digest_lock:
+        if len(_array_digests) > 65536:
+            _array_digests.clear()
+        _array_digests[id(a)] = (a, d)
+    return d
+
+
+class _Canon:
+    """Stable text for attribute values; value names renamed in order of appearance."""
+
+    def __init__(self, node: Node, polymorphic: bool) -> None:
+        self.names: dict[str, str] = {}
+        for i, v in enumerate(node.inputs):
+            if v:
+                self.names.setdefault(v, f"i{i}")
+        for j, v in enumerate(node.outputs):
+            if v:
+                self.names.setdefault(v, f"o{j}")
+        self.polymorphic = polymorphic
+
+    def name(self, v: str) -> str:
+        if not v:
+            return ""
+        if v not in self.names:
+            self.names[v] = f"t{len(self.names)}"
+        return self.names[v]
+
+    def type(self, t: TensorType) -> str:
+        dt = np.dtype(t.dtype).str
+        if self.polymorphic:   # extents come from the tiling key (and the runtime)
+            return f"T({dt},r{len(t.shape)})"
+        return f"T({dt},{tuple(t.shape)})"
+
+    def __call__(self, x: Any) -> str:
+        if isinstance(x, Node):
+            return (f"N({x.op_type},{x.domain},{x.opset},"
+                    f"[{','.join(self.name(v) for v in x.inputs)}]->"
+                    f"[{','.join(self.name(v) for v in x.outputs)}],{self.attrs(x.attrs)})")
+        if isinstance(x, TensorType):
+            return self.type(x)
+        if isinstance(x, np.ndarray):
+            return f"A({array_digest(x)})"
+        if isinstance(x, dict):
+            items = []
+            for k, v in x.items():
+                kk = self.name(k) if isinstance(k, str) and k in self.names else self(k)
+                items.append((kk, self(v)))
+            return "{" + ",".join(f"{k}:{v}" for k, v in sorted(items)) + "}"
+        if isinstance(x, (list, tuple)):
+            return "[" + ",".join(self(v) for v in x) + "]"
+        if isinstance(x, Enum):
+            return repr(x.value)
+        if is_dataclass(x) and not isinstance(x, type):
+            return type(x).__name__ + "(" + ",".join(self(getattr(x, f.name))
+                                                     for f in fields(x)) + ")"
+        if isinstance(x, (np.generic,)):
+            return repr(x.item())
+        if isinstance(x, float):
+            return float.hex(x)
+        if isinstance(x, bytes):
+            return "b" + hashlib.sha256(x).hexdigest()
+        return repr(x)
+
+    def attrs(self, attrs: dict[str, Any]) -> str:
+        # names inside a fused body (its "types" map) are renamed first, in body order
+        body = attrs.get("body")
+        if body:
+            for n in body:
+                for v in list(n.inputs) + list(n.outputs):
+                    self.name(v)
+        return "{" + ",".join(f"{k}:{self(attrs[k])}" for k in sorted(attrs)
+                              if k not in METADATA_ATTRS) + "}"
+
+
+def node_key(node: Node, in_types: list[TensorType | None], out_types: list[TensorType],
+             consts: list[np.ndarray | None], tiling_key: tuple | None, salt: str) -> str:
+    """The first-level key (constants by shape only)."""
+    canon = _Canon(node, polymorphic=tiling_key is not None)
+    parts = [salt, node.op_type, node.domain, str(node.opset), canon.attrs(node.attrs)]
+    parts.append(canon(list(in_types)) + "->" + canon(list(out_types)))
+    if tiling_key is not None:
+        parts.append("tiling:" + canon(tiling_key))
+    for i, c in enumerate(consts):
+        if c is not None:
+            parts.append(f"C{i}:{np.dtype(c.dtype).str}{tuple(c.shape)}")
+    return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()
+
+
+def baked_key(key: str, consts: list[np.ndarray | None], baked: tuple[int, ...]) -> str:
+    h = hashlib.sha256(key.encode())
+    for i in baked:
+        c = consts[i]
+        h.update(f"{i}:{array_digest(c) if c is not None else '-'}".encode())
+    return h.hexdigest()
+
+
+class LoweringMemo:
+    def __init__(self, root: Path | None) -> None:
+        self.root = root / "lower" if root is not None else None
+        self.memory: dict[str, MemoEntry] = {}
+        self.lock = threading.Lock()
+
+    def _path(self, key: str) -> Path:
+        assert self.root is not None
+        return self.root / key[:2] / f"{key}.pkl"
+
+    def get(self, key: str) -> MemoEntry | None:
+        with self.lock:
+            e = self.memory.get(key)
+        if e is not None or self.root is None:
+            return e
+        try:
+            data = self._path(key).read_bytes()
+        except OSError:
+            return None
+        n = len(_MAGIC)
+        if not data.startswith(_MAGIC) or len(data) < n + 32 or \
+                hashlib.sha256(data[n + 32:]).digest() != data[n:n + 32]:
+            return None     # damaged: lower again (and overwrite)
+        try:
+            e = pickle.loads(data[n + 32:])
+        except Exception:   # an entry written by another cannc: lower again
+            return None
+        if not isinstance(e, MemoEntry):
+            return None
+        with self.lock:
+            self.memory[key] = e
+        return e
+
+    def put(self, key: str, e: MemoEntry) -> None:
+        with self.lock:
+            self.memory[key] = e
+        if self.root is None:
+            return
+        try:
+            payload = pickle.dumps(e, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:   # an unpicklable note or recipe: keep it in memory only
+            return
+        p = self._path(key)
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            tmp = p.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
+            tmp.write_bytes(_MAGIC + hashlib.sha256(payload).digest() + payload)
+            os.replace(tmp, p)
+        except OSError:
+            pass
+
+
+_memos: dict[str, LoweringMemo] = {}
+
+
+def default_memo() -> LoweringMemo:
+    root = config.cache_dir()
+    k = str(root)
+    if k not in _memos:
+        _memos[k] = LoweringMemo(root)
+    return _memos[k]
+
+
+def salt() -> str:
+    """Everything global the generated code depends on."""
+    tfp = ""
+    try:
+        from .. import tuning
+        tfp = tuning.fingerprint()
+    except Exception:   # no tuning cache module / file: deterministic defaults
+        tfp = ""
+    return f"{host().fingerprint}|{source_digest()}|{tfp}"
