@@ -4,12 +4,18 @@
     python benchmarks/attention_bench.py 8x12x128x64 1x12x512x64 --causal
     python benchmarks/attention_bench.py 8x12x384x64 --tuning '{"KB": 128}'
     python benchmarks/attention_bench.py 8x12x128x64 --cores 2
+    python benchmarks/attention_bench.py 8x12x128x64 --k-bhsd --merged-out --poly
 
 Shapes are BxHxSxD (self-attention, Sq = Sk = S, Dv = D). Inputs are laid out
 as BERT exports them: Q [B,H,S,D], K already transposed [B,H,D,S], V
 [B,H,S,D], an additive [B,1,1,S] key-padding mask (0 / -10000, a quarter of
 the keys padded); with --causal a GPT-style [1,1,S,S] bool lower-triangular
 mask applied with where(mask, S, float32 lowest) instead (cannc: causal=True).
+
+With --poly the shape-polymorphic kernel (emitted for the AttnForm, reading B,
+Sq, Sk and the open strides at run time: what a compiled model runs) is timed
+too, interleaved with the static kernel (column "poly": static median / poly
+median, >1 means the polymorphic kernel is faster).
 
 Rivals, all single threaded unless --cores is given (and measured in the same
 process, interleaved; medians of --reps runs):
@@ -52,6 +58,7 @@ _p.add_argument(
     action="store_true",
     help="cannc writes O as [B,S,H,D] (merged heads; rivals [B,H,S,D])",
 )
+_p.add_argument("--poly", action="store_true", help="also time the shape-polymorphic kernel")
 _p.add_argument("--no-ort", action="store_true")
 _p.add_argument("--no-numpy", action="store_true")
 ARGS = _p.parse_args()
@@ -71,6 +78,7 @@ from cannc.codegen.attention import (
     AttnSpec,
     attention_num_tiles,
     attention_plan,
+    attention_tiling,
     attention_workspace_bytes,
     emit_attention,
 )
@@ -177,6 +185,21 @@ def bench(shape: str):
     def run_cannc():
         run_concurrently(fn, argv, ranges, wsp)
 
+    o_poly = aligned((B, H, S, D))
+    if ARGS.poly:
+        til = attention_tiling(spec, tuning)
+        pmod = ir.Module()
+        emit_attention(pmod, "attn_poly", til.form, tuning=tuning)
+        pfn = jit_kernel(pmod, "attn_poly", ARGS.speed_level)
+        pvals = ptrs[:-1] + [o_poly.ctypes.data] + list(til.dims)
+        pargv = (ctypes.c_int64 * len(pvals))(*pvals)
+        pws = [aligned((til.workspace_bytes // 4 + 16,)) for _ in range(cores)]
+        pwsp = [w.ctypes.data for w in pws]
+        pranges = tile_ranges(til.num_tiles, cores)
+
+        def run_poly():
+            run_concurrently(pfn, pargv, pranges, pwsp)
+
     run_np = lambda: numpy_attention(q, kt, v, mask, scale, keep if causal else None)
     feeds = {"q": q, "kt": kt, "v": v}
     if causal:
@@ -184,6 +207,8 @@ def bench(shape: str):
     else:
         feeds["mask"] = mask
     contenders = [("cannc", run_cannc)]
+    if ARGS.poly:
+        contenders.append(("poly", run_poly))
     if not ARGS.no_numpy:
         contenders.append(("numpy", run_np))
     if not ARGS.no_ort:
@@ -194,6 +219,9 @@ def bench(shape: str):
     run_cannc()
     ref = run_np()
     err = float(np.max(np.abs(o_view - ref)))
+    if ARGS.poly:
+        run_poly()
+        assert np.array_equal(o_poly, o), "the polymorphic kernel's result differs"
     times = {n: [] for n, _ in contenders}
     for _, f in contenders:
         f()  # warm-up
@@ -207,6 +235,8 @@ def bench(shape: str):
     row = f"{shape:>14} {'causal' if causal else 'pad-mask':>8}"
     row += " K[BHSD]" if ARGS.k_bhsd else ""
     row += f" {med['cannc'] * 1e3:8.3f} ms {flops / med['cannc'] / 1e9:6.1f} GF/s"
+    if "poly" in med:
+        row += f" | poly {med['poly'] * 1e3:8.3f} ms  x{med['cannc'] / med['poly']:5.3f}"
     for n in ("numpy", "ort"):
         if n in med:
             row += f" | {n} {med[n] * 1e3:8.3f} ms  x{med[n] / med['cannc']:5.2f}"

@@ -14,6 +14,15 @@ and the ratio ort/cannc (> 1: cannc is faster); "best-ratio" compares the
 fastest calls (less sensitive to a busy machine) and "kernel ms" is the
 median of cannc's kernels alone (``Program.launch``: no input/output copies).
 Shapes: ResNet-18/50 and MobileNetV2 layers at 224x224.
+
+    python benchmarks/conv_bench.py --winograd --batch 1 8   # Winograd vs implicit GEMM vs ort
+
+``--winograd`` times, per ResNet-18 3x3 layer, three sessions side by side in
+one process, interleaved call by call: cannc with the Winograd path forced,
+cannc with it off (the implicit GEMM), and onnxruntime; kernel times are
+``Program.launch`` medians (no input/output copies), ratios are of medians
+("best": of the fastest calls, less sensitive to a busy machine); "auto" is
+the path the default selection takes.
 """
 from __future__ import annotations
 
@@ -122,6 +131,105 @@ def bench(name, op, xs, ws, attrs, batch, cores, reps, min_seconds):
                 flops=flops, ok=ok, compile_s=compile_s, n=len(t_cnc))
 
 
+WINOGRAD_SHAPES = {k: v for k, v in SHAPES.items()
+                   if k.startswith("resnet 3x3 ") and "/2" not in k}
+
+
+def _compile_mode(model, feeds, cores, mode):
+    """cannc session with config.WINOGRAD = mode, lowered in a memo of its own (the
+    lowering memo is keyed by the node, not by the switch)."""
+    import tempfile
+
+    from cannc import config
+    old_mode, old_dir = config.WINOGRAD, os.environ.get("CANNC_CACHE_DIR")
+    config.WINOGRAD = mode
+    os.environ["CANNC_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"cannc-bench-wino-{mode}")
+    try:
+        return cannc.compile(model, cores=cores, shapes={k: v.shape for k, v in feeds.items()})
+    finally:
+        config.WINOGRAD = old_mode
+        if old_dir is None:
+            os.environ.pop("CANNC_CACHE_DIR", None)
+        else:
+            os.environ["CANNC_CACHE_DIR"] = old_dir
+
+
+def _kernel_path(sess) -> str:
+    return next(k for s in sess.specializations for k in s.kernels).notes.get("path", "?")
+
+
+def bench_winograd(name, xs, ws, attrs, batch, cores, reps, min_seconds, act):
+    rng = np.random.default_rng(0)
+    xs = (batch,) + tuple(xs[1:])
+    x = rng.standard_normal(xs).astype(np.float32)
+    if act == "relu":
+        x = np.maximum(x, 0)
+    w = (rng.standard_normal(ws) * np.sqrt(2.0 / np.prod(ws[1:]))).astype(np.float32)
+    bias = rng.standard_normal(ws[0]).astype(np.float32)
+    model, feeds = single_node_model("Conv", [x, w, bias], const_inputs=(1, 2), **attrs)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = cores
+    so.inter_op_num_threads = 1
+    s_ort = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    sess = {m: _compile_mode(model, feeds, cores, m) for m in ("force", "off", "auto")}
+    ref = s_ort.run(None, feeds)[0]
+    errs = {}
+    for m in ("force", "off"):
+        got = sess[m].run(None, feeds)[0]
+        errs[m] = float((np.abs(got - ref) / (1e-5 + 1e-4 * np.abs(ref))).max())
+    progs = {m: next(iter(sess[m].programs.values())) for m in ("force", "off")}
+    t = {"force": [], "off": [], "ort": []}
+
+    def launch(m):
+        prog = progs[m]
+        ctx = prog.acquire()
+        a = time.perf_counter()
+        prog.launch(ctx)
+        b = time.perf_counter()
+        prog.release(ctx)
+        return b - a
+
+    for m in ("force", "off"):
+        sess[m].run(None, feeds)
+        launch(m)
+    start = time.perf_counter()
+    while len(t["ort"]) < reps or time.perf_counter() - start < min_seconds:
+        t["force"].append(launch("force"))
+        t["off"].append(launch("off"))
+        a = time.perf_counter()
+        s_ort.run(None, feeds)
+        t["ort"].append(time.perf_counter() - a)
+        if len(t["ort"]) >= 20 * reps:
+            break
+    med = {k: statistics.median(v) for k, v in t.items()}
+    best = {k: min(v) for k, v in t.items()}
+    return dict(med=med, best=best, errs=errs, path=_kernel_path(sess["force"]),
+                auto=_kernel_path(sess["auto"]).split()[0],
+                flops=2 * int(np.prod(ref.shape)) * int(np.prod(ws[1:])))
+
+
+def main_winograd(args) -> None:
+    print(f"cores={args.cores}; kernel medians of interleaved runs (ort: session.run); "
+          f"x ~ {args.act}, He-init weights; err = max |d| / (1e-5 + 1e-4 |ort|) (<= 1 passes)")
+    hdr = (f"{'layer':26s} {'N':>2s} {'wino ms':>8s} {'gemm ms':>8s} {'ort ms':>8s} "
+           f"{'gemm/wino':>9s} {'ort/wino':>8s} {'best g/w':>8s} {'best o/w':>8s} {'wino GF/s':>9s} "
+           f"{'err':>5s} {'auto':>11s}  plan")
+    print(hdr)
+    print("-" * len(hdr))
+    for batch in args.batch:
+        for name, (op, xs, ws, attrs) in WINOGRAD_SHAPES.items():
+            if args.only and not any(s in name for s in args.only):
+                continue
+            r = bench_winograd(name, xs, ws, attrs, batch, args.cores, args.reps,
+                               args.min_seconds, args.act)
+            md, bs = r["med"], r["best"]
+            print(f"{name:26s} {batch:2d} {md['force'] * 1e3:8.3f} {md['off'] * 1e3:8.3f} "
+                  f"{md['ort'] * 1e3:8.3f} {md['off'] / md['force']:9.2f} "
+                  f"{md['ort'] / md['force']:8.2f} {bs['off'] / bs['force']:8.2f} "
+                  f"{bs['ort'] / bs['force']:8.2f} {r['flops'] / md['force'] / 1e9:9.1f} "
+                  f"{r['errs']['force']:5.2f} {r['auto']:>11s}  {r['path']}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
@@ -129,7 +237,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15, help="minimum timed calls per session")
     ap.add_argument("--min-seconds", type=float, default=0.5, help="minimum timing per shape")
     ap.add_argument("--only", nargs="*", default=[], help="substrings of shape names to run")
+    ap.add_argument("--winograd", action="store_true",
+                    help="ResNet-18 3x3 layers: Winograd vs implicit GEMM vs ort")
+    ap.add_argument("--act", choices=["normal", "relu"], default="relu",
+                    help="--winograd input distribution: N(0,1) or post-ReLU")
     args = ap.parse_args()
+    if args.winograd:
+        return main_winograd(args)
 
     print(f"cores={args.cores}  (ort intra_op_num_threads={args.cores}); medians of interleaved calls;"
           f" ratio = ort / cannc (> 1: cannc faster)")

@@ -5,6 +5,7 @@
     cannc check model.onnx                      # every node: supported, folded, or why not
     cannc inspect model.onnx --json             # kernels, FLOPs, bytes, memory plan, passes
     cannc bench model.onnx --cores 4            # cannc and onnxruntime side by side
+    cannc tune model.onnx --budget 60           # measure GEMM tilings, keep winners (cache)
     cannc ops                                   # the supported ops
 
 Every cannc.CanncError is reported as `error: <message>` on stderr with exit code 2
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -577,6 +579,9 @@ def inspect_report(sess: Any, prog: Any) -> dict[str, Any]:
         return v
 
     output_buffers = {root(o) for o in g.outputs}
+    from . import costmodel
+
+    predicted_total = costmodel.annotate(spec.kernels, sess.cores)  # for this many cores
     kernels = []
     for i, k in enumerate(spec.kernels):
         outs = [o for o in k.outputs if o]
@@ -589,6 +594,8 @@ def inspect_report(sess: Any, prog: Any) -> dict[str, Any]:
             "bytes_written": int(k.bytes_written), "intermediate_bytes_written": int(inter),
             "tiles": int(k.num_tiles), "single_core": bool(k.single_core),
             "workspace_bytes": int(k.workspace_bytes),
+            "tiling": k.notes.get("tiling", ""),
+            "predicted_us": float(k.notes.get("predicted_us", 0.0)),
             "notes": {str(a): b for a, b in k.notes.items()},
         })
     key = _key_of(sess, prog)
@@ -602,6 +609,8 @@ def inspect_report(sess: Any, prog: Any) -> dict[str, Any]:
         "bytes_read": sum(k["bytes_read"] for k in kernels),
         "bytes_written": sum(k["bytes_written"] for k in kernels),
         "intermediate_bytes_written": sum(k["intermediate_bytes_written"] for k in kernels),
+        "predicted_us": predicted_total,
+        "cost_model": dataclasses.asdict(costmodel.cpu_model()),
         "memory": {"arena_bytes": int(prog.plan.arena_bytes),
                    "naive_bytes": int(prog.plan.naive_bytes),
                    "lower_bound_bytes": int(prog.plan.lower_bound_bytes),
@@ -614,6 +623,10 @@ def inspect_report(sess: Any, prog: Any) -> dict[str, Any]:
                    "not_fused": [d.as_dict() for d in g.meta.get("fusion_log", [])]},
         "kernels": kernels,
     }
+
+
+# kernel notes the tiling/pred columns already show (the plan itself: --json)
+_MODEL_NOTES = ("plan", "tiling", "predicted_us", "predicted_bound", "path")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -652,11 +665,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                      _clip(", ".join(_fmt_type(o["dtype"], o["shape"]) for o in k["outputs"]), 32),
                      _fmt_count(k["flops"]), _fmt_bytes(k["bytes_read"]),
                      _fmt_bytes(k["bytes_written"]), k["tiles"],
-                     "1" if k["single_core"] else "all",
-                     " ".join(f"{a}={b}" for a, b in k["notes"].items())])
+                     "1" if k["single_core"] else "all", k["tiling"],
+                     f"{k['predicted_us']:.1f}",
+                     " ".join(f"{a}={b}" for a, b in k["notes"].items()
+                              if a not in _MODEL_NOTES)])
     print(_table(["#", "symbol", "nodes", "ops", "outputs", "FLOPs", "read", "written", "tiles",
-                  "cores", "notes"], rows, right=(0, 5, 6, 7, 8)))
+                  "cores", "tiling", "pred µs", "notes"], rows, right=(0, 5, 6, 7, 8, 11)))
     m = rep["memory"]
+    from .costmodel import cpu_model
+    print(f"predicted: {rep['predicted_us']:.1f} µs for the kernels on {rep['cores']} core(s) "
+          f"(cost model: {cpu_model().summary()})")
     print(f"totals: {rep['num_kernels']} kernel(s) from {rep['onnx_nodes']} ONNX node(s) "
           f"({rep['views']} view(s)), {_fmt_count(rep['total_flops'])}FLOP, read "
           f"{_fmt_bytes(rep['bytes_read'])}, written {_fmt_bytes(rep['bytes_written'])} "
@@ -683,6 +701,197 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                                  for p in rep["passes"])
           + f"; compile {rep['compile_seconds']:.2f} s (object cache: {rep['cache_hits']} "
           f"hit(s), {rep['cache_misses']} miss(es))")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# tune
+# ---------------------------------------------------------------------------------------
+
+class _Progress:
+    """One status line on stderr: rewritten in place (\r) on a terminal, otherwise
+    printed as plain lines at most every few seconds."""
+
+    def __init__(self, budget: float, stream: Any = None, every: float = 5.0) -> None:
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.budget, self.every = budget, every
+        self.t0 = time.perf_counter()
+        self.last = -every
+        self.width = 0
+
+    def update(self, text: str, force: bool = False) -> None:
+        now = time.perf_counter() - self.t0
+        line = f"tune: {text}; {now:.1f}/{self.budget:.0f} s"
+        if self.tty:
+            self.stream.write("\r" + line.ljust(self.width))
+            self.width = max(self.width, len(line))
+            self.stream.flush()
+        elif force or now - self.last >= self.every:
+            print(line, file=self.stream, flush=True)
+            self.last = now
+
+    def done(self) -> None:
+        if self.tty and self.width:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _gemm_label(sig: dict[str, Any]) -> str:
+    s = f"{sig['M']}x{sig['N']}x{sig['K']}"
+    if sig.get("batch", 1) > 1:
+        s = f"{sig['batch']}x[{s}]"
+    flags = [f for f, on in (("A^T", sig.get("trans_a")), ("B^T", sig.get("trans_b")),
+                             ("B-prepacked", sig.get("b_prepacked")), ("+bias", sig.get("bias")),
+                             ("+epilogue", sig.get("epilogue"))) if on]
+    return " ".join([s] + flags)
+
+
+def tune_gemm(sig: dict[str, Any], threads: int, deadline: float,
+              progress: Callable[[str], None] = lambda s: None,
+              min_speedup: float = 1.03) -> dict[str, Any]:
+    """Measure the candidate plans of one GEMM (until `deadline`, a perf_counter time)
+    against its default plan; a candidate wins when it is more than `min_speedup` times
+    as fast (twice: once in the sweep, again side by side with more rounds)."""
+    from . import tuning
+
+    spec = tuning.gemm_spec_of(sig)
+    bench = tuning.GemmBench(spec, threads)
+    base = bench.build(None)
+    ref = bench.result(base)
+    atol = 1e-4 * max(1.0, spec.K ** 0.5) * 4
+    cands = tuning.gemm_candidates(spec, threads)
+    existing = tuning.lookup("gemm", sig)
+    if existing and existing not in cands:
+        cands.insert(0, existing)
+    res: dict[str, Any] = {"signature": sig, "gemm": _gemm_label(sig), "candidates": len(cands),
+                           "tried": 0, "wrong": 0, "tuning": None, "default_us": None,
+                           "best_us": None, "speedup": 1.0, "existing": existing}
+    wins: list[tuple[float, dict[str, Any], float, float]] = []  # (speedup, tuning, base, cand)
+    base_times: list[float] = []
+
+    def trial(tun: dict[str, Any]) -> None:
+        try:
+            k = bench.build(tun)
+        except (CanncError, ValueError, AssertionError):
+            return
+        res["tried"] += 1
+        if not np.allclose(bench.result(k), ref, rtol=1e-3, atol=atol):
+            res["wrong"] += 1   # never keep a plan that computes something else
+            return
+        tb, tc = tuning.measure_pair(bench, base, k)
+        base_times.append(tb)
+        wins.append((tb / tc, tun, tb, tc))
+
+    for j, tun in enumerate(cands):
+        if time.perf_counter() >= deadline:
+            break
+        progress(f"candidate {j + 1}/{len(cands)}")
+        trial(tun)
+    # the two best improvements on different knobs, together
+    good = sorted((w for w in wins if w[0] > 1.0), key=lambda w: -w[0])
+    if len(good) >= 2 and time.perf_counter() < deadline:
+        a, b = good[0][1], next((w[1] for w in good[1:] if not set(w[1]) & set(good[0][1])), None)
+        if b is not None:
+            progress("combining the two best")
+            res["candidates"] += 1
+            trial({**a, **b})
+    if not base_times:
+        res["default_us"] = tuning.measure_pair(bench, base, base, rounds=3)[0]
+        return res
+    res["default_us"] = float(np.median(base_times))
+    speedup, tun, tb, tc = max(wins, key=lambda w: w[0])
+    if speedup > min_speedup:
+        # confirm side by side with more rounds: a lucky sample must not win
+        progress("confirming the winner")
+        tb, tc = tuning.measure_pair(bench, base, bench.build(tun), rounds=9)
+        speedup = tb / tc
+        res["default_us"] = tb
+    if speedup > min_speedup:
+        res.update(tuning=tun, best_us=tc, speedup=speedup)
+    else:
+        res.update(best_us=res["default_us"], speedup=1.0)
+    return res
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from . import tuning
+    from .runtime.device import usable_cores
+
+    path = Path(args.cache) if args.cache else config.tuning_cache_path()
+    if path is None:
+        raise CliError("no tuning cache file: give --cache PATH or set CANNC_TUNING_CACHE "
+                       "(CANNC_CACHE_DIR is 'off')")
+    threads = args.threads or usable_cores()
+    t_start = time.perf_counter()
+    sess = _open(args.model, cores=threads)
+    prog = _specialize(sess, dict(args.shape or []))
+    # distinct GEMM signatures, the ones the cost model says take longest first
+    found: dict[str, dict[str, Any]] = {}
+    for i, k in enumerate(prog.spec.kernels):
+        rec = k.notes.get("plan")
+        if not (isinstance(rec, dict) and rec.get("kind") == "gemm"):
+            continue
+        key = json.dumps(rec["signature"], sort_keys=True)
+        item = found.setdefault(key, {"signature": rec["signature"], "kernels": [],
+                                      "predicted_us": 0.0})
+        item["kernels"].append(i)
+        item["predicted_us"] += float(k.notes.get("predicted_us", 0.0))
+    items = sorted(found.values(), key=lambda it: -it["predicted_us"])
+    deadline = t_start + args.budget
+    progress = _Progress(args.budget)
+    results = []
+    for i, it in enumerate(items):
+        now = time.perf_counter()
+        label = f"kernel {i + 1}/{len(items)} (GEMM {_gemm_label(it['signature'])})"
+        if now >= deadline:
+            results.append({**it, "gemm": _gemm_label(it["signature"]), "skipped": True})
+            continue
+        # an even share of what is left, so every kernel gets measured
+        share_end = now + (deadline - now) / (len(items) - i)
+        progress.update(label, force=True)
+        r = tune_gemm(it["signature"], threads, share_end,
+                      lambda s, label=label: progress.update(f"{label}: {s}"),
+                      min_speedup=1.0 + args.min_gain / 100)
+        r.update(kernels=it["kernels"], predicted_us=it["predicted_us"], skipped=False)
+        if r["tuning"] is not None:
+            tuning.store("gemm", it["signature"], r["tuning"], r["best_us"], path=path,
+                         default_us=r["default_us"], speedup=r["speedup"], threads=threads)
+            r["stored"] = True
+        elif r["existing"]:
+            # a stored tuning that no longer beats the default is replaced by the default
+            tuning.store("gemm", it["signature"], {}, r["default_us"], path=path,
+                         default_us=r["default_us"], speedup=1.0, threads=threads)
+            r["stored"] = True
+        else:
+            r["stored"] = False
+        results.append(r)
+    progress.done()
+    elapsed = time.perf_counter() - t_start
+    if args.json:
+        _print_json({"model": args.model, "cache": str(path), "threads": threads,
+                     "budget_s": args.budget, "elapsed_s": elapsed, "kernels": results})
+        return 0
+    rows = []
+    for r in results:
+        ks = ",".join(f"#{k}" for k in r["kernels"])
+        if r.get("skipped"):
+            rows.append([ks, r["gemm"], "-", "-", "-", "-", "skipped (budget spent)"])
+            continue
+        verdict = (" ".join(f"{a}={b}" for a, b in r["tuning"].items()) if r["tuning"]
+                   else "default kept")
+        if r["wrong"]:
+            verdict += f" ({r['wrong']} wrong candidate(s) rejected)"
+        rows.append([ks, r["gemm"], f"{r['default_us']:.1f}", f"{r['best_us']:.1f}",
+                     f"x{r['speedup']:.2f}", f"{r['tried']}/{r['candidates']}", verdict])
+    print(f"{args.model}: {len(items)} distinct GEMM(s) tuned on {threads} thread(s) in "
+          f"{elapsed:.1f} s (budget {args.budget:g} s)")
+    print(_table(["kernels", "gemm", "default µs", "best µs", "speedup", "tried", "tuning"],
+                 rows, right=(2, 3, 4, 5)))
+    stored = sum(bool(r.get("stored")) for r in results)
+    print(f"{stored} entr{'y' if stored == 1 else 'ies'} written to {path}; compiles on this "
+          "CPU use them" + ("" if args.cache is None else
+                           f" with CANNC_TUNING_CACHE={path}"))
     return 0
 
 
@@ -759,6 +968,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
                         pipeline_requests=args.pipeline_requests)
     if args.trace:
         prof.write_chrome_trace(args.trace)
+    predicted = _add_predictions(sess, prof)
     if args.json:
         _print_json(prof.to_dict())
         return 0
@@ -767,9 +977,43 @@ def cmd_profile(args: argparse.Namespace) -> int:
           f"{prof.peaks['fp32_gflops_per_core']:.0f} GFLOP/s per core, copy bandwidth "
           f"{prof.peaks['mem_gbps']:.1f} GB/s (measured)")
     print(prof.table(args.top))
+    if predicted:
+        _print_predictions(prof, args.top)
     if args.trace:
         print(f"chrome trace: {args.trace} (open in chrome://tracing or ui.perfetto.dev)")
     return 0
+
+
+def _add_predictions(sess: Any, prof: Any) -> bool:
+    """Put the cost model's prediction (for the session's cores) next to each measured
+    kernel time: prof.kernels[i]['predicted_ms'] and ['tiling']."""
+    from . import costmodel
+
+    symbols = [k["symbol"] for k in prof.kernels]
+    prog = next((p for p in sess.programs.values()
+                 if [k.symbol for k in p.kernels] == symbols), None)
+    if prog is None:
+        return False
+    costmodel.annotate(prog.kernels, sess.cores)
+    for row, k in zip(prof.kernels, prog.kernels):
+        row["predicted_ms"] = float(k.notes["predicted_us"]) / 1e3
+        row["tiling"] = k.notes.get("tiling", "")
+    return True
+
+
+def _print_predictions(prof: Any, top: int) -> None:
+    rows = []
+    for k in sorted(prof.kernels, key=lambda k: -k["time_ms"])[:top]:
+        ratio = k["time_ms"] / k["predicted_ms"] if k["predicted_ms"] > 0 else float("inf")
+        rows.append([f"#{k['index']}", "+".join(k["op_types"][:3]), f"{k['time_ms']:.3f}",
+                     f"{k['predicted_ms']:.3f}", f"{ratio:.2f}", _clip(k["tiling"], 70)])
+    meas = sum(k["time_ms"] for k in prof.kernels)
+    pred = sum(k["predicted_ms"] for k in prof.kernels)
+    print("measured vs predicted (cost model):")
+    print(_table(["kernel", "ops", "measured ms", "predicted ms", "meas/pred", "tiling"], rows,
+                 right=(2, 3, 4)))
+    print(f"kernels: measured {meas:.3f} ms, predicted {pred:.3f} ms "
+          f"(x{meas / pred if pred else float('inf'):.2f})")
 
 
 def cmd_ops(args: argparse.Namespace) -> int:
@@ -915,6 +1159,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", metavar="OUT.json", default=None, help="write a Chrome trace")
     p.add_argument("--pipeline-requests", type=_int_at_least(0), default=0, metavar="N",
                    help="also measure throughput with N requests in flight (run_async)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = verb("tune", cmd_tune, "measure tiling candidates of the model's GEMMs and keep the "
+                               "winners in the tuning cache")
+    p.add_argument("model", help="ONNX model")
+    shape_opt(p)
+    p.add_argument("--budget", type=float, default=60.0, metavar="SECONDS",
+                   help="time to spend measuring (default 60)")
+    p.add_argument("--threads", type=_int_at_least(1), default=None, metavar="N",
+                   help="cores the kernels are tuned for (default: usable CPU cores)")
+    p.add_argument("--cache", default=None, metavar="PATH",
+                   help="the tuning cache to write (default: CANNC_TUNING_CACHE, else "
+                        "<cache dir>/tuning.json)")
+    p.add_argument("--min-gain", type=float, default=3.0, metavar="PERCENT",
+                   help="keep a plan only if it beats the default by more than this "
+                        "(default 3; -100 keeps the best candidate whatever it measured)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = verb("ops", cmd_ops, "list the supported ops")

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from . import costmodel
 from .codegen import target
 from .codegen.kernel import ConstRef, Kernel, LowerCtx, Tiling, apply_recipe, finish
 from .codegen.memo import (LoweringMemo, MemoEntry, baked_key, default_memo,
@@ -134,6 +135,7 @@ def specialize(base: Graph, shapes: dict[str, tuple[int, ...]],
     h0, m0 = cache.hits, cache.misses
     kernels, aliases, constants, modules, objects = lower_graph(g, cache)
     objects.update(compile_modules(modules, cache))
+    costmodel.annotate(kernels)  # notes['predicted_us'], notes['tiling'] (usable cores)
     return Specialization(g, kernels, aliases, constants, objects, pm.records, pm.dumps,
                           time.perf_counter() - t0, cache.hits - h0, cache.misses - m0)
 
@@ -195,7 +197,8 @@ class _Lowering:
         out_types = [g.values[v] for v in n.outputs if v]
         consts = [g.constants.get(root(v)) if v else None for v in n.inputs]
         tiling = op.tiling(n, in_types, out_types) if op.tiling is not None else None
-        key = node_key(n, in_types, out_types, consts, tiling.key if tiling else None, self.salt)
+        key = node_key(n, in_types, out_types, consts, tiling.key if tiling else None, self.salt,
+                       tuple(op.extra.get("tiling_attrs", ())))
         entry = self._lookup(key, consts)
         if entry is None:
             with _counts_lock:
@@ -228,7 +231,7 @@ class _Lowering:
                       outputs=[v for v in n.outputs], num_tiles=max(1, int(num_tiles)),
                       workspace_bytes=int(ws), single_core=bool(single),
                       flops=int(flops), bytes_read=br, bytes_written=bw,
-                      object_key=entry.object_key, notes=notes,
+                      object_key=entry.object_key, signature=key, notes=notes,
                       dims=tuple(int(d) for d in tiling.dims) if tiling else (),
                       # maps read and write element i together: an output may overwrite an input
                       inplace=op.category in (Category.ELEMENTWISE, Category.BROADCAST)

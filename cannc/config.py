@@ -4,6 +4,11 @@ CANNC_DEBUG=1      log pass timings and fusion decisions to stderr
 CANNC_VERIFY=1     verify the IR after every pass (always on in tests)
 CANNC_DUMP_DIR=D   write each kernel's LLVM IR and assembly, and the IR after passes, to D
 CANNC_CACHE_DIR=D  where compiled objects are cached (default ~/.cache/cannc); 'off' disables
+CANNC_TUNING_CACHE=F  the tuning cache written by `cannc tune` (default <cache dir>/tuning.json)
+CANNC_TUNING=0     ignore the tuning cache (every kernel gets its modelled default plan)
+CANNC_ISA=avx2     generate code for an AVX2 machine (no AVX-512) even on an AVX-512 host
+CANNC_WINOGRAD=0   never use the Winograd Conv path (default: where its cost model wins;
+                   'force': every eligible 3x3 stride-1 Conv, for tests and experiments)
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ def _flag(name: str) -> bool:
 DEBUG: bool = _flag("CANNC_DEBUG")
 VERIFY: bool = _flag("CANNC_VERIFY")
 DUMP_DIR: str | None = os.environ.get("CANNC_DUMP_DIR") or None
+ISA: str | None = {"avx2": "avx2"}.get(os.environ.get("CANNC_ISA", "").lower())
+WINOGRAD: str = {"0": "off", "false": "off", "no": "off", "off": "off",
+                 "force": "force"}.get(os.environ.get("CANNC_WINOGRAD", "").lower(), "auto")
 
 
 def cache_dir() -> Path | None:
@@ -29,3 +37,17 @@ def cache_dir() -> Path | None:
         return Path(v)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "cannc"
+
+
+def tuning_enabled() -> bool:
+    return os.environ.get("CANNC_TUNING", "1").lower() not in ("0", "false", "no", "off")
+
+
+def tuning_cache_path() -> Path | None:
+    """The tuning cache file (read at every compile, so tests and `cannc tune --cache`
+    can point it elsewhere); None when there is no cache directory."""
+    v = os.environ.get("CANNC_TUNING_CACHE")
+    if v:
+        return Path(v)
+    d = cache_dir()
+    return d / "tuning.json" if d is not None else None

@@ -23,7 +23,7 @@ from .errors import CacheError, CanncError, InputError, ShapeError
 from .frontend import import_model, load_model_proto
 from .ir.types import onnx_type_string
 from .runtime.device import shared_device
-from .runtime.program import Program, dispatcher_object
+from .runtime.program import Program, WeightPool, dispatcher_object
 from .runtime.stream import Event, is_pinned
 
 if TYPE_CHECKING:
@@ -66,6 +66,7 @@ class Session:
                                       dump_after=set(dump_after), cache=cache, fusion=fusion)
         self.device = shared_device(cores)
         self._programs: dict[tuple, Program] = {}
+        self._weights = WeightPool(self.device)
         # inputs whose *values* decide shapes (e.g. a Reshape target fed at run time):
         # found on the first specialisation that needs them, then part of the key
         self._value_inputs: tuple[str, ...] = ()
@@ -231,7 +232,7 @@ class Session:
                 self._value_inputs = cands
                 full = key + self._value_key(feeds)
                 spec = self._specialize(shapes, feeds)
-            prog = Program(spec, self.device, dispatcher_object())
+            prog = Program(spec, self.device, dispatcher_object(), pool=self._weights)
             self._programs[full] = prog
             return prog
 

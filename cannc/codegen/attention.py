@@ -72,6 +72,18 @@ GFLOP/s (4*B*H*S*S*D flops), 80-85% of the fp32 FMA peak: both
 micro-kernels run near peak, the softmax costs ~10%. About 1.3-1.5x
 onnxruntime's unfused MatMul/Div/Add/Softmax/MatMul and ~2x numpy
 (``benchmarks/attention_bench.py``).
+
+Shape-polymorphic kernels (``ABI.md`` "Runtime dimensions"): emitted for an
+`AttnForm` (a spec without B, Sq, Sk, see :func:`attention_tiling`), the kernel
+reads B, Sq, Sk and every per-head / per-row stride at run time, i64 values
+after the tensor pointers; the inner-loop strides that do not depend on them
+(unit d strides, K's key stride H*D...) stay constants. Its plan is the static
+plan of long sequences (4 x 64 score micro-kernel, 16-row query blocks); the
+last chunk of a key block runs a micro-kernel only as wide as the keys left and
+the softmax skips the vectors past them, so short or odd lengths cost about
+what a static kernel costs. Packing K^T for a whole head (scope 'bh') uses
+panels of KB keys, so its row stride is KB whatever Sk is. Same results
+(bit for bit) as the static kernel of the same plan.
 """
 
 from __future__ import annotations
@@ -88,10 +100,15 @@ from .emit import F32, I8, I32, I64, PTR, i32, i64
 from .vec import VF, VI8, VI32, VI64, VM, VPTR, VecBuilder, abi_function, declare
 
 __all__ = [
+    "RT_DIMS",
+    "AttnForm",
     "AttnPlan",
     "AttnSpec",
+    "AttnTiling",
+    "attention_form",
     "attention_num_tiles",
     "attention_plan",
+    "attention_tiling",
     "attention_workspace_bytes",
     "emit_attention",
 ]
@@ -224,6 +241,112 @@ class AttnSpec:
 
 
 # ---------------------------------------------------------------------------
+# the shape-polymorphic form (runtime B, Sq, Sk; see codegen/ABI.md)
+# ---------------------------------------------------------------------------
+
+STRIDE_FIELDS = ("q_strides", "k_strides", "v_strides", "o_strides", "mask_strides")
+# the kernel's runtime dims: B, Sq, Sk, then the 4 strides of Q, K, V, O and the mask
+RT_DIMS = ("B", "Sq", "Sk") + tuple(f"{f[0]}{a}" for f in STRIDE_FIELDS for a in "bhsd")
+PACK_BH_BYTES = 512 << 10  # K^T / V of one head packed once per call up to this size
+# The strides a kernel reads in its inner loops (compile-time when they do not depend on
+# B, Sq, Sk): Q's d, K's key and d, V's key and d, O's d, the mask's key stride. Every
+# other stride (per head or per row) is always a runtime dim.
+_INNER = {"q_strides": (3,), "k_strides": (2, 3), "v_strides": (2, 3), "o_strides": (3,),
+          "mask_strides": (3,)}
+# the runtime size of each logical axis (b, h, s, d) of an operand; None: static
+_AXIS_DIMS = {"q_strides": ("B", None, "Sq", None), "k_strides": ("B", None, "Sk", None),
+              "v_strides": ("B", None, "Sk", None), "o_strides": ("B", None, "Sq", None),
+              "mask_strides": ("B", None, "Sq", "Sk")}
+
+
+@dataclass(frozen=True)
+class AttnForm:
+    """What a shape-polymorphic attention kernel is compiled for: an `AttnSpec`
+    without ``B``, ``Sq``, ``Sk``, which the kernel reads at run time (``RT_DIMS``,
+    stored as i64 after the tensor pointers), like every stride given as None
+    here. The strides kept as ints are the inner-loop strides that do not depend
+    on B, Sq or Sk (a unit d stride, K's key stride H*D...); ``scope`` is a size
+    bucket (K^T/V packed once per head, or per key block for long sequences).
+    Build one with :func:`attention_form`."""
+
+    H: int
+    D: int
+    Dv: int
+    q_strides: tuple
+    k_strides: tuple
+    v_strides: tuple
+    o_strides: tuple
+    scale: float = 1.0
+    mask: str = "none"
+    mask_strides: tuple = (None, None, None, 0)
+    mask_dtype: str = "float32"
+    fill: float = -3.4028234663852886e38
+    causal: bool = False
+    score_bias_after_scale: bool = True
+    scope: str = "bh"
+
+    def __post_init__(self):
+        for f in ("H", "D", "Dv"):
+            if int(getattr(self, f)) < 1:
+                raise ValueError(f"AttnForm.{f} must be >= 1, got {getattr(self, f)}")
+        for f in STRIDE_FIELDS:
+            st = tuple(None if x is None else int(x) for x in getattr(self, f))
+            if len(st) != 4:
+                raise ValueError(f"AttnForm.{f} needs 4 strides (b, h, s, d), got {st}")
+            object.__setattr__(self, f, st)
+        if self.scope not in ("bh", "block"):
+            raise ValueError(f"AttnForm.scope must be 'bh' or 'block', got {self.scope!r}")
+
+
+def _static_strides(sizes, strides, kinds) -> tuple[bool, ...]:
+    """Per axis: does the stride depend on no runtime size? The operand is a
+    permutation of a dense tensor (zero strides broadcast): its axes nest by
+    increasing stride, each stride being the product of the sizes nested inside.
+    Ties (an axis of size 1 between two others) put size-1 axes inside, then the
+    usual order d, s, h, b, which is right for the layouts exporters make; an
+    unlucky tie or a non-dense operand only makes a stride runtime (or another key)."""
+    axes = sorted((a for a in range(4) if strides[a] != 0),
+                  key=lambda a: (strides[a], sizes[a] != 1, 3 - a))
+    out = [True] * 4
+    acc, dyn = 1, False
+    for a in axes:
+        out[a] = not dyn and strides[a] == acc
+        dyn = dyn or kinds[a] is not None or strides[a] != acc
+        acc = strides[a] * sizes[a]
+    return tuple(out)
+
+
+def attention_form(spec: AttnSpec) -> tuple[AttnForm, tuple[int, ...]]:
+    """The shape-polymorphic form of ``spec`` and the runtime dims (``RT_DIMS``) of
+    its shapes: a kernel emitted for the form computes ``spec``'s attention, and
+    that of every other spec with the same form, given its dims."""
+    sizes = {"B": spec.B, "Sq": spec.Sq, "Sk": spec.Sk}
+    forms = {}
+    for f in STRIDE_FIELDS:
+        st = getattr(spec, f)
+        kinds = _AXIS_DIMS[f]
+        if f == "mask_strides" and spec.mask == "none":
+            forms[f] = (None, None, None, 0)
+            continue
+        if f == "mask_strides" and st[3] == 0 and spec.Sk == 1:
+            st = st[:3] + (1,)        # one key: broadcast along keys or not is the same
+        d = spec.D if f in ("q_strides", "k_strides") else spec.Dv
+        n = tuple(sizes[k] if k else (spec.H if a == 1 else d) for a, k in enumerate(kinds))
+        static = _static_strides(n, st, kinds)
+        forms[f] = tuple(st[a] if a in _INNER[f] and static[a] else None for a in range(4))
+    k_pack = forms["k_strides"][2] != 1
+    v_pack = not (forms["v_strides"][3] == 1 or spec.Dv == 1)
+    nvd = _cdiv(spec.Dv, 16)
+    bh_bytes = 4 * _rup(spec.Sk, 64) * (spec.D * k_pack + 16 * nvd * v_pack)
+    form = AttnForm(H=spec.H, D=spec.D, Dv=spec.Dv, scale=spec.scale, mask=spec.mask,
+                    mask_dtype=spec.mask_dtype, fill=spec.fill, causal=spec.causal,
+                    score_bias_after_scale=spec.score_bias_after_scale,
+                    scope="bh" if bh_bytes <= PACK_BH_BYTES else "block", **forms)
+    dims = (spec.B, spec.Sq, spec.Sk) + tuple(x for f in STRIDE_FIELDS for x in getattr(spec, f))
+    return form, dims
+
+
+# ---------------------------------------------------------------------------
 # planning
 # ---------------------------------------------------------------------------
 
@@ -281,8 +404,13 @@ def _chunks(nvec: int, max_nv: int) -> tuple:
 
 
 @lru_cache(maxsize=256)
-def _plan(spec: AttnSpec, tuning: tuple = ()) -> AttnPlan:
+def _plan(spec: AttnSpec | AttnForm, tuning: tuple = ()) -> AttnPlan:
+    """The plan of a static spec, or of a form (runtime B, Sq, Sk: ``nq`` = 0, and
+    with ``scope='bh'`` K^T is packed in panels of KB keys, ``ldk`` = KB, with V
+    after it at a runtime offset; ``ws_bytes`` is then the fixed part)."""
     tun = dict(tuning)
+    poly = isinstance(spec, AttnForm)
+    Sq = 1 << 30 if poly else spec.Sq   # a form plans for long sequences
     nvd = _cdiv(spec.Dv, 16)
     v_chunks = tun.get("v_chunks")
     if v_chunks is None:
@@ -291,19 +419,23 @@ def _plan(spec: AttnSpec, tuning: tuple = ()) -> AttnPlan:
     max_nv = max(c[1] for c in v_chunks)
     # 16..24 accumulators (8 rows for Dv <= 32); rows dividing 16 keep MQ = 16
     # (no more rows than Sq: decoding with Sq = 1 must not compute 4 copies)
-    MR_v = tun.get("MR_v", min(spec.Sq, 8 if max_nv <= 2 else 4))
-    NV_s = tun.get("NV_s", min(4, _cdiv(spec.Sk, 16)))
-    MR_s = tun.get("MR_s", min(spec.Sq, 4 if NV_s >= 3 else 8))  # 8..16 accumulators
+    MR_v = tun.get("MR_v", min(Sq, 8 if max_nv <= 2 else 4))
+    NV_s = tun.get("NV_s", 4 if poly else min(4, _cdiv(spec.Sk, 16)))
+    MR_s = tun.get("MR_s", min(Sq, 4 if NV_s >= 3 else 8))  # 8..16 accumulators
     KB = tun.get("KB", 64)
-    KB = _rup(min(KB, _rup(spec.Sk, 16 * NV_s)), 16 * NV_s)
+    KB = _rup(KB if poly else min(KB, _rup(spec.Sk, 16 * NV_s)), 16 * NV_s)
     step = math.lcm(MR_s, MR_v)
     MQ = tun.get("MQ", max(16, step))
-    MQ = max(1, min(MQ, _rup(spec.Sq, step)))
-    if "MQ" not in tun:
-        # at least 4 tiles (2 per core) when the rows allow it
-        while spec.B * spec.H * _cdiv(spec.Sq, MQ) < 4 and MQ > step and MQ % (2 * step) == 0:
-            MQ //= 2
-    nq = _cdiv(spec.Sq, MQ)
+    if not poly:
+        MQ = max(1, min(MQ, _rup(spec.Sq, step)))
+        if "MQ" not in tun:
+            # at least 4 tiles (2 per core) when the rows allow it
+            while (spec.B * spec.H * _cdiv(spec.Sq, MQ) < 4 and MQ > step
+                   and MQ % (2 * step) == 0):
+                MQ //= 2
+    elif MQ % step:
+        raise ValueError(f"MQ {MQ} is not a multiple of the micro-kernel rows {step}")
+    nq = 0 if poly else _cdiv(spec.Sq, MQ)
 
     k_mode = "direct" if spec.k_strides[2] == 1 else "pack"
     v_mode = "direct" if spec.v_strides[3] == 1 or spec.Dv == 1 else "pack"
@@ -314,12 +446,16 @@ def _plan(spec: AttnSpec, tuning: tuple = ()) -> AttnPlan:
     if v_mode == "direct" and not (spec.v_strides[3] == 1 or spec.Dv == 1):
         raise ValueError("v_mode 'direct' needs V rows contiguous along Dv")
     Dv_pad = 16 * nvd
-    Sk_pad = _rup(spec.Sk, 16)
-    bh_bytes = (spec.D * Sk_pad if k_mode == "pack" else 0) * 4 + (
-        Sk_pad * Dv_pad if v_mode == "pack" else 0
-    ) * 4
-    scope = tun.get("scope", "bh" if bh_bytes <= (512 << 10) else "block")
-    ldk = Sk_pad if scope == "bh" else KB
+    if poly:
+        scope = tun.get("scope", spec.scope)
+        ldk = KB
+    else:
+        Sk_pad = _rup(spec.Sk, 16)
+        bh_bytes = (spec.D * Sk_pad if k_mode == "pack" else 0) * 4 + (
+            Sk_pad * Dv_pad if v_mode == "pack" else 0
+        ) * 4
+        scope = tun.get("scope", "bh" if bh_bytes <= PACK_BH_BYTES else "block")
+        ldk = Sk_pad if scope == "bh" else KB
 
     off = 0
 
@@ -331,9 +467,10 @@ def _plan(spec: AttnSpec, tuning: tuple = ()) -> AttnPlan:
         off = _rup(at + nbytes, 64)
         return at
 
-    rows_k = Sk_pad if scope == "bh" else KB
-    ws_k = take(spec.D * ldk * 4 if k_mode == "pack" else 0)
-    ws_v = take(rows_k * Dv_pad * 4 if v_mode == "pack" else 0)
+    if not poly:
+        rows_k = Sk_pad if scope == "bh" else KB
+        ws_k = take(spec.D * ldk * 4 if k_mode == "pack" else 0)
+        ws_v = take(rows_k * Dv_pad * 4 if v_mode == "pack" else 0)
     ws_s = take(MQ * KB * 4, 1)
     ws_o = take(MQ * Dv_pad * 4, 2)
     MQp = _rup(MQ, 16)
@@ -343,6 +480,12 @@ def _plan(spec: AttnSpec, tuning: tuple = ()) -> AttnPlan:
     ws_x = take(MQp * 16 * 4)
     ws_y = take(16 * 16 * 4)
     ws_u = take(16 * 4)
+    if poly:
+        # the packed K^T and V last: with scope 'bh' their size depends on Sk
+        off = _rup(off, 4096)
+        blk = scope == "block"
+        ws_k = take(spec.D * KB * 4 if k_mode == "pack" and blk else 0)
+        ws_v = take(KB * Dv_pad * 4 if v_mode == "pack" and blk else 0)
     return AttnPlan(
         MQ=MQ,
         KB=KB,
@@ -356,7 +499,7 @@ def _plan(spec: AttnSpec, tuning: tuple = ()) -> AttnPlan:
         scope=scope,
         ldk=ldk,
         Dv_pad=Dv_pad,
-        zigzag=tun.get("zigzag", spec.causal and nq > 2),
+        zigzag=tun.get("zigzag", spec.causal and (poly or nq > 2)),
         prefetch_o=tun.get("prefetch_o", False),  # measured 1-4% slower
         unroll_d=tun.get("unroll_d", 4),
         unroll_j=tun.get("unroll_j", 4),
@@ -372,6 +515,16 @@ def _plan(spec: AttnSpec, tuning: tuple = ()) -> AttnPlan:
         ws_u=ws_u,
         ws_bytes=max(64, off),
     )
+
+
+def _bh_pack_bytes(form: AttnForm, plan: AttnPlan, Sk: int) -> tuple[int, int]:
+    """Bytes of one head's packed K^T panels and V rows (scope 'bh' of a form)."""
+    if plan.scope != "bh":
+        return 0, 0
+    rows = _rup(Sk, plan.KB)
+    kb = form.D * rows * 4 if plan.k_mode == "pack" else 0
+    vb = rows * plan.Dv_pad * 4 if plan.v_mode == "pack" else 0
+    return kb, vb
 
 
 def _tuning_key(tuning):
@@ -397,16 +550,44 @@ def attention_workspace_bytes(spec: AttnSpec, tuning: dict | None = None) -> int
     return attention_plan(spec, tuning).ws_bytes
 
 
+@dataclass(frozen=True)
+class AttnTiling:
+    """The host tiling of ``spec``'s shapes for the shape-polymorphic kernel."""
+
+    form: AttnForm
+    dims: tuple[int, ...]  # RT_DIMS values
+    num_tiles: int
+    workspace_bytes: int
+
+
+def attention_tiling(spec: AttnSpec, tuning: dict | None = None) -> AttnTiling:
+    """Form, runtime dims, tiles and workspace of ``spec``'s shapes: the kernel of
+    ``emit_attention(module, name, tiling.form)`` serves every spec whose form is
+    the same, called with its own dims (CANN's tiling-function pattern)."""
+    form, dims = attention_form(spec)
+    plan = attention_plan(form, tuning)
+    kb, vb = _bh_pack_bytes(form, plan, spec.Sk)
+    return AttnTiling(form, dims, spec.B * spec.H * _cdiv(spec.Sq, plan.MQ),
+                      plan.ws_bytes + kb + vb)
+
+
 # ---------------------------------------------------------------------------
 # code generation
 # ---------------------------------------------------------------------------
 
 
 class _Gen(VecBuilder):
-    def __init__(self, module: ir.Module, fn: ir.Function, spec: AttnSpec, plan: AttnPlan):
+    """Sizes and strides are Python ints for a static spec; for a form, B, Sq, Sk
+    and the strides the form leaves open are i64 values read from the runtime dims
+    (``self.Sq``, ``self.Sk``, ``self.st``): the integer helpers below fold ints
+    and emit instructions for values, so both kernels come from one code path."""
+
+    def __init__(self, module: ir.Module, fn: ir.Function, spec: AttnSpec | AttnForm,
+                 plan: AttnPlan):
         super().__init__(module, fn)
         self.s = spec
         self.p = plan
+        self.poly = isinstance(spec, AttnForm)
         # byte masks: a bool mask is read as i8
         self.mload8 = declare(module, "llvm.masked.load.v16i8.p0", VI8, [PTR, I32, VM, VI8])
         self.gather8 = declare(
@@ -416,8 +597,42 @@ class _Gen(VecBuilder):
         self.iota64 = ir.Constant(VI64, list(range(16)))
 
     # -- small utilities ---------------------------------------------------
-    def mul(self, a, c: int):
-        return a if c == 1 else i64(0) if c == 0 else self.b.mul(a, i64(c))
+    @staticmethod
+    def v(x):
+        """An i64 value of an int or a value."""
+        return i64(x) if isinstance(x, int) else x
+
+    def mul(self, a, c):
+        """a * c as an i64 value (a, c ints or values)."""
+        return self.v(self.imul(a, c))
+
+    def imul(self, a, c):
+        """a * c: an int when both are ints (or one is 0), else an i64 value."""
+        if isinstance(a, int) and isinstance(c, int):
+            return a * c
+        if isinstance(a, int) or isinstance(c, int):
+            k, x = (a, c) if isinstance(a, int) else (c, a)
+            return 0 if k == 0 else x if k == 1 else self.b.mul(x, i64(k))
+        return self.b.mul(a, c)
+
+    def iadd(self, a, c):
+        """a + c: an int when both are ints, else an i64 value."""
+        if isinstance(a, int) and isinstance(c, int):
+            return a + c
+        if isinstance(a, int) and a == 0 or isinstance(c, int) and c == 0:
+            return c if isinstance(a, int) else a
+        return self.b.add(self.v(a), self.v(c))
+
+    def isub(self, a, c):
+        return a - c if isinstance(a, int) and isinstance(c, int) else \
+            self.b.sub(self.v(a), self.v(c))
+
+    def lanes_times(self, first: int, st, nbytes: int):
+        """<16 x i64> byte offsets (first + lane) * st * nbytes."""
+        if isinstance(st, int):
+            return ir.Constant(VI64, [(first + k) * st * nbytes for k in range(16)])
+        lanes = ir.Constant(VI64, [(first + k) * nbytes for k in range(16)])
+        return self.b.mul(lanes, self.splat(st, VI64))
 
     def lanes_lt(self, count, first: int = 0):
         """Lanes first + i < count (count an i64 value or int)."""
@@ -462,14 +677,43 @@ class _Gen(VecBuilder):
         return b.select(below, self.zero_v, res)
 
     # -- kernel ------------------------------------------------------------
+    def setup_dims(self, args):
+        """self.Sq, self.Sk and self.st[field] (4 strides): ints of the spec, or for a
+        form i64 values loaded from the runtime dims after the tensor pointers."""
+        s, b = self.s, self.b
+        if not self.poly:
+            self.Sq, self.Sk = s.Sq, s.Sk
+            self.st = {f: getattr(s, f) for f in STRIDE_FIELDS}
+            self.diag = s.Sk - s.Sq
+            return
+        n_ptr = 5 if s.mask != "none" else 4
+
+        def dim(name):
+            slot = self.gep(args, n_ptr + RT_DIMS.index(name), PTR)
+            return b.load(slot, typ=I64, name=name)
+
+        self.Sq, self.Sk = dim("Sq"), dim("Sk")
+        self.diag = b.sub(self.Sk, self.Sq, name="diag")  # causal: key j visible iff j <= i + diag
+        self.st = {
+            f: tuple(dim(f"{f[0]}{a}") if x is None else x for a, x in zip("bhsd", getattr(s, f)))
+            for f in STRIDE_FIELDS
+        }
+
     def emit(self):
         s, p, b = self.s, self.p, self.b
         args, tb, te, ws = self.fn.args
+        self.setup_dims(args)
+        qst, kst, vst, ost = (self.st[f] for f in STRIDE_FIELDS[:4])
         Q, K, V = self.arg(args, 0), self.arg(args, 1), self.arg(args, 2)
         Mk = self.arg(args, 3) if s.mask != "none" else None
         O = self.arg(args, 4 if s.mask != "none" else 3)
         self.ws_k = self.gep(ws, p.ws_k, I8)
         self.ws_v = self.gep(ws, p.ws_v, I8)
+        # a form's K^T panels: key block kb0 starts at ws_k + kb0 * D, rows of KB keys
+        self.panels = self.poly and p.scope == "bh"
+        if self.panels and p.k_mode == "pack":
+            nkb = b.sdiv(b.add(self.Sk, i64(p.KB - 1)), i64(p.KB))
+            self.ws_v = self.gep(self.ws_v, b.mul(nkb, i64(p.KB * s.D * 4)), I8)
         self.ws_s = self.gep(ws, p.ws_s, I8)
         self.ws_o = self.gep(ws, p.ws_o, I8)
         self.ws_m = self.gep(ws, p.ws_m, I8)
@@ -479,15 +723,18 @@ class _Gen(VecBuilder):
         self.ws_y = self.gep(ws, p.ws_y, I8)
         self.ws_u = self.gep(ws, p.ws_u, I8)
         mask_ty = I8 if s.mask_dtype == "bool" else F32
+        if self.poly:
+            nq = b.sdiv(b.add(self.Sq, i64(p.MQ - 1)), i64(p.MQ))
+        else:
+            nq = p.nq
 
         with self.loop(tb, te, 1, "tile") as t:
-            nq = p.nq
-            bh = b.sdiv(t, i64(nq)) if nq > 1 else t
-            u = b.srem(t, i64(nq)) if nq > 1 else i64(0)
+            bh = b.sdiv(t, self.v(nq)) if nq != 1 else t
+            u = b.srem(t, self.v(nq)) if nq != 1 else i64(0)
             if p.zigzag:
                 half = b.ashr(u, i64(1))
                 odd = b.icmp_signed("!=", b.and_(u, i64(1)), i64(0))
-                qb = b.select(odd, b.sub(i64(nq - 1), half), half)
+                qb = b.select(odd, b.sub(self.v(self.isub(nq, 1)), half), half)
             else:
                 qb = u
             bi = b.sdiv(bh, i64(s.H)) if s.H > 1 else bh
@@ -497,52 +744,55 @@ class _Gen(VecBuilder):
                 off = b.add(self.mul(bi, st[0]), self.mul(hi, st[1]))
                 return self.gep(ptr, off, ty)
 
-            Q_bh = base(Q, s.q_strides)
-            K_bh = base(K, s.k_strides)
-            V_bh = base(V, s.v_strides)
-            O_bh = base(O, s.o_strides)
-            M_bh = base(Mk, s.mask_strides, mask_ty) if Mk is not None else None
+            Q_bh = base(Q, qst)
+            K_bh = base(K, kst)
+            V_bh = base(V, vst)
+            O_bh = base(O, ost)
+            M_bh = base(Mk, self.st["mask_strides"], mask_ty) if Mk is not None else None
 
             if p.scope == "bh" and (p.k_mode == "pack" or p.v_mode == "pack"):
                 need = b.or_(b.icmp_signed("==", t, tb), b.icmp_signed("==", u, i64(0)))
                 with self.if_then(need):
                     if p.k_mode == "pack":
-                        self.pack_k(K_bh, i64(s.Sk))
+                        self.pack_k(K_bh, self.v(self.Sk))
                     if p.v_mode == "pack":
-                        self.pack_v(V_bh, i64(s.Sk))
+                        self.pack_v(V_bh, self.v(self.Sk))
 
             q0 = self.mul(qb, p.MQ)
-            mq = self.smin(b.sub(i64(s.Sq), q0), p.MQ)
+            mq = self.smin(b.sub(self.v(self.Sq), q0), p.MQ)
             self.init_state()
             if p.prefetch_o:
                 self.prefetch_out(O_bh, q0, mq)
             if s.causal:
-                kend = self.smax(self.smin(b.add(b.add(q0, mq), i64(s.Sk - s.Sq)), s.Sk), 0)
+                kend = b.add(b.add(q0, mq), self.v(self.diag))
+                kend = self.smax(self.smin(kend, self.v(self.Sk)), 0)
             else:
-                kend = i64(s.Sk)
+                kend = self.v(self.Sk)
             with self.loop(0, kend, p.KB, "kb") as kb0:
                 kbl = self.smin(b.sub(kend, kb0), p.KB)
                 if p.k_mode == "direct":
                     kt = self.gep(K_bh, kb0)  # key stride 1
-                    ldk = s.k_strides[3]
+                    ldk = kst[3]
+                elif self.panels:
+                    kt, ldk = self.gep(self.ws_k, self.mul(kb0, s.D)), p.ldk
                 elif p.scope == "bh":
                     kt, ldk = self.gep(self.ws_k, kb0), p.ldk
                 else:
-                    self.pack_k(self.gep(K_bh, self.mul(kb0, s.k_strides[2])), kbl)
+                    self.pack_k(self.gep(K_bh, self.mul(kb0, kst[2])), kbl)
                     kt, ldk = self.ws_k, p.ldk
                 if p.v_mode == "direct":
-                    vb, ldv = self.gep(V_bh, self.mul(kb0, s.v_strides[2])), s.v_strides[2]
+                    vb, ldv = self.gep(V_bh, self.mul(kb0, vst[2])), vst[2]
                 elif p.scope == "bh":
                     vb, ldv = self.gep(self.ws_v, self.mul(kb0, p.Dv_pad)), p.Dv_pad
                 else:
-                    self.pack_v(self.gep(V_bh, self.mul(kb0, s.v_strides[2])), kbl)
+                    self.pack_v(self.gep(V_bh, self.mul(kb0, vst[2])), kbl)
                     vb, ldv = self.ws_v, p.Dv_pad
                 self.scores(Q_bh, M_bh, q0, mq, kt, ldk, kb0, kbl)
                 self.softmax_rows(mq, kbl)
                 first = b.icmp_signed("==", kb0, i64(0))
                 last = b.icmp_signed(">=", b.add(kb0, i64(p.KB)), kend)
                 self.pv(vb, ldv, mq, kbl, first, last, O_bh, q0)
-            if s.causal and s.Sq > s.Sk:
+            if s.causal and (self.poly or s.Sq > s.Sk):
                 with self.if_then(b.icmp_signed("<=", kend, i64(0))):
                     self.store_nan_rows(O_bh, q0, mq)
         b.ret_void()
@@ -559,7 +809,7 @@ class _Gen(VecBuilder):
         """Write-prefetch the tile's output rows: they are stored at the end of
         the tile, and usually miss the caches (an output of a few MiB)."""
         s, b = self.s, self.b
-        oi, od = s.o_strides[2], s.o_strides[3]
+        oi, od = self.st["o_strides"][2:]
         if od != 1:
             return
         lines = _cdiv(s.Dv * 4, 64) + 1  # rows need not be 64-byte aligned
@@ -571,20 +821,33 @@ class _Gen(VecBuilder):
 
     # -- packing ---------------------------------------------------------------
     def pack_k(self, src, count):
-        """ws_k[d * ldk + j] = K(j, d) for keys j < count (zero-padded to 16)."""
+        """ws_k[d * ldk + j] = K(j, d) for keys j < count (zero-padded to 16); a
+        form's whole-head packing (``panels``) puts key j at ws_k[(j // KB) * D * KB
+        + d * KB + j % KB]."""
         s, p = self.s, self.p
-        self.pack_t(src, count, s.k_strides[2], i64(s.D), s.k_strides[3], self.ws_k, p.ldk)
+        kst = self.st["k_strides"]
+        panel = (p.KB, p.KB * s.D) if self.panels else None
+        self.pack_t(src, count, kst[2], i64(s.D), kst[3], self.ws_k, p.ldk, panel)
 
     def pack_v(self, src, count):
         """ws_v[j * Dv_pad + e] = V(j, e) for keys j < count."""
         s, p = self.s, self.p
-        self.pack_t(src, i64(s.Dv), s.v_strides[3], count, s.v_strides[2], self.ws_v, p.Dv_pad)
+        vst = self.st["v_strides"]
+        self.pack_t(src, i64(s.Dv), vst[3], count, vst[2], self.ws_v, p.Dv_pad)
 
-    def pack_t(self, src, n_a, rs, n_c, cs, dst, dst_ld):
+    def pack_t(self, src, n_a, rs, n_c, cs, dst, dst_ld: int, panel=None):
         """dst[c * dst_ld + a] = src[a * rs + c * cs] for a < n_a, c < n_c; lanes
         a in [n_a, roundup16(n_a)) are zero. 16x16 in-register transposes when
-        cs == 1, else gathers."""
+        cs == 1, else gathers. ``panel = (P, stride)``: a is stored at
+        (a // P) * stride + a % P instead (P a multiple of 16)."""
         b = self.b
+
+        def col(a0):
+            if panel is None:
+                return a0
+            P, pst = panel
+            return b.add(b.mul(b.udiv(a0, i64(P)), i64(pst)), b.urem(a0, i64(P)))
+
         if cs == 1:
             with self.loop(0, n_a, 16, "pta") as a0:
                 rowok = [b.icmp_signed("<", b.add(a0, i64(k)), n_a) for k in range(16)]
@@ -593,11 +856,12 @@ class _Gen(VecBuilder):
                     cmask = self.lanes_lt(b.sub(n_c, c0))
                     base = self.gep(row0, c0)
                     rows = [
-                        self.load_v(self.gep(base, k * rs), b.select(rowok[k], cmask, self.zero_m))
+                        self.load_v(self.gep(base, self.imul(k, rs)),
+                                    b.select(rowok[k], cmask, self.zero_m))
                         for k in range(16)
                     ]
                     cols = self.transpose16(rows)
-                    dbase = self.gep(dst, b.add(b.mul(c0, i64(dst_ld)), a0))
+                    dbase = self.gep(dst, b.add(b.mul(c0, i64(dst_ld)), col(a0)))
                     for i in range(16):
                         ok = b.icmp_signed("<", b.add(c0, i64(i)), n_c)
                         self.store_v(
@@ -609,14 +873,14 @@ class _Gen(VecBuilder):
             src_i = b.ptrtoint(src, I64)
             with self.loop(0, n_a, 16, "pga") as a0:
                 amask = self.lanes_lt(b.sub(n_a, a0))
-                offs = b.mul(
-                    b.add(self.splat(a0, VI64), self.iota64), ir.Constant(VI64, [4 * rs] * 16)
-                )
+                offs = b.mul(b.add(self.splat(a0, VI64), self.iota64),
+                             self.splat(self.imul(4, rs), VI64))
                 row_i = b.add(self.splat(src_i, VI64), offs)
                 with self.loop(0, n_c, 1, "pgc") as c:
-                    ptrs = b.inttoptr(b.add(row_i, self.splat(b.mul(c, i64(4 * cs)), VI64)), VPTR)
+                    cb = self.mul(c, self.imul(4, cs))
+                    ptrs = b.inttoptr(b.add(row_i, self.splat(cb, VI64)), VPTR)
                     g = self.gather(ptrs, amask)
-                    self.store_v(g, self.gep(dst, b.add(b.mul(c, i64(dst_ld)), a0)))
+                    self.store_v(g, self.gep(dst, b.add(b.mul(c, i64(dst_ld)), col(a0))))
 
     # -- S = Q K^T for one key block, with scale/mask/causal and row maxima ----
     def scores(self, Q_bh, M_bh, q0, mq, kt, ldk, kb0, kbl):
@@ -624,7 +888,7 @@ class _Gen(VecBuilder):
         past the block); rowmax[r][:] = lane-wise max over the block's vectors."""
         s, p, b = self.s, self.p, self.b
         MR, NV, KB = p.MR_s, p.NV_s, p.KB
-        qi, qd = s.q_strides[2], s.q_strides[3]
+        qi, qd = self.st["q_strides"][2:]
         U = max(1, min(p.unroll_d, s.D))
         Dmain = s.D - s.D % U
         with self.loop(0, mq, MR, "sr") as r0:
@@ -638,44 +902,74 @@ class _Gen(VecBuilder):
                 left = b.sub(kbl, c0)
                 masks = [self.lanes_lt(left, 16 * v) for v in range(NV)]
                 k0 = self.gep(kt, c0)
-
-                def step(accs, kp, qps, u):
-                    kv = [self.load_v(self.gep(kp, u * ldk + 16 * v), masks[v]) for v in range(NV)]
-                    new = []
-                    for r in range(MR):
-                        x = self.splat(self.load_f(self.gep(qps[r], u * qd)))
-                        new.append([self.fma(x, kv[v], accs[r][v]) for v in range(NV)])
-                    return new
-
-                accs = [[self.zero_v] * NV for _ in range(MR)]
-                if Dmain:
-
-                    def body(d, a, ptrs):
-                        kp, qps = ptrs[0], ptrs[1:]
-                        for u in range(U):
-                            a = step(a, kp, qps, u)
-                        return a, [self.gep(kp, U * ldk)] + [self.gep(q, U * qd) for q in qps]
-
-                    _, accs, ptrs = self.grid_loop(0, Dmain, U, accs, [k0] + q_ptrs, body, "sd")
-                    kp, qps = ptrs[0], ptrs[1:]
-                else:
-                    kp, qps = k0, q_ptrs
-                for u in range(s.D - Dmain):
-                    accs = step(accs, kp, qps, u)
-                # epilogue: scale, mask, causal limit, key padding; row maxima
                 first = b.icmp_signed("==", c0, i64(0))
                 kstart = b.add(kb0, c0)
-                for r in range(MR):
-                    sv = self.score_epilogue(accs[r], M_bh, b.add(q0, rows[r]), kstart, masks)
-                    mx = sv[0]
-                    for v in range(1, NV):
-                        mx = self.fmax(mx, sv[v])
-                    for v in range(NV):
-                        self.store_v(sv[v], self.gep(s_ptrs[r], b.add(c0, i64(16 * v))))
-                    if KB > 16 * NV:
-                        old = self.load_v(x_ptrs[r])
-                        mx = b.select(first, mx, self.fmax(mx, old))
-                    self.store_v(mx, x_ptrs[r])
+
+                def chunk(nv):
+                    """The micro-kernel on nv vectors of keys (-inf scores after them)."""
+
+                    def step(accs, kp, qps, u):
+                        kv = [
+                            self.load_v(self.gep(kp, self.iadd(self.imul(u, ldk), 16 * v)),
+                                        masks[v])
+                            for v in range(nv)
+                        ]
+                        new = []
+                        for r in range(MR):
+                            x = self.splat(self.load_f(self.gep(qps[r], self.imul(u, qd))))
+                            new.append([self.fma(x, kv[v], accs[r][v]) for v in range(nv)])
+                        return new
+
+                    accs = [[self.zero_v] * nv for _ in range(MR)]
+                    if Dmain:
+
+                        def body(d, a, ptrs):
+                            kp, qps = ptrs[0], ptrs[1:]
+                            for u in range(U):
+                                a = step(a, kp, qps, u)
+                            return a, [self.gep(kp, self.imul(U, ldk))] + [
+                                self.gep(q, self.imul(U, qd)) for q in qps
+                            ]
+
+                        _, accs, ptrs = self.grid_loop(0, Dmain, U, accs, [k0] + q_ptrs,
+                                                       body, "sd")
+                        kp, qps = ptrs[0], ptrs[1:]
+                    else:
+                        kp, qps = k0, q_ptrs
+                    for u in range(s.D - Dmain):
+                        accs = step(accs, kp, qps, u)
+                    # epilogue: scale, mask, causal limit, key padding; row maxima
+                    for r in range(MR):
+                        sv = self.score_epilogue(accs[r], M_bh, b.add(q0, rows[r]), kstart,
+                                                 masks[:nv])
+                        mx = sv[0]
+                        for v in range(1, nv):
+                            mx = self.fmax(mx, sv[v])
+                        sv += [self.splat(NEG_INF)] * (NV - nv)
+                        for v in range(NV):
+                            self.store_v(sv[v], self.gep(s_ptrs[r], b.add(c0, i64(16 * v))))
+                        if KB > 16 * NV:
+                            old = self.load_v(x_ptrs[r])
+                            mx = b.select(first, mx, self.fmax(mx, old))
+                        self.store_v(mx, x_ptrs[r])
+
+                if self.poly and NV > 1:
+                    # a form does not know Sk: the last chunk of keys (a short sequence)
+                    # runs the micro-kernel on just the vectors it needs
+                    nvt = self.smin(b.ashr(b.add(left, i64(15)), i64(4)), NV)
+                    blocks = {k: self.fn.append_basic_block(self.name(f"sc{k}"))
+                              for k in range(1, NV + 1)}
+                    done = self.fn.append_basic_block(self.name("sc.done"))
+                    sw = b.switch(nvt, blocks[NV])
+                    for k in range(1, NV):
+                        sw.add_case(i64(k), blocks[k])
+                    for k, blk in blocks.items():
+                        b.position_at_end(blk)
+                        chunk(k)
+                        b.branch(done)
+                    b.position_at_end(done)
+                else:
+                    chunk(NV)
 
     def score_epilogue(self, raw, M_bh, i, kstart, valid):
         """Scores of row i, keys kstart + 16v + lane, from the raw q.k vectors."""
@@ -713,7 +1007,7 @@ class _Gen(VecBuilder):
         ninf = self.splat(NEG_INF)
         if s.causal:
             # keys j = kstart + 16v + lane are visible while j <= i + Sk - Sq
-            lim = b.sub(b.add(i, i64(s.Sk - s.Sq)), kstart)
+            lim = b.sub(b.add(i, self.v(self.diag)), kstart)
             lim32 = self.splat(b.trunc(self.smax(self.smin(lim, 1 << 30), -1), I32), VI32)
             for v in range(NV):
                 lanes = ir.Constant(VI32, [16 * v + k for k in range(16)])
@@ -731,7 +1025,7 @@ class _Gen(VecBuilder):
         vectors ('add') or <16 x i1> keep flags ('where')."""
         s, b = self.s, self.b
         NV = len(valid)
-        mi, mj = s.mask_strides[2], s.mask_strides[3]
+        mi, mj = self.st["mask_strides"][2:]
         is_bool = s.mask_dtype == "bool"
         ety = I8 if is_bool else F32
         row = self.gep(M_bh, b.add(self.mul(i, mi), self.mul(kstart, mj)), ety)
@@ -753,7 +1047,7 @@ class _Gen(VecBuilder):
             row_i = self.splat(b.ptrtoint(row, I64), VI64)
             esz = 1 if is_bool else 4
             for v in range(NV):
-                offs = ir.Constant(VI64, [(16 * v + k) * mj * esz for k in range(16)])
+                offs = self.lanes_times(16 * v, mj, esz)
                 ptrs = b.inttoptr(b.add(row_i, offs), VPTR)
                 if is_bool:
                     out.append(
@@ -774,7 +1068,8 @@ class _Gen(VecBuilder):
         p, b = self.p, self.b
         KB = p.KB
         NVk = KB // 16
-        nvec = b.sdiv(b.add(kbl, i64(15)), i64(16)) if NVk > p.NV_s else None
+        skip = self.poly and NVk > 1   # a form's short blocks: skip the vectors past kbl
+        nvec = b.sdiv(b.add(kbl, i64(15)), i64(16)) if NVk > p.NV_s or skip else None
         with self.loop(0, mq, 16, "sg") as g0:
             mblk = self.reduce16(self.gep(self.ws_x, self.mul(g0, 16)), self.fmax)
             m_ptr = self.gep(self.ws_m, g0)
@@ -790,15 +1085,31 @@ class _Gen(VecBuilder):
                 mu = self.splat(self.load_f(self.gep(self.ws_u, b.sub(r, g0))))
                 srow = self.gep(self.ws_s, self.mul(r, KB))
                 acc = None
+                if skip:
+                    end = self.fn.append_basic_block(self.name("sm.end"))
+                    exits = []
                 for v in range(NVk):
+                    if skip and v:
+                        go = self.fn.append_basic_block(self.name("sm.v"))
+                        exits.append((acc, b.block))
+                        b.cbranch(b.icmp_signed(">", nvec, i64(v)), go, end)
+                        b.position_at_end(go)
                     ptr = self.gep(srow, 16 * v)
                     pv = self.exp_nonpos(b.fsub(self.load_v(ptr), mu))
-                    if v >= p.NV_s:
+                    if v >= p.NV_s and not skip:
                         # vectors past the block's last chunk hold stale data: p = 0
                         ok = b.icmp_signed(">", nvec, i64(v))
                         pv = b.select(ok, pv, self.zero_v)
                     self.store_v(pv, ptr)
                     acc = pv if acc is None else b.fadd(acc, pv)
+                if skip:
+                    exits.append((acc, b.block))
+                    b.branch(end)
+                    b.position_at_end(end)
+                    phi = b.phi(VF)
+                    for val, blk in exits:
+                        phi.add_incoming(val, blk)
+                    acc = phi
                 self.store_v(acc, self.gep(self.ws_y, self.mul(b.sub(r, g0), 16)))
             psum = self.reduce16(self.ws_y, b.fadd)
             l_ptr = self.gep(self.ws_l, g0)
@@ -816,7 +1127,7 @@ class _Gen(VecBuilder):
         s, p, b = self.s, self.p, self.b
         MR, KB, Dvp = p.MR_v, p.KB, p.Dv_pad
         U = max(1, p.unroll_j)
-        oi, od = s.o_strides[2], s.o_strides[3]
+        oi, od = self.st["o_strides"][2:]
         for cv0, nv in p.v_chunks:
             omask = [self.lanes_lt(s.Dv, 16 * (cv0 + v)) for v in range(nv)]
             omask = [None if all(c.constant for c in m.constant) else m for m in omask]
@@ -846,7 +1157,10 @@ class _Gen(VecBuilder):
                 v0 = self.gep(vb, 16 * cv0)
 
                 def step(a, vp, pps, u, nv=nv, dmask=dmask):
-                    vv = [self.load_v(self.gep(vp, u * ldv + 16 * v), dmask[v]) for v in range(nv)]
+                    vv = [
+                        self.load_v(self.gep(vp, self.iadd(self.imul(u, ldv), 16 * v)), dmask[v])
+                        for v in range(nv)
+                    ]
                     new = []
                     for k in range(MR):
                         x = self.splat(self.load_f(self.gep(pps[k], u)))
@@ -858,7 +1172,9 @@ class _Gen(VecBuilder):
                         vp, pps = ptrs[0], ptrs[1:]
                         for u in range(nstep):
                             a = step(a, vp, pps, u)
-                        return a, [self.gep(vp, nstep * ldv)] + [self.gep(q, nstep) for q in pps]
+                        return a, [self.gep(vp, self.imul(nstep, ldv))] + [
+                            self.gep(q, nstep) for q in pps
+                        ]
 
                     return body
 
@@ -882,7 +1198,7 @@ class _Gen(VecBuilder):
                         )
                         invs = self.splat(inv)
                         orow = self.gep(
-                            O_bh, b.add(self.mul(b.add(q0, rows[k]), oi), i64(16 * cv0 * od))
+                            O_bh, b.add(self.mul(b.add(q0, rows[k]), oi), self.mul(16 * cv0, od))
                         )
                         for v in range(nv):
                             self.store_out(b.fmul(accs[k][v], invs), orow, 16 * v, omask[v])
@@ -892,11 +1208,11 @@ class _Gen(VecBuilder):
     def store_out(self, val, orow, e0: int, mask):
         """O elements e0 + lane of the row at orow (mask: lanes inside Dv)."""
         s, b = self.s, self.b
-        od = s.o_strides[3]
+        od = self.st["o_strides"][3]
         if od == 1 or s.Dv == 1:
             self.store_v(val, self.gep(orow, e0), mask)
         else:
-            offs = ir.Constant(VI64, [(e0 + k) * od * 4 for k in range(16)])
+            offs = self.lanes_times(e0, od, 4)
             ptrs = b.inttoptr(b.add(self.splat(b.ptrtoint(orow, I64), VI64), offs), VPTR)
             self.scatter(val, ptrs, mask)
 
@@ -905,7 +1221,7 @@ class _Gen(VecBuilder):
         s, b = self.s, self.b
         nan = self.splat(float("nan"))
         with self.loop(0, mq, 1, "nanr") as r:
-            orow = self.gep(O_bh, self.mul(b.add(q0, r), s.o_strides[2]))
+            orow = self.gep(O_bh, self.mul(b.add(q0, r), self.st["o_strides"][2]))
             for v in range(_cdiv(s.Dv, 16)):
                 m = self.lanes_lt(s.Dv, 16 * v)
                 full = all(c.constant for c in m.constant)
@@ -913,10 +1229,12 @@ class _Gen(VecBuilder):
 
 
 def emit_attention(
-    module: ir.Module, name: str, spec: AttnSpec, *, tuning: dict | None = None
+    module: ir.Module, name: str, spec: AttnSpec | AttnForm, *, tuning: dict | None = None
 ) -> ir.Function:
     """Emit ``void name(ptr args, i64 tile_begin, i64 tile_end, ptr workspace)``
-    with ``args = [Q, K, V, (mask if spec.mask != "none"), O]``.
+    with ``args = [Q, K, V, (mask if spec.mask != "none"), O]``; for an `AttnForm`
+    the pointers are followed by the i64 runtime dims ``RT_DIMS`` (see
+    :func:`attention_tiling`, which also gives the tiles and the workspace).
 
     ``tuning`` overrides planning decisions (see :func:`attention_plan`); pass
     the same ``tuning`` to :func:`attention_num_tiles` and

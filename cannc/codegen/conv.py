@@ -44,7 +44,7 @@ when ``iv % stride == 0``, with the kernel flipped and in/out channels swapped
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import llvmlite.ir as ir
@@ -307,6 +307,9 @@ KC_MAX = 256         # reduction rows per block (B micro-panel 32*KC*4 bytes)
 KC_MAX_DIRECT = 512  # direct mode: the block of A (Mg x KC) should stay in L2
 P_MAX = 256          # pixels per block
 SWAP_MAX_PIXELS = 1024
+# swapped orientation: one 16-lane scatter of results to Y (measured: 40 made 1x1 stride-2
+# convs on 56x56 images pick the swapped orientation, 5-20% slower than the normal one)
+SCATTER_COST = 200.0
 
 
 def _grid(geom: ConvGeom, K: int, pu: int, cu: int, pmax: int, cores: int,
@@ -386,7 +389,8 @@ def plan_conv(geom: ConvGeom, const_weights: bool = True, cores: int = 2,
         NRs = 16 * NVs
         for MRs in ([tun["MR"]] if "MR" in tun else [8, 7, 6, 5, 4]):
             def cost_s(ch, px, MRs=MRs):
-                c = 2.0 * rup(ch, NRs) * rup(px, MRs) * K + 6.0 * K * px + 3000.0 + 40.0 * ch * px / 16
+                c = (2.0 * rup(ch, NRs) * rup(px, MRs) * K + 6.0 * K * px + 3000.0
+                     + SCATTER_COST * ch * px / 16)
                 c += weight_traffic(ch, K)
                 if not const_weights:
                     c += 4.0 * rup(ch, NRs) * K
@@ -406,16 +410,21 @@ def plan_conv(geom: ConvGeom, const_weights: bool = True, cores: int = 2,
     nkb = cdiv(geom.Cg, CB)
     KC = CB * geom.KK
     NCP = rup(P, 16) + 16
-    ws_col = 0
-    col_bytes = 0 if direct else KC * NCP * 4
-    ws_a = rup(col_bytes, 64)
-    a_bytes = 0 if const_weights else rup(CH, NR if swap else MR) * KC * 4
-    ws_acc = rup(ws_a + a_bytes, 64)
-    acc_bytes = P * CH * 4 if (swap and nkb > 1) else 0
-    ws_bytes = rup(ws_acc + acc_bytes, 64)
-    return ConvPlan(swap=swap, MR=MR, NV=NV, KC=KC, nkb=nkb, P=P, PB=PB, CH=CH, MB=MB, NCP=NCP,
+    plan = ConvPlan(swap=swap, MR=MR, NV=NV, KC=KC, nkb=nkb, P=P, PB=PB, CH=CH, MB=MB, NCP=NCP,
                     direct=direct, CB=CB, unroll=tun.get("unroll", 2 if MR * NV > 8 else 4),
-                    ws_col=ws_col, ws_a=ws_a, ws_acc=ws_acc, ws_bytes=ws_bytes, num_tiles=T)
+                    ws_col=0, ws_a=0, ws_acc=0, ws_bytes=0, num_tiles=T)
+    return plan_workspace(plan, const_weights)
+
+
+def plan_workspace(plan: ConvPlan, const_weights: bool) -> ConvPlan:
+    """``plan`` with the workspace laid out for prepacked (constant) weights or for
+    runtime weights, which each tile packs into the workspace: [col | A panels | acc]."""
+    col_bytes = 0 if plan.direct else plan.KC * plan.NCP * 4
+    ws_a = rup(col_bytes, 64)
+    a_bytes = 0 if const_weights else rup(plan.CH, plan.CU) * plan.KC * 4
+    ws_acc = rup(ws_a + a_bytes, 64)
+    acc_bytes = plan.P * plan.CH * 4 if (plan.swap and plan.nkb > 1) else 0
+    return replace(plan, ws_col=0, ws_a=ws_a, ws_acc=ws_acc, ws_bytes=rup(ws_acc + acc_bytes, 64))
 
 
 # ---------------------------------------------------------------------------

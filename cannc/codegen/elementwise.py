@@ -332,12 +332,21 @@ def store_tv(b: ir.IRBuilder, ptr: ir.Value, index: ir.Value, x: TV, dtype: np.d
 
 
 def emit_map(ctx, operand_types: list[TensorType], out_types: list[TensorType],
-             expr: ExprFn, operand_slots: list[int] | None = None) -> None:
+             expr: ExprFn, operand_slots: list[int] | None = None,
+             folded_types: Sequence[TensorType] = ()) -> None:
     """Emit the whole kernel for a broadcasting map into ctx (a LowerCtx).
 
     operand_slots[i] is the argument index of operand i (default: input i).
     Outputs all have the same shape (out_types[0].shape) and are contiguous.
+    With ``ctx.tiling`` set (by ``map_tiling`` over the same operands, plus any
+    fully broadcast operands the lowering folds into immediates) the kernel reads
+    its extents at run time; without, it is specialised to the static shapes.
+    folded_types: operands the tiling function saw but the lowering folded into
+    the expression (scalar constants): they take part in the pattern's merges.
     """
+    if ctx.tiling is not None:
+        _emit_map_runtime(ctx, operand_types, out_types, expr, operand_slots, folded_types)
+        return
     out_shape = tuple(int(d) for d in out_types[0].shape)
     if any(d == 0 for d in out_shape):
         # nothing to compute: an empty kernel
@@ -398,3 +407,207 @@ def emit_map(ctx, operand_types: list[TensorType], out_types: list[TensorType],
         with for_range(b, nvec, n, name="s") as j:
             body(j, 1)
     b.ret_void()
+
+
+# ---------------------------------------------------------------------------
+# shape-polymorphic maps (ABI.md "Runtime dimensions")
+#
+# The broadcast *pattern* is static: after aligning ranks, every operand axis is
+# either walked ("present") or broadcast, and adjacent axes that every operand
+# treats alike are merged. The merged extents are runtime dims. A tile is a
+# flat range of TILE elements of the output; it walks its rows (the innermost
+# merged axis) with the vector body + scalar remainder of the static kernel.
+# ---------------------------------------------------------------------------
+
+MIN_TILE_ELEMS = 2048
+
+
+def map_layout(operand_shapes: Sequence[Sequence[int]], out_shape: Sequence[int],
+               n_out: int = 1) -> tuple[tuple[tuple[bool, ...], ...], tuple[int, ...]] | None:
+    """(per operand then per output: which merged axes it walks; the merged extents),
+    or None for an empty output. An operand axis is broadcast when it is missing
+    (rank alignment) or 1 against a larger output extent; an axis where the output
+    is 1 too counts as walked, so a runtime batch of 1 keeps the pattern of larger
+    batches for operands that carry the batch axis. A one-element operand of
+    another shape than the output is a scalar, broadcast on every axis."""
+    out = [int(d) for d in out_shape] or [1]
+    if any(d == 0 for d in out):
+        return None
+    r = len(out)
+    bits = []
+    for shp in operand_shapes:
+        shp = [int(d) for d in shp]
+        pad = r - len(shp)
+        if int(np.prod(shp)) == 1 and shp != out:   # a scalar: broadcast on every axis
+            bits.append([False] * r)
+            continue
+        bits.append([d >= pad and not (shp[d - pad] == 1 and out[d] != 1) for d in range(r)])
+    bits += [[True] * r for _ in range(n_out)]
+    groups: list[list[int]] = [[0]]
+    for d in range(1, r):
+        if all(bt[d] == bt[groups[-1][-1]] for bt in bits):
+            groups[-1].append(d)
+        else:
+            groups.append([d])
+    ext = tuple(int(np.prod([out[d] for d in g])) for g in groups)
+    pattern = tuple(tuple(bt[g[0]] for g in groups) for bt in bits)
+    return pattern, ext
+
+
+def map_tile_elems(total: int) -> int:
+    """Elements per tile: ~16 tiles for the cores to share, each a vector multiple."""
+    t = -(-total // 16)
+    t = -(-t // 64) * 64
+    return max(MIN_TILE_ELEMS, min(MAX_TILE_ELEMS, t))
+
+
+def map_tiling(operand_types: Sequence[TensorType], out_types: Sequence[TensorType],
+               flops_per_elem: int = 0):
+    """The host tiling of a broadcasting map (see emit_map): dims are
+    (tile elements, total elements, merged extents...); None for empty outputs."""
+    from .kernel import Tiling
+
+    out_shape = tuple(int(d) for d in out_types[0].shape)
+    lay = map_layout([tuple(t.shape) for t in operand_types], out_shape, len(out_types))
+    if lay is None:
+        return None
+    pattern, ext = lay
+    total = int(np.prod(out_shape)) if out_shape else 1
+    tile = map_tile_elems(total)
+    return Tiling(key=("map", pattern), dims=(tile, total) + ext,
+                  num_tiles=max(1, -(-total // tile)), single_core=total < 4096,
+                  flops=total * flops_per_elem)
+
+
+def _emit_map_runtime(ctx, operand_types: list[TensorType], out_types: list[TensorType],
+                      expr: ExprFn, operand_slots: list[int] | None,
+                      folded_types: Sequence[TensorType]) -> None:
+    out_shape = tuple(int(d) for d in out_types[0].shape)
+    lay = map_layout([tuple(t.shape) for t in list(operand_types) + list(folded_types)],
+                     out_shape, len(out_types))
+    assert lay is not None
+    pattern, ext = lay
+    nops = len(operand_types)
+    pattern = pattern[:nops] + pattern[nops + len(folded_types):]
+    assert tuple(ctx.tiling.dims[2:]) == ext, (ctx.tiling.dims, ext)
+    r = len(ext)
+    slots = operand_slots if operand_slots is not None else list(range(len(operand_types)))
+    dtypes = [t.dtype for t in operand_types] + [t.dtype for t in out_types]
+    lanes = vector_lanes(dtypes)
+
+    fn, b = ctx.begin()
+    ptrs = [ctx.in_ptr(b, s) for s in slots] + [ctx.out_ptr(b, j) for j in range(len(out_types))]
+    tile, total = ctx.rt_dim(b, 0), ctx.rt_dim(b, 1)
+    e = [ctx.rt_dim(b, 2 + d) for d in range(r)]
+    # element strides of every operand along the merged axes (None: broadcast)
+    strides: list[list[ir.Value | None]] = []
+    for bits in pattern:
+        st: list[ir.Value | None] = [None] * r
+        acc: ir.Value | None = None          # None stands for 1
+        for d in range(r - 1, -1, -1):
+            if bits[d]:
+                st[d] = acc if acc is not None else i64(1)
+                acc = e[d] if acc is None else b.mul(acc, e[d])
+        strides.append(st)
+    inner = [bits[-1] for bits in pattern]   # walks the row (stride 1) or is splat
+    n = e[-1]
+    # the row walk's state for rank > 2 (in the entry block: it becomes SSA values)
+    dslot = [b.alloca(I64, name=f"dig{d}") for d in range(r - 1)] if r > 2 else []
+    rslot = [b.alloca(I64, name=f"rb{k}") for k in range(len(pattern))] if r > 2 else []
+
+    def segment(bases: list[ir.Value], cnt: ir.Value) -> None:
+        """Elements [0, cnt) of a row piece whose operand offsets are `bases`: full
+        vectors, then scalars (a masked vector tail measured slower on Zen 4)."""
+        # a broadcast operand is one value for the whole piece: load it once
+        splat_vals = {k: load_tv(b, ptrs[k], bases[k], operand_types[k].dtype, 1, True)
+                      for k in range(nops) if not inner[k]}
+
+        def body(j: ir.Value, w: int) -> None:
+            vals = []
+            for k in range(nops):
+                if k in splat_vals:
+                    sv = splat_vals[k]
+                    vals.append(TV(emit.splat(b, sv.v, w), sv.dtype) if w > 1 else sv)
+                else:
+                    vals.append(load_tv(b, ptrs[k], b.add(bases[k], j),
+                                        operand_types[k].dtype, w, False))
+            res = expr(Expr(b, w), vals)
+            for k, (rv, ot) in enumerate(zip(res, out_types)):
+                store_tv(b, ptrs[nops + k], b.add(bases[nops + k], j), rv, ot.dtype)
+
+        nvec = i64(0)
+        if lanes > 1:
+            nvec = b.and_(cnt, i64(-lanes)) if lanes & (lanes - 1) == 0 else \
+                b.mul(b.udiv(cnt, i64(lanes)), i64(lanes))
+            with for_range(b, 0, nvec, step=lanes, name="v") as j:
+                body(j, lanes)
+        with for_range(b, nvec, cnt, name="s") as j:
+            body(j, 1)
+
+    with for_range(b, ctx.tile_begin, ctx.tile_end, name="tile") as t:
+        f0 = b.mul(t, tile)
+        f1 = b.add(f0, tile)
+        f1 = b.select(b.icmp_signed("<", f1, total), f1, total)
+        if r == 1:
+            segment([f0 if inner[k] else i64(0) for k in range(len(pattern))], b.sub(f1, f0))
+        else:
+            # rows [r0, r1] of the tile; the first starts at column c0, the last ends at c1
+            r0 = b.udiv(f0, n)
+            c0 = b.sub(f0, b.mul(r0, n))
+            r1 = b.udiv(b.sub(f1, i64(1)), n)
+            c1 = b.sub(f1, b.mul(r1, n))
+            if r > 2:
+                # digits of r0 over the outer merged axes, and each operand's row offset
+                digits, rem = [None] * (r - 1), r0
+                for d in range(r - 2, -1, -1):
+                    if d == 0:
+                        digits[d] = rem
+                    else:
+                        digits[d] = b.urem(rem, e[d])
+                        rem = b.udiv(rem, e[d])
+                for d in range(r - 1):
+                    b.store(digits[d], dslot[d])
+                for k, st in enumerate(strides):
+                    rb = i64(0)
+                    for d in range(r - 1):
+                        if st[d] is not None:
+                            rb = b.add(rb, b.mul(digits[d], st[d]))
+                    b.store(rb, rslot[k])
+            with for_range(b, r0, b.add(r1, i64(1)), name="row") as row:
+                lo = b.select(b.icmp_signed("==", row, r0), c0, i64(0))
+                hi = b.select(b.icmp_signed("==", row, r1), c1, n)
+                bases = []
+                for k, st in enumerate(strides):
+                    if r > 2:
+                        rb = b.load(rslot[k], typ=I64)
+                    else:
+                        rb = b.mul(row, st[0]) if st[0] is not None else i64(0)
+                    bases.append(b.add(rb, lo) if inner[k] else rb)
+                segment(bases, b.sub(hi, lo))
+                if r > 2:
+                    _advance_row(b, r, e, strides, dslot, rslot)
+    b.ret_void()
+
+
+def _advance_row(b: ir.IRBuilder, r: int, e: list[ir.Value],
+                 strides: list[list[ir.Value | None]], dslot: list[ir.Value],
+                 rslot: list[ir.Value]) -> None:
+    """Step the row digits (outer merged axes) by one, carrying, and the row offsets."""
+
+    def step(d: int) -> None:
+        dg = b.add(b.load(dslot[d], typ=I64), i64(1))
+        b.store(dg, dslot[d])
+        for k, st in enumerate(strides):
+            if st[d] is not None:
+                b.store(b.add(b.load(rslot[k], typ=I64), st[d]), rslot[k])
+        if d == 0:
+            return
+        with b.if_then(b.icmp_signed("==", dg, e[d])):
+            b.store(i64(0), dslot[d])
+            for k, st in enumerate(strides):
+                if st[d] is not None:
+                    span = b.mul(e[d], st[d])
+                    b.store(b.sub(b.load(rslot[k], typ=I64), span), rslot[k])
+            step(d - 1)
+
+    step(r - 2)

@@ -21,7 +21,9 @@ The code follows the Goto/BLIS recipe (see shared/PERFORMANCE_NOTES.md):
 * A read in place (rows of a row-major A stream well), or packed into
   ``MR``-row panels per ``MC x KC`` block when it is stored transposed;
 * ``KC`` blocking of the reduction (partial sums live in C between K blocks;
-  alpha, bias and the epilogue are applied on the last block only);
+  alpha, bias and the epilogue are applied on the last block only). K blocks are
+  large (up to ``KC_MAX``): reloading the partial sums of C costs more than B
+  micro-panels read from L2; ``NC`` blocking keeps the KC x NC block of B in L2;
 * 'dot' kernels when A rows and B columns are both contiguous in K and one
   side is tiny (GEMV with B ``[N,K]``, attention-like ``Q @ K^T`` with few
   rows, N <= 8): ``MR x NR`` dot products vectorised along K, reduced with
@@ -30,6 +32,20 @@ The code follows the Goto/BLIS recipe (see shared/PERFORMANCE_NOTES.md):
 
 Every shape, including edge tiles, is handled by masks: no scalar loops.
 C must not overlap the inputs (partial sums are kept in C).
+
+Shape-polymorphic kernels (``GemmSpec.dyn``, see `dynamic_spec`, ABI.md "Runtime
+dimensions"): one kernel per N, K and layout serves every M and batch count.
+M, the batch count, the tile grid, KC and NC (of a prepacked B) are runtime dims
+(``GEMM_DIMS``) that the host tiling function `gemm_dims` computes per call, as
+the static planner would. A block's full MR-row panels run the MR-row kernel,
+its last ``M mod MR`` rows a strip of micro-kernels of exactly that many rows
+(chosen at run time; wider for fewer rows), so few rows cost what they cost a
+kernel made for them. A B that is not prepacked gets a second plan for at most
+``SMALL_M`` rows (B read in place, or dot products), chosen per call.
+
+With AVX2 only (no AVX-512, or ``CANNC_ISA=avx2``) the plans fit 16 ymm
+registers: a 6 x 16 micro-kernel (12 accumulators, each <16 x float> two ymm),
+half-panel tiles, and no masks in the k loops.
 
 Tiles: ``tile = (batch item, column block, row block)`` with the row block
 index running fastest. A call handles its contiguous tile range in as few
@@ -41,6 +57,7 @@ balanced work (the model evaluates the ``[i*T//n, (i+1)*T//n)`` split).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,20 +66,29 @@ from functools import lru_cache
 import numpy as np
 from llvmlite import ir
 
-from .emit import F32, I8, I64, i64
+from .emit import F32, I8, I64, PTR, i64
 from .vec import VF, VI64, VM, VPTR, VecBuilder, abi_function
 
 __all__ = [
+    "GEMM_DIMS",
     "GemmSpec",
+    "dynamic_able",
+    "dynamic_spec",
     "emit_gemm",
+    "gemm_dims",
     "gemm_num_tiles",
     "gemm_plan",
     "gemm_workspace_bytes",
+    "host_isa",
     "prepack_b",
     "prepacked_b_size",
 ]
 
 PANEL = 32  # columns of a packed B panel
+KC_MAX = 2048  # the K block of a (not packed) A
+SMALL_M = 12  # rows up to which a B that is not prepacked is read in place
+L2_B_BLOCK = 192 << 10  # bytes of B a K x N block keeps in L2 (L2: 1 MiB per core)
+STRIP_NC = 384  # a multiple of the widths of all strip micro-kernels (128, 96, 64, 32)
 
 Epilogue = Callable[[ir.IRBuilder, ir.Value, ir.Value, ir.Value], ir.Value]
 
@@ -89,6 +115,9 @@ class GemmSpec:
     bias_row_stride: int = 0
     bias_col_stride: int = 0
     b_prepacked: bool = False
+    # shape-polymorphic kernel (ABI.md "Runtime dimensions"): M and the batch count are
+    # read at run time (``GEMM_DIMS``); the spec is the canonical one of `dynamic_spec`
+    dyn: bool = False
 
     def __post_init__(self):
         for f in ("M", "N", "K", "batch"):
@@ -109,6 +138,10 @@ class GemmSpec:
             raise ValueError("ldb too small")
         if self.ldc is not None and self.ldc < self.N:
             raise ValueError("ldc too small")
+        if self.dyn and (self.trans_a or self.lda is not None or self.c_batch_stride
+                         or self.batch > 2 or self.a_batch_stride not in (0, 1)):
+            raise ValueError("a dynamic GemmSpec is canonical (see dynamic_spec) and has "
+                             "a row-major A")
 
     # resolved leading dimensions / strides ---------------------------------
     @property
@@ -147,15 +180,21 @@ class GemmPlan:
     b_mode: str  # 'prepacked' | 'pack' | 'direct' | 'dot'
     unroll: int
     prefetch_c: bool
-    mt: int  # row blocks per batch item
+    strips: bool  # the last (< MR) rows of a block by micro-kernels of that many rows
+    isa: str  # 'avx512' | 'avx2': the register file the micro-kernels are sized for
+    mt: int  # row blocks per batch item (0 in a dynamic plan: gemm_dims chooses)
     nt: int  # column blocks per batch item
     MB: int  # rows per row block
     NB: int  # columns per column block
     ws_a: int  # byte offset of the A packing buffer in the workspace
     ws_b: int  # byte offset of the B packing buffer
     ws_bytes: int
+    # a dynamic kernel's variant for at most SMALL_M rows (B not prepacked: read in
+    # place, or dot products), chosen per call by the runtime dim 'variant'
+    alt: GemmPlan | None = None
 
     def num_tiles(self, batch: int) -> int:
+        assert self.mt, "the grid of a dynamic GEMM is chosen per call (gemm_dims)"
         return batch * self.mt * self.nt
 
 
@@ -165,6 +204,31 @@ def _cdiv(a: int, b: int) -> int:
 
 def _rup(a: int, b: int) -> int:
     return _cdiv(a, b) * b
+
+
+def _nc_for(KC: int, NR: int) -> int:
+    """The N block: the KC x NC block of B stays in L2 (a multiple of NR)."""
+    return max(NR, (L2_B_BLOCK // (4 * KC)) // NR * NR)
+
+
+def _nv_for(rows: int, N: int, b_mode: str, isa: str = "avx512") -> int:
+    """<16 x float> vectors per row of a micro-kernel of ``rows`` rows: >= 8
+    accumulators (the FMA latency) and few loads of A per FMA, in the 32 vector
+    registers of AVX-512; with AVX2 (16 ymm registers, a <16 x float> is two) at
+    most 12 accumulator registers: 6 x 16, 3 x 32, 2 x 32, 1 x 64."""
+    if isa == "avx2":
+        nv = {1: 4, 2: 2, 3: 2}.get(rows, 1)
+    else:
+        nv = {1: 4 if b_mode == "direct" else 8, 2: 6, 3: 4}.get(rows, 2)
+    return min(nv, 2 * _cdiv(N, 32))
+
+
+def host_isa() -> str:
+    """The vector ISA the kernels are planned for: 'avx512' or 'avx2' (the host target's
+    features, see codegen.target.host and CANNC_ISA)."""
+    from .target import host
+
+    return "avx512" if host().has("avx512f") else "avx2"
 
 
 def _split_even(T: int, n: int):
@@ -246,77 +310,18 @@ def _dot_able(spec: GemmSpec) -> bool:
     return _dot_b_source(spec) is not None
 
 
-@lru_cache(maxsize=256)
-def _plan(spec: GemmSpec, tuning: tuple = ()) -> GemmPlan:
-    tun = dict(tuning)
-    M, N, K = spec.M, spec.N, spec.K
+def _grid_nr(NR: int, b_mode: str) -> int:
+    """The column granule of blocks: whole 32-column B panels (a 16-column tile is half
+    of one)."""
+    return NR if b_mode == "dot" else max(NR, PANEL)
 
-    # B access mode
-    if _prepacked_dot(spec):
-        b_mode = "dot"
-    elif spec.b_prepacked:
-        b_mode = "prepacked"
-    elif _dot_able(spec) and (N <= 8 or (M <= 8 and _dot_b_source(spec) == "rows")):
-        # few rows or columns: dot products along K
-        b_mode = "dot"
-    elif spec.trans_b:
-        b_mode = "pack"
-    else:
-        b_mode = "direct" if M <= 12 else "pack"
-    b_mode = tun.get("b_mode", b_mode)
-    if b_mode == "direct" and spec.trans_b:
-        raise ValueError("b_mode 'direct' needs trans_b=False")
-    if b_mode == "dot" and not _dot_able(spec):
-        raise ValueError("b_mode 'dot' needs A rows and B columns contiguous in K")
-    if spec.b_prepacked and b_mode != ("dot" if _prepacked_dot(spec) else "prepacked"):
-        raise ValueError("the B mode of a prepacked B is fixed by prepack_b's layout")
 
-    # micro-kernel shape
-    if b_mode == "dot":
-        if N <= 8 and M > 8:
-            NR = N  # C columns (B rows) per micro-tile
-            MR = min(8, max(2, 16 // NR))
-        else:
-            MR = min(M, 4)
-            NR = {1: 16, 2: 8}.get(MR, 4)
-        MR = tun.get("MR", MR)
-        NR = tun.get("NR", NR)
-        assert 1 <= NR <= 16 and 1 <= MR
-        NV = 1
-    else:
-        MR = 6 if M > 8 else M
-        NV = {1: 4 if b_mode == "direct" else 8, 2: 6, 3: 4}.get(MR, 2)
-        NV = min(NV, 2 * _cdiv(N, 32))
-        MR = tun.get("MR", MR)
-        NV = tun.get("NV", NV)
-        assert NV % 2 == 0 and 1 <= MR <= 12
-        NR = 16 * NV
-    row_panels = _cdiv(M, MR)
-
-    # A packing: pays off when A is reused over many column panels
-    # (measured: rows of a row-major A read in place are as fast as packed)
-    pack_a = b_mode != "dot" and tun.get("pack_a", spec.trans_a and M > 8 and N > 256)
-
-    # K blocking: keeps B micro-panels in L1 across row panels; with B read
-    # in place it also makes the reads of B row-sequential (rows of KC)
-    if b_mode == "dot":
-        KC = K
-    else:
-        if b_mode == "direct":
-            # B streamed from memory: few rows at a time keep the reads sequential
-            KC = 16 if 4 * K * N > (1 << 20) else 128
-        elif row_panels <= 1 and not pack_a and b_mode != "pack":
-            KC = min(K, 4096)
-        else:
-            KC = 192
-        KC = tun.get("KC", KC)
-        KC = _cdiv(K, _cdiv(K, KC))  # balanced K blocks
-    MC = tun.get("MC", min(_rup(M, MR), (144 // MR) * MR or MR))
-    if MC % MR:
-        MC = _rup(MC, MR)
-
-    # tile grid: rows-only or columns-only splits, choose the best modelled
-    P, Q = row_panels, _cdiv(N, NR)
+def _choose_grid(spec: GemmSpec, MR: int, NR: int, pack_a: bool, pack_b: bool,
+                 tun: dict) -> tuple[int, int, int, int]:
+    """(mt, nt, MB, NB): the tile grid of the best modelled rows-only or columns-only
+    split of ``spec``'s C for an MR x NR micro-kernel."""
+    M, N = spec.M, spec.N
+    P, Q = _cdiv(M, MR), _cdiv(N, NR)
     cands = []
     max_tiles = max(512, spec.batch)
     for mt, p in _distinct_splits(P):
@@ -335,7 +340,7 @@ def _plan(spec: GemmSpec, tuning: tuple = ()) -> GemmPlan:
         mt = _cdiv(M, MB)
         nt = _cdiv(N, NB)
         c = (
-            _grid_cost(spec, MR, NR, MB, NB, mt, nt, pack_a, b_mode == "pack")
+            _grid_cost(spec, MR, NR, MB, NB, mt, nt, pack_a, pack_b)
             if len(cands) > 1
             else 0.0
         )
@@ -346,9 +351,113 @@ def _plan(spec: GemmSpec, tuning: tuple = ()) -> GemmPlan:
     _, mt, nt, MB, NB = min(
         ok, key=lambda s: (abs(math.log2(spec.batch * s[1] * s[2] / target)), s[0])
     )
+    return mt, nt, MB, NB
 
-    NC = tun.get("NC", min(_rup(N, NR), 4096 if b_mode != "pack" else 2048))
-    NC = _rup(NC, NR)
+
+@lru_cache(maxsize=256)
+def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool = False
+          ) -> GemmPlan:
+    """The plan of ``spec``; ``small``: of the few-rows variant of a dynamic kernel whose
+    B is not prepacked (B read in place, see GemmPlan.alt)."""
+    tun = dict(tuning)
+    M, N, K = spec.M, spec.N, spec.K
+    if small:
+        M = SMALL_M
+
+    # B access mode
+    if _prepacked_dot(spec):
+        b_mode = "dot"
+    elif spec.b_prepacked:
+        b_mode = "prepacked"
+    elif _dot_able(spec) and (N <= 8 or (_dot_b_source(spec) == "rows"
+                                         and (small or (M <= 8 and not spec.dyn)))):
+        # few rows or columns: dot products along K
+        b_mode = "dot"
+    elif spec.trans_b:
+        b_mode = "pack"
+    else:
+        # (a kernel for any M packs B, and has a variant for few rows: GemmPlan.alt)
+        b_mode = "direct" if M <= SMALL_M and (small or not spec.dyn) else "pack"
+    b_mode = tun.get("b_mode", b_mode) if not small else b_mode
+    if b_mode == "direct" and spec.trans_b:
+        raise ValueError("b_mode 'direct' needs trans_b=False")
+    if b_mode == "dot" and not _dot_able(spec):
+        raise ValueError("b_mode 'dot' needs A rows and B columns contiguous in K")
+    if spec.b_prepacked and b_mode != ("dot" if _prepacked_dot(spec) else "prepacked"):
+        raise ValueError("the B mode of a prepacked B is fixed by prepack_b's layout")
+
+    # micro-kernel shape (an MR x NR grid of accumulators fits the vector registers)
+    avx2 = isa == "avx2"
+    if b_mode == "dot":
+        if N <= 8 and (M > 8 or (spec.dyn and not small)):
+            NR = N  # C columns (B rows) per micro-tile
+            MR = max(1, 6 // NR) if avx2 else min(8, max(2, 16 // NR))
+        elif avx2:
+            MR = min(M, 3)
+            NR = 6 // MR
+        else:
+            MR = min(M, 4)
+            NR = {1: 16, 2: 8}.get(MR, 4)
+        MR = tun.get("MR", MR)
+        NR = tun.get("NR", NR)
+        assert 1 <= NR <= 16 and 1 <= MR
+        NV = 1
+    else:
+        MR = 6 if M > (6 if avx2 else 8) or spec.dyn else M
+        NV = _nv_for(MR, N, b_mode, isa)
+        MR = tun.get("MR", MR)
+        NV = tun.get("NV", NV)
+        # (a one-vector tile is half a 32-column B panel, see _Gen.b_panel)
+        assert (NV % 2 == 0 or NV == 1) and 1 <= MR <= 12
+        NR = 16 * NV
+    row_panels = _cdiv(M, MR)
+
+    # A packing: pays off when A is reused over many column panels
+    # (measured: rows of a row-major A read in place are as fast as packed)
+    pack_a = b_mode != "dot" and tun.get("pack_a", spec.trans_a and M > 8 and N > 256)
+    # a kernel for any M: full MR-row panels, then the last rows by a strip of
+    # micro-kernels of exactly that many rows (see _Gen.block)
+    strips = spec.dyn and b_mode != "dot"
+
+    # K blocking. Each K block after the first reloads the partial sums of the C
+    # tiles (from L3 or memory, a stall at every micro-kernel entry), which costs
+    # more than B micro-panels streamed from L2 instead of L1: KC is large
+    # (measured, 1024^3: KC 171 -> 1024 = +10%; 2048^3: +15%); the N blocking keeps
+    # the KC x NC block of B in L2. With B read in place few rows at a time make
+    # the reads of B row-sequential; a packed A block is kept small.
+    if b_mode == "dot":
+        KC = K
+    else:
+        if b_mode == "direct":
+            # B streamed from memory: few rows at a time keep the reads sequential
+            KC = 16 if 4 * K * N > (1 << 20) else 128
+        elif row_panels <= 1 and not pack_a and b_mode != "pack" and not spec.dyn:
+            KC = min(K, 4096)
+        elif pack_a:
+            KC = 192
+        else:
+            KC = KC_MAX // 2 if spec.dyn and b_mode == "pack" else KC_MAX
+        KC = tun.get("KC", KC)
+        KC = _cdiv(K, _cdiv(K, KC))  # balanced K blocks
+    MC = tun.get("MC", (144 // MR) * MR or MR if spec.dyn else
+                 min(_rup(M, MR), (144 // MR) * MR or MR))
+    if MC % MR:
+        MC = _rup(MC, MR)
+
+    # the tile grid (of a dynamic kernel: per call, by gemm_dims)
+    mt = nt = MB = NB = 0
+    if not spec.dyn:
+        mt, nt, MB, NB = _choose_grid(spec, MR, _grid_nr(NR, b_mode), pack_a,
+                                      b_mode == "pack", tun)
+
+    # N blocking: the KC x NC block of B stays in L2 next to the MC x KC block of A
+    # while the row panels of A stream past it (1024^3: +10% over NC = N)
+    NC = _nc_for(KC, NR) if b_mode != "dot" else 4096
+    if strips and b_mode == "pack":
+        # a multiple of every strip's width (see _Gen.strips); the workspace holds it
+        NC = STRIP_NC
+    NC = tun.get("NC", min(_rup(N, NR), NC))
+    NC = _rup(NC, _grid_nr(NR, b_mode))
 
     ws_a = 0
     a_bytes = _rup(MC, MR) * KC * 4 if pack_a else 0
@@ -357,6 +466,12 @@ def _plan(spec: GemmSpec, tuning: tuple = ()) -> GemmPlan:
     if b_mode == "dot" and _dot_b_source(spec) == "pack":
         b_bytes = N * K * 4
     ws_bytes = _rup(ws_b + b_bytes, 64)
+    alt = None
+    if spec.dyn and not small and b_mode == "pack" and "b_mode" not in tun:
+        # B packed per block costs as much as the product when the rows are few:
+        # the kernel also holds the plan that reads B in place, chosen per call
+        alt = _plan(spec, tuning, isa, small=True)
+        ws_bytes = max(ws_bytes, alt.ws_bytes)
     return GemmPlan(
         MR=MR,
         NV=NV,
@@ -369,6 +484,8 @@ def _plan(spec: GemmSpec, tuning: tuple = ()) -> GemmPlan:
         # big tiles: the k loop body is long enough (and compiles faster)
         unroll=tun.get("unroll", 4 if MR * NV <= 8 else 1),
         prefetch_c=tun.get("prefetch_c", True),
+        strips=strips,
+        isa=isa,
         mt=mt,
         nt=nt,
         MB=MB,
@@ -376,6 +493,7 @@ def _plan(spec: GemmSpec, tuning: tuple = ()) -> GemmPlan:
         ws_a=ws_a,
         ws_b=ws_b,
         ws_bytes=ws_bytes,
+        alt=alt,
     )
 
 
@@ -386,8 +504,9 @@ def _tuning_key(tuning):
 
 
 def gemm_plan(spec: GemmSpec, tuning: dict | None = None) -> GemmPlan:
-    """The blocking/tiling decisions for ``spec`` (``tuning`` overrides them)."""
-    return _plan(spec, _tuning_key(tuning))
+    """The blocking/tiling decisions for ``spec`` (``tuning`` overrides them) on this
+    host's vector ISA."""
+    return _plan(spec, _tuning_key(tuning), host_isa())
 
 
 def gemm_num_tiles(spec: GemmSpec, tuning: dict | None = None) -> int:
@@ -396,6 +515,94 @@ def gemm_num_tiles(spec: GemmSpec, tuning: dict | None = None) -> int:
 
 def gemm_workspace_bytes(spec: GemmSpec, tuning: dict | None = None) -> int:
     return gemm_plan(spec, tuning).ws_bytes
+
+
+# ---------------------------------------------------------------------------
+# shape-polymorphic kernels: M and the batch count at run time
+# ---------------------------------------------------------------------------
+
+# the runtime dims of a dynamic kernel, in this order, from its ``dims_slot``
+GEMM_DIMS = ("M", "batch", "mt", "nt", "MB", "NB", "KC", "NC", "variant")
+
+
+def _runtime_blocking(p: GemmPlan) -> bool:
+    """A dynamic kernel of a prepacked B takes KC and NC at run time (they decide no
+    workspace, and they differ between few rows and many: see gemm_dims)."""
+    return p.b_mode == "prepacked" and not p.pack_a
+
+
+def dynamic_able(spec: GemmSpec) -> str | None:
+    """Why ``spec`` cannot become a kernel for any M and batch count (None: it can)."""
+    if spec.trans_a or spec.lda is not None:
+        return "A stored transposed (its leading dimension is M)"
+    if spec.ldc is not None or spec.ldb is not None:
+        return "explicit leading dimensions"
+    if spec.batch > 1 and spec.c_batch_stride not in (0, spec.M * spec.N):
+        return "a C batch stride other than M*N"
+    if spec.a_batch_stride not in (0, spec.M * spec.K):
+        return "an A batch stride other than M*K"
+    return None
+
+
+def dynamic_spec(spec: GemmSpec, batched: bool | None = None) -> GemmSpec:
+    """The canonical spec of the kernel that computes ``spec`` for any M and batch
+    count (same N, K, layout of B, bias, alpha, beta): what its code depends on,
+    so equal for every M. ``batched``: the kernel loops over batch items (default:
+    ``spec.batch > 1``; a batch of one is then a valid call). A's batch stride is
+    M*K when ``spec.a_batch_stride`` (read as a flag), C's M*N."""
+    why = dynamic_able(spec)
+    if why:
+        raise ValueError(f"no dynamic GEMM for this spec: {why}")
+    batched = spec.batch > 1 if batched is None else batched
+    return dataclasses.replace(
+        spec, M=1, batch=2 if batched else 1, c_batch_stride=0,
+        a_batch_stride=1 if batched and spec.a_batch_stride else 0,
+        b_batch_stride=spec.b_batch_stride if batched else 0, dyn=True)
+
+
+def gemm_dims(spec: GemmSpec, M: int, batch: int = 1,
+              tuning: dict | None = None) -> tuple[tuple[int, ...], int]:
+    """The runtime dims (``GEMM_DIMS``) and the number of tiles of the dynamic kernel
+    ``spec`` (from `dynamic_spec`) for M rows and ``batch`` items: the host tiling
+    function. The grid is the one the static planner would choose for the micro-tile
+    that runs. The dims are valid for the kernel of ``spec`` with B prepacked or not
+    (a tiling function does not know whether B is a constant): column blocks of whole
+    B panels, KC and NC (read by a kernel of a prepacked B only) chosen as its static
+    plan would, and the few-rows variant (ignored by a kernel without one)."""
+    assert spec.dyn, "gemm_dims is for dynamic specs"
+    if spec.batch == 1 and batch != 1:
+        raise ValueError("this dynamic GEMM is not batched")
+    tun = dict(_tuning_key(tuning))
+    p0 = gemm_plan(spec, tuning)
+    variant = int(M <= SMALL_M)
+    p = p0.alt if variant and p0.alt is not None else p0
+    full = dataclasses.replace(
+        spec, M=M, batch=batch, dyn=False, c_batch_stride=0,
+        a_batch_stride=M * spec.K if spec.a_batch_stride and batch > 1 else 0,
+        b_batch_stride=spec.b_batch_stride if batch > 1 else 0)
+
+    def strip_width(q: GemmPlan, b_mode: str) -> tuple[int, int]:
+        rows = M % q.MR if M > q.MR else M     # of the strip kernel that runs (if any)
+        return rows, (16 * _nv_for(rows, spec.N, b_mode, q.isa) if q.strips and rows
+                      else q.NR)
+
+    MR, NR = p.MR, p.NR
+    rows, w = strip_width(p, p.b_mode)
+    if p.strips and M < p.MR:  # only the strip kernel of M rows runs
+        MR, NR = M, w
+    elif p.strips and rows and M < 16 * p.MR:
+        # few rows: column blocks of whole strip micro-tiles too
+        NR = math.lcm(p.NR, w)
+    NR = _grid_nr(NR, p0.b_mode)
+    mt, nt, MB, NB = _choose_grid(full, MR, NR, p.pack_a, p.b_mode == "pack", tun)
+    # KC and NC as the plan of a prepacked B chooses them
+    K = spec.K
+    KC = tun.get("KC", min(K, 4096) if M <= p0.MR else KC_MAX)
+    KC = _cdiv(K, _cdiv(K, KC))
+    _, wp = strip_width(p0, "prepacked")
+    step = math.lcm(_grid_nr(p0.NR, p0.b_mode), wp)
+    NC = tun.get("NC", max(step, _rup(_nc_for(KC, wp), _grid_nr(wp, p0.b_mode)) // step * step))
+    return (M, batch, mt, nt, MB, NB, KC, NC, variant), batch * mt * nt
 
 
 # ---------------------------------------------------------------------------
@@ -474,12 +681,20 @@ def prepack_b(spec: GemmSpec, b: np.ndarray) -> np.ndarray:
 
 
 class _Gen(VecBuilder):
-    def __init__(self, module, fn, spec: GemmSpec, plan: GemmPlan, epilogue):
+    def __init__(self, module, fn, spec: GemmSpec, plan: GemmPlan, epilogue,
+                 dims_slot: int | None = None):
         super().__init__(module, fn)
         self.s = spec
-        self.p = plan
         self.epilogue = epilogue
+        self.dims_slot = dims_slot
         self.iota = ir.Constant(VI64, list(range(16)))
+        self.use_plan(plan)
+        self._n = 0
+
+    def use_plan(self, plan: GemmPlan) -> None:
+        """Generate the code of ``plan`` (the kernel's, or its few-rows variant)."""
+        spec = self.s
+        self.p = plan
         # 'dot' mode: elements between consecutive B columns (each contiguous in K)
         self.dot_src = _dot_b_source(spec) if plan.b_mode == "dot" else None
         if self.dot_src in ("prepacked", "pack"):
@@ -488,7 +703,6 @@ class _Gen(VecBuilder):
             self.dot_bns = spec.ldb_
         else:  # N == 1, ldb == 1
             self.dot_bns = 0
-        self._n = 0
 
     # -- small utilities ---------------------------------------------------
     def gep(self, ptr, idx, ty=F32):
@@ -502,6 +716,18 @@ class _Gen(VecBuilder):
         lanes = ir.Constant(VI64, list(range(first_lane, first_lane + 16)))
         return self.b.icmp_signed("<", lanes, limit_splat)
 
+    def dims(self, args):
+        """M, batch, mt, nt, MB, NB, KC, NC, variant: i64 values read from the argument
+        array (a dynamic kernel, see GEMM_DIMS) or constants of the spec and plan."""
+        s, p, b = self.s, self.p, self.b
+        if not s.dyn:
+            return [i64(v) for v in (s.M, s.batch, p.mt, p.nt, p.MB, p.NB, p.KC, p.NC, 0)]
+        assert self.dims_slot is not None, "a dynamic GEMM needs dims_slot"
+        return [
+            b.load(b.gep(args, [i64(self.dims_slot + i)], source_etype=I64), typ=I64, align=8)
+            for i in range(len(GEMM_DIMS))
+        ]
+
     # -- kernel ------------------------------------------------------------
     def emit(self):
         s, p, b = self.s, self.p, self.b
@@ -510,42 +736,129 @@ class _Gen(VecBuilder):
         self.B = self.arg(args, 1)
         self.bias = self.arg(args, 2) if s.bias else None
         self.C = self.arg(args, 3 if s.bias else 2)
-        self.ws_a = self.gep(ws, p.ws_a, I8)
-        self.ws_b = self.gep(ws, p.ws_b, I8)
+        ws_ptrs = {id(q): (self.gep(ws, q.ws_a, I8), self.gep(ws, q.ws_b, I8))
+                   for q in (p, p.alt) if q is not None}
+        # (the batch count only bounds the tile range)
+        self.M, _, mt, nt, MB, NB, kc_dim, nc_dim, variant = self.dims(args)
 
-        mt, nt, per_b = p.mt, p.nt, p.mt * p.nt
+        def use(q):
+            self.use_plan(q)
+            self.ws_a, self.ws_b = ws_ptrs[id(q)]
+            # KC, NC: the plan's, or (a dynamic kernel that can) the host's
+            rt = s.dyn and _runtime_blocking(q)
+            self.KC = kc_dim if rt else i64(q.KC)
+            self.NC = nc_dim if rt else i64(q.NC)
+
+        use(p)
+        self.Mm1 = b.sub(self.M, i64(1))
+        # batch strides of A and C: M*K and M*N in a dynamic kernel
+        if s.dyn:
+            self.a_bs = b.mul(self.M, i64(s.K)) if s.a_batch_stride else None
+            self.c_bs = b.mul(self.M, i64(s.ldc_)) if s.batch > 1 else None
+        else:
+            self.a_bs = i64(s.a_batch_stride) if s.a_batch_stride else None
+            self.c_bs = i64(s.c_batch_stride_) if s.c_batch_stride_ else None
+
+        per_b = b.mul(mt, nt) if s.dyn else i64(p.mt * p.nt)
         # a tile loop whose step (the tiles one block covers) is computed in the body
         tiles = self.begin_loop(tb, te, "tiles", iv_name="t", unique=False)
         t = tiles.i
-        bi = b.sdiv(t, i64(per_b)) if s.batch > 1 else i64(0)
-        r = b.srem(t, i64(per_b)) if s.batch > 1 else t
+        bi = b.sdiv(t, per_b) if s.batch > 1 else i64(0)
+        r = b.srem(t, per_b) if s.batch > 1 else t
         left = b.sub(te, t)
-        if mt == 1:
+        N = i64(s.N)
+        if s.dyn:
+            # one row block: consecutive column blocks merge (as mt == 1 below);
+            # else consecutive row blocks of one column block
+            one_row = b.icmp_signed("==", mt, i64(1))
+            jt = b.sdiv(r, mt)
+            it0 = b.srem(r, mt)
+            it1 = self.smin(b.add(it0, left), mt)
+            jt1 = self.smin(b.add(jt, left), nt)
+            count = b.select(one_row, b.sub(jt1, jt), b.sub(it1, it0))
+            m_lo = b.mul(it0, MB)
+            m_hi = self.smin(b.mul(it1, MB), self.M)
+            n_lo = b.mul(jt, NB)
+            n_end = b.select(one_row, b.mul(jt1, NB), b.add(n_lo, NB))
+            n_hi = self.smin(n_end, N)
+        elif p.mt == 1:
             jt0 = r
-            jt1 = self.smin(b.add(jt0, left), i64(nt))
+            jt1 = self.smin(b.add(jt0, left), i64(p.nt))
             count = b.sub(jt1, jt0)
             m_lo, m_hi = i64(0), i64(s.M)
             n_lo = b.mul(jt0, i64(p.NB))
-            n_hi = self.smin(b.mul(jt1, i64(p.NB)), i64(s.N))
+            n_hi = self.smin(b.mul(jt1, i64(p.NB)), N)
         else:
-            jt = b.sdiv(r, i64(mt)) if nt > 1 else i64(0)
-            it0 = b.srem(r, i64(mt)) if nt > 1 else r
-            it1 = self.smin(b.add(it0, left), i64(mt))
+            jt = b.sdiv(r, i64(p.mt)) if p.nt > 1 else i64(0)
+            it0 = b.srem(r, i64(p.mt)) if p.nt > 1 else r
+            it1 = self.smin(b.add(it0, left), i64(p.mt))
             count = b.sub(it1, it0)
             m_lo = b.mul(it0, i64(p.MB))
             m_hi = self.smin(b.mul(it1, i64(p.MB)), i64(s.M))
-            if nt > 1:
+            if p.nt > 1:
                 n_lo = b.mul(jt, i64(p.NB))
-                n_hi = self.smin(b.add(n_lo, i64(p.NB)), i64(s.N))
+                n_hi = self.smin(b.add(n_lo, i64(p.NB)), N)
             else:
-                n_lo, n_hi = i64(0), i64(s.N)
-        self.block(bi, m_lo, m_hi, n_lo, n_hi)
+                n_lo, n_hi = i64(0), N
+        if p.alt is None:
+            self.block(bi, m_lo, m_hi, n_lo, n_hi)
+        else:   # the variant gemm_dims chose for these shapes
+            few = b.append_basic_block(self.name("few_rows"))
+            many = b.append_basic_block(self.name("many_rows"))
+            done = b.append_basic_block(self.name("variant.x"))
+            b.cbranch(b.icmp_signed("!=", variant, i64(0)), few, many)
+            for bb, q in ((few, p.alt), (many, p)):
+                b.position_at_end(bb)
+                use(q)
+                self.block(bi, m_lo, m_hi, n_lo, n_hi)
+                b.branch(done)
+            b.position_at_end(done)
+            use(p)
         self.end_loop(tiles, count)
         b.ret_void()
 
+    def b_panel(self, B_b, jc, jr, pc, kc):
+        """The B micro-panel of columns jc + jr..: (base pointer, stride between its
+        32-column panels or None)."""
+        s, p, b = self.s, self.p, self.b
+        n0 = b.add(jc, jr)
+        if p.b_mode == "prepacked":
+            # panel q = n0/32 of [np][K][32]; + pc rows (+ 16 for the second half of a
+            # panel: one-vector tiles)
+            off = b.add(b.mul(b.sdiv(n0, i64(PANEL)), i64(s.K * PANEL)), b.mul(pc, i64(PANEL)))
+            if p.NV == 1:
+                off = b.add(off, b.srem(n0, i64(PANEL)))
+            return self.gep(B_b, off), i64(s.K * PANEL)
+        if p.b_mode == "pack":
+            # panel jr/32 of [q][kc][32] (jr: a multiple of 16)
+            half = b.srem(jr, i64(PANEL))
+            off = b.add(b.mul(b.sub(jr, half), kc), half) if p.NV == 1 else b.mul(jr, kc)
+            return self.gep(self.ws_b, off), b.mul(kc, i64(PANEL))
+        if p.b_mode == "dot":
+            return self.gep(B_b, b.add(b.mul(n0, i64(self.dot_bns)), pc)), None
+        return self.gep(B_b, b.add(b.mul(pc, i64(s.ldb_)), n0)), None
+
+    def a_rows(self, A_b, m0, mr, pc, rows):
+        """Pointers to A(m0 + r, pc) for r < rows (rows past mr: the last row)."""
+        s, b = self.s, self.b
+        out = []
+        for r in range(rows):
+            if r == 0:
+                row = m0
+            elif isinstance(mr, int):
+                row = b.add(m0, i64(min(r, mr - 1)))
+            else:
+                row = b.add(m0, self.smin(i64(r), b.sub(mr, i64(1))))
+            if s.trans_a:
+                off = b.add(b.mul(pc, i64(s.lda_)), row)
+            else:
+                off = b.add(b.mul(row, i64(s.lda_)), pc)
+            out.append(self.gep(A_b, off))
+        return out
+
     def block(self, bi, m_lo, m_hi, n_lo, n_hi):
         s, p, b = self.s, self.p, self.b
-        A_b = self.gep(self.A, b.mul(bi, i64(s.a_batch_stride))) if s.a_batch_stride else self.A
+        A_b = self.gep(self.A, b.mul(bi, self.a_bs)) if self.a_bs is not None else self.A
         if s.b_prepacked:
             B_b = (
                 self.gep(self.B, b.mul(bi, i64(_prepacked_batch_stride(s))))
@@ -556,17 +869,16 @@ class _Gen(VecBuilder):
             B_b = (
                 self.gep(self.B, b.mul(bi, i64(s.b_batch_stride))) if s.b_batch_stride else self.B
             )
-        cbs = s.c_batch_stride_
-        C_b = self.gep(self.C, b.mul(bi, i64(cbs))) if cbs else self.C
+        C_b = self.gep(self.C, b.mul(bi, self.c_bs)) if self.c_bs is not None else self.C
         K = s.K
         if self.dot_src == "pack":
             self.pack_bt(B_b)
             B_b = self.ws_b
-        single_k = p.KC >= K
-        with self.loop(n_lo, n_hi, p.NC, "jc") as jc:
-            nc = self.smin(b.sub(n_hi, jc), i64(p.NC))
-            with self.loop(0, K, p.KC, "pc") as pc:
-                kc = self.smin(b.sub(i64(K), pc), i64(p.KC))
+        single_k = p.KC >= K and not (s.dyn and _runtime_blocking(p))
+        with self.loop(n_lo, n_hi, self.NC, "jc") as jc:
+            nc = self.smin(b.sub(n_hi, jc), self.NC)
+            with self.loop(0, K, self.KC, "pc") as pc:
+                kc = self.smin(b.sub(i64(K), pc), self.KC)
                 if single_k:
                     first = last = True
                 else:
@@ -578,62 +890,56 @@ class _Gen(VecBuilder):
                     mc = self.smin(b.sub(m_hi, ic), i64(p.MC))
                     if p.pack_a:
                         self.pack_a(A_b, ic, mc, pc, kc)
-                    with self.loop(0, nc, p.NR, "jr") as jr:
-                        nr = self.smin(b.sub(nc, jr), i64(p.NR))
+
+                    def tile(jr, ir_, mr, nr, MR, NV, A_b=A_b, B_b=B_b, ic=ic, jc=jc, pc=pc,
+                             kc=kc, first=first, last=last):
+                        b_base, b_pstride = self.b_panel(B_b, jc, jr, pc, kc)
                         n0 = b.add(jc, jr)
-                        # B micro-panel(s)
-                        if p.b_mode == "prepacked":
-                            # panel q = n0/32 of [np][K][32]; + pc rows
-                            off = b.add(
-                                b.mul(b.sdiv(n0, i64(PANEL)), i64(K * PANEL)),
-                                b.mul(pc, i64(PANEL)),
-                            )
-                            b_base = self.gep(B_b, off)
-                            b_pstride = i64(K * PANEL)
-                        elif p.b_mode == "pack":
-                            b_base = self.gep(self.ws_b, b.mul(jr, kc))
-                            b_pstride = b.mul(kc, i64(PANEL))
-                        elif p.b_mode == "dot":
-                            b_base = self.gep(B_b, b.add(b.mul(n0, i64(self.dot_bns)), pc))
-                            b_pstride = None
+                        m0 = b.add(ic, ir_)
+                        if p.pack_a:
+                            a_ptrs = [self.gep(self.ws_a, b.mul(ir_, kc))]
                         else:
-                            b_base = self.gep(B_b, b.add(b.mul(pc, i64(s.ldb_)), n0))
-                            b_pstride = None
-                        with self.loop(0, mc, p.MR, "ir") as ir_:
-                            mr = self.smin(b.sub(mc, ir_), i64(p.MR))
-                            m0 = b.add(ic, ir_)
-                            if p.pack_a:
-                                a_ptrs = [self.gep(self.ws_a, b.mul(ir_, kc))]
-                            else:
-                                a_ptrs = []
-                                for r in range(p.MR):
-                                    row = (
-                                        b.add(m0, self.smin(i64(r), b.sub(mr, i64(1))))
-                                        if r
-                                        else m0
-                                    )
-                                    if s.trans_a:
-                                        off = b.add(b.mul(pc, i64(s.lda_)), row)
-                                    else:
-                                        off = b.add(b.mul(row, i64(s.lda_)), pc)
-                                    a_ptrs.append(self.gep(A_b, off))
-                            c_ptr = self.gep(C_b, b.add(b.mul(m0, i64(s.ldc_)), n0))
-                            if p.b_mode == "dot":
-                                self.micro_dot(a_ptrs, b_base, c_ptr, mr, nr, m0, n0)
-                            else:
-                                self.micro(
-                                    a_ptrs,
-                                    b_base,
-                                    b_pstride,
-                                    kc,
-                                    c_ptr,
-                                    mr,
-                                    nr,
-                                    first,
-                                    last,
-                                    m0,
-                                    n0,
-                                )
+                            a_ptrs = self.a_rows(A_b, m0, mr, pc, MR)
+                        c_ptr = self.gep(C_b, b.add(b.mul(m0, i64(s.ldc_)), n0))
+                        if p.b_mode == "dot":
+                            self.micro_dot(a_ptrs, b_base, c_ptr, mr, nr, m0, n0)
+                        else:
+                            self.micro(a_ptrs, b_base, b_pstride, kc, c_ptr, mr, nr, first,
+                                       last, m0, n0, MR, NV)
+
+                    if p.strips:
+                        self.strips(mc, nc, tile)
+                    else:
+                        with self.loop(0, nc, p.NR, "jr") as jr:
+                            nr = self.smin(b.sub(nc, jr), i64(p.NR))
+                            with self.loop(0, mc, p.MR, "ir") as ir_:
+                                mr = self.smin(b.sub(mc, ir_), i64(p.MR))
+                                tile(jr, ir_, mr, nr, p.MR, p.NV)
+
+    def strips(self, mc, nc, tile):
+        """The micro-tiles of an mc x nc block: full MR-row panels, then the last
+        (mc mod MR) rows by a strip of micro-kernels of exactly that many rows (wider
+        when they are few, see _nv_for), chosen at run time. So a few rows cost what
+        they cost a kernel made for them, for any M."""
+        s, p, b = self.s, self.p, self.b
+        rem = b.srem(mc, i64(p.MR))
+        mfull = b.sub(mc, rem)
+        with self.loop(0, nc, p.NR, "jr") as jr:
+            nr = self.smin(b.sub(nc, jr), i64(p.NR))
+            with self.loop(0, mfull, p.MR, "ir") as ir_:
+                tile(jr, ir_, p.MR, nr, p.MR, p.NV)
+        done = b.append_basic_block(self.name("strip.x"))
+        sw = b.switch(rem, done)
+        for rows in range(1, p.MR):
+            bb = b.append_basic_block(self.name(f"strip{rows}."))
+            sw.add_case(i64(rows), bb)
+            b.position_at_end(bb)
+            NV = _nv_for(rows, s.N, p.b_mode, p.isa)
+            with self.loop(0, nc, 16 * NV, "jr") as jr:
+                nr = self.smin(b.sub(nc, jr), i64(16 * NV))
+                tile(jr, mfull, rows, nr, rows, NV)
+            b.branch(done)
+        b.position_at_end(done)
 
     # -- packing -------------------------------------------------------------
     def pack_a(self, A_b, ic, mc, pc, kc):
@@ -804,20 +1110,28 @@ class _Gen(VecBuilder):
         self.store_final(red, c_rows, masks, m0, n0)
 
     # -- micro-kernel ----------------------------------------------------------
-    def micro(self, a_ptrs, b_base, b_pstride, kc, c_ptr, mr, nr, first, last, m0, n0):
+    def micro(self, a_ptrs, b_base, b_pstride, kc, c_ptr, mr, nr, first, last, m0, n0,
+              MR=None, NV=None):
+        """An MR x 16*NV micro-tile (default: the plan's) of which mr rows (an i64, or
+        an int: all MR rows) and nr columns are stored."""
         s, p, b = self.s, self.p, self.b
-        MR, NV, U = p.MR, p.NV, p.unroll
+        MR, NV = MR or p.MR, NV or p.NV
+        U = p.unroll if (MR, NV) == (p.MR, p.NV) else (4 if MR * NV <= 8 else 1)
         ldc = s.ldc_
         nr_s = self.splat(nr, VI64)
         colmask = [self.lane_mask(nr_s, 16 * v) for v in range(NV)]
-        rowok = [None] + [b.icmp_signed("<", i64(r), mr) for r in range(1, MR)]
-        masks = [
-            [
-                colmask[v] if r == 0 else b.select(rowok[r], colmask[v], self.zero_m)
-                for v in range(NV)
+        if isinstance(mr, int):
+            assert mr == MR
+            masks = [colmask] * MR
+        else:
+            rowok = [None] + [b.icmp_signed("<", i64(r), mr) for r in range(1, MR)]
+            masks = [
+                [
+                    colmask[v] if r == 0 else b.select(rowok[r], colmask[v], self.zero_m)
+                    for v in range(NV)
+                ]
+                for r in range(MR)
             ]
-            for r in range(MR)
-        ]
         c_rows = [c_ptr] + [self.gep(c_ptr, r * ldc) for r in range(1, MR)]
 
         if p.prefetch_c:
@@ -844,6 +1158,18 @@ class _Gen(VecBuilder):
             b_ks = s.ldb_
             b_off = [(0, 16 * v) for v in range(NV)]
             b_masked = True
+        elif p.isa == "avx2" and NV > 2:
+            # no masks in the k loop (AVX2 has no mask registers: they would take
+            # vector registers, and be spilled): the panels past the last one of the
+            # tile are read from the last one; those columns are not stored
+            last_q = b.sdiv(b.sub(nr, i64(1)), i64(PANEL))
+            b_ptrs = [b_base] + [
+                self.gep(b_base, b.mul(b_pstride, self.smin(last_q, i64(q))))
+                for q in range(1, NV // 2)
+            ]
+            b_ks = PANEL
+            b_off = [(v // 2, 16 * (v % 2)) for v in range(NV)]
+            b_masked = False
         else:
             b_ptrs = [b_base] + [
                 self.gep(b_base, b.mul(b_pstride, i64(q))) for q in range(1, NV // 2)
@@ -852,7 +1178,7 @@ class _Gen(VecBuilder):
             b_off = [(v // 2, 16 * (v % 2)) for v in range(NV)]
             b_masked = NV > 2
         if p.pack_a:
-            a_ks, a_off = MR, [(0, r) for r in range(MR)]
+            a_ks, a_off = p.MR, [(0, r) for r in range(MR)]
         else:
             a_ks = s.lda_ if s.trans_a else 1
             a_off = [(r, 0) for r in range(MR)]
@@ -905,8 +1231,25 @@ class _Gen(VecBuilder):
             last, lambda: self.store_final(accs, c_rows, masks, m0, n0), partial, "st"
         )
 
+    def apply_epilogue(self, val, m, n):
+        """The epilogue of one output vector: inline in a static kernel; in a dynamic one
+        (whose micro-kernel variants would each inline it MR x NV times) a call of one
+        internal function ``(ptr args, <16 x float>, i64 m, i64 n)`` that holds it."""
+        if not self.s.dyn:
+            return self.epilogue(self.b, val, m, n)
+        if getattr(self, "_epi_fn", None) is None:
+            fnty = ir.FunctionType(VF, [PTR, VF, I64, I64])
+            f = ir.Function(self.m, fnty, name=self.m.get_unique_name(f"{self.fn.name}.epilogue"))
+            f.linkage = "internal"
+            f.attributes.add("nounwind")
+            f.attributes.add("noinline")   # once, not in every micro-kernel variant
+            eb = ir.IRBuilder(f.append_basic_block("entry"))
+            eb.ret(self.epilogue(eb, *f.args[1:]))
+            self._epi_fn = f
+        return self.b.call(self._epi_fn, [self.fn.args[0], val, m, n])
+
     def store_final(self, accs, c_rows, masks, m0, n0):
-        s, p, b = self.s, self.p, self.b
+        s, b = self.s, self.b
         alpha = float(np.float32(s.alpha))
         beta = float(np.float32(s.beta))
         use_bias = s.bias and beta != 0.0
@@ -920,21 +1263,21 @@ class _Gen(VecBuilder):
                     ),
                     ir.Constant(VI64, [4 * bcs] * 16),
                 )
-                for v in range(p.NV)
+                for v in range(len(accs[0]))
             ]
-        for r in range(p.MR):
+        for r in range(len(accs)):
             m = b.add(m0, i64(r)) if r else m0
             bias_row = None
             if use_bias:
                 if bcs == 0:
-                    mm = self.smin(m, i64(s.M - 1)) if brs else i64(0)
+                    mm = self.smin(m, self.Mm1) if brs else i64(0)
                     x = b.load(self.gep(self.bias, b.mul(mm, i64(brs))), typ=F32, align=4)
                     bias_row = self.splat_f(x)
                 elif bcs == 1:
                     bias_row_ptr = self.gep(self.bias, b.add(b.mul(m, i64(brs)), n0))
                 else:
                     row_i = self.splat(b.add(bias_i, b.mul(m, i64(4 * brs))), VI64)
-            for v in range(p.NV):
+            for v in range(len(accs[0])):
                 val = accs[r][v]
                 if alpha != 1.0:
                     val = b.fmul(val, self.splat_f(alpha))
@@ -952,7 +1295,7 @@ class _Gen(VecBuilder):
                         val = self.fma(bv, self.splat_f(beta), val)
                 if self.epilogue is not None:
                     nv = b.add(n0, i64(16 * v)) if v else n0
-                    val = self.epilogue(b, val, m, nv)
+                    val = self.apply_epilogue(val, m, nv)
                 self.store_v(val, self.gep(c_rows[r], 16 * v), masks[r][v])
 
 
@@ -963,8 +1306,12 @@ def emit_gemm(
     epilogue: Epilogue | None = None,
     *,
     tuning: dict | None = None,
+    dims_slot: int | None = None,
 ) -> ir.Function:
     """Emit ``void name(ptr args, i64 tile_begin, i64 tile_end, ptr workspace)``.
+
+    A dynamic ``spec`` (`dynamic_spec`) reads its runtime dims (``GEMM_DIMS``, as
+    `gemm_dims` computes them) as i64 from ``args[dims_slot:]``.
 
     ``epilogue(builder, value, m, n)`` (optional) maps each final
     ``<16 x float>`` output vector (after alpha and bias) of row ``m`` and
@@ -977,5 +1324,5 @@ def emit_gemm(
     """
     plan = gemm_plan(spec, tuning)
     fn = abi_function(module, name)
-    _Gen(module, fn, spec, plan, epilogue).emit()
+    _Gen(module, fn, spec, plan, epilogue, dims_slot).emit()
     return fn

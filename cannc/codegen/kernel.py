@@ -38,6 +38,7 @@ class Kernel:
     bytes_read: int
     bytes_written: int
     object_key: str = ""                 # the object cache key of its code
+    signature: str = ""                  # its lowering-memo key (codegen/memo.py)
     dims: tuple[int, ...] = ()           # runtime dimensions (ABI.md), after the pointers
     notes: dict[str, Any] = field(default_factory=dict)
     inplace: bool = False        # an output may share the buffer of a same-shaped input

@@ -167,16 +167,24 @@ class _Canon:
 
 
 def node_key(node: Node, in_types: list[TensorType | None], out_types: list[TensorType],
-             consts: list[np.ndarray | None], tiling_key: tuple | None, salt: str) -> str:
-    """The first-level key (constants by shape only)."""
-    canon = _Canon(node, polymorphic=tiling_key is not None)
-    parts = [salt, node.op_type, node.domain, str(node.opset), canon.attrs(node.attrs)]
+             consts: list[np.ndarray | None], tiling_key: tuple | None, salt: str,
+             tiling_attrs: tuple[str, ...] = ()) -> str:
+    """The first-level key (constants by shape only). For a tiling op family the
+    extents are left out: shapes count by rank, constant inputs by dtype and rank
+    (their contents join at the second level if the lowering reads them), and
+    ``tiling_attrs`` (attributes that restate sizes, covered by the tiling key)
+    are skipped."""
+    poly = tiling_key is not None
+    canon = _Canon(node, polymorphic=poly)
+    attrs = {k: v for k, v in node.attrs.items() if not (poly and k in tiling_attrs)}
+    parts = [salt, node.op_type, node.domain, str(node.opset), canon.attrs(attrs)]
     parts.append(canon(list(in_types)) + "->" + canon(list(out_types)))
-    if tiling_key is not None:
+    if poly:
         parts.append("tiling:" + canon(tiling_key))
     for i, c in enumerate(consts):
         if c is not None:
-            parts.append(f"C{i}:{np.dtype(c.dtype).str}{tuple(c.shape)}")
+            shape = f"r{c.ndim}" if poly else str(tuple(c.shape))
+            parts.append(f"C{i}:{np.dtype(c.dtype).str}{shape}")
     return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()
 
 
@@ -252,11 +260,16 @@ def default_memo() -> LoweringMemo:
 
 
 def salt() -> str:
-    """Everything global the generated code depends on."""
+    """Everything global the generated code depends on: the host target, cannc's
+    sources, the tuning cache in effect and the codegen switches (environment
+    and the FORCE_TUNING overrides tests and experiments set)."""
     tfp = ""
     try:
         from .. import tuning
         tfp = tuning.fingerprint()
     except Exception:   # no tuning cache module / file: deterministic defaults
         tfp = ""
-    return f"{host().fingerprint}|{source_digest()}|{tfp}"
+    from . import conv, winograd
+    switches = (f"wino={config.WINOGRAD}|conv={sorted(conv.FORCE_TUNING.items())!r}|"
+                f"wg={sorted(winograd.FORCE_TUNING.items())!r}")
+    return f"{host().fingerprint}|{source_digest()}|{tfp}|{switches}"

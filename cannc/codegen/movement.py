@@ -286,12 +286,13 @@ def _shuffle_transpose(b: ir.IRBuilder, rows: list[ir.Value], k: int) -> list[ir
 class _Plan:
     """How one piece is cut into units and walked."""
 
-    def __init__(self, piece: Piece, target: int, itemsize: int) -> None:
+    def __init__(self, piece: Piece, target: int, itemsize: int, keep_ones: bool = False) -> None:
         self.piece = piece
         self.itemsize = itemsize
         r = len(piece.shape)
         ss = list(piece.src_strides) if piece.src is not None else [0] * r
-        shape, (ss, ds) = collapse(tuple(piece.shape), [ss, list(piece.dst_strides)])
+        merge = _collapse_keep_ones if keep_ones else collapse
+        shape, (ss, ds) = merge(tuple(piece.shape), [ss, list(piece.dst_strides)])
         if len(shape) == 1:
             shape, ss, ds = [1] + shape, [0] + ss, [0] + ds
         self.shape, self.ss, self.ds = shape, ss, ds
@@ -428,7 +429,12 @@ class _Plan:
 
 def emit_pieces(ctx: Any, pieces: Sequence[Piece], itemsize: int,
                 begin: tuple[ir.Function, ir.IRBuilder] | None = None) -> None:
-    """The whole kernel: every piece, cut into units that are the kernel's tiles."""
+    """The whole kernel: every piece, cut into units that are the kernel's tiles.
+    With ``ctx.tiling`` (made by ``pieces_tiling`` from the same pieces) the extents,
+    strides and bases are runtime dims."""
+    if ctx.tiling is not None:
+        _emit_pieces_runtime(ctx, pieces, itemsize, begin)
+        return
     live = [p for p in pieces if p.numel > 0]
     total = sum(p.numel for p in live)
     target = unit_target(total)
@@ -457,6 +463,122 @@ def emit_pieces(ctx: Any, pieces: Sequence[Piece], itemsize: int,
     ctx.num_tiles = max(1, start)
     ctx.single_core = total < SMALL_ELEMS
     ctx.notes["pieces"] = [f"{pl.mode}:{pl.shape}" for pl in plans]
+
+
+# ---------------------------------------------------------------------------
+# shape-polymorphic pieces (ABI.md "Runtime dimensions"): the key is each
+# piece's merged rank, its input and output, and the kind of its innermost
+# strides (1, -1, 0 or other); extents, strides, bases and the unit split are
+# runtime dims. Pieces that need the in-register block transpose stay static.
+# ---------------------------------------------------------------------------
+
+_PIECE_FIXED = 6      # dims per piece besides its shape and strides
+
+
+def _collapse_keep_ones(shape: tuple[int, ...], strides: list[list[int]]
+                        ) -> tuple[list[int], list[list[int]]]:
+    """collapse() that keeps dims of extent 1 apart (a runtime batch of 1 keeps the
+    merged rank of larger batches)."""
+    shape_l, sts = [int(d) for d in shape] or [1], [list(s) or [0] for s in strides]
+    i = len(shape_l) - 2
+    while i >= 0:
+        if shape_l[i] != 1 and shape_l[i + 1] != 1 and \
+                all(s[i] == s[i + 1] * shape_l[i + 1] for s in sts):
+            shape_l[i] *= shape_l[i + 1]
+            for s in sts:
+                s[i] = s[i + 1]
+                del s[i + 1]
+            del shape_l[i + 1]
+        i -= 1
+    return shape_l, sts
+
+
+def _stride_kind(x: int) -> int | str:
+    return x if x in (0, 1, -1) else "x"
+
+
+def pieces_tiling(pieces: Sequence[Piece], itemsize: int) -> Any:
+    """The host tiling of a list of copy pieces, or None (fills, block transposes,
+    empty outputs: the static kernel)."""
+    from .kernel import Tiling
+
+    live = [p for p in pieces if p.numel > 0]
+    if not live or any(p.src is None for p in live):
+        return None
+    total = sum(p.numel for p in live)
+    target = unit_target(total)
+    key, dims, units = [], [], 0
+    for p in live:
+        pl = _Plan(p, target, itemsize, keep_ones=True)
+        if pl.mode != "rows":
+            return None
+        r = len(pl.shape)
+        key.append((r, p.src, p.dst, _stride_kind(pl.ss[-1]), _stride_kind(pl.ds[-1])))
+        u = pl.units
+        dims += [u, p.src_base, p.dst_base, pl.rpm, pl.cm, pl.nch]
+        dims += list(pl.shape) + list(pl.ss) + list(pl.ds)
+        units += u
+    return Tiling(key=("pieces", tuple(key)), dims=tuple(int(d) for d in dims),
+                  num_tiles=max(1, units), single_core=total < SMALL_ELEMS,
+                  notes={"pieces": f"{len(live)} runtime"})
+
+
+def _emit_pieces_runtime(ctx: Any, pieces: Sequence[Piece], itemsize: int,
+                         begin: tuple[ir.Function, ir.IRBuilder] | None) -> None:
+    live = [p for p in pieces if p.numel > 0]
+    fn, b = begin if begin is not None else ctx.begin()
+    ety = itype(itemsize)
+    in_ptrs: dict[int, ir.Value] = {}
+    out_ptrs: dict[int, ir.Value] = {}
+    for pc in live:
+        if pc.src not in in_ptrs:
+            in_ptrs[pc.src] = ctx.in_ptr(b, pc.src)
+        if pc.dst not in out_ptrs:
+            out_ptrs[pc.dst] = ctx.out_ptr(b, pc.dst)
+    at = 0
+    start: ir.Value = i64(0)
+    for i, (r, src, dst, sk, dk) in enumerate(ctx.tiling.key[1]):
+        dim = [ctx.rt_dim(b, at + j) for j in range(_PIECE_FIXED + 3 * r)]
+        at += _PIECE_FIXED + 3 * r
+        units, sbase, dbase, rpm, cm, nch = dim[:_PIECE_FIXED]
+        shape = dim[_PIECE_FIXED:_PIECE_FIXED + r]
+        ss = dim[_PIECE_FIXED + r:_PIECE_FIXED + 2 * r]
+        ds = dim[_PIECE_FIXED + 2 * r:]
+        m, n = shape[-2], shape[-1]
+        cn = b.udiv(b.add(n, b.sub(nch, i64(1))), nch)
+        lo = imax(b, b.sub(ctx.tile_begin, start), i64(0))
+        hi = imin(b, b.sub(ctx.tile_end, start), units)
+        with for_range(b, lo, hi, name=f"u{i}") as u:
+            # digits of u over (shape[:-2]..., cm, cn), most significant first
+            radices = shape[:-2] + [cm, cn]
+            digits: list[ir.Value] = [None] * len(radices)  # type: ignore[list-item]
+            rem = u
+            for d in range(len(radices) - 1, 0, -1):
+                digits[d] = b.urem(rem, radices[d])
+                rem = b.udiv(rem, radices[d])
+            digits[0] = rem
+            jm, jn = digits[-2], digits[-1]
+            sb, db = sbase, dbase
+            for d in range(r - 2):
+                sb = b.add(sb, b.mul(digits[d], ss[d]))
+                db = b.add(db, b.mul(digits[d], ds[d]))
+            m0, n0 = b.mul(jm, rpm), b.mul(jn, nch)
+            sb = b.add(b.add(sb, b.mul(m0, ss[-2])), b.mul(n0, ss[-1]))
+            db = b.add(b.add(db, b.mul(m0, ds[-2])), b.mul(n0, ds[-1]))
+            mc = imin(b, rpm, b.sub(m, m0))
+            nc = imin(b, nch, b.sub(n, n0))
+            with for_range(b, 0, mc, name=f"row{i}") as row:
+                so = b.add(sb, b.mul(row, ss[-2]))
+                do = b.add(db, b.mul(row, ds[-2]))
+                if dk == 1 and sk != "x":
+                    copy_row(b, ety, in_ptrs[src], so, sk, out_ptrs[dst], do, 1, nc,
+                             name=f"c{i}")
+                else:
+                    with for_range(b, 0, nc, name=f"e{i}") as j:
+                        v = _sload(b, in_ptrs[src], b.add(so, b.mul(j, ss[-1])), ety)
+                        _sstore(b, v, out_ptrs[dst], b.add(do, b.mul(j, ds[-1])))
+        start = b.add(start, units)
+    b.ret_void()
 
 
 # ---------------------------------------------------------------------------
@@ -665,7 +787,7 @@ def safe_index(b: ir.IRBuilder, k: ir.Value, dim: int) -> tuple[ir.Value, ir.Val
 
 
 __all__ = [
-    "Piece", "emit_pieces", "transpose_piece", "broadcast_strides", "affine_runs",
+    "Piece", "emit_pieces", "pieces_tiling", "transpose_piece", "broadcast_strides", "affine_runs",
     "emit_rows", "emit_table_rows", "const_table", "table_load", "copy_row", "fill_row",
     "unit_range", "decode", "itype", "lanes_for", "contiguous_strides", "prod", "cdiv",
     "bits_of", "const_fill", "unit_target", "add", "mul", "as_val", "imin", "imax",

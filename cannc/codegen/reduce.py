@@ -19,6 +19,13 @@ max then sum-of-exp) that may also store elementwise outputs (map passes), and
 a `finish` hook that stores per-output statistics (the reduced outputs). The
 engine threads the statistics from pass to pass: scalars in row mode (splat in
 the vector bodies), per-lane vectors in column mode.
+
+Shape-polymorphic kernels (codegen/ABI.md "Runtime dimensions"): a layout's
+extents may be `RtDim`s, read from the kernel's runtime dimensions. In row mode
+the rows are walked in runs of RPT_DIM rows per tile, a runtime row length by a
+loop of unrolled vectors, a loop of single vectors and one masked vector; in
+column mode a tile is a block of COL_BLOCK inner elements of one outer index.
+`poly_layout` and `row_tiling`/`col_tiling` are the host side.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import numpy as np
 from . import emit
 from .elementwise import TV, Expr, bf16_bits_to_f32, f32_to_bf16_bits, is_bf16
 from .emit import I1, I32, PTR, for_range, i64, llvm_type
+from .kernel import Tiling
 
 BOOL = np.dtype(np.bool_)
 I32DT = np.dtype(np.int32)
@@ -77,6 +85,25 @@ def ident_value(dtype: np.dtype, what: str) -> float | int:
 
 def const_mask(lanes: int, n: int) -> ir.Constant:
     return ir.Constant(ir.VectorType(I1, lanes), [1 if i < n else 0 for i in range(lanes)])
+
+
+def rt_mask(b: ir.IRBuilder, lanes: int, n: ir.Value) -> ir.Value:
+    """Lanes [0, n) on, for a runtime n (an i64 in [0, lanes))."""
+    return b.icmp_signed("<", iota(lanes), emit.splat(b, b.trunc(n, I32), lanes))
+
+
+@dataclass(frozen=True)
+class RtDim:
+    """A layout extent read at run time: dim ``index`` of the kernel's Tiling."""
+
+    index: int
+
+
+Ext = int | RtDim | ir.Value     # an extent: static, a runtime dim, or its loaded value
+
+
+def as_i64(x: int | ir.Value) -> ir.Value:
+    return i64(x) if isinstance(x, int) else x
 
 
 def _masked_fn(b: ir.IRBuilder, name: str, vt: ir.VectorType, store: bool) -> ir.Function:
@@ -173,7 +200,11 @@ def add(b: ir.IRBuilder, x: ir.Value, y: ir.Value | int) -> ir.Value:
     return b.add(x, y)
 
 
-def mul(b: ir.IRBuilder, x: ir.Value, c: int) -> ir.Value:
+def mul(b: ir.IRBuilder, x: ir.Value, c: int | ir.Value) -> ir.Value:
+    if not isinstance(c, int):       # a runtime extent
+        if isinstance(x, ir.Constant) and int(x.constant) in (0, 1):
+            return c if int(x.constant) else i64(0)
+        return b.mul(x, c)
     if c == 1:
         return x
     if c == 0:
@@ -183,15 +214,15 @@ def mul(b: ir.IRBuilder, x: ir.Value, c: int) -> ir.Value:
     return b.mul(x, i64(c))
 
 
-def decompose(b: ir.IRBuilder, flat: ir.Value, groups: Sequence[tuple[int, int]]) -> ir.Value:
+def decompose(b: ir.IRBuilder, flat: ir.Value, groups: Sequence[tuple[Any, Any]]) -> ir.Value:
     """Offset sum(idx_d * stride_d) of the row-major multi-index `flat` over (size, stride)s."""
     off: ir.Value = i64(0)
     rem = flat
     for d in range(len(groups) - 1, -1, -1):
         size, stride = groups[d]
         if d > 0:
-            idx = b.urem(rem, i64(size))
-            rem = b.udiv(rem, i64(size))
+            idx = b.urem(rem, as_i64(size))
+            rem = b.udiv(rem, as_i64(size))
         else:
             idx = rem
         off = add(b, off, mul(b, idx, stride))
@@ -199,7 +230,7 @@ def decompose(b: ir.IRBuilder, flat: ir.Value, groups: Sequence[tuple[int, int]]
 
 
 @contextmanager
-def nest(b: ir.IRBuilder, groups: Sequence[tuple[int, int]], base: ir.Value
+def nest(b: ir.IRBuilder, groups: Sequence[tuple[Any, Any]], base: ir.Value
          ) -> Iterator[tuple[ir.Value, list[ir.Value]]]:
     """Loops over (size, stride) groups; yields (offset, loop indices)."""
     with ExitStack() as es:
@@ -282,9 +313,96 @@ def make_layout(shape: Sequence[int], axes: Sequence[int]) -> Layout:
     return Layout(kept=kept, red=red, row=merged[-1][2])
 
 
-def row_layout(rows: int, rlen: int) -> Layout:
+def row_layout(rows: Ext, rlen: int) -> Layout:
     """rows x contiguous rows of rlen (row mode even when rlen is 1)."""
     return Layout(kept=[(rows, rlen)], red=[(rlen, 1)], row=True)
+
+
+# ---------------------------------------------------------------------------
+# shape-polymorphic kernels: runtime layouts and the host tiling
+# ---------------------------------------------------------------------------
+
+# the runtime dims a Tiling starts with: row mode (rows, rows per tile), column mode
+# (outer extent, blocks per inner extent); then poly_layout's (the reduced length, the
+# groups' sizes and strides)
+ROWS_DIM, RPT_DIM, RLEN_DIM = 0, 1, 2
+OUTER_DIM, NBLK_DIM = 0, 1
+COL_BLOCK = 256               # column mode: inner elements per tile (a chunk multiple)
+
+
+def row_tiling(key: tuple, rows: int, rlen: int, npasses: int, flops_per_elem: int,
+               extra: Sequence[int] = ()) -> Tiling:
+    """The host tiling of a row-mode kernel over `rows` rows of `rlen` elements (as the
+    static kernel tiles them): dims (rows, rows per tile, *extra)."""
+    rpt = max(1, min(-(-rows // MIN_TILES), ROW_TILE_ELEMS // max(1, rlen)))
+    total = rows * rlen
+    return Tiling(key=key, dims=(rows, rpt, *extra), num_tiles=max(1, -(-rows // rpt)),
+                  single_core=total * max(1, npasses) < SINGLE_CORE_ELEMS,
+                  flops=total * max(1, flops_per_elem))
+
+
+def col_tiling(key: tuple, outer: int, inner: int, rlen: int, npasses: int,
+               flops_per_elem: int, extra: Sequence[int] = ()) -> Tiling:
+    """The host tiling of a column-mode kernel: `outer` x blocks of COL_BLOCK of the
+    `inner` kept elements, each reducing `rlen` elements per lane: dims (outer, blocks
+    per inner, *extra)."""
+    nblk = max(1, -(-inner // COL_BLOCK))
+    total = outer * inner * rlen
+    return Tiling(key=key, dims=(outer, nblk, *extra), num_tiles=max(1, outer * nblk),
+                  single_core=total * max(1, npasses) < SINGLE_CORE_ELEMS,
+                  flops=total * max(1, flops_per_elem))
+
+
+def poly_tiling(key: tuple, shape: Sequence[int], plan: tuple[tuple, Layout, tuple[int, ...]],
+                npasses: int, flops_per_elem: int) -> Tiling:
+    """row_tiling or col_tiling for a `poly_layout` plan of `shape`."""
+    struct, lay, extra = plan
+    rlen = extra[0]
+    total = int(np.prod(shape))
+    if lay.row:
+        return row_tiling(key, total // rlen, rlen, npasses, flops_per_elem, extra)
+    inner = extra[-1]                 # the size of the last (kept) group
+    return col_tiling(key, total // (rlen * inner), inner, rlen, npasses, flops_per_elem,
+                      extra)
+
+
+def poly_layout(shape: Sequence[int], axes: Sequence[int]
+                ) -> tuple[tuple, Layout, tuple[int, ...]] | None:
+    """A layout with runtime extents. The axes are merged into alternating kept and
+    reduced groups by kind only (size-1 dims stay, so the structure does not depend on
+    the sizes). Returns (the structure: (reduced, axes) per group, for the Tiling key;
+    a Layout of RtDims; the dims after the mode's two: the reduced length, then each
+    group's size and stride, the innermost stride being 1); None when nothing is
+    reduced."""
+    shape = [int(d) for d in shape]
+    rank = len(shape)
+    red_axes = {a % rank for a in axes} if rank else set()
+    if rank == 0 or not red_axes:
+        return None
+    groups: list[list[Any]] = []           # [reduced, size, stride, axes]
+    for d in range(rank):
+        r = d in red_axes
+        stride = int(np.prod(shape[d + 1:])) if d + 1 < rank else 1
+        if groups and groups[-1][0] == r:
+            groups[-1][1] *= shape[d]
+            groups[-1][2] = stride
+            groups[-1][3] += 1
+        else:
+            groups.append([r, shape[d], stride, 1])
+    rlen = int(np.prod([g[1] for g in groups if g[0]]))
+    dims: list[int] = [rlen]
+    kept: list[tuple[Ext, Ext]] = []
+    red: list[tuple[Ext, Ext]] = []
+    for k, (r, size, stride, _) in enumerate(groups):
+        ext_size: Ext = RtDim(RLEN_DIM + len(dims))
+        dims.append(size)
+        ext_stride: Ext = 1
+        if k < len(groups) - 1:
+            ext_stride = RtDim(RLEN_DIM + len(dims))
+            dims.append(stride)
+        (red if r else kept).append((ext_size, ext_stride))
+    struct = tuple((g[0], g[3]) for g in groups)
+    return struct, Layout(kept=kept, red=red, row=groups[-1][0]), tuple(dims)
 
 
 # ---------------------------------------------------------------------------
@@ -418,12 +536,28 @@ class Engine:
         # loading it (elementwise producers fused into the reduction, see ops/fused.py)
         self.x_source: Callable[[ir.IRBuilder, ir.Value, int, ir.Value | None], TV] | None = \
             getattr(ctx, "reduce_x_source", None)
+        # the same per row (row mode): x_rows(eng, b, row) sets up the row once and returns
+        # a loader(b, off, pos, lanes, mask) of the vector at offset pos inside the row
+        self.x_rows: Callable[..., Callable[..., TV]] | None = getattr(ctx, "reduce_x_rows",
+                                                                        None)
+        self._row_loader: Callable[..., TV] | None = None
+        self.dims: list[ir.Value] = []        # the runtime dims, loaded on entry
 
     def load_x(self, b: ir.IRBuilder, src_ptr: ir.Value, off: ir.Value, lanes: int,
-               mask: ir.Value | None) -> TV:
+               mask: ir.Value | None, pos: ir.Value | None = None) -> TV:
+        if self._row_loader is not None:
+            return self._row_loader(b, off, pos, lanes, mask)
         if self.x_source is not None:
             return self.x_source(b, off, lanes, mask)
         return load_tv(b, src_ptr, off, self.x_dtype, lanes, self.cdt, mask)
+
+    def ext(self, x: Ext) -> int | ir.Value:
+        """An extent as emitted code uses it: an int, or the loaded runtime dim."""
+        return self.dims[x.index] if isinstance(x, RtDim) else x
+
+    @property
+    def polymorphic(self) -> bool:
+        return getattr(self.ctx, "tiling", None) is not None
 
     # -- types of the node's inputs/outputs by position --------------------------
     def in_dtype(self, i: int) -> np.dtype:
@@ -442,9 +576,18 @@ class Engine:
         node = ctx.node
         self.in_ptrs = [ctx.in_ptr(b, i) if v else None for i, v in enumerate(node.inputs)]
         self.out_ptrs = [ctx.out_ptr(b, j) if v else None for j, v in enumerate(node.outputs)]
-        total = lay.total
-        ctx.single_core = total * max(1, len(passes)) < SINGLE_CORE_ELEMS
-        ctx.flops = total * max(1, flops_per_elem)
+        if self.polymorphic:
+            # runtime extents; tiles, cores and flops come from the Tiling
+            t = ctx.tiling
+            self.dims = [ctx.rt_dim(b, i) for i in range(len(t.dims))]
+            self.layout = lay = Layout(kept=[(self.ext(s), self.ext(st)) for s, st in lay.kept],
+                                       red=[(self.ext(s), self.ext(st)) for s, st in lay.red],
+                                       row=lay.row)
+            ctx.num_tiles, ctx.single_core, ctx.flops = t.num_tiles, t.single_core, t.flops or 0
+        else:
+            total = lay.total
+            ctx.single_core = total * max(1, len(passes)) < SINGLE_CORE_ELEMS
+            ctx.flops = total * max(1, flops_per_elem)
         if lay.row:
             self._emit_rows()
         else:
@@ -455,6 +598,14 @@ class Engine:
     # -- row mode ---------------------------------------------------------------------
     def _emit_rows(self) -> None:
         b, lay, ctx = self.b, self.layout, self.ctx
+        if self.polymorphic:
+            # runs of rpt rows per tile, the last run cut at the row count
+            rows, rpt_v = self.dims[ROWS_DIM], self.dims[RPT_DIM]
+            with for_range(b, ctx.tile_begin, ctx.tile_end, name="tile") as t:
+                r0 = b.mul(t, rpt_v)
+                with for_range(b, r0, imin(b, b.add(r0, rpt_v), rows), name="row") as r:
+                    self._row(r)
+            return
         rows, rlen = lay.rows, lay.rlen
         rpt = max(1, min(-(-rows // MIN_TILES), ROW_TILE_ELEMS // max(1, rlen)))
         ntiles = max(1, -(-rows // rpt))
@@ -471,6 +622,8 @@ class Engine:
     def _row(self, row: ir.Value) -> None:
         b, lay = self.b, self.layout
         base = decompose(b, row, lay.kept) if lay.kept else i64(0)
+        if self.x_rows is not None:
+            self._row_loader = self.x_rows(self, b, row)
         stats: list[Any] = []
         if self.rowvals is not None:
             stats.extend(self.rowvals(Expr(b, 1), row, self))
@@ -488,7 +641,7 @@ class Engine:
         groups = p.split if p.split is not None else self.layout.red
         inner_n = groups[-1][0]
         assert groups[-1][1] == 1
-        nslots = max(1, min(UNROLL, -(-inner_n // lanes)))
+        nslots = max(1, min(UNROLL, -(-inner_n // lanes))) if isinstance(inner_n, int) else UNROLL
         slots = None
         if p.init is not None:
             init = p.init(E)
@@ -505,9 +658,10 @@ class Engine:
 
             def body(j: ir.Value, slot: int, mask: ir.Value | None) -> None:
                 off = add(b, roff, j)
-                x = self.load_x(b, src_ptr, off, lanes, mask) if p.src < 0 else \
+                pos = add(b, rel, j)
+                x = self.load_x(b, src_ptr, off, lanes, mask, pos) if p.src < 0 else \
                     load_tv(b, src_ptr, off, src_dt, lanes, self.cdt, mask)
-                bd = Body(self, E, x, mask, off, add(b, rel, j), j, ridx, row, stats, slot)
+                bd = Body(self, E, x, mask, off, pos, j, ridx, row, stats, slot)
                 if slots is None:
                     p.step(E, (), bd)
                     return
@@ -534,6 +688,9 @@ class Engine:
     # -- column mode ----------------------------------------------------------------
     def _emit_cols(self) -> None:
         b, lay, ctx, lanes = self.b, self.layout, self.ctx, self.lanes
+        if self.polymorphic:
+            self._emit_cols_rt()
+            return
         inner = lay.kept[-1][0]
         outer_groups = lay.kept[:-1]
         outer = int(np.prod([s for s, _ in outer_groups])) if outer_groups else 1
@@ -564,6 +721,27 @@ class Engine:
                             self._col_block(o, in_base, out_base, j0, last)
                         with other:
                             self._col_block(o, in_base, out_base, j0, blk)
+
+    def _emit_cols_rt(self) -> None:
+        """Runtime extents: tile t is block t % nblk (COL_BLOCK inner elements, the last
+        one cut) of the outer index t / nblk; full chunks, then masked single vectors."""
+        b, lay, ctx, lanes = self.b, self.layout, self.ctx, self.lanes
+        inner = lay.kept[-1][0]
+        outer_groups = lay.kept[:-1]
+        nblk = self.dims[NBLK_DIM]
+        chunk = lanes * UNROLL
+        with for_range(b, ctx.tile_begin, ctx.tile_end, name="tile") as t:
+            o = b.udiv(t, nblk)
+            in_base = decompose(b, o, outer_groups) if outer_groups else i64(0)
+            out_base = mul(b, o, inner)
+            j0 = b.mul(b.urem(t, nblk), i64(COL_BLOCK))
+            n = imin(b, i64(COL_BLOCK), b.sub(as_i64(inner), j0))
+            nmain = b.mul(b.udiv(n, i64(chunk)), i64(chunk))
+            with for_range(b, 0, nmain, step=chunk, name="chunk") as c:
+                self._col_chunk(o, in_base, out_base, b.add(j0, c), [None] * UNROLL)
+            with for_range(b, nmain, n, step=lanes, name="v1") as j:
+                m = rt_mask(b, lanes, imin(b, b.sub(n, j), i64(lanes)))
+                self._col_chunk(o, in_base, out_base, b.add(j0, j), [m])
 
     def _col_block(self, o: ir.Value, in_base: ir.Value, out_base: ir.Value, j0: ir.Value,
                    n: int) -> None:
@@ -627,11 +805,24 @@ class Engine:
                 self.finish(E, stats[k], Finish(self, E, out_off, masks[k], o, stats[k]))
 
 
-def vloop(b: ir.IRBuilder, n: int, lanes: int, nslots: int,
+def vloop(b: ir.IRBuilder, n: int | ir.Value, lanes: int, nslots: int,
           body: Callable[[ir.Value, int, ir.Value | None], None]) -> None:
     """Cover [0, n) contiguous elements with vectors: a loop of nslots vectors per
-    iteration, then the static remainder (full vectors, then one masked vector)."""
+    iteration, then the static remainder (full vectors, then one masked vector).
+    A runtime n: the same loop, a loop of single vectors, one masked vector if any."""
     chunk = lanes * nslots
+    if not isinstance(n, int):
+        nmain = b.mul(b.udiv(n, i64(chunk)), i64(chunk))
+        with for_range(b, 0, nmain, step=chunk, name="v") as j:
+            for k in range(nslots):
+                body(add(b, j, k * lanes), k, None)
+        nvec = b.and_(n, i64(-lanes))
+        with for_range(b, nmain, nvec, step=lanes, name="v1") as j:
+            body(j, 0, None)
+        rem = b.sub(n, nvec)
+        with b.if_then(b.icmp_signed(">", rem, i64(0))):
+            body(nvec, 0, rt_mask(b, lanes, rem))
+        return
     nfull = n // chunk
     if nfull == 1:
         for k in range(nslots):
@@ -749,14 +940,19 @@ REDUCE_KINDS = ("sum", "mean", "max", "min", "prod", "l1", "l2", "logsum", "logs
                 "sumsquare")
 
 
-def reduce_passes(kind: str, cdt: np.dtype, n: int) -> list[Pass]:
-    """The passes of Reduce<kind> over n elements; the last pass's stat is the result."""
+def reduce_passes(kind: str, cdt: np.dtype, n: int | RtDim,
+                  eng: Engine | None = None) -> list[Pass]:
+    """The passes of Reduce<kind> over n elements (a runtime n: a dim of `eng`); the
+    last pass's stat is the result."""
     from . import vmath
 
     cdt = np.dtype(cdt)
     is_f = cdt.kind == "f"
 
     def mean(E: Expr, s: TV, st: list) -> TV:
+        if isinstance(n, RtDim):     # the tiling makes n >= 1
+            assert eng is not None
+            return E.div(s, E.cast(splat_tv(E.b, TV(eng.ext(n), I64DT), E.lanes), cdt))
         if is_f:
             return E.div(s, E.const(float(n), cdt))
         return E.div(s, E.const(max(n, 1), cdt))
@@ -796,18 +992,34 @@ def reduce_passes(kind: str, cdt: np.dtype, n: int) -> list[Pass]:
     raise ValueError(kind)
 
 
+def reduce_wide(kind: str, dtype: np.dtype, n: int, row: bool) -> bool:
+    """Accumulate a float32 sum of n elements in float64."""
+    if np.dtype(dtype) == np.float32 and kind in ("sum", "mean", "l1", "l2", "sumsquare",
+                                                   "logsum"):
+        return n > (1 << 16) if row else n > 2048
+    return False
+
+
 def emit_reduce(ctx: Any, kind: str, axes: Sequence[int]) -> None:
-    """Reduce<kind> of input 0 over axes into output 0 (its shape fixes keepdims)."""
+    """Reduce<kind> of input 0 over axes into output 0 (its shape fixes keepdims).
+    With a Tiling (see `poly_layout`), the extents are runtime dims."""
     xt = ctx.in_types[0]
-    lay = make_layout(xt.shape, axes)
     xdt = np.dtype(xt.dtype)
-    n = lay.rlen
-    wide = False
-    if xdt == np.float32 and kind in ("sum", "mean", "l1", "l2", "sumsquare", "logsum"):
-        wide = n > (1 << 16) if lay.row else n > 2048
+    n: int | RtDim
+    if getattr(ctx, "tiling", None) is not None:
+        plan = poly_layout(xt.shape, axes)
+        assert plan is not None
+        lay = plan[1]
+        n = RtDim(RLEN_DIM)
+        # the precision bucket is in the Tiling key
+        wide = reduce_wide(kind, xdt, plan[2][0], lay.row)
+    else:
+        lay = make_layout(xt.shape, axes)
+        n = lay.rlen
+        wide = reduce_wide(kind, xdt, n, lay.row)
     cdt = compute_dtype(xdt, wide)
     eng = Engine(ctx, lay, xdt, cdt)
-    passes = reduce_passes(kind, cdt, n)
+    passes = reduce_passes(kind, cdt, n, eng)
 
     def finish(E: Expr, stats: list, f: Finish) -> None:
         f.store(0, stats[-1])
@@ -862,12 +1074,13 @@ def emit_softmax(ctx: Any, lay: Layout, kind: str) -> None:
                             post=lambda E, s, st: E.div(E.const(1.0, cdt), s)),
                   map_pass(lambda E, y, bd: bd.store(0, E.mul(y, bd.stat(1))), src=0)]
     else:
-        def lse(E: Expr, s: TV, st: list) -> TV:
-            return E.add(TV(vmath.log(E.b, s.v), cdt), splat_tv(E.b, st[0], E.lanes))
-
+        # (x - max) - log(sum): subtracting max + log(sum) at once loses digits when the
+        # row sits far from 0 (e.g. a row masked with -1e4)
         passes = [fold_pass(cdt, "fmax"),
-                  fold_pass(cdt, "add", pre=exp_shift, post=lse),
-                  map_pass(lambda E, x, bd: bd.store(0, E.sub(x, bd.stat(1))))]
+                  fold_pass(cdt, "add", pre=exp_shift,
+                            post=lambda E, s, st: TV(vmath.log(E.b, s.v), cdt)),
+                  map_pass(lambda E, x, bd: bd.store(0, E.sub(E.sub(x, bd.stat(0)),
+                                                              bd.stat(1))))]
     eng.emit(passes, flops_per_elem=15)
 
 

@@ -72,9 +72,23 @@ def host() -> HostTarget:
         init()
         _host = HostTarget(
             llvm.get_process_triple(), llvm.get_host_cpu_name(),
-            llvm.get_host_cpu_features().flatten(),
+            restrict_isa(llvm.get_host_cpu_features().flatten(), config.ISA),
         )
     return _host
+
+
+def restrict_isa(features: str, isa: str | None) -> str:
+    """The feature string without what ``isa`` ('avx2': every AVX-512 extension) does
+    not have, to generate and test the code of a smaller machine (CANNC_ISA)."""
+    if isa != "avx2":
+        return features
+    out = []
+    for f in features.split(","):
+        if f.startswith("+avx512") or f in ("+amx-bf16", "+amx-int8", "+amx-tile",
+                                             "+avx10.1-512", "+avx10.1-256", "+evex512"):
+            f = "-" + f[1:]
+        out.append(f)
+    return ",".join(out)
 
 
 def new_module(name: str) -> ir.Module:
@@ -148,6 +162,7 @@ class ObjectCache:
         self.hits = 0
         self.misses = 0
         self.rebuilt_damaged = 0
+        self._damaged_keys: set[str] = set()
 
     def key(self, module_ir: str, speed_level: int) -> str:
         h = hashlib.sha256()
@@ -171,14 +186,20 @@ class ObjectCache:
         except OSError:
             return None
         if len(data) < len(_MAGIC) + 32 or not data.startswith(_MAGIC):
-            self.rebuilt_damaged += 1
+            self._damaged(key)
             return None
         digest, payload = data[len(_MAGIC):len(_MAGIC) + 32], data[len(_MAGIC) + 32:]
         if hashlib.sha256(payload).digest() != digest:
-            self.rebuilt_damaged += 1
+            self._damaged(key)
             return None
         self.memory[key] = payload
         return payload
+
+    def _damaged(self, key: str) -> None:
+        """Count a damaged entry once (it may be looked up again before it is rebuilt)."""
+        if key not in self._damaged_keys:
+            self._damaged_keys.add(key)
+            self.rebuilt_damaged += 1
 
     def put(self, key: str, obj: bytes) -> None:
         self.memory[key] = obj

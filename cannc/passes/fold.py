@@ -49,6 +49,8 @@ def reference_eval(graph: Graph, n: Node, inputs: list[np.ndarray | None]) -> li
     op = lookup(n.op_type, n.domain)
     if op is not None and op.reference is not None:
         return op.reference(n, inputs)
+    if n.op_type == "Constant" and not n.domain and isinstance(n.attrs.get("value"), np.ndarray):
+        return [n.attrs["value"]]    # (the evaluator would round-trip it through a proto)
     from onnx.reference import ReferenceEvaluator
 
     p = node_proto(n)

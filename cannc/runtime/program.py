@@ -1,7 +1,8 @@
 """An executable specialisation: kernels loaded, memory planned, ready to run.
 
-Device memory is laid out once per program: one weights buffer for every
-constant (uploaded once, shared by every run), and per *execution context* one
+Device memory is laid out once per program: every constant is uploaded once
+into the session's WeightPool (shared by every run and by the programs of
+other input shapes), and per *execution context* one
 arena for every intermediate (offsets from the memory planner), a per-core
 workspace, the argument table of every kernel and the schedule that the native
 dispatcher walks. A run takes a free context (so runs from many threads, or
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -116,25 +118,42 @@ class RunTimes:
     t0: float = 0.0
 
 
+class WeightPool:
+    """Device copies of constants, shared by the programs of a session: a new input
+    shape re-plans the activations but uploads (and packs) no weight again. Keyed
+    by array identity (compile-time constants are never mutated)."""
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self._bufs: dict[int, tuple[weakref.ref, np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def upload(self, a: np.ndarray) -> np.ndarray:
+        with self._lock:
+            hit = self._bufs.get(id(a))
+            if hit is not None and hit[0]() is a:
+                return hit[1]
+            buf = self.device.malloc(align_up(max(a.nbytes, 1)), "weights")
+            buf[:a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+            self._bufs[id(a)] = (weakref.ref(a), buf)
+            return buf
+
+
 class Program:
-    def __init__(self, spec: Specialization, device: Device, dispatcher_obj: bytes) -> None:
+    def __init__(self, spec: Specialization, device: Device, dispatcher_obj: bytes,
+                 pool: WeightPool | None = None) -> None:
         self.spec = spec
         self.device = device
         g = spec.graph
         kernels = spec.kernels
 
-        # -- weights: every constant a kernel reads, uploaded once -------------------
+        # -- weights: every constant a kernel reads, uploaded once per session ------
+        self.pool = pool if pool is not None else WeightPool(device)
         used = list(dict.fromkeys(v for k in kernels for v in k.inputs
                                   if v and v in spec.constants))
-        self.woff, wsize = {}, 0
-        for c in used:
-            self.woff[c] = wsize
-            wsize += align_up(max(spec.constants[c].nbytes, 1))
-        self.weights = device.malloc(max(wsize, ALIGN), "weights")
-        for c in used:
-            a = spec.constants[c]
-            self.weights[self.woff[c]:self.woff[c] + a.nbytes] = a.reshape(-1).view(np.uint8)
-        self.weights_bytes = wsize
+        self.wbuf = {c: self.pool.upload(spec.constants[c]) for c in used}
+        self.waddr = {c: b.ctypes.data for c, b in self.wbuf.items()}
+        self.weights_bytes = sum(align_up(max(spec.constants[c].nbytes, 1)) for c in used)
 
         # -- memory plan ------------------------------------------------------------------
         intervals, self.storage, naive = liveness(spec)
@@ -159,8 +178,8 @@ class Program:
     def _view(self, arena: np.ndarray, v: str) -> np.ndarray:
         t = self.spec.graph.values[v]
         r = self._root(v)
-        if r in self.woff:
-            base, off = self.weights, self.woff[r]
+        if r in self.wbuf:
+            base, off = self.wbuf[r], 0
         elif r in self.spec.constants:
             return self.spec.constants[r]
         else:
@@ -179,8 +198,8 @@ class Program:
             if not v:
                 return 0
             r = self._root(v)
-            if r in self.woff:
-                return self.weights.ctypes.data + self.woff[r]
+            if r in self.waddr:
+                return self.waddr[r]
             return arena.ctypes.data + self.plan.offsets[r]
 
         pos = 0

@@ -22,9 +22,11 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 from llvmlite import ir
 
 from cannc.codegen.attention import (
+    RT_DIMS,
     AttnSpec,
     attention_num_tiles,
     attention_plan,
+    attention_tiling,
     attention_workspace_bytes,
     dense_strides,
     emit_attention,
@@ -637,3 +639,153 @@ def test_spec_validation():
         AttnSpec(1, 1, 4, 4, 4, 4, (16, 16, 4, 1), (16, 16, 4, 1), (16, 16, 4, 1), (16, 16, 0, 1))
     with pytest.raises(ValueError):
         attention_plan(dense(1, 1, 4, 4, 4), {"k_mode": "direct"})
+
+
+# ---------------------------------------------------------------------------
+# shape-polymorphic kernels (AttnForm: runtime B, Sq, Sk)
+# ---------------------------------------------------------------------------
+
+
+def run_form(kernel, case: Case, tuning=None, splits=None):
+    """Run a form's kernel on ``case``: the runtime dims follow the pointers."""
+    til = attention_tiling(case.spec, tuning)
+    assert til.workspace_bytes % 64 == 0 and len(til.dims) == len(RT_DIMS)
+    O = case.new_o()
+    ptrs = [case.bufs[n].ctypes.data for n in ("q", "k", "v")]
+    if case.spec.mask != "none":
+        ptrs.append(case.bufs["mask"].ctypes.data)
+    ptrs.append(O.ctypes.data + 4 * case.guard)
+    vals = ptrs + list(til.dims)
+    run_splits(kernel, (ctypes.c_int64 * len(vals))(*vals), til.num_tiles,
+               til.workspace_bytes, splits, ws_fill=np.nan)
+    return O
+
+
+def check_form(specs, tuning=None, **kw):
+    """One kernel, emitted for the form of specs[0], computes every spec."""
+    form = attention_tiling(specs[0], tuning).form
+    module = ir.Module()
+    emit_attention(module, "attn_form", form, tuning=tuning)
+    kernel = jit_kernel(module, "attn_form", 0)
+    for i, spec in enumerate(specs):
+        assert attention_tiling(spec, tuning).form == form, spec
+        case = Case(spec, seed=i, **kw)
+        case.check(run_form(kernel, case, tuning))
+    return form
+
+
+def bert_layout(B, H, Sq, Sk, D, Dv=None, mask="add", **kw):
+    """Q, K, V read through the head-split Transposes of [B,S,H,D] tensors, O
+    written in merged heads ([B,Sq,H,Dv]), a [B,1,1,Sk] key-padding mask."""
+    Dv = D if Dv is None else Dv
+    ms = {"add": (Sk, 0, 0, 1), "where": (Sk, 0, 0, 1), "none": (0, 0, 0, 0)}[mask]
+    if mask == "add" and Sk == 1 or mask == "where" and Sk == 1:
+        ms = (1, 0, 0, 0)   # what the fusion pass gives a [B,1,1,1] mask
+    if B == 1:
+        ms = (0,) + ms[1:]
+    return AttnSpec(B, H, Sq, Sk, D, Dv, (Sq * H * D, D, H * D, 1), (Sk * H * D, D, H * D, 1),
+                    (Sk * H * Dv, Dv, H * Dv, 1), (Sq * H * Dv, Dv, H * Dv, 1),
+                    mask=mask, mask_strides=ms, mask_dtype="bool" if mask == "where" else
+                    "float32", **kw)
+
+
+RUNTIME_SIZES = [(1, 1), (2, 7), (3, 33), (1, 128), (2, 70), (1, 17)]  # (B, S)
+
+
+@pytest.mark.parametrize("kt,merged", [(False, False), (True, False), (False, True), (True, True)])
+def test_form_dense_layouts(kt, merged):
+    specs = [dense(B, 2, S, S, 40, k_transposed=kt, merged_heads_out=merged, scale=0.2)
+             for B, S in RUNTIME_SIZES]
+    form = check_form(specs)
+    # K^T stored ([B,H,D,S]): read in place with a runtime row stride (Sk)
+    assert form.k_strides == ((None, None, 1, None) if kt else (None, None, 40, 1))
+
+
+@pytest.mark.parametrize("mask", ["add", "where", "none"])
+def test_form_bert_layout(mask):
+    specs = [bert_layout(B, 3, S, S, 32, mask=mask, scale=1 / np.sqrt(32))
+             for B, S in RUNTIME_SIZES]
+    form = check_form(specs, mask_fn=lambda rng, n: rng.random(n) < 0.8)
+    assert form.k_strides[2:] == (96, 1) and form.v_strides[2:] == (96, 1)
+
+
+def test_form_cross_attention_and_masks():
+    """Sq != Sk; masks [B,1,Sq,Sk], [1,1,Sq,Sk] and [B,H,Sq,Sk] (outer strides at run time)."""
+    sizes = [(1, 1, 1), (2, 7, 30), (3, 33, 5), (1, 1, 129), (2, 80, 80)]
+    for kind in ("full", "rows"):
+        specs = [dense(B, 2, Sq, Sk, 16, scale=0.3, mask="add",
+                       mask_strides=(0, 0, Sk, 1) if kind == "rows" or B == 1
+                       else (Sq * Sk, 0, Sk, 1))
+                 for B, Sq, Sk in sizes]
+        check_form(specs)
+    specs = [dense(B, 2, Sq, Sk, 16, scale=0.3, mask="where", mask_dtype="float32",
+                   mask_strides=dense_strides(B, 2, Sq, Sk)) for B, Sq, Sk in sizes[1:]]
+    check_form(specs, mask_fn=lambda rng, n: (rng.random(n) < 0.7).astype(np.float32))
+
+
+def test_form_causal():
+    """Causal with Sq == Sk, Sq < Sk (decoding) and Sq > Sk (rows with no key: NaN)."""
+    sizes = [(1, 1, 1), (2, 7, 7), (1, 5, 40), (2, 1, 90), (1, 40, 25), (1, 150, 150)]
+    for kt in (False, True):
+        specs = [dense(B, 2, Sq, Sk, 24, scale=0.2, causal=True, k_transposed=kt)
+                 for B, Sq, Sk in sizes]
+        check_form(specs)
+
+
+def test_form_odd_strides_at_run_time():
+    """Inner strides that depend on B, Sq or Sk (K seq-first, V^T, O [H,B,Dv,S]) are
+    runtime dims: gathers, transposed packing and scatters with runtime strides."""
+    H, D, Dv = 3, 20, 19
+
+    def spec(B, Sq, Sk):
+        ks = (D * H, 1, B * D * H, H)
+        vs = (H * Dv * Sk, Dv * Sk, 1, Sk)
+        qs = (Sq * H * D, D, H * D, 1)
+        os_ = (Dv * Sq, B * Dv * Sq, 1, Sq)
+        return AttnSpec(B, H, Sq, Sk, D, Dv, qs, ks, vs, os_, scale=0.3)
+
+    form = check_form([spec(2, 11, 37), spec(1, 4, 9), spec(3, 5, 20), spec(2, 1, 1)])
+    assert form.k_strides == (None, None, None, H) and form.v_strides == (None, None, 1, None)
+    assert form.o_strides == (None, None, None, None)
+    # B = Sk = 1 leaves K's nesting (seq-first) ambiguous: another, still correct, form
+    assert check_form([spec(1, 1, 1)]) != form
+
+
+def test_form_block_scope_and_tuning():
+    """Packing per key block (long sequences), and plan overrides."""
+    specs = [bert_layout(B, 1, S, S, 128, Dv=64, scale=0.1) for B, S in [(1, 1), (2, 45), (1, 300)]]
+    check_form(specs, tuning={"scope": "block"})
+    check_form(specs, tuning={"KB": 128, "MQ": 32})
+    long_ = bert_layout(1, 1, 4, 1200, 128, scale=0.1)
+    assert attention_tiling(long_).form.scope == "block"    # K^T of a head: > 512 KiB
+    assert attention_tiling(specs[1]).form.scope == "bh"
+
+
+def test_form_key_has_no_runtime_dim():
+    """The form (a kernel key) is the same at every B, Sq, Sk, including 1, and changes
+    with what the code depends on."""
+    forms = {attention_tiling(bert_layout(B, 4, S, S, 64, scale=0.125)).form
+             for B, S in RUNTIME_SIZES}
+    assert len(forms) == 1
+    (form,) = forms
+    assert form.H == 4 and form.D == 64 and form.mask == "add"
+    assert attention_tiling(bert_layout(2, 2, 7, 7, 64, scale=0.125)).form != form
+    assert attention_tiling(bert_layout(2, 4, 7, 7, 32, scale=0.125)).form != form
+    assert attention_tiling(bert_layout(2, 4, 7, 7, 64, scale=0.5)).form != form
+    til = attention_tiling(bert_layout(3, 4, 33, 33, 64))
+    assert til.dims[:3] == (3, 33, 33) and til.num_tiles == 3 * 4 * 3
+
+
+def test_form_equals_static_kernel_bit_for_bit():
+    """Where the static plan is the form's (long sequences), both kernels do the same
+    arithmetic: the runtime sizes change no result bit."""
+    for spec in (bert_layout(2, 2, 128, 128, 64, scale=0.125),
+                 dense(1, 2, 150, 150, 32, scale=0.2, causal=True, k_transposed=True)):
+        case = Case(spec, seed=5)
+        static = run_split(build(spec, speed_level=2), case)
+        form = attention_tiling(spec).form
+        module = ir.Module()
+        emit_attention(module, "attn_form", form)
+        poly = run_form(jit_kernel(module, "attn_form", 2), case)
+        case.check(poly)
+        np.testing.assert_array_equal(poly, static)

@@ -9,6 +9,7 @@ numpy (float64 reference).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
 import os
 import sys
@@ -23,11 +24,15 @@ from llvmlite import ir
 
 from cannc.codegen import emit
 from cannc.codegen.gemm import (
+    GEMM_DIMS,
     GemmSpec,
+    dynamic_spec,
     emit_gemm,
+    gemm_dims,
     gemm_num_tiles,
     gemm_plan,
     gemm_workspace_bytes,
+    host_isa,
     prepack_b,
     prepacked_b_size,
 )
@@ -399,7 +404,7 @@ def _index_ref(case):
     [
         GemmSpec(1, 77, 33),
         GemmSpec(3, 40, 20, trans_b=True),
-        GemmSpec(14, 70, 500, bias=True, bias_col_stride=1, alpha=2.0),
+        GemmSpec(14, 70, 2500, bias=True, bias_col_stride=1, alpha=2.0),  # K > KC_MAX
         GemmSpec(30, 100, 80, b_prepacked=True, trans_a=True, bias=True, bias_row_stride=1),
         GemmSpec(5, 33, 10, batch=2, a_batch_stride=50, b_batch_stride=330),
     ],
@@ -571,3 +576,204 @@ def test_compile_time_is_small():
     jit_kernel(module, "gemm", speed_level=0)
     dt = time.perf_counter() - t0
     assert dt < 1.0, dt  # ~0.03-0.06 s on the project's machine; loose for noisy CI
+
+
+# ---------------------------------------------------------------------------
+# shape-polymorphic kernels: M and the batch count at run time
+# ---------------------------------------------------------------------------
+
+DYN_MS = [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 37, 150, 301]
+
+
+def _dyn_spec(spec: GemmSpec, M: int, batch: int | None = None) -> GemmSpec:
+    """``spec`` with M rows (and ``batch`` items): its batch strides follow M."""
+    batch = spec.batch if batch is None else batch
+    return dataclasses.replace(
+        spec, M=M, batch=batch,
+        a_batch_stride=M * spec.K if spec.a_batch_stride else 0,
+        b_batch_stride=spec.b_batch_stride if batch > 1 else 0,
+        c_batch_stride=M * spec.N if batch > 1 else 0,
+        bias_row_stride=spec.bias_row_stride)
+
+
+def run_dynamic(kernel, dspec: GemmSpec, spec: GemmSpec, epilogue_ref=None, seed=0,
+                splits=None, dims_slot=None, dims_spec=None):
+    """Run the dynamic kernel of ``dspec`` on the shapes of the static ``spec`` (its
+    runtime dims from gemm_dims, of ``dims_spec`` if given) and check C against the
+    float64 reference."""
+    case = Case(spec, seed=seed)
+    dims, T = gemm_dims(dims_spec or dspec, spec.M, spec.batch)
+    C = case.new_c()
+    ptrs = list(case.args(C))
+    slot = len(ptrs) if dims_slot is None else dims_slot
+    vals = ptrs + [0] * (slot - len(ptrs)) + list(dims)
+    argv = (ctypes.c_void_p * len(vals))(*vals)
+    run_splits(kernel, argv, T, gemm_workspace_bytes(dspec), splits, ws_fill=SENTINEL)
+    case.check(C, ref=epilogue_ref(case) if epilogue_ref else None)
+    return dims, T
+
+
+def build_dynamic(spec: GemmSpec, epilogue=None, dims_slot=None):
+    dspec = dynamic_spec(spec)
+    module = ir.Module()
+    slot = (3 + spec.bias) if dims_slot is None else dims_slot
+    emit_gemm(module, "gemm_dyn", dspec, epilogue, dims_slot=slot)
+    return dspec, jit_kernel(module, "gemm_dyn", speed_level=0)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        GemmSpec(1, 100, 70, b_prepacked=True),
+        GemmSpec(1, 40, 2100, b_prepacked=True),           # several K blocks (> 6 rows)
+        GemmSpec(1, 45, 33),                                 # B packed per block
+        GemmSpec(1, 45, 2100),                               # ... in several K blocks
+        GemmSpec(1, 64, 40, trans_b=True),
+        GemmSpec(1, 3, 70, b_prepacked=True),                # N <= 8: dot products
+        GemmSpec(1, 5, 40),
+        GemmSpec(1, 6, 50, trans_b=True),
+        GemmSpec(1, 70, 50, b_prepacked=True, trans_b=True, bias=True, bias_col_stride=1,
+                 alpha=0.5, beta=2.0),
+        GemmSpec(1, 40, 30, bias=True, bias_row_stride=1),   # a column (per row) bias
+        GemmSpec(1, 40, 30, b_prepacked=True, bias=True, bias_row_stride=40,
+                 bias_col_stride=1),                          # a full [M, N] bias
+    ],
+    ids=["prepacked", "kblocks", "pack", "pack_kblocks", "trans_b", "dot_prepacked",
+         "dot_pack", "dot_rows",
+         "bias_row", "bias_col", "bias_full"],
+)
+def test_dynamic_m(spec):
+    """One kernel, every M: full row panels, each remainder strip (1..5 rows), several
+    row blocks; the split between cores at every tile boundary for a few M."""
+    dspec, kernel = build_dynamic(spec)
+    assert dynamic_spec(_dyn_spec(spec, 77)) == dspec     # the code depends on no M
+    for i, M in enumerate(DYN_MS):
+        s = _dyn_spec(spec, M)
+        dims, T = gemm_dims(dspec, M)
+        assert dims[0] == M and T == dims[2] * dims[3]
+        run_dynamic(kernel, dspec, s, seed=i)
+        # a tiling function does not know whether B is a constant: the dims it computes
+        # for a prepacked B serve a kernel that packs B, and the other way round
+        other = dataclasses.replace(dspec, b_prepacked=not dspec.b_prepacked)
+        run_dynamic(kernel, dspec, s, seed=i, dims_spec=other)
+        if M in (5, 37):
+            for cut in range(T + 1):
+                run_dynamic(kernel, dspec, s, seed=i, splits=[0, cut, T])
+
+
+def test_dynamic_batched():
+    base = GemmSpec(5, 33, 10, batch=3, a_batch_stride=50, b_batch_stride=330,
+                    c_batch_stride=165)
+    for pre, a_bcast in itertools.product([False, True], [False, True]):
+        spec = dataclasses.replace(base, b_prepacked=pre, a_batch_stride=0 if a_bcast else 50)
+        dspec, kernel = build_dynamic(spec)
+        for M, nb in [(1, 3), (2, 3), (7, 3), (40, 3), (6, 3)]:
+            run_dynamic(kernel, dspec, _dyn_spec(spec, M, nb))
+    # a batch count at run time too (B not shared: it has a batch of its own per call)
+    spec = dataclasses.replace(base, batch=2, b_batch_stride=330)
+    dspec, kernel = build_dynamic(spec)
+    for M, nb in [(1, 1), (3, 2), (9, 5), (17, 40)]:
+        run_dynamic(kernel, dspec, _dyn_spec(spec, M, nb))
+
+
+def test_dynamic_epilogue_and_dims_slot():
+    """The epilogue sees the true (m, n) in every strip; the dims may sit past other
+    argument slots."""
+    spec = GemmSpec(1, 70, 40, b_prepacked=True, bias=True, bias_col_stride=1)
+    dspec, kernel = build_dynamic(spec, index_epilogue, dims_slot=6)
+    for M in (1, 4, 5, 6, 13, 29):
+        run_dynamic(kernel, dspec, _dyn_spec(spec, M), epilogue_ref=_index_ref, dims_slot=6)
+
+
+def test_dynamic_plan_and_grid():
+    spec = GemmSpec(1, 1024, 1024, b_prepacked=True)
+    dspec = dynamic_spec(spec)
+    p = gemm_plan(dspec)
+    assert p.strips and p.mt == 0 and (p.MR, p.NR) == (6, 32 if host_isa() == "avx512" else 16)
+    # the grid and KC for these M are the static plan's
+    for M in (1, 3, 1024):
+        st = gemm_plan(dataclasses.replace(spec, M=M))
+        dims, T = gemm_dims(dspec, M)
+        assert dict(zip(GEMM_DIMS, dims)) == {
+            "M": M, "batch": 1, "mt": st.mt, "nt": st.nt, "MB": st.MB, "NB": st.NB,
+            "KC": st.KC, "NC": st.NC, "variant": int(M <= 12)}
+        assert T == gemm_num_tiles(dataclasses.replace(spec, M=M))
+    # B not prepacked: the few-rows variant reads it in place (as a static plan would)
+    for raw, alt_mode in ((GemmSpec(1, 768, 768), "direct"),
+                          (GemmSpec(1, 768, 768, trans_b=True), "dot")):
+        dp = gemm_plan(dynamic_spec(raw))
+        assert dp.b_mode == "pack" and dp.alt.b_mode == alt_mode
+        assert dp.ws_bytes >= dp.alt.ws_bytes
+        for M in (1, 7, 12, 13, 100):
+            dims, _ = gemm_dims(dynamic_spec(raw), M)
+            assert dims[GEMM_DIMS.index("variant")] == (M <= 12)
+    assert gemm_plan(dspec).alt is None
+    with pytest.raises(ValueError, match="transposed"):
+        dynamic_spec(GemmSpec(4, 8, 8, trans_a=True))
+    with pytest.raises(ValueError, match="not batched"):
+        gemm_dims(dspec, 4, batch=2)
+
+
+# ---------------------------------------------------------------------------
+# the AVX2 fallback (this host has AVX-512: the target is restricted as CANNC_ISA=avx2 does)
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def avx2_host(monkeypatch):
+    from cannc.codegen import target
+
+    h = target.host()
+    monkeypatch.setattr(target, "_host",
+                        dataclasses.replace(h, features=target.restrict_isa(h.features, "avx2")))
+    assert not target.host().has("avx512f") and target.host().has("avx2")
+    return target.host()
+
+
+def test_avx2_plans_fit_16_registers(avx2_host):
+    assert host_isa() == "avx2"
+    p = gemm_plan(GemmSpec(300, 200, 100, b_prepacked=True))
+    assert (p.MR, p.NV, p.NR, p.isa) == (6, 1, 16, "avx2")      # 6 x 16: 12 ymm accumulators
+    for M in range(1, 7):
+        q = gemm_plan(GemmSpec(M, 200, 100, b_prepacked=True))
+        assert 2 * q.MR * q.NV <= 12
+    d = gemm_plan(GemmSpec(300, 4, 100, b_prepacked=True))    # dot products
+    assert d.b_mode == "dot" and d.MR * d.NR <= 6
+
+
+@pytest.mark.parametrize("shape", [(1, 300, 257), (3, 70, 33), (5, 33, 65), (13, 100, 30),
+                                   (200, 64, 120), (40, 50, 2100), (9, 8, 100), (50, 3, 70)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_avx2_shapes(avx2_host, shape):
+    M, N, K = shape
+    for tb, pre in [(False, False), (True, False), (False, True)]:
+        check_spec(GemmSpec(M, N, K, trans_b=tb, b_prepacked=pre), seed=M + N)
+    check_spec(GemmSpec(M, N, K, bias=True, bias_col_stride=1, b_prepacked=True),
+               epilogue=index_epilogue, ref=_index_ref)
+
+
+def test_avx2_dynamic_and_code(avx2_host):
+    """The kernel for any M on AVX2; its code uses no zmm register and its micro-kernel
+    loops no stack slot (the accumulators stay in the 16 ymm registers)."""
+    import re
+
+    from cannc.codegen.target import _optimise
+
+    for spec in (GemmSpec(1, 100, 70, b_prepacked=True), GemmSpec(1, 45, 33),
+                 GemmSpec(1, 70, 50, b_prepacked=True, bias=True, bias_col_stride=1)):
+        dspec, kernel = build_dynamic(spec)
+        for M in (1, 2, 3, 4, 5, 6, 7, 11, 37):
+            run_dynamic(kernel, dspec, _dyn_spec(spec, M))
+    module = ir.Module()
+    emit_gemm(module, "g", GemmSpec(64, 256, 256, b_prepacked=True))
+    mod, tm = _optimise(str(module), "g", 0)
+    asm = tm.emit_assembly(mod)
+    assert "zmm" not in asm and "vfmadd" in asm
+    block, fmas, stack = None, {}, {}
+    for line in asm.splitlines():
+        if re.match(r"^\.LBB", line):
+            block = line
+        fmas[block] = fmas.get(block, 0) + ("vfmadd" in line)
+        stack[block] = stack.get(block, 0) + ("(%rsp)" in line)
+    loops = [b for b, n in fmas.items() if n >= 12]
+    assert loops and all(stack[b] == 0 for b in loops), (fmas, stack)

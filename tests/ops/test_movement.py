@@ -207,6 +207,16 @@ def test_gather_elements(axis, opset):
     check_op("GatherElements", [x, idx], axis=axis, opset=opset)
 
 
+@pytest.mark.parametrize("axis", [0, 1])
+def test_gather_elements_constant_folded(axis):
+    """Both inputs constant: the folder computes it (indices narrower than the data on
+    the other axis, as torch.gather of position ids from an expanded [1, 512] buffer)."""
+    x = np.arange(2 * 512, dtype=np.int64).reshape(2, 512) if axis == 1 else rand((9, 4))
+    idx = (np.arange(64, dtype=np.int64)[None] if axis == 1
+           else RNG.integers(-9, 9, size=(5, 3)).astype(np.int64))
+    check_op("GatherElements", [x, idx], axis=axis, const_inputs=[0, 1])
+
+
 @pytest.mark.parametrize("dtype", [np.int8, np.float16, np.bool_])
 def test_gather_elements_dtypes(dtype):
     idx = RNG.integers(0, 7, size=(3, 7)).astype(np.int32)

@@ -23,8 +23,12 @@ import llvmlite.ir as ir
 from ...codegen import emit
 from ...codegen.elementwise import bf16_bits_to_f32, f32_to_bf16_bits, is_bf16
 from ...codegen.emit import for_range, i64
-from ...codegen.gemm import GemmSpec, emit_gemm, gemm_num_tiles, gemm_workspace_bytes, prepack_b
-from ...codegen.kernel import ConstRef
+from ...codegen.gemm import (GEMM_DIMS, GemmSpec, dynamic_able, dynamic_spec, emit_gemm,
+                             gemm_dims, gemm_num_tiles, gemm_plan, gemm_workspace_bytes,
+                             prepack_b)
+from ...codegen.kernel import ConstRef, Tiling
+from ...costmodel import gemm_notes
+from ...tuning import gemm_signature, gemm_tuning
 from ..graph import Node
 from ..registry import Category, OpDef, register
 from ..types import TensorType
@@ -239,11 +243,14 @@ def _use_gemm(ctx: Any) -> bool:
 
 
 def _lower_matmul(ctx: Any) -> None:
+    if ctx.tiling is not None:
+        return _lower_dynamic(ctx)
     if not _use_gemm(ctx):
         return _lower_matmul_nest(ctx)
     spec = plan_contraction(ctx)
-    emit_gemm(ctx.module, ctx.symbol, spec)
-    finish_contraction(ctx, spec)
+    tun = gemm_tuning(spec)  # measured by `cannc tune` (None: the modelled default plan)
+    emit_gemm(ctx.module, ctx.symbol, spec, tuning=tun)
+    finish_contraction(ctx, spec, tuning=tun)
 
 
 def plan_contraction(ctx: Any, node: Node | None = None) -> GemmSpec:
@@ -256,8 +263,8 @@ def plan_contraction(ctx: Any, node: Node | None = None) -> GemmSpec:
     else:
         present_c = len(n.inputs) > 2 and bool(n.inputs[2])
         spec = _gemm_spec(ctx, n, ctx.in_types[:2] + ([ctx.in_types[2]] if present_c else []))
-        if present_c and not spec.bias:
-            ctx.drop_input(2)  # beta == 0: C is not read
+        if len(n.inputs) > 2 and not spec.bias:
+            ctx.drop_input(2)  # absent, or beta == 0: C is not read
     b = ctx.const(1)
     if b is not None:
         spec = _with(spec, b_prepacked=True)
@@ -272,11 +279,13 @@ def _prepack_const_b(spec: GemmSpec, matmul: bool, b: np.ndarray) -> np.ndarray:
     return prepack_b(spec, b)
 
 
-def finish_contraction(ctx: Any, spec: GemmSpec, extra_ws: int = 0) -> None:
-    ctx.num_tiles = gemm_num_tiles(spec)
-    ctx.workspace_bytes = gemm_workspace_bytes(spec) + extra_ws
+def finish_contraction(ctx: Any, spec: GemmSpec, extra_ws: int = 0,
+                       tuning: dict | None = None, epilogue: bool = False) -> None:
+    ctx.num_tiles = gemm_num_tiles(spec, tuning)
+    ctx.workspace_bytes = gemm_workspace_bytes(spec, tuning) + extra_ws
     ctx.flops = 2 * spec.batch * spec.M * spec.N * spec.K
     ctx.notes["gemm"] = _describe(spec)
+    ctx.notes.update(gemm_notes(spec, tuning, epilogue))  # notes['plan'], notes['tiling']
 
 
 def _with(spec: GemmSpec, **kw: Any) -> GemmSpec:
@@ -291,8 +300,118 @@ def _describe(spec: GemmSpec) -> str:
     return s + (" B-prepacked" if spec.b_prepacked else "")
 
 
+# ---------------------------------------------------------------------------
+# shape-polymorphic GEMMs: M (and the batch count) at run time
+# ---------------------------------------------------------------------------
+
+def dynamic_gemm(n: Node, ins: list[TensorType | None]
+                 ) -> tuple[GemmSpec, int, int, int | None, GemmSpec] | None:
+    """The kernel of a float32 MatMul/Gemm node for any M (rows: batch x sequence of a
+    [.., M, K] x [K, N] MatMul, whose batch folds into M) and any batch count (a batched
+    MatMul): (canonical GemmSpec without prepacking, M, batch, batch items of B when B is
+    batched, the static GemmSpec of these shapes), or None where the shapes are emitted
+    statically (other dtypes, A transposed, empty operands)."""
+    if ins[0] is None or ins[1] is None:
+        return None
+    if any(np.dtype(t.dtype) != np.float32 for t in ins if t is not None):
+        return None
+    if any(not t.is_static or any(int(d) == 0 for d in t.shape) for t in ins if t is not None):
+        return None
+    if n.op_type == "Gemm":
+        present_c = len(n.inputs) > 2 and bool(n.inputs[2])
+        spec = _gemm_spec(None, n, ins[:2] + ([ins[2]] if present_c else []))
+        if dynamic_able(spec):
+            return None
+        return dynamic_spec(spec), spec.M, 1, None, spec
+    a, b = (tuple(int(d) for d in t.shape) for t in ins[:2])
+    batch, M, K, N, ab, bb = _matmul_dims(a, b)
+    nb = int(np.prod(batch)) if batch else 1
+    spec, _ = _matmul_spec(ins[0], ins[1])
+    if spec is None:
+        return None
+    if len(b) <= 2 or (nb > 1 and all(d == 1 for d in bb)):
+        # B has no batch: A's batch dims fold into M
+        return dynamic_spec(GemmSpec(M=nb * M, N=N, K=K)), nb * M, 1, None, spec
+    # batched; A is broadcast when it has no batch (at one item: when it is 2-D)
+    a_one = len(a) <= 2 or (nb > 1 and all(d == 1 for d in ab))
+    canon = dynamic_spec(GemmSpec(M=M, N=N, K=K, batch=2, a_batch_stride=0 if a_one else M * K,
+                                  b_batch_stride=K * N, c_batch_stride=M * N), batched=True)
+    return canon, M, nb, int(np.prod(bb)), spec
+
+
+def _tuned(spec: GemmSpec, epilogue: bool) -> bool:
+    """A `cannc tune` entry exists for these exact shapes (B prepacked or not: the tiling
+    function does not know whether B is a constant)."""
+    return any(gemm_tuning(_with(spec, b_prepacked=pre), epilogue) is not None
+               for pre in (True, False))
+
+
+def gemm_tiling(n: Node, ins: list[TensorType | None], outs: list[TensorType],
+                epilogue: bool = False) -> Tiling | None:
+    """The host tiling function of MatMul and Gemm (codegen/ABI.md "Runtime dimensions"):
+    the key is the canonical GEMM (N, K, layouts, bias pattern, alpha, beta), the dims
+    are GEMM_DIMS for these M and batch. Shapes that `cannc tune` measured get their
+    tuned static kernel (None)."""
+    d = dynamic_gemm(n, ins)
+    if d is None:
+        return None
+    canon, M, batch, _, full = d
+    if _tuned(full, epilogue):
+        return None
+    # B may be a constant (prepacked: no workspace) or not (packed per block): the
+    # workspace of the latter serves both, the dims serve both (gemm_dims); the grid
+    # is the one of a prepacked B when B is 2-D (a weight, most likely)
+    guess = _with(canon, b_prepacked=len(ins[1].shape) <= 2)
+    dims, tiles = gemm_dims(guess, M, batch)
+    ws = gemm_workspace_bytes(canon)
+    p = gemm_plan(guess)
+    notes = {"gemm": _describe(_with(canon, M=M, batch=batch, dyn=False)) + " dynamic",
+             "plan": {"kind": "gemm", "M": M, "N": canon.N, "K": canon.K, "batch": batch,
+                      "MR": p.MR, "NR": p.NR, "NV": p.NV, "KC": p.KC, "MC": p.MC,
+                      "NC": p.NC, **dict(zip(GEMM_DIMS[2:], dims[2:])),
+                      "b_mode": p.b_mode, "pack_a": p.pack_a, "pack_b": p.b_mode == "pack",
+                      "tiles": tiles, "workspace_bytes": ws, "tuning": None,
+                      "dynamic": True,
+                      # what `cannc tune` measures (B taken as a prepacked weight when 2-D)
+                      "signature": gemm_signature(
+                          _with(full, b_prepacked=len(ins[1].shape) <= 2), epilogue)}}
+    return Tiling(key=("gemm", canon), dims=dims, num_tiles=tiles,
+                  workspace_bytes=ws, flops=2 * batch * M * canon.N * canon.K, notes=notes)
+
+
+def plan_dynamic(ctx: Any, node: Node | None = None) -> GemmSpec:
+    """plan_contraction for a kernel of any M and batch count (ctx.tiling is set): the
+    canonical GemmSpec (prepacked when B is a constant: the packing depends on N and K
+    only, so the recipe serves every M); drops an unread Gemm C."""
+    n = node or ctx.node
+    ncon = len(n.inputs)
+    d = dynamic_gemm(n, ctx.in_types[:ncon])
+    assert d is not None
+    spec, _, _, b_items, _ = d
+    if n.op_type == "Gemm" and len(n.inputs) > 2 and not spec.bias:
+        ctx.drop_input(2)  # absent, or beta == 0: C is not read
+    if ctx.const(1) is not None:
+        spec = _with(spec, b_prepacked=True)
+        # the packing spec: B's own batch items (when batched), no M
+        pack = _with(spec, dyn=False, batch=b_items or 1, a_batch_stride=0,
+                     b_batch_stride=spec.b_batch_stride if b_items and b_items > 1 else 0)
+        ctx.replace_const(1, _prepack_const_b, pack, n.op_type == "MatMul", ConstRef(1))
+    return spec
+
+
+def dims_slot(ctx: Any) -> int:
+    """The argument slot of the first runtime dim (after the tensor pointers)."""
+    return len(ctx.node.inputs) - len(ctx.dropped) + len(ctx.node.outputs)
+
+
+def _lower_dynamic(ctx: Any) -> None:
+    spec = plan_dynamic(ctx)
+    emit_gemm(ctx.module, ctx.symbol, spec, dims_slot=dims_slot(ctx))
+    ctx.notes["gemm"] = _describe(spec) + " dynamic"
+
+
 register(OpDef(name="MatMul", category=Category.CONTRACTION, lower=_lower_matmul,
-               dtypes=MATMUL_DTYPES, check=_check_matmul,
+               dtypes=MATMUL_DTYPES, check=_check_matmul, tiling=gemm_tiling,
                doc="float32: packed, register-blocked GEMM; other dtypes: a loop nest"))
 
 
@@ -308,7 +427,8 @@ def _gemm_spec(ctx_or_types: Any, n: Node, ins: list[TensorType]) -> GemmSpec:
     has_bias = c is not None and beta != 0.0
     if has_bias:
         cshape = (1,) * (2 - len(c.shape)) + tuple(c.shape)
-        rs = 0 if cshape[0] == 1 else cshape[1]
+        # a 2-D C of one row is a [M, N] C when M is 1 (the same kernel as at other M)
+        rs = 0 if cshape[0] == 1 and (M != 1 or len(c.shape) < 2) else cshape[1]
         cs = 0 if cshape[1] == 1 else 1
     return GemmSpec(M=M, N=N, K=K, trans_a=ta, trans_b=tb, alpha=alpha, beta=beta,
                     bias=has_bias, bias_row_stride=rs, bias_col_stride=cs)
@@ -321,10 +441,13 @@ def _check_gemm(n: Node, ins: list[Any], outs: list[Any]) -> str | None:
 
 
 def _lower_gemm(ctx: Any) -> None:
+    if ctx.tiling is not None:
+        return _lower_dynamic(ctx)
     spec = plan_contraction(ctx)
-    emit_gemm(ctx.module, ctx.symbol, spec)
-    finish_contraction(ctx, spec)
+    tun = gemm_tuning(spec)  # measured by `cannc tune` (None: the modelled default plan)
+    emit_gemm(ctx.module, ctx.symbol, spec, tuning=tun)
+    finish_contraction(ctx, spec, tuning=tun)
 
 
 register(OpDef(name="Gemm", category=Category.CONTRACTION, lower=_lower_gemm, dtypes=F32,
-               check=_check_gemm, doc="packed, register-blocked GEMM with fused bias"))
+               check=_check_gemm, tiling=gemm_tiling, doc="packed, register-blocked GEMM with fused bias"))

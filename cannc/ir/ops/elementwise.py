@@ -13,8 +13,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ...codegen.elementwise import TV, Expr, emit_map
-from ..registry import Category, OpDef, register
+from ...codegen.elementwise import TV, Expr, emit_map, map_tiling
+from ..registry import Category, OpDef, lookup, register
 
 FLOATS = frozenset({"float32", "float64", "float16", "bfloat16"})
 UINTS = frozenset({"uint8", "uint16", "uint32", "uint64"})
@@ -32,6 +32,13 @@ def _lower_map(ctx: Any) -> None:
     emit_map(ctx, types, ctx.out_types, lambda E, vals: op.extra["expr"](E, ctx, _spread(ctx, vals)),
              operand_slots=present)
     ctx.flops = ctx.out_types[0].numel * op.extra.get("flops_per_elem", 1)
+
+
+def _map_tiling(node: Any, in_types: list, out_types: list) -> Any:
+    """Host tiling: the broadcast pattern is the key, the extents are runtime dims."""
+    op = lookup(node.op_type, node.domain)
+    types = [in_types[i] for i, v in enumerate(node.inputs) if v]
+    return map_tiling(types, out_types, op.extra.get("flops_per_elem", 1) if op else 1)
 
 
 def _spread(ctx: Any, vals: Sequence[TV]) -> list[TV | None]:
@@ -59,7 +66,8 @@ def defmap(name: str, expr: ExprFn, dtypes: frozenset[str] = FLOATS,
         kw["check"] = _input_dtypes(input_dtypes)
         dtypes = None  # type: ignore[assignment]
     register(OpDef(name=name, category=category, lower=_lower_map, dtypes=dtypes,
-                   fusible=True, extra={"expr": expr, "flops_per_elem": flops}, **kw))
+                   fusible=True, extra={"expr": expr, "flops_per_elem": flops},
+                   tiling=_map_tiling, **kw))
 
 
 def unary(name: str, fn: Callable[[Expr, TV, Any], TV], dtypes: frozenset[str] = FLOATS,

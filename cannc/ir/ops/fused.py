@@ -12,14 +12,17 @@ group must write to memory. Each fused op lowers to ONE generated function:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import llvmlite.ir as ir
 import numpy as np
 
 from ...codegen import emit
-from ...codegen.elementwise import TV, Expr, emit_map
-from ...codegen.gemm import emit_gemm
+from ...codegen.elementwise import TV, Expr, emit_map, map_tiling
+from ...codegen.gemm import GEMM_DIMS, emit_gemm
+from ...costmodel import attention_notes
+from ...tuning import gemm_tuning
 from ..graph import Node
 from ..registry import Category, OpDef, lookup, register
 from ..types import TensorType
@@ -72,9 +75,8 @@ def _scalar_consts(ctx: Any, skip: int = 0) -> dict[int, np.ndarray]:
     """External inputs (from index `skip`) that are size-1 constants: emitted as immediates."""
     out = {}
     for i, v in enumerate(ctx.node.inputs):
-        c = ctx.const(i)
-        if i >= skip and v and c is not None and c.size == 1:
-            out[i] = c
+        if i >= skip and v and ctx.is_const(i) and ctx.consts[i].size == 1:
+            out[i] = ctx.const(i)
     return out
 
 
@@ -85,7 +87,7 @@ def _immediate(E: Expr, c: np.ndarray) -> TV:
 def _lower_fused_map(ctx: Any) -> None:
     body: list[Node] = ctx.attr("body")
     types = _types(ctx)
-    consts = {v: ctx.const(i) for i, v in enumerate(ctx.node.inputs) if ctx.const(i) is not None}
+    consts = ctx.const_map()
     imm = _scalar_consts(ctx)
     for i in imm:
         ctx.drop_input(i)
@@ -98,13 +100,28 @@ def _lower_fused_map(ctx: Any) -> None:
         eval_body(E, body, env, types, consts)
         return [env[o] for o in ctx.node.outputs]
 
-    emit_map(ctx, operand_types, ctx.out_types, expr, operand_slots=present)
+    emit_map(ctx, operand_types, ctx.out_types, expr, operand_slots=present,
+             folded_types=[ctx.in_types[i] for i in imm])
     ctx.flops = sum(ctx.out_types[0].numel * lookup(n.op_type).extra.get("flops_per_elem", 1)
                     for n in body)
 
 
+def _fused_map_tiling(node: Node, in_types: list, out_types: list) -> Any:
+    """The map tiling over every present input (scalar constants, which the lowering
+    folds into immediates, are fully broadcast: they never change the pattern's merges)."""
+    types = [in_types[i] for i, v in enumerate(node.inputs) if v]
+    numel = int(np.prod([int(d) for d in out_types[0].shape]))
+    t = map_tiling(types, out_types)
+    if t is None:
+        return None
+    flops = sum(numel * lookup(n.op_type, n.domain).extra.get("flops_per_elem", 1)
+                for n in node.attrs["body"])
+    return dataclasses.replace(t, flops=flops)
+
+
 register(OpDef(name="FusedMap", domain=DOMAIN, category=Category.BROADCAST,
-               lower=_lower_fused_map, doc="elementwise/broadcast chain in one loop nest"))
+               lower=_lower_fused_map, tiling=_fused_map_tiling,
+               doc="elementwise/broadcast chain in one loop nest"))
 
 
 # -- GEMM + epilogue ---------------------------------------------------------------
@@ -112,9 +129,16 @@ register(OpDef(name="FusedMap", domain=DOMAIN, category=Category.BROADCAST,
 
 def operand_pattern(t: TensorType, out_shape: tuple[int, ...], batched: bool) -> str | None:
     """How an epilogue operand is indexed from the GEMM's (m, n): 'scalar' (offset 0),
-    'row' (n), 'col' (m), 'full' (m*N + n); None when it is none of these."""
+    'row' (n), 'col' (m), 'full' (m*N + n); None when it is none of these. An operand
+    of the output's rank and extents is 'full' (and [.., 1] 'col') even when the rows are
+    one (M = 1), so a kernel for any M indexes it the same way at every M."""
     shape = tuple(t.shape)
     r = len(out_shape)
+    if not batched and len(shape) == r and r >= 2:
+        if shape == tuple(out_shape):
+            return "full"
+        if shape[-1] == 1 and out_shape[-1] != 1 and shape[:-1] == tuple(out_shape[:-1]):
+            return "col"
     shape = (1,) * (r - len(shape)) + shape
     if all(d == 1 for d in shape):
         return "scalar"
@@ -129,15 +153,44 @@ def operand_pattern(t: TensorType, out_shape: tuple[int, ...], batched: bool) ->
     return None
 
 
+def _fused_gemm_tiling(node: Node, in_types: list, out_types: list) -> Any:
+    """The GEMM's tiling (M and the batch count at run time) with the indexing pattern
+    of every epilogue operand in the key; None where the GEMM or an operand is static."""
+    from .contraction import gemm_tiling
+
+    body: list[Node] = node.attrs["body"]
+    mm = body[0]
+    ncon = len(mm.inputs)
+    t = gemm_tiling(mm, in_types[:ncon], out_types[:1], epilogue=True)
+    if t is None:
+        return None
+    batched = t.key[1].batch > 1
+    out_shape = tuple(out_types[0].shape)
+    pats = []
+    for i in range(ncon, len(node.inputs)):
+        if node.inputs[i]:
+            pat = operand_pattern(in_types[i], out_shape, batched)
+            if pat is None:
+                return None
+            pats.append((i, pat))
+    numel = int(np.prod(out_shape))
+    flops = (t.flops or 0) + sum(numel * lookup(n.op_type).extra.get("flops_per_elem", 1)
+                                 for n in body[1:])
+    return dataclasses.replace(t, key=t.key + (("epilogue", tuple(pats)),), flops=flops)
+
+
 def _lower_fused_gemm(ctx: Any) -> None:
+    from .contraction import plan_dynamic
+
     body: list[Node] = ctx.attr("body")
     types = _types(ctx)
     mm, epi = body[0], body[1:]
     ncon = len(mm.inputs)
-    spec = plan_contraction(ctx, mm)
+    dyn = ctx.tiling is not None    # M and the batch count at run time
+    spec = plan_dynamic(ctx, mm) if dyn else plan_contraction(ctx, mm)
     out_t = ctx.out_types[0]
     out_shape = tuple(out_t.shape)
-    consts = {v: ctx.const(i) for i, v in enumerate(ctx.node.inputs) if ctx.const(i) is not None}
+    consts = ctx.const_map()
     imm = _scalar_consts(ctx, skip=ncon)
     for i in imm:
         ctx.drop_input(i)
@@ -147,9 +200,10 @@ def _lower_fused_gemm(ctx: Any) -> None:
     ngemm = len(gemm_in)
     patterns = [operand_pattern(ctx.in_types[i], out_shape, spec.batch > 1) for i in ext]
     assert all(p is not None for p in patterns), patterns
-    M, N = spec.M, spec.N
+    N = spec.N
     mm_out = mm.outputs[0]
     final = ctx.node.outputs[0]
+    nptr = ngemm + 1 + len(ext)      # the inner GEMM's pointers; then its runtime dims
 
     def epilogue(b: ir.IRBuilder, val: ir.Value, m: ir.Value, n: ir.Value) -> ir.Value:
         lanes = val.type.count if isinstance(val.type, ir.VectorType) else 1
@@ -157,7 +211,11 @@ def _lower_fused_gemm(ctx: Any) -> None:
         args = b.function.args[0]
         env = {mm_out: TV(val, np.dtype(np.float32))}
         env.update({ctx.node.inputs[i]: _immediate(E, c) for i, c in imm.items()})
-        m_safe = b.select(b.icmp_signed("<", m, emit.i64(M)), m, emit.i64(M - 1))
+        if dyn:   # GEMM_DIMS[0]: M
+            M = b.load(emit.gep(b, args, nptr, emit.I64), typ=emit.I64)
+        else:
+            M = emit.i64(spec.M)
+        m_safe = b.select(b.icmp_signed("<", m, M), m, b.sub(M, emit.i64(1)))
         for k, (i, pat) in enumerate(zip(ext, patterns)):
             ptr = emit.load_arg(b, args, ngemm + 1 + k)
             dt = np.dtype(ctx.in_types[i].dtype)
@@ -165,19 +223,26 @@ def _lower_fused_gemm(ctx: Any) -> None:
         eval_body(E, epi, env, types, consts)
         return env[final].v
 
-    inner = emit_gemm(ctx.module, "gemm_with_epilogue", spec, epilogue=epilogue)
+    # measured by `cannc tune`, else None (a kernel for any M: the modelled plan)
+    tun = None if dyn else gemm_tuning(spec, epilogue=True)
+    inner = emit_gemm(ctx.module, "gemm_with_epilogue", spec, epilogue=epilogue, tuning=tun,
+                      dims_slot=nptr if dyn else None)
     inner.linkage = "internal"
     fn, b = ctx.begin()
-    nptr = ngemm + 1 + len(ext)
-    arr = b.alloca(emit.PTR, size=emit.i64(nptr))
+    ndims = len(GEMM_DIMS) if dyn else 0
+    arr = b.alloca(emit.PTR, size=emit.i64(nptr + ndims))
     ptrs = [ctx.in_ptr(b, i) for i in gemm_in] + [ctx.out_ptr(b, 0)] + \
            [ctx.in_ptr(b, i) for i in ext]
     for k, p in enumerate(ptrs):
         b.store(p, b.gep(arr, [emit.i64(k)], source_etype=emit.PTR))
+    for k in range(ndims):
+        b.store(ctx.rt_dim(b, k), emit.gep(b, arr, nptr + k, emit.I64))
     b.call(inner, [arr, ctx.tile_begin, ctx.tile_end, ctx.workspace])
     b.ret_void()
-    finish_contraction(ctx, spec)
-    ctx.flops += sum(out_t.numel * lookup(n.op_type).extra.get("flops_per_elem", 1) for n in epi)
+    if not dyn:
+        finish_contraction(ctx, spec, tuning=tun, epilogue=True)
+        ctx.flops += sum(out_t.numel * lookup(n.op_type).extra.get("flops_per_elem", 1)
+                         for n in epi)
     ctx.notes["epilogue"] = "+".join(n.op_type for n in epi)
 
 
@@ -212,7 +277,7 @@ def _load_operand(b: ir.IRBuilder, E: Expr, ptr: ir.Value, dt: np.dtype, pat: st
 
 
 register(OpDef(name="FusedGemm", domain=DOMAIN, category=Category.CONTRACTION,
-               lower=_lower_fused_gemm, doc="GEMM with an elementwise epilogue"))
+               lower=_lower_fused_gemm, tiling=_fused_gemm_tiling, doc="GEMM with an elementwise epilogue"))
 
 
 # -- Conv + epilogue -----------------------------------------------------------------
@@ -266,7 +331,7 @@ def _lower_fused_conv(ctx: Any) -> None:
     ncon = len(conv.inputs)
     conv_out = conv.outputs[0]
     out_shape = tuple(types[conv_out].shape)
-    consts = {v: ctx.const(i) for i, v in enumerate(ctx.node.inputs) if ctx.const(i) is not None}
+    consts = ctx.const_map()
     imm = _scalar_consts(ctx, skip=ncon)
     for i in imm:
         ctx.drop_input(i)
@@ -303,10 +368,37 @@ def _lower_fused_conv(ctx: Any) -> None:
         eval_body(E, epi, env, types, consts)
         return env[final].v
 
-    _lower_conv(_NodeView(ctx, conv, types[conv_out]), epilogue=epilogue, y_slot=n_in)
+    # the conv's own tiling key (any batch: the epilogue's indices are flat offsets into
+    # the output, or channels of it, which do not depend on N)
+    tkey = ctx.tiling.key[1] if ctx.tiling is not None else None
+    _lower_conv(_NodeView(ctx, conv, types[conv_out]), epilogue=epilogue, y_slot=n_in,
+                tkey=tkey)
     ctx.flops += sum(int(np.prod(out_shape)) * lookup(n.op_type).extra.get("flops_per_elem", 1)
                      for n in epi)
     ctx.notes["epilogue"] = "+".join(n.op_type for n in epi)
+
+
+def _fused_conv_tiling(node: Node, in_types: list, out_types: list) -> Any:
+    """The Conv's tiling (the batch at run time) with the epilogue's operand patterns in
+    the key: a 'full' operand is indexed by the flat output offset and a 'channel' one by
+    (offset / spatial) % M, the same code for every N."""
+    from .conv import conv_tiling
+
+    body: list[Node] = node.attrs["body"]
+    types = node.attrs["types"]
+    conv, epi = body[0], body[1:]
+    ncon = len(conv.inputs)
+    out_t = types[conv.outputs[0]]
+    t = conv_tiling(conv, in_types[:ncon], [out_t])
+    if t is None:
+        return None
+    out_shape = tuple(out_t.shape)
+    pats = tuple(conv_operand_pattern(in_types[i], out_shape) if v else None
+                 for i, v in enumerate(node.inputs) if i >= ncon)
+    numel = int(np.prod(out_shape))
+    flops = (t.flops or 0) + sum(numel * lookup(n.op_type).extra.get("flops_per_elem", 1)
+                                 for n in epi)
+    return dataclasses.replace(t, key=("fused_conv", t.key, pats), flops=flops)
 
 
 def _gather(b: ir.IRBuilder, ptr: ir.Value, idx: ir.Value, mask: ir.Value, dt: np.dtype,
@@ -330,16 +422,24 @@ def _gather(b: ir.IRBuilder, ptr: ir.Value, idx: ir.Value, mask: ir.Value, dt: n
 
 
 register(OpDef(name="FusedConv", domain=DOMAIN, category=Category.CONTRACTION,
-               lower=_lower_fused_conv, doc="convolution with an elementwise epilogue"))
+               lower=_lower_fused_conv, tiling=_fused_conv_tiling,
+               doc="convolution with an elementwise epilogue"))
 
 
 # -- attention -----------------------------------------------------------------------
 
 
 def _lower_fused_attention(ctx: Any) -> None:
-    from ...codegen.attention import (attention_num_tiles, attention_workspace_bytes,
-                                      emit_attention)
+    from ...codegen.attention import (RT_DIMS, attention_num_tiles,
+                                      attention_workspace_bytes, emit_attention)
 
+    if ctx.tiling is not None:
+        # shape-polymorphic: the code depends on the form in the key only; B, Sq, Sk and
+        # the open strides are the RT_DIMS after the tensor pointers (ctx.rt_dim's slots)
+        form = ctx.tiling.key[1]
+        assert len(ctx.tiling.dims) == len(RT_DIMS) and not ctx.dropped
+        emit_attention(ctx.module, ctx.symbol, form)
+        return
     spec = ctx.attr("spec")
     emit_attention(ctx.module, ctx.symbol, spec)
     ctx.num_tiles = attention_num_tiles(spec)
@@ -347,10 +447,33 @@ def _lower_fused_attention(ctx: Any) -> None:
     ctx.flops = 2 * spec.B * spec.H * spec.Sq * spec.Sk * (spec.D + spec.Dv)
     ctx.notes["attention"] = f"B{spec.B} H{spec.H} Sq{spec.Sq} Sk{spec.Sk} D{spec.D} " \
                              f"mask={spec.mask}"
+    ctx.notes.update(attention_notes(spec))  # notes['plan'], notes['tiling']
+
+
+def _fused_attention_tiling(node: Node, in_types: list, out_types: list) -> Any:
+    """Host tiling: the kernel's form (heads, head dims, layouts, mask kind and the
+    inner-loop strides that do not depend on B, Sq, Sk) is the key; B, Sq, Sk and the
+    other strides are runtime dims (codegen.attention.attention_tiling)."""
+    from ...codegen.attention import attention_plan, attention_tiling
+    from ...codegen.kernel import Tiling
+    from ...costmodel import attention_record, describe
+
+    spec = node.attrs["spec"]
+    t = attention_tiling(spec)
+    plan = attention_plan(t.form)
+    rec = attention_record(spec, dataclasses.replace(plan, nq=-(-spec.Sq // plan.MQ)))
+    notes = {"attention": f"B{spec.B} H{spec.H} Sq{spec.Sq} Sk{spec.Sk} D{spec.D} "
+                          f"mask={spec.mask}", "plan": rec, "tiling": describe(rec)}
+    return Tiling(key=("attention", t.form), dims=t.dims, num_tiles=t.num_tiles,
+                  workspace_bytes=t.workspace_bytes,
+                  flops=2 * spec.B * spec.H * spec.Sq * spec.Sk * (spec.D + spec.Dv),
+                  notes=notes)
 
 
 register(OpDef(name="FusedAttention", domain=DOMAIN, category=Category.OPAQUE,
-               lower=_lower_fused_attention,
+               lower=_lower_fused_attention, tiling=_fused_attention_tiling,
+               # the concrete AttnSpec (sizes, strides) is covered by the tiling key
+               extra={"tiling_attrs": ("spec",)},
                doc="scaled dot-product attention, tiled with an online softmax"))
 
 
@@ -364,6 +487,48 @@ class _ReductionView(_NodeView):
         return ir.Constant(emit.PTR, None)
 
 
+def _bcast_strides(shape: Sequence[int], rank: int) -> list[int]:
+    """Element strides of a dense operand of `shape` broadcast to `rank` dims (0 where
+    its extent is 1)."""
+    oshape = [1] * (rank - len(shape)) + [int(d) for d in shape]
+    st, acc = [0] * rank, 1
+    for d in range(rank - 1, -1, -1):
+        st[d] = 0 if oshape[d] == 1 else acc
+        acc *= oshape[d]
+    return st
+
+
+def _fused_softmax_tiling(n: Node, ins: list, outs: list) -> Any:
+    """The Softmax's own tiling (rows and row length at run time), then x's leading
+    extents and, per input, its strides along them (0 where it broadcasts: a mask
+    [B,1,1,S] at B=1 or B=8 is the same code). Whether an input is one element per
+    row (broadcast along the softmax axis) is in the key."""
+    sm = n.attrs["body"][-1]
+    xt = n.attrs["types"][sm.inputs[0]]
+    smdef = lookup(sm.op_type, sm.domain)
+    t = smdef.tiling(sm, [xt], outs) if smdef is not None and smdef.tiling else None
+    if t is None:
+        return None
+    shape = [int(d) for d in xt.shape]
+    rank = len(shape)
+    extra, per_row = list(shape[:-1]), []
+    for it in ins:
+        if it is None:
+            extra += [0] * (rank - 1)
+            per_row.append(False)
+            continue
+        if len(it.shape) > rank:
+            return None
+        st = _bcast_strides(it.shape, rank)
+        extra += st[:-1]
+        per_row.append(st[-1] == 0)
+    numel = int(np.prod(shape))
+    flops = (t.flops or 0) + sum(numel * lookup(b.op_type).extra.get("flops_per_elem", 1)
+                                 for b in n.attrs["body"][:-1])
+    return dataclasses.replace(t, key=("fused_softmax", rank, t.key, tuple(per_row)),
+                               dims=t.dims + tuple(extra), flops=flops)
+
+
 def _lower_fused_softmax(ctx: Any) -> None:
     body: list[Node] = ctx.attr("body")
     types = _types(ctx)
@@ -374,20 +539,12 @@ def _lower_fused_softmax(ctx: Any) -> None:
     dense = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
         dense[d] = dense[d + 1] * shape[d + 1]
-    consts = {v: ctx.const(i) for i, v in enumerate(ctx.node.inputs) if ctx.const(i) is not None}
+    consts = ctx.const_map()
     imm = _scalar_consts(ctx)
     for i in imm:
         ctx.drop_input(i)
     ext = [i for i, v in enumerate(ctx.node.inputs) if v and i not in imm]
-    strides = {}
-    for i in ext:
-        t = ctx.in_types[i]
-        oshape = (1,) * (len(shape) - len(t.shape)) + tuple(int(d) for d in t.shape)
-        st, acc = [0] * len(shape), 1
-        for d in range(len(shape) - 1, -1, -1):
-            st[d] = 0 if oshape[d] == 1 else acc
-            acc *= oshape[d]
-        strides[i] = st
+    strides = {i: _bcast_strides(ctx.in_types[i].shape, len(shape)) for i in ext}
 
     def x_source(b: ir.IRBuilder, off: ir.Value, lanes: int, mask: ir.Value | None) -> TV:
         E = Expr(b, lanes)
@@ -407,7 +564,45 @@ def _lower_fused_softmax(ctx: Any) -> None:
         eval_body(E, pro, env, types, consts)
         return env[x_name]
 
-    ctx.reduce_x_source = x_source
+    def x_rows(eng: Any, b: ir.IRBuilder, row: ir.Value) -> Any:
+        """Shape-polymorphic: each operand's offset at the start of the row, from the
+        runtime extents and strides (see _fused_softmax_tiling), once per row."""
+        rank, dims = len(shape), eng.dims
+        first = len(dims) - (rank - 1) * (1 + len(ctx.node.inputs))
+        per_row = ctx.tiling.key[3]
+        idx: list[ir.Value] = [emit.i64(0)] * (rank - 1)
+        rem = row
+        for d in range(rank - 2, -1, -1):
+            if d > 0:
+                idx[d] = b.urem(rem, dims[first + d])
+                rem = b.udiv(rem, dims[first + d])
+            else:
+                idx[d] = rem
+        bases, ptrs = {}, {}
+        for i in ext:
+            st = first + (rank - 1) * (1 + i)
+            off = emit.i64(0)
+            for d in range(rank - 1):
+                off = b.add(off, b.mul(idx[d], dims[st + d]))
+            bases[i], ptrs[i] = off, ctx.in_ptr(b, i)
+
+        def load(b: ir.IRBuilder, off: ir.Value, pos: ir.Value, lanes: int,
+                 mask: ir.Value | None) -> TV:
+            E = Expr(b, lanes)
+            env = {ctx.node.inputs[i]: _immediate(E, c) for i, c in imm.items()}
+            for i in ext:
+                dt = np.dtype(ctx.in_types[i].dtype)
+                env[ctx.node.inputs[i]] = (
+                    _operand(b, ptrs[i], bases[i], dt, lanes, True) if per_row[i] else
+                    _operand(b, ptrs[i], b.add(bases[i], pos), dt, lanes, False, mask))
+            eval_body(E, pro, env, types, consts)
+            return env[x_name]
+        return load
+
+    if getattr(ctx, "tiling", None) is not None:
+        ctx.reduce_x_rows = x_rows
+    else:
+        ctx.reduce_x_source = x_source
     view = _ReductionView(ctx, sm, types[sm.outputs[0]])
     object.__setattr__(view, "in_types", [xt])
     lookup(sm.op_type).lower(view)
@@ -417,5 +612,5 @@ def _lower_fused_softmax(ctx: Any) -> None:
 
 
 register(OpDef(name="FusedSoftmax", domain=DOMAIN, category=Category.REDUCTION,
-               lower=_lower_fused_softmax,
+               lower=_lower_fused_softmax, tiling=_fused_softmax_tiling,
                doc="Softmax/LogSoftmax reading an elementwise prologue (scale, mask...)"))

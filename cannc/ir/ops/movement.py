@@ -24,10 +24,10 @@ import numpy as np
 from ...codegen import emit
 from ...codegen.emit import I64, for_range, i64
 from ...codegen.movement import (
-    SMALL_ELEMS, Piece, add, as_val, bits_of, broadcast_strides, cdiv, const_fill, const_table,
+    SMALL_ELEMS, UNIT_ELEMS, Piece, add, as_val, bits_of, broadcast_strides, cdiv, const_fill, const_table,
     contiguous_strides, copy_row, decode, emit_pieces, emit_rows, emit_table_rows, fill_row,
-    imax, imin, itype, load_index, normalize_index, prod, safe_index, table_load,
-    transpose_piece, unit_target,
+    imax, imin, itype, lanes_for, load_index, normalize_index, pieces_tiling, prod,
+    safe_index, table_load, transpose_piece, unit_target,
 )
 from ...errors import UnsupportedOpError
 from ..graph import Node
@@ -97,9 +97,25 @@ def _empty_kernel(ctx: Any) -> None:
 
 
 def _reg(name: str, lower: Any, dtypes: frozenset[str] = ALL, check: Any = None,
-         min_opset: int = 1, doc: str = "") -> None:
+         min_opset: int = 1, doc: str = "", tiling: Any = None, reference: Any = None) -> None:
     register(OpDef(name=name, category=Category.INJECTIVE, lower=lower, dtypes=dtypes,
-                   check=check, min_opset=min_opset, doc=doc))
+                   check=check, min_opset=min_opset, doc=doc, tiling=tiling,
+                   reference=reference))
+
+
+PieceBuilder = Any  # (node, in_types, out_types) -> list[Piece]
+
+
+def _piece_op(build: PieceBuilder) -> tuple[Any, Any]:
+    """(lowering, tiling function) of an op that is a list of copy pieces built from its
+    shapes and attributes alone: shape-polymorphic through codegen.movement.pieces_tiling."""
+    def lower(ctx: Any) -> None:
+        emit_pieces(ctx, build(ctx.node, ctx.in_types, ctx.out_types), _isz(ctx))
+
+    def tiling(node: Node, ins: list[Any], outs: list[Any]) -> Any:
+        return pieces_tiling(build(node, ins, outs), np.dtype(outs[0].dtype).itemsize)
+
+    return lower, tiling
 
 
 def _finish_rows(ctx: Any, b: ir.IRBuilder, units: int, elems: int) -> None:
@@ -113,47 +129,53 @@ def _finish_rows(ctx: Any, b: ir.IRBuilder, units: int, elems: int) -> None:
 # Transpose, Concat, Split, Slice, Expand, Tile, DepthToSpace, SpaceToDepth
 # ---------------------------------------------------------------------------
 
-def _lower_transpose(ctx: Any) -> None:
-    shp = _shape(ctx.in_types[0])
+def _transpose_pieces(n: Node, ins: list[Any], outs: list[Any]) -> list[Piece]:
+    shp = _shape(ins[0])
     r = len(shp)
-    perm = ctx.attr("perm")
+    perm = n.attrs.get("perm")
     perm = [int(p) % r for p in perm] if perm else list(range(r - 1, -1, -1))
-    emit_pieces(ctx, [transpose_piece(shp, perm)], _isz(ctx))
+    return [transpose_piece(shp, perm)]
 
 
-_reg("Transpose", _lower_transpose, doc="strided copy; blocked in-register transpose")
+_lower_transpose, _transpose_tiling = _piece_op(_transpose_pieces)
+_reg("Transpose", _lower_transpose, doc="strided copy; blocked in-register transpose",
+     tiling=_transpose_tiling)
 
 
-def _lower_concat(ctx: Any) -> None:
-    out = _shape(ctx.out_types[0])
-    ax = _axis(int(ctx.attr("axis", 0)), len(out))
+def _concat_pieces(n: Node, ins: list[Any], outs: list[Any]) -> list[Piece]:
+    out = _shape(outs[0])
+    ax = _axis(int(n.attrs.get("axis", 0)), len(out))
     ost = contiguous_strides(out)
     pieces, off = [], 0
-    for i, t in enumerate(ctx.in_types):
+    for i, t in enumerate(ins):
         if t is None:
             continue
         s = _shape(t)
         pieces.append(Piece(shape=s, dst=0, dst_strides=ost, dst_base=off * ost[ax],
                             src=i, src_strides=contiguous_strides(s)))
         off += s[ax]
-    emit_pieces(ctx, pieces, _isz(ctx))
+    return pieces
 
 
-_reg("Concat", _lower_concat, doc="one copy per input, one kernel")
+_lower_concat, _concat_tiling = _piece_op(_concat_pieces)
+_reg("Concat", _lower_concat, doc="one copy per input, one kernel", tiling=_concat_tiling)
 
 
-def _lower_split(ctx: Any) -> None:
-    shp = _shape(ctx.in_types[0])
-    ax = _axis(int(ctx.attr("axis", 0)), len(shp))
+def _split_pieces(n: Node, ins: list[Any], outs: list[Any]) -> list[Piece]:
+    shp = _shape(ins[0])
+    ax = _axis(int(n.attrs.get("axis", 0)), len(shp))
     ist = contiguous_strides(shp)
     pieces, off = [], 0
     # the outputs' inferred shapes carry the split sizes of every opset version
-    for j, t in enumerate(ctx.out_types):
+    for j, t in enumerate(outs):
         s = _shape(t)
         pieces.append(Piece(shape=s, dst=j, dst_strides=contiguous_strides(s),
                             src=0, src_strides=ist, src_base=off * ist[ax]))
         off += s[ax]
-    emit_pieces(ctx, pieces, _isz(ctx))
+    return pieces
+
+
+_lower_split, _split_tiling = _piece_op(_split_pieces)
 
 
 def _split_check(n: Node, ins: list[Any], outs: list[Any]) -> str | None:
@@ -162,7 +184,8 @@ def _split_check(n: Node, ins: list[Any], outs: list[Any]) -> str | None:
     return None
 
 
-_reg("Split", _lower_split, check=_split_check, doc="one copy per output, one kernel")
+_reg("Split", _lower_split, check=_split_check, doc="one copy per output, one kernel",
+     tiling=_split_tiling)
 
 
 def _slice_params(ctx: Any, rank: int) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -203,19 +226,20 @@ def _lower_slice(ctx: Any) -> None:
 _reg("Slice", _lower_slice, doc="strided copy (negative steps walk backwards)")
 
 
-def _lower_expand(ctx: Any) -> None:
-    out = _shape(ctx.out_types[0])
-    piece = Piece(shape=out, dst=0, dst_strides=contiguous_strides(out), src=0,
-                  src_strides=broadcast_strides(_shape(ctx.in_types[0]), out))
-    emit_pieces(ctx, [piece], _isz(ctx))
+def _expand_pieces(n: Node, ins: list[Any], outs: list[Any]) -> list[Piece]:
+    out = _shape(outs[0])
+    return [Piece(shape=out, dst=0, dst_strides=contiguous_strides(out), src=0,
+                  src_strides=broadcast_strides(_shape(ins[0]), out))]
 
 
-_reg("Expand", _lower_expand, doc="strided copy with stride-0 (broadcast) dims")
+_lower_expand, _expand_tiling = _piece_op(_expand_pieces)
+_reg("Expand", _lower_expand, doc="strided copy with stride-0 (broadcast) dims",
+     tiling=_expand_tiling)
 
 
-def _lower_tile(ctx: Any) -> None:
-    shp = _shape(ctx.in_types[0])
-    out = _shape(ctx.out_types[0])
+def _tile_pieces(n: Node, ins: list[Any], outs: list[Any]) -> list[Piece]:
+    shp = _shape(ins[0])
+    out = _shape(outs[0])
     ist, ost = contiguous_strides(shp), contiguous_strides(out)
     shape, ss, ds = [], [], []
     for d in range(len(shp)):
@@ -223,30 +247,36 @@ def _lower_tile(ctx: Any) -> None:
         shape += [rep, shp[d]]
         ss += [0, ist[d]]
         ds += [ost[d] * shp[d], ost[d]]
-    emit_pieces(ctx, [Piece(shape=shape, dst=0, dst_strides=ds, src=0, src_strides=ss)], _isz(ctx))
+    return [Piece(shape=shape, dst=0, dst_strides=ds, src=0, src_strides=ss)]
 
 
-_reg("Tile", _lower_tile, min_opset=6, doc="strided copy over (repeat, dim) pairs")
+_lower_tile, _tile_tiling = _piece_op(_tile_pieces)
+_reg("Tile", _lower_tile, min_opset=6, doc="strided copy over (repeat, dim) pairs",
+     tiling=_tile_tiling)
 
 
-def _lower_depth_to_space(ctx: Any) -> None:
-    n, c, h, w = _shape(ctx.in_types[0])
-    bs = int(ctx.attr("blocksize"))
+def _depth_to_space_pieces(nd: Node, ins: list[Any], outs: list[Any]) -> list[Piece]:
+    n, c, h, w = _shape(ins[0])
+    bs = int(nd.attrs["blocksize"])
     cc = c // (bs * bs)
-    if ctx.opset >= 11 and ctx.attr("mode", "DCR") == "CRD":
+    if nd.opset >= 11 and nd.attrs.get("mode", "DCR") == "CRD":
         view, perm = [n, cc, bs, bs, h, w], [0, 1, 4, 2, 5, 3]
     else:
         view, perm = [n, bs, bs, cc, h, w], [0, 3, 4, 1, 5, 2]
-    emit_pieces(ctx, [transpose_piece(view, perm)], _isz(ctx))
+    return [transpose_piece(view, perm)]
 
 
-def _lower_space_to_depth(ctx: Any) -> None:
-    n, c, h, w = _shape(ctx.in_types[0])
-    bs = int(ctx.attr("blocksize"))
+def _space_to_depth_pieces(nd: Node, ins: list[Any], outs: list[Any]) -> list[Piece]:
+    n, c, h, w = _shape(ins[0])
+    bs = int(nd.attrs["blocksize"])
     view = [n, c, h // bs, bs, w // bs, bs]
-    crd = ctx.opset >= 28 and ctx.attr("mode", "DCR") == "CRD"
+    crd = nd.opset >= 28 and nd.attrs.get("mode", "DCR") == "CRD"
     perm = [0, 1, 3, 5, 2, 4] if crd else [0, 3, 5, 1, 2, 4]
-    emit_pieces(ctx, [transpose_piece(view, perm)], _isz(ctx))
+    return [transpose_piece(view, perm)]
+
+
+_lower_depth_to_space, _d2s_tiling = _piece_op(_depth_to_space_pieces)
+_lower_space_to_depth, _s2d_tiling = _piece_op(_space_to_depth_pieces)
 
 
 def _rank4(n: Node, ins: list[Any], outs: list[Any]) -> str | None:
@@ -255,8 +285,10 @@ def _rank4(n: Node, ins: list[Any], outs: list[Any]) -> str | None:
     return None
 
 
-_reg("DepthToSpace", _lower_depth_to_space, check=_rank4, doc="transpose of a 6-D view")
-_reg("SpaceToDepth", _lower_space_to_depth, check=_rank4, doc="transpose of a 6-D view")
+_reg("DepthToSpace", _lower_depth_to_space, check=_rank4, doc="transpose of a 6-D view",
+     tiling=_d2s_tiling)
+_reg("SpaceToDepth", _lower_space_to_depth, check=_rank4, doc="transpose of a 6-D view",
+     tiling=_s2d_tiling)
 
 
 # ---------------------------------------------------------------------------
@@ -342,6 +374,8 @@ def _lower_gather(ctx: Any) -> None:
     isz = _isz(ctx)
     if prod(out) == 0:
         return _empty_kernel(ctx)
+    if ctx.tiling is not None:
+        return _lower_gather_runtime(ctx)
     ax = _axis(int(ctx.attr("axis", 0)), len(dsh))
     outer, dim, inner, nidx = prod(dsh[:ax]), dsh[ax], prod(dsh[ax + 1:]), prod(ish)
     ety = itype(isz)
@@ -374,7 +408,83 @@ def _lower_gather(ctx: Any) -> None:
     _finish_rows(ctx, b, units, prod(out))
 
 
-_reg("Gather", _lower_gather, doc="runtime indices, checked natively (out of range: zeros)")
+def _gather_geometry(n: Node, ins: list[Any]) -> tuple[int, int, int, int]:
+    """(outer, dim, inner, number of indices) of a Gather."""
+    dsh, ish = _shape(ins[0]), _shape(ins[1])
+    ax = _axis(int(n.attrs.get("axis", 0)), len(dsh))
+    return prod(dsh[:ax]), dsh[ax], prod(dsh[ax + 1:]), prod(ish)
+
+
+def _gather_chunk(inner: int, itemsize: int) -> int:
+    """Columns per unit of a gathered row (static: it follows the row width)."""
+    w = lanes_for(itemsize)
+    return inner if inner <= UNIT_ELEMS else UNIT_ELEMS // w * w
+
+
+SMALL_ELEMENT_GATHER = 1 << 16
+
+
+def _gather_tiling(n: Node, ins: list[Any], outs: list[Any]) -> Any:
+    """Row gathers (embeddings: [B,S] ids into a [V,H] table; one position along an axis:
+    a pooler's x[:, 0]) are shape-polymorphic: the row width is static, the number of
+    rows, the indexed extent and the unit size are runtime dims."""
+    from ...codegen.kernel import Tiling
+
+    outer, dim, inner, nidx = _gather_geometry(n, ins)
+    total = outer * nidx * inner
+    # element gathers (one column per index) take the row path only while small
+    # (index tables derived from shapes, e.g. a mask's position lookup): big ones
+    # keep the static per-element loop
+    if total == 0 or (inner == 1 and total > SMALL_ELEMENT_GATHER):
+        return None
+    isz = np.dtype(outs[0].dtype).itemsize
+    nch = _gather_chunk(inner, isz)
+    rows = outer * nidx
+    rpu = max(1, min(rows, unit_target(total) // min(inner, nch)))
+    units = cdiv(rows, rpu) * cdiv(inner, nch)
+    return Tiling(key=("gather_rows", inner, nch), dims=(dim, nidx, rpu, rows),
+                  num_tiles=units, single_core=total < SMALL_ELEMS)
+
+
+def _lower_gather_runtime(ctx: Any) -> None:
+    idt = np.dtype(ctx.in_types[1].dtype)
+    isz = _isz(ctx)
+    _, _, inner, _ = _gather_geometry(ctx.node, ctx.in_types)
+    assert ctx.tiling.key == ("gather_rows", inner, _gather_chunk(inner, isz)), ctx.tiling.key
+    nch = _gather_chunk(inner, isz)
+    cn = cdiv(inner, nch)
+    ety = itype(isz)
+    fn, b = ctx.begin()
+    data, idx, dst = ctx.in_ptr(b, 0), ctx.in_ptr(b, 1), ctx.out_ptr(b, 0)
+    dim, nidx, rpu, rows = (ctx.rt_dim(b, i) for i in range(4))
+    with for_range(b, ctx.tile_begin, ctx.tile_end, name="ru") as u:
+        if cn > 1:
+            g = b.udiv(u, i64(cn))
+            col0: ir.Value | int = b.mul(b.urem(u, i64(cn)), i64(nch))
+            ncols: ir.Value | int = nch if inner % nch == 0 else \
+                imin(b, i64(nch), b.sub(i64(inner), col0))
+        else:
+            g, col0, ncols = u, 0, inner
+        r0 = b.mul(g, rpu)
+        r1 = imin(b, b.add(r0, rpu), rows)
+        with for_range(b, r0, r1, name="row") as r:
+            o = b.udiv(r, nidx)
+            i = b.sub(r, b.mul(o, nidx))
+            k = load_index(b, idx, i, idt)
+            k = b.select(b.icmp_signed("<", k, i64(0)), b.add(k, dim), k)
+            ok = b.icmp_unsigned("<", k, dim)
+            doff = as_val(add(b, b.mul(r, i64(inner)), col0))
+            with b.if_else(ok) as (then, other):
+                with then:
+                    soff = as_val(add(b, b.mul(b.add(b.mul(o, dim), k), i64(inner)), col0))
+                    copy_row(b, ety, data, soff, 1, dst, doff, 1, ncols)
+                with other:
+                    fill_row(b, _zero(ety), dst, doff, 1, ncols)
+    b.ret_void()
+
+
+_reg("Gather", _lower_gather, doc="runtime indices, checked natively (out of range: zeros)",
+     tiling=_gather_tiling)
 
 
 def _lower_gather_elements(ctx: Any) -> None:
@@ -413,7 +523,21 @@ def _lower_gather_elements(ctx: Any) -> None:
     _finish_rows(ctx, b, units, prod(ish))
 
 
-_reg("GatherElements", _lower_gather_elements, doc="runtime indices, checked natively")
+def _gather_elements_reference(n: Any, inputs: list) -> list[np.ndarray]:
+    """np.take_along_axis (onnx.reference's GatherElements mis-handles indices
+    narrower than the data on a non-gathered axis, e.g. torch.gather of
+    position ids from an expanded [1, 512] buffer)."""
+    data, idx = np.asarray(inputs[0]), np.asarray(inputs[1]).astype(np.int64)
+    axis = int(n.attrs.get("axis", 0)) % max(data.ndim, 1)
+    idx = np.where(idx < 0, idx + data.shape[axis], idx)
+    if np.any(idx < 0) or np.any(idx >= data.shape[axis]):
+        raise ValueError("GatherElements index out of range")
+    sl = tuple(slice(0, e) if d != axis else slice(None) for d, e in enumerate(idx.shape))
+    return [np.take_along_axis(data[sl], idx, axis=axis)]
+
+
+_reg("GatherElements", _lower_gather_elements, doc="runtime indices, checked natively",
+     reference=_gather_elements_reference)
 
 
 def _nd_offset(b: ir.IRBuilder, idx: ir.Value, ioff: ir.Value, idt: np.dtype, q: int,

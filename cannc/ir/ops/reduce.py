@@ -4,6 +4,13 @@ Each op reads its ONNX semantics per opset version here (axes as attribute or
 input, keepdims, noop_with_empty_axes, the 2-D coercion of Softmax before 13,
 GroupNormalization's per-group (18) vs per-channel (21) scale) and hands a
 layout plus a list of passes to the shared emitters in codegen/reduce.py.
+
+Shape-polymorphic kernels (codegen/ABI.md "Runtime dimensions"): the ops below
+declare a tiling function. The rows (batch x sequence...) are runtime dims; every
+extent of Reduce* (axes as attributes) and Softmax/LogSoftmax/Hardmax is (the
+reduced length is a sequence length in attention scores). The widths
+that stay static (LayerNorm's normalised width, InstanceNorm/GroupNorm's
+spatial size and channels) are in the Tiling key.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ...codegen import reduce as R
-from ...codegen.elementwise import TV, Expr, emit_map
+from ...codegen.elementwise import TV, Expr, emit_map, map_tiling
 from ...codegen.kernel import ConstRef
 from ...errors import UnsupportedOpError
 from ..graph import Node
@@ -47,6 +54,19 @@ def _same_as_input(n: Node, ins: list) -> list[TensorType]:
 
 def _norm_axis(axis: int, rank: int) -> int:
     return axis + rank if axis < 0 else axis
+
+
+def _static_shape(t: TensorType | None) -> list[int] | None:
+    """The shape of an input a tiling function can handle: known, nothing empty."""
+    if t is None or not t.shape:
+        return None
+    shape = [int(d) for d in t.shape]
+    return None if 0 in shape else shape
+
+
+def _rows_ext(ctx: Any, rows: int) -> int | R.RtDim:
+    """The row count a lowering emits: a runtime dim under a Tiling."""
+    return R.RtDim(R.ROWS_DIM) if getattr(ctx, "tiling", None) is not None else rows
 
 
 # ---------------------------------------------------------------------------
@@ -89,6 +109,37 @@ def reduce_axes(ctx: Any, axes_input_from: int) -> list[int]:
     return sorted({_norm_axis(a, rank) for a in axes})
 
 
+def _node_reduce_axes(n: Node, rank: int, axes_input_from: int) -> list[int] | None:
+    """reduce_axes for a tiling function (no constants there): None when the axes are an
+    input (their values are not known here)."""
+    if n.opset >= axes_input_from:
+        if len(n.inputs) > 1 and n.inputs[1]:
+            return None
+        return [] if int(n.attrs.get("noop_with_empty_axes", 0)) else list(range(rank))
+    axes = n.attrs.get("axes", None)
+    if not axes:
+        return list(range(rank))
+    return sorted({_norm_axis(int(a), rank) for a in axes})
+
+
+def _make_reduce_tiling(kind: str, axes_input_from: int):
+    npasses = 2 if kind == "logsumexp" else 1
+    fpe = npasses * (10 if kind == "logsumexp" else 1)
+
+    def tiling(n: Node, ins: list, outs: list) -> Any:
+        shape = _static_shape(ins[0])
+        if shape is None:
+            return None
+        axes = _node_reduce_axes(n, len(shape), axes_input_from)
+        plan = R.poly_layout(shape, axes) if axes else None
+        if plan is None:          # nothing reduced
+            return None
+        struct, lay, extra = plan
+        wide = R.reduce_wide(kind, ins[0].dtype, extra[0], lay.row)
+        return R.poly_tiling(("reduce", struct, wide), shape, plan, npasses, fpe)
+    return tiling
+
+
 def _make_reduce(kind: str, axes_input_from: int):
     def lower(ctx: Any) -> None:
         axes = reduce_axes(ctx, axes_input_from)
@@ -107,7 +158,7 @@ def _make_reduce(kind: str, axes_input_from: int):
 for _name, _kind, _dts, _from in _REDUCES:
     # dtypes stay None: the int64 axes input would fail a check over all tensors
     register(OpDef(name=_name, category=Category.REDUCTION, lower=_make_reduce(_kind, _from),
-                   check=_dtype_check(_dts),
+                   check=_dtype_check(_dts), tiling=_make_reduce_tiling(_kind, _from),
                    doc=f"reduce ({_kind}); axes as input from opset {_from}; "
                        f"data: {', '.join(sorted(_dts))}"))
 
@@ -119,10 +170,24 @@ def _lower_global_pool(kind: str):
     return lower
 
 
+def _global_pool_tiling(kind: str):
+    """As _make_reduce_tiling: the reduction over axes 2.. with runtime extents (the
+    batch, and the channels and spatial size too)."""
+    def tiling(n: Node, ins: list, outs: list) -> Any:
+        shape = _static_shape(ins[0])
+        plan = R.poly_layout(shape, list(range(2, len(shape)))) if shape else None
+        if plan is None:          # rank 2: nothing reduced
+            return None
+        struct, lay, extra = plan
+        wide = R.reduce_wide(kind, ins[0].dtype, extra[0], lay.row)
+        return R.poly_tiling(("reduce", struct, wide), shape, plan, 1, 1)
+    return tiling
+
+
 register(OpDef(name="GlobalAveragePool", category=Category.REDUCTION, dtypes=FLOATS,
-               lower=_lower_global_pool("mean")))
+               lower=_lower_global_pool("mean"), tiling=_global_pool_tiling("mean")))
 register(OpDef(name="GlobalMaxPool", category=Category.REDUCTION, dtypes=FLOATS,
-               lower=_lower_global_pool("max")))
+               lower=_lower_global_pool("max"), tiling=_global_pool_tiling("max")))
 
 
 # ---------------------------------------------------------------------------
@@ -148,26 +213,49 @@ for _name, _mx in (("ArgMax", True), ("ArgMin", False)):
 # Softmax, LogSoftmax, Hardmax
 # ---------------------------------------------------------------------------
 
-def softmax_axes(ctx: Any) -> list[int]:
-    rank = len(ctx.in_types[0].shape)
-    if ctx.opset < 13:
+def _softmax_axes(n: Node, rank: int) -> list[int]:
+    if n.opset < 13:
         # the input is coerced to 2-D [prod(shape[:axis]), prod(shape[axis:])]
-        axis = _norm_axis(int(ctx.attr("axis", 1)), rank)
+        axis = _norm_axis(int(n.attrs.get("axis", 1)), rank)
         return list(range(axis, rank))
-    return [_norm_axis(int(ctx.attr("axis", -1)), rank)]
+    return [_norm_axis(int(n.attrs.get("axis", -1)), rank)]
+
+
+def softmax_axes(ctx: Any) -> list[int]:
+    return _softmax_axes(ctx.node, len(ctx.in_types[0].shape))
+
+
+def _make_softmax_tiling(kind: str):
+    npasses, fpe = (2, 2) if kind == "hardmax" else (3, 15)
+
+    def tiling(n: Node, ins: list, outs: list) -> Any:
+        shape = _static_shape(ins[0])
+        if shape is None:
+            return None
+        plan = R.poly_layout(shape, _softmax_axes(n, len(shape)))
+        if plan is None:
+            return None
+        return R.poly_tiling((kind, plan[0]), shape, plan, npasses, fpe)
+    return tiling
 
 
 def _make_softmax(kind: str):
     def lower(ctx: Any) -> None:
         shape = ctx.in_types[0].shape
-        R.emit_softmax(ctx, R.make_layout(shape, softmax_axes(ctx)), kind)
+        if getattr(ctx, "tiling", None) is not None:
+            plan = R.poly_layout(shape, softmax_axes(ctx))
+            assert plan is not None
+            lay = plan[1]
+        else:
+            lay = R.make_layout(shape, softmax_axes(ctx))
+        R.emit_softmax(ctx, lay, kind)
     return lower
 
 
 for _name, _kind in (("Softmax", "softmax"), ("LogSoftmax", "logsoftmax"),
                      ("Hardmax", "hardmax")):
     register(OpDef(name=_name, category=Category.REDUCTION, lower=_make_softmax(_kind),
-                   dtypes=FLOATS))
+                   dtypes=FLOATS, tiling=_make_softmax_tiling(_kind)))
 
 
 # ---------------------------------------------------------------------------
@@ -216,6 +304,23 @@ def _ln_check(n: Node, ins: list, outs: list) -> str | None:
     return _ln_params(n, ins)[0]
 
 
+def _ln_tiling(rms: bool):
+    def tiling(n: Node, ins: list, outs: list) -> Any:
+        shape = _static_shape(ins[0])
+        if shape is None:
+            return None
+        rank = len(shape)
+        axis = _norm_axis(int(n.attrs.get("axis", -1)), rank)
+        rows = int(np.prod(shape[:axis])) if axis else 1
+        rlen = int(np.prod(shape[axis:])) if axis < rank else 1
+        reason, periods = _ln_params(n, list(ins) + [None] * (3 - len(ins)))
+        if reason:
+            return None
+        # the rows are runtime; the normalised width and the parameters' periods static
+        return R.row_tiling(("ln", rlen, tuple(periods)), rows, rlen, 2 if rms else 3, 8)
+    return tiling
+
+
 def _param(slot: int, period: int, rlen: int) -> R.Param | None:
     if period == 0:
         return None
@@ -243,13 +348,16 @@ def _lower_ln_like(ctx: Any, rms: bool) -> None:
     mean_out = 1 if (not rms and len(outs) > 1 and outs[1]) else None
     rstd_out = 2 if (not rms and len(outs) > 2 and outs[2]) else None
     eps = float(ctx.attr("epsilon", 1e-5))
-    R.layer_norm(ctx, rows, rlen, eps, scale, bias, mean_out, rstd_out, rms=rms, split=split)
+    R.layer_norm(ctx, _rows_ext(ctx, rows), rlen, eps, scale, bias, mean_out, rstd_out, rms=rms,
+                 split=split)
 
 
 register(OpDef(name="LayerNormalization", dtypes=FLOATS, category=Category.REDUCTION,
-               min_opset=17, lower=lambda ctx: _lower_ln_like(ctx, rms=False), check=_ln_check))
+               min_opset=17, lower=lambda ctx: _lower_ln_like(ctx, rms=False), check=_ln_check,
+               tiling=_ln_tiling(rms=False)))
 register(OpDef(name="RMSNormalization", dtypes=FLOATS, category=Category.REDUCTION,
-               min_opset=23, lower=lambda ctx: _lower_ln_like(ctx, rms=True), check=_ln_check))
+               min_opset=23, lower=lambda ctx: _lower_ln_like(ctx, rms=True), check=_ln_check,
+               tiling=_ln_tiling(rms=True)))
 
 
 # ---------------------------------------------------------------------------
@@ -279,11 +387,26 @@ def _lower_instance_norm(ctx: Any) -> None:
     n_, c = shape[0], shape[1]
     hw = int(np.prod(shape[2:])) if len(shape) > 2 else 1
     eps = float(ctx.attr("epsilon", 1e-5))
-    R.layer_norm(ctx, n_ * c, hw, eps, R.Param(1, "row", nrows=c), R.Param(2, "row", nrows=c))
+    R.layer_norm(ctx, _rows_ext(ctx, n_ * c), hw, eps, R.Param(1, "row", nrows=c),
+                 R.Param(2, "row", nrows=c))
+
+
+def _nc_tiling(n: Node, ins: list, outs: list) -> Any:
+    """InstanceNorm / GroupNorm: the batch is runtime; channels, groups and the spatial
+    size are static."""
+    shape = _static_shape(ins[0])
+    if shape is None or len(shape) < 2:
+        return None
+    c = shape[1]
+    hw = int(np.prod(shape[2:])) if len(shape) > 2 else 1
+    g = int(n.attrs.get("num_groups", c)) if n.op_type == "GroupNormalization" else c
+    if g <= 0 or c % g:
+        return None
+    return R.row_tiling(("nc", c, g, hw), shape[0] * g, (c // g) * hw, 3, 8)
 
 
 register(OpDef(name="InstanceNormalization", dtypes=FLOATS, category=Category.REDUCTION,
-               lower=_lower_instance_norm, check=_in_check))
+               lower=_lower_instance_norm, check=_in_check, tiling=_nc_tiling))
 
 
 def _gn_check(n: Node, ins: list, outs: list) -> str | None:
@@ -317,12 +440,12 @@ def _lower_group_norm(ctx: Any) -> None:
         bi = R.Param(2, "seg", nrows=g, seg_div=cpg)
         if hw > 1:
             split = [(cpg, hw), (hw, 1)]
-    R.layer_norm(ctx, n_ * g, cpg * hw, eps, sc, bi, split=split)
+    R.layer_norm(ctx, _rows_ext(ctx, n_ * g), cpg * hw, eps, sc, bi, split=split)
 
 
 # ONNX has no shape inference for GroupNormalization (a function op): extra["infer"]
 register(OpDef(name="GroupNormalization", dtypes=FLOATS, category=Category.REDUCTION,
-               min_opset=18, lower=_lower_group_norm, check=_gn_check,
+               min_opset=18, lower=_lower_group_norm, check=_gn_check, tiling=_nc_tiling,
                extra={"infer": _same_as_input},
                doc="opset 18: scale/bias per group; 21: per channel"))
 
@@ -354,14 +477,30 @@ def _bn_fold(which: int, pshape: tuple, eps: float, cdt: np.dtype, sc: np.ndarra
     return (s if which == 0 else b - mean * s).astype(cdt)
 
 
+def _bn_pshape(n: Node, shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape the per-channel parameters broadcast as against the input."""
+    shape = tuple(int(d) for d in shape)
+    spatial = int(n.attrs.get("spatial", 1)) if n.opset < 9 else 1
+    return (shape[1],) + (1,) * (len(shape) - 2) if spatial else shape[1:]
+
+
+def _bn_tiling(n: Node, ins: list, outs: list) -> Any:
+    """A broadcasting map (codegen.elementwise.map_tiling): the batch and spatial extents
+    are runtime. The four parameters take part in the pattern even when the lowering
+    folds them into two (scale, shift)."""
+    shape = _static_shape(ins[0])
+    if shape is None or len(shape) < 2:
+        return None
+    pt = TensorType(ins[0].dtype, _bn_pshape(n, shape))
+    return map_tiling([ins[0]] + [pt] * 4, outs[:1], 2)
+
+
 def _lower_batch_norm(ctx: Any) -> None:
     xt = ctx.in_types[0]
     shape = tuple(int(d) for d in xt.shape)
-    rank = len(shape)
     xdt = np.dtype(xt.dtype)
     eps = float(ctx.attr("epsilon", 1e-5))
-    spatial = int(ctx.attr("spatial", 1)) if ctx.opset < 9 else 1
-    pshape = (shape[1],) + (1,) * (rank - 2) if spatial else shape[1:]
+    pshape = _bn_pshape(ctx.node, shape)
     consts = [ctx.const(i) for i in range(1, 5)]
     cdt = R.compute_dtype(xdt)
     if all(c is not None for c in consts):
@@ -374,7 +513,8 @@ def _lower_batch_norm(ctx: Any) -> None:
             x, s_, t_ = (E.cast(v, cdt) for v in ops)
             return [E.cast(E.fma(x, s_, t_), xdt)]
 
-        emit_map(ctx, [xt, pt, pt], ctx.out_types[:1], expr, operand_slots=[0, 1, 2])
+        emit_map(ctx, [xt, pt, pt], ctx.out_types[:1], expr, operand_slots=[0, 1, 2],
+                 folded_types=[pt, pt])
         ctx.flops = xt.numel * 2
         return
 
@@ -390,7 +530,7 @@ def _lower_batch_norm(ctx: Any) -> None:
 
 
 register(OpDef(name="BatchNormalization", dtypes=FLOATS, category=Category.OPAQUE,
-               min_opset=7, lower=_lower_batch_norm, check=_bn_check,
+               min_opset=7, lower=_lower_batch_norm, check=_bn_check, tiling=_bn_tiling,
                doc="inference: per-channel scale/shift folded at compile time"))
 
 

@@ -1,0 +1,108 @@
+"""Compile time of a BERT-base-sized encoder: cold, warm, and a new input shape.
+
+    python benchmarks/compile_time.py [--model PATH.onnx] [--layers 12] [--runs 3]
+
+Without --model it builds the zoo BERT at BERT-base size (hidden 768, 12 heads,
+intermediate 3072, vocab 30522; --layers of them). Every measurement runs in a
+fresh Python process (so nothing is cached in memory) against a fresh cache
+directory for "cold" and the same directory again for "warm":
+
+- cold: `cannc.compile(path)` + the first run at batch 1, seq 128 (code generated);
+- warm: the same in a new process with the object cache and lowering memo filled;
+- new shape: in that warm process, the first run at seq 77 and at batch 4 (no
+  code should be generated: the counters of node lowerings and LLVM compiles
+  are printed before and after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = textwrap.dedent("""
+    import json, sys, time
+    t0 = time.perf_counter()
+    import numpy as np
+    import cannc
+    from cannc.compiler import codegen_counts
+    t1 = time.perf_counter()
+    sess = cannc.compile(sys.argv[1])
+    t2 = time.perf_counter()
+    def feeds(b, s):
+        ids = np.ones((b, s), np.int64)
+        return {i.name: ids for i in sess.get_inputs()}
+    sess.run(None, feeds(1, 128))
+    t3 = time.perf_counter()
+    c0 = codegen_counts()
+    sess.run(None, feeds(1, 77))
+    t4 = time.perf_counter()
+    sess.run(None, feeds(4, 128))
+    t5 = time.perf_counter()
+    sess.run(None, feeds(4, 128))
+    t6 = time.perf_counter()
+    print(json.dumps({"import_s": t1 - t0, "compile_s": t2 - t1, "first_run_s": t3 - t2,
+                      "counts_after_first": c0, "new_seq_first_run_s": t4 - t3,
+                      "new_batch_first_run_s": t5 - t4, "steady_run_s": t6 - t5,
+                      "counts_end": codegen_counts()}))
+""")
+
+
+def run_child(path: str, cache: str) -> dict:
+    env = dict(os.environ, CANNC_CACHE_DIR=cache, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", CHILD, path], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="an ONNX encoder with input_ids/attention_mask inputs")
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--runs", type=int, default=3, help="cold/warm pairs (medians reported)")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="cannc-compile-time-") as tmp:
+        path = args.model
+        if path is None:
+            sys.path.insert(0, str(ROOT))
+            from models import zoo
+            m = zoo.bert(hidden=768, num_layers=args.layers, num_heads=12, intermediate=3072,
+                         vocab_size=30522, max_position=512)
+            path = os.path.join(tmp, "bert_base.onnx")
+            zoo.onnx.save(m, path)
+        size = os.path.getsize(path)
+        rows = []
+        for i in range(args.runs):
+            cache = os.path.join(tmp, f"cache{i}")
+            cold = run_child(path, cache)
+            warm = run_child(path, cache)
+            rows.append({"cold": cold, "warm": warm})
+            print(f"run {i}: cold compile {cold['compile_s']:.2f} s + first run "
+                  f"{cold['first_run_s']:.2f} s | warm compile {warm['compile_s']:.2f} s + first "
+                  f"run {warm['first_run_s']:.2f} s | new seq {warm['new_seq_first_run_s']:.2f} s, "
+                  f"new batch {warm['new_batch_first_run_s']:.2f} s (steady "
+                  f"{warm['steady_run_s']:.2f} s); lowerings/LLVM compiles "
+                  f"{warm['counts_after_first']} -> {warm['counts_end']}", flush=True)
+
+        def med(which: str, key: str) -> float:
+            return statistics.median(r[which][key] for r in rows)
+
+        print(f"model {Path(path).name} ({size / 2**20:.0f} MiB): median cold compile "
+              f"{med('cold', 'compile_s'):.2f} s (+ first run {med('cold', 'first_run_s'):.2f} s), "
+              f"warm compile {med('warm', 'compile_s'):.2f} s (+ first run "
+              f"{med('warm', 'first_run_s'):.2f} s); a new sequence length's first run "
+              f"{med('warm', 'new_seq_first_run_s'):.2f} s, a new batch's "
+              f"{med('warm', 'new_batch_first_run_s'):.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

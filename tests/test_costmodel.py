@@ -1,0 +1,126 @@
+"""The cost model (cannc/costmodel.py): deterministic sanity of its predictions (on a fixed
+machine description, so that no test depends on this machine or on a measurement)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from cannc import costmodel
+from cannc.codegen.gemm import GemmSpec
+
+CPU = costmodel.CpuModel(
+    llvm_cpu="znver4", model="test", vector_bits=512, f32_lanes=16, fma_units=1,
+    freq_ghz=3.6, cores=2, l1d_bytes=32 << 10, l2_bytes=1 << 20, l3_bytes=32 << 20,
+    peak_gflops_core=115.0, peak_source="estimated", dram_gbps=27.0, mem_source="estimated")
+
+
+@dataclass
+class K:
+    """The fields of codegen.kernel.Kernel the cost model reads."""
+    num_tiles: int
+    single_core: bool
+    flops: int
+    bytes_read: int
+    bytes_written: int
+    op_types: list[str] = field(default_factory=lambda: ["MatMul"])
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+def gemm_kernel(M: int, N: int, K_: int, tuning: dict | None = None, **kw: Any) -> K:
+    spec = GemmSpec(M, N, K_, b_prepacked=True, **kw)
+    notes = costmodel.gemm_notes(spec, tuning)
+    return K(num_tiles=notes["plan"]["tiles"], single_core=False,
+             flops=2 * spec.batch * M * N * K_, bytes_read=4 * (M * K_ + K_ * N),
+             bytes_written=4 * M * N, notes=notes)
+
+
+def test_cpu_model_of_this_machine():
+    cpu = costmodel.cpu_model()
+    assert cpu.vector_bits in (128, 256, 512) and cpu.f32_lanes == cpu.vector_bits // 32
+    assert cpu.cores >= 1 and cpu.peak_gflops_core > 0 and cpu.dram_gbps > 0
+    assert cpu.l1d_bytes < cpu.l2_bytes <= cpu.l3_bytes
+    assert cpu.llvm_cpu in cpu.summary()
+
+
+def test_cache_sizes_parse(tmp_path):
+    for i, (level, kind, size) in enumerate([(1, "Data", "48K"), (1, "Instruction", "32K"),
+                                             (2, "Unified", "2048K"), (3, "Unified", "36M")]):
+        d = tmp_path / f"index{i}"
+        d.mkdir()
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    assert costmodel.cache_sizes(str(tmp_path)) == {1: 48 << 10, 2: 2 << 20, 3: 36 << 20}
+    assert costmodel.cache_sizes(str(tmp_path / "missing")) == {}
+
+
+def test_time_grows_with_flops():
+    prev = 0.0
+    for n in (64, 128, 256, 512, 1024):
+        t = costmodel.predict(gemm_kernel(n, n, n), 2, CPU).us
+        assert t > prev
+        prev = t
+    small = K(num_tiles=4, single_core=False, flops=10_000, bytes_read=4096, bytes_written=4096,
+              op_types=["Add"])
+    big = K(num_tiles=4, single_core=False, flops=10_000_000, bytes_read=4096,
+            bytes_written=4096, op_types=["Add"])
+    assert costmodel.predict(big, 2, CPU).us > costmodel.predict(small, 2, CPU).us
+
+
+def test_two_cores_beat_one_on_a_big_gemm():
+    k = gemm_kernel(1024, 1024, 1024)
+    one, two = costmodel.predict(k, 1, CPU), costmodel.predict(k, 2, CPU)
+    assert two.us < one.us
+    assert two.cores == 2 and one.cores == 1
+    assert one.bound == "compute"
+    # ~1.93x on 2 cores at most, not more than linear
+    assert one.us / two.us <= 2.0
+
+
+def test_single_core_and_launch_bound_kernels():
+    k = K(num_tiles=16, single_core=True, flops=100, bytes_read=64, bytes_written=64,
+          op_types=["Relu"])
+    p = costmodel.predict(k, 2, CPU)
+    assert p.cores == 1 and p.bound == "launch" and p.us >= costmodel.LAUNCH_US
+    # memory-bound: a big copy
+    k = K(num_tiles=64, single_core=False, flops=0, bytes_read=256 << 20,
+          bytes_written=256 << 20, op_types=["Transpose"])
+    assert costmodel.predict(k, 2, CPU).bound == "memory"
+
+
+def test_load_imbalance():
+    assert costmodel.busiest_share(1, 2) == 1.0
+    assert costmodel.busiest_share(32, 2) == 0.5
+    assert costmodel.busiest_share(7, 1) == 1.0
+    assert 0.5 < costmodel.busiest_share(3, 2) < 1.0
+    even = K(num_tiles=2, single_core=False, flops=10**8, bytes_read=0, bytes_written=0,
+             op_types=["Add"])
+    odd = K(num_tiles=3, single_core=False, flops=10**8, bytes_read=0, bytes_written=0,
+            op_types=["Add"])
+    assert costmodel.predict(odd, 2, CPU).us > costmodel.predict(even, 2, CPU).us
+
+
+def test_tiling_description_and_annotate():
+    k = gemm_kernel(256, 512, 384)
+    plan = k.notes["plan"]
+    assert f"{plan['MR']}x{plan['NR']}" in k.notes["tiling"]
+    assert f"KC{plan['KC']}" in k.notes["tiling"]
+    tuned = gemm_kernel(256, 512, 384, tuning={"KC": 64, "grid": [1, 4]})
+    assert tuned.notes["plan"]["KC"] == 64 and tuned.notes["plan"]["nt"] == 4
+    assert "[tuned]" in tuned.notes["tiling"] and "[tuned]" not in k.notes["tiling"]
+    other = K(num_tiles=8, single_core=False, flops=1000, bytes_read=4096, bytes_written=4096,
+              op_types=["Add"])
+    total = costmodel.annotate([k, tuned, other], cores=2)
+    for x in (k, tuned, other):
+        assert x.notes["predicted_us"] > 0 and x.notes["tiling"]
+    assert "tile(s)/2 core(s)" in other.notes["tiling"]
+    assert total == pytest.approx(sum(x.notes["predicted_us"] for x in (k, tuned, other)),
+                                  rel=1e-3)
+
+
+def test_predictions_are_deterministic():
+    k = gemm_kernel(300, 200, 100, batch=1)
+    assert costmodel.predict(k, 2, CPU) == costmodel.predict(k, 2, CPU)
