@@ -583,6 +583,7 @@ def inspect_report(sess: Any, prog: Any) -> dict[str, Any]:
 
     predicted_total = costmodel.annotate(spec.kernels, sess.cores)  # for this many cores
     kernels = []
+    poly = _polymorphic_signatures(spec)
     for i, k in enumerate(spec.kernels):
         outs = [o for o in k.outputs if o]
         inter = sum(g.values[o].nbytes for o in outs if root(o) not in output_buffers)
@@ -596,6 +597,9 @@ def inspect_report(sess: Any, prog: Any) -> dict[str, Any]:
             "workspace_bytes": int(k.workspace_bytes),
             "tiling": k.notes.get("tiling", ""),
             "predicted_us": float(k.notes.get("predicted_us", 0.0)),
+            # shape-polymorphic kernels read these sizes at run time (ABI.md)
+            "runtime_dims": [int(d) for d in k.dims],
+            "shape_polymorphic": bool(k.dims) or k.signature in poly,
             "notes": {str(a): b for a, b in k.notes.items()},
         })
     key = _key_of(sess, prog)
@@ -623,6 +627,22 @@ def inspect_report(sess: Any, prog: Any) -> dict[str, Any]:
                    "not_fused": [d.as_dict() for d in g.meta.get("fusion_log", [])]},
         "kernels": kernels,
     }
+
+
+def _polymorphic_signatures(spec: Any) -> set[str]:
+    """Signatures of kernels lowered through a tiling function (even those that read
+    no runtime dim: a conv's batch only changes its tile count)."""
+    from .ir.registry import lookup
+    out = set()
+    for k in spec.kernels:
+        # the IR node (maybe fused) that produced the kernel's first output
+        p = spec.graph.producer(k.outputs[0]) if k.outputs and k.outputs[0] else None
+        op = lookup(p.op_type, p.domain) if p is not None else None
+        if op is not None and op.tiling is not None and \
+                op.tiling(p, [spec.graph.values.get(v) if v else None for v in p.inputs],
+                          [spec.graph.values[v] for v in p.outputs if v]) is not None:
+            out.add(k.signature)
+    return out
 
 
 # kernel notes the tiling/pred columns already show (the plan itself: --json)
@@ -665,12 +685,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                      _clip(", ".join(_fmt_type(o["dtype"], o["shape"]) for o in k["outputs"]), 32),
                      _fmt_count(k["flops"]), _fmt_bytes(k["bytes_read"]),
                      _fmt_bytes(k["bytes_written"]), k["tiles"],
-                     "1" if k["single_core"] else "all", k["tiling"],
+                     "1" if k["single_core"] else "all",
+                     ("any: " if k["shape_polymorphic"] else "static: ") + k["tiling"],
                      f"{k['predicted_us']:.1f}",
                      " ".join(f"{a}={b}" for a, b in k["notes"].items()
                               if a not in _MODEL_NOTES)])
     print(_table(["#", "symbol", "nodes", "ops", "outputs", "FLOPs", "read", "written", "tiles",
-                  "cores", "tiling", "pred µs", "notes"], rows, right=(0, 5, 6, 7, 8, 11)))
+                  "cores", "shapes|tiling", "pred µs", "notes"], rows, right=(0, 5, 6, 7, 8, 11)))
+    npoly = sum(k["shape_polymorphic"] for k in rep["kernels"])
+    print(f"shapes: {npoly} of {len(rep['kernels'])} kernel(s) take their sizes at run time "
+          f"('any'): a new batch/sequence size re-plans them on the host without generating code")
     m = rep["memory"]
     from .costmodel import cpu_model
     print(f"predicted: {rep['predicted_us']:.1f} µs for the kernels on {rep['cores']} core(s) "

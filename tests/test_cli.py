@@ -179,14 +179,19 @@ def test_inspect_json_matches_session(mlp, capsys):
     mem = rep["memory"]
     assert mem["lower_bound_bytes"] <= mem["arena_bytes"] <= mem["naive_bytes"]
     assert mem["weights_bytes"] >= 4 * (256 * 1024 + 1024 * 1024 + 1024 * 10)
+    # the MLP's GEMMs read their row count (M = batch) at run time
+    gemms = [k for k in rep["kernels"] if "MatMul" in k["op_types"]]
+    assert gemms and all(k["shape_polymorphic"] and 2 in k["runtime_dims"] for k in gemms)
 
 
 def test_inspect_human_table(small, capsys):
     rc, out, err = _run(capsys, "inspect", small, "--shape", "x=4x64")
     assert rc == 0, err
     header = out.splitlines()[1]
-    for col in ("symbol", "nodes", "FLOPs", "read", "written", "tiles", "notes"):
+    for col in ("symbol", "nodes", "FLOPs", "read", "written", "tiles", "shapes|tiling",
+                "pred µs", "notes"):
         assert col in header
+    assert "any: " in out and "take their sizes at run time" in out
     assert "cannc_k_" in out and "gemm=" in out and "gemm2" in out
     assert "arena" in out and "lower bound" in out and "infer_and_fold" in out
 
