@@ -133,8 +133,12 @@ class WeightPool:
             hit = self._bufs.get(id(a))
             if hit is not None and hit[0]() is a:
                 return hit[1]
-            buf = self.device.malloc(align_up(max(a.nbytes, 1)), "weights")
-            buf[:a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+            if a.nbytes >= ALIGN and a.ctypes.data % ALIGN == 0 and a.flags.c_contiguous \
+                    and not a.flags.writeable:
+                buf = self.device.adopt(a)       # packed at compile time into aligned memory
+            else:
+                buf = self.device.malloc(align_up(max(a.nbytes, 1)), "weights")
+                buf[:a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
             self._bufs[id(a)] = (weakref.ref(a), buf)
             return buf
 
