@@ -86,6 +86,13 @@ __all__ = [
 
 PANEL = 32  # columns of a packed B panel
 KC_MAX = 2048  # the K block of a (not packed) A
+# the K block of one row panel read in place: its rows sit a row stride apart, and
+# at a stride of a multiple of 4 KiB (K = 1024, 2048...) they share one L1 set; a long
+# K block streams so much of B through that set that the rows of A are evicted at
+# every step (measured 0.23 -> 0.8 ms for an 8x1024x1024 GEMM, depending on where
+# the arena put A)
+FEW_ROWS_KC = 256
+FEW_ROWS = 16  # rows up to which the dynamic kernel's tiles split only the columns
 SMALL_M = 12  # rows up to which a B that is not prepacked is read in place
 L2_B_BLOCK = 192 << 10  # bytes of B a K x N block keeps in L2 (L2: 1 MiB per core)
 STRIP_NC = 384  # a multiple of the widths of all strip micro-kernels (128, 96, 64, 32)
@@ -432,7 +439,7 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
             # B streamed from memory: few rows at a time keep the reads sequential
             KC = 16 if 4 * K * N > (1 << 20) else 128
         elif row_panels <= 1 and not pack_a and b_mode != "pack" and not spec.dyn:
-            KC = min(K, 4096)
+            KC = min(K, 4096 if M == 1 else FEW_ROWS_KC)
         elif pack_a:
             KC = 192
         else:
@@ -595,9 +602,16 @@ def gemm_dims(spec: GemmSpec, M: int, batch: int = 1,
         NR = math.lcm(p.NR, w)
     NR = _grid_nr(NR, p0.b_mode)
     mt, nt, MB, NB = _choose_grid(full, MR, NR, p.pack_a, p.b_mode == "pack", tun)
+    if mt > 1 and M <= FEW_ROWS and "grid" not in tun:
+        # a few rows: split the columns, not the rows. A tile of the leftover rows
+        # would stream all of B once more (an MLP at batch 8: 2 x 4 MiB of B per call)
+        nt_ = min(_cdiv(spec.N, NR), 32)
+        mt, nt, MB, NB = _choose_grid(full, MR, NR, p.pack_a, p.b_mode == "pack",
+                                      {**tun, "grid": (1, nt_)})
     # KC and NC as the plan of a prepacked B chooses them
     K = spec.K
-    KC = tun.get("KC", min(K, 4096) if M <= p0.MR else KC_MAX)
+    KC = tun.get("KC", min(K, 4096) if M == 1 else
+                 min(K, FEW_ROWS_KC) if M <= 16 else KC_MAX)
     KC = _cdiv(K, _cdiv(K, KC))
     _, wp = strip_width(p0, "prepacked")
     step = math.lcm(_grid_nr(p0.NR, p0.b_mode), wp)
