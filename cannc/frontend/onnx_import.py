@@ -75,12 +75,26 @@ def check_model(proto: onnx.ModelProto) -> onnx.ModelProto:
 SKELETON_BYTES = 16 << 20
 
 
+def _nbytes(t: onnx.TensorProto) -> int:
+    """The size of an initializer's data, without touching it."""
+    try:
+        item = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+    except Exception:   # (strings, unknown types: never big weights)
+        return 0
+    n = 1
+    for d in t.dims:
+        n *= int(d)
+    return n * item
+
+
 def skeleton(proto: onnx.ModelProto) -> onnx.ModelProto:
     """For large models: the same graph with every big initializer turned into a typed
     graph input, so that the checker and shape inference (which serialise the whole
     model) do not copy the weights. Initializer values are read separately."""
-    big = [t for t in proto.graph.initializer if len(t.raw_data) > 4096]
-    if sum(len(t.raw_data) for t in big) < SKELETON_BYTES:
+    # sizes from the dims: reading raw_data would copy every weight once more
+    sizes = {t.name: _nbytes(t) for t in proto.graph.initializer}
+    big = [t for t in proto.graph.initializer if sizes[t.name] > 4096]
+    if sum(sizes[t.name] for t in big) < SKELETON_BYTES:
         return proto
     names = {t.name for t in big}
     sk = onnx.ModelProto()

@@ -1,0 +1,121 @@
+"""Export PyTorch models (random weights, no downloads) to ONNX with dynamic axes.
+
+    pip install torch transformers          # not cannc dependencies
+    python benchmarks/export_torch_models.py OUT_DIR [bert gpt2 resnet18 mobilenet]
+    python benchmarks/run_zoo.py --onnx OUT_DIR/*.onnx
+
+bert: Hugging Face BertModel at BERT-base size (eager attention, padding mask),
+inputs input_ids/attention_mask [batch, seq]; gpt2: a GPT-2-small-sized decoder
+written with F.scaled_dot_product_attention(is_causal=True); resnet18 and
+mobilenet: torchvision's architectures written out in plain torch (dynamic
+batch, 224x224, BatchNorm statistics randomised). torch.onnx's TorchScript
+exporter, opset 17. These are the "models this repository does not contain"
+the issue measures against; the files are big (bert 418 MiB) and not committed.
+"""
+import os
+import sys
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore")
+torch.manual_seed(0)
+out = sys.argv[1] if len(sys.argv) > 1 else "build/torch"
+which = sys.argv[2:] or ["bert", "gpt2", "resnet18", "mobilenet"]
+os.makedirs(out, exist_ok=True)
+
+def export(model, args, names, dyn, path, opset=17, dynamo=False):
+    model.eval()
+    torch.onnx.export(model, args, path, input_names=names, output_names=["out"],
+                      dynamic_axes=dyn, opset_version=opset, dynamo=dynamo)
+    print("wrote", path)
+
+if "bert" in which:
+    from transformers import BertConfig, BertModel
+    cfg = BertConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+                     attn_implementation="eager")
+    m = BertModel(cfg)
+    class W(torch.nn.Module):
+        def __init__(s, m): super().__init__(); s.m = m
+        def forward(s, ids, mask): return s.m(input_ids=ids, attention_mask=mask).last_hidden_state
+    ids = torch.randint(0, 30000, (1, 128)); mask = torch.ones(1, 128, dtype=torch.int64)
+    export(W(m), (ids, mask), ["input_ids", "attention_mask"],
+           {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}, "out": {0: "batch", 1: "seq"}},
+           f"{out}/bert_base.onnx")
+class GPTBlock(torch.nn.Module):
+    def __init__(s, d, h):
+        super().__init__(); s.h = h
+        s.ln1 = torch.nn.LayerNorm(d); s.qkv = torch.nn.Linear(d, 3 * d); s.proj = torch.nn.Linear(d, d)
+        s.ln2 = torch.nn.LayerNorm(d); s.fc = torch.nn.Linear(d, 4 * d); s.out = torch.nn.Linear(4 * d, d)
+    def forward(s, x):
+        B, T, C = x.shape
+        q, k, v = s.qkv(s.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, s.h, C // s.h).transpose(1, 2) for t in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + s.proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + s.out(torch.nn.functional.gelu(s.fc(s.ln2(x)), approximate="tanh"))
+class GPT2(torch.nn.Module):
+    def __init__(s, V=50257, P=1024, d=768, L=12, h=12):
+        super().__init__()
+        s.wte = torch.nn.Embedding(V, d); s.wpe = torch.nn.Embedding(P, d)
+        s.blocks = torch.nn.ModuleList(GPTBlock(d, h) for _ in range(L)); s.ln = torch.nn.LayerNorm(d)
+    def forward(s, ids):
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        x = s.wte(ids) + s.wpe(pos)
+        for b in s.blocks: x = b(x)
+        return s.ln(x)
+if "gpt2" in which:
+    export(GPT2(), (torch.randint(0, 50000, (1, 128)),), ["input_ids"],
+           {"input_ids": {0: "batch", 1: "seq"}, "out": {0: "batch", 1: "seq"}}, f"{out}/gpt2.onnx")
+import torch.nn as nn
+class Block(nn.Module):
+    def __init__(s, cin, cout, stride):
+        super().__init__()
+        s.c1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False); s.b1 = nn.BatchNorm2d(cout)
+        s.c2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False); s.b2 = nn.BatchNorm2d(cout)
+        s.down = None if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+    def forward(s, x):
+        y = torch.relu(s.b1(s.c1(x))); y = s.b2(s.c2(y))
+        return torch.relu(y + (x if s.down is None else s.down(x)))
+class ResNet18(nn.Module):
+    def __init__(s):
+        super().__init__()
+        s.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+                               nn.MaxPool2d(3, 2, 1))
+        layers, cin = [], 64
+        for cout, st in [(64, 1), (128, 2), (256, 2), (512, 2)]:
+            layers += [Block(cin, cout, st), Block(cout, cout, 1)]; cin = cout
+        s.layers = nn.Sequential(*layers); s.fc = nn.Linear(512, 1000)
+    def forward(s, x):
+        return s.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(s.layers(s.stem(x)), 1), 1))
+class IR(nn.Module):
+    def __init__(s, cin, cout, stride, t):
+        super().__init__(); h = cin * t
+        s.res = stride == 1 and cin == cout
+        L = [] if t == 1 else [nn.Conv2d(cin, h, 1, bias=False), nn.BatchNorm2d(h), nn.ReLU6()]
+        L += [nn.Conv2d(h, h, 3, stride, 1, groups=h, bias=False), nn.BatchNorm2d(h), nn.ReLU6(),
+              nn.Conv2d(h, cout, 1, bias=False), nn.BatchNorm2d(cout)]
+        s.f = nn.Sequential(*L)
+    def forward(s, x): return x + s.f(x) if s.res else s.f(x)
+class MobileNetV2(nn.Module):
+    def __init__(s):
+        super().__init__()
+        L = [nn.Conv2d(3, 32, 3, 2, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU6()]; cin = 32
+        for t, c, n, st in [(1,16,1,1),(6,24,2,2),(6,32,3,2),(6,64,4,2),(6,96,3,1),(6,160,3,2),(6,320,1,1)]:
+            for i in range(n): L.append(IR(cin, c, st if i == 0 else 1, t)); cin = c
+        L += [nn.Conv2d(cin, 1280, 1, bias=False), nn.BatchNorm2d(1280), nn.ReLU6()]
+        s.f = nn.Sequential(*L); s.fc = nn.Linear(1280, 1000)
+    def forward(s, x): return s.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(s.f(x), 1), 1))
+def _randbn(m):
+    for mod in m.modules():
+        if isinstance(mod, nn.BatchNorm2d):
+            mod.running_mean.uniform_(-0.1, 0.1); mod.running_var.uniform_(0.5, 1.5)
+            mod.weight.data.uniform_(0.5, 1.5); mod.bias.data.uniform_(-0.1, 0.1)
+    return m
+if "resnet18" in which:
+    export(_randbn(ResNet18()), (torch.randn(1, 3, 224, 224),), ["x"],
+           {"x": {0: "batch"}, "out": {0: "batch"}}, f"{out}/resnet18.onnx")
+if "mobilenet" in which:
+    export(_randbn(MobileNetV2()), (torch.randn(1, 3, 224, 224),), ["x"],
+           {"x": {0: "batch"}, "out": {0: "batch"}}, f"{out}/mobilenet_v2.onnx")
