@@ -98,14 +98,9 @@ def apply_recipe(fn: Callable[..., np.ndarray], args: tuple,
                  consts: list[np.ndarray | None]) -> np.ndarray:
     vals = [consts[a.index] if isinstance(a, ConstRef) else a for a in args]
     v = np.asarray(fn(*vals))
-    # aligned, contiguous and read-only: the runtime adopts it as device memory
-    # without another copy
-    if v.ctypes.data % 64 or not v.flags.c_contiguous or v.base is not None or v is vals[0]:
-        from ..runtime.device import aligned_empty
-        out = aligned_empty(max(v.nbytes, 1), align=64, zero=False)[:v.nbytes]
-        v, out = out.view(v.dtype).reshape(v.shape), v
-        v[...] = out
-    v.setflags(write=False)
+    if v.base is not None or not v.flags.c_contiguous or any(v is x for x in vals):
+        v = np.array(v, order="C", copy=True)   # never a view of (or the) source constant
+    v.setflags(write=False)                     # shared between specialisations
     return v
 
 

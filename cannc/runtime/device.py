@@ -95,19 +95,6 @@ class Device:
         weakref.finalize(buf.base if buf.base is not None else buf, self._free, kind, int(nbytes))
         return buf
 
-    def adopt(self, buf: np.ndarray, kind: str = "weights") -> np.ndarray:
-        """Account an already page-aligned, read-only host array as device memory
-        (the simulated device shares the host's address space: a weight packed at
-        compile time straight into aligned memory needs no second copy)."""
-        assert buf.ctypes.data % 64 == 0 and buf.flags.c_contiguous and not buf.flags.writeable
-        view = buf.reshape(-1).view(np.uint8)
-        with self._mem_lock:
-            self._used[kind] = self._used.get(kind, 0) + int(view.nbytes)
-            self.peak_bytes = max(self.peak_bytes, sum(self._used.values()))
-        owner = buf.base if buf.base is not None else buf
-        weakref.finalize(owner, self._free, kind, int(view.nbytes))
-        return view
-
     def _free(self, kind: str, nbytes: int) -> None:
         with self._mem_lock:
             self._used[kind] = self._used.get(kind, 0) - nbytes
