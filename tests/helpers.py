@@ -148,6 +148,16 @@ def check_op(op_type: str, inputs: Sequence[np.ndarray | None], n_outputs: int =
     return assert_matches_ort(m, feeds, rtol=rtol, atol=atol, cores=cores)
 
 
+def model_of(nodes: Sequence[onnx.NodeProto], inputs: Sequence[onnx.ValueInfoProto],
+             outputs: Sequence[onnx.ValueInfoProto], inits: Sequence[onnx.TensorProto] = (),
+             name: str = "dyn", opset: int = 17) -> onnx.ModelProto:
+    """A model of these nodes (IR version kept loadable by the installed onnxruntime)."""
+    g = helper.make_graph(list(nodes), name, list(inputs), list(outputs), initializer=list(inits))
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = min(m.ir_version, 9)
+    return m
+
+
 def with_dynamic_dims(model: onnx.ModelProto, dims: dict[str, dict[int, str]]) -> onnx.ModelProto:
     """A copy of ``model`` whose graph inputs have symbolic dims: ``{input: {axis: name}}``
     (e.g. ``{"x": {0: "batch", 1: "seq"}}``); output dims become unknown (rank kept)."""
@@ -166,7 +176,7 @@ def with_dynamic_dims(model: onnx.ModelProto, dims: dict[str, dict[int, str]]) -
 
 def check_runtime_dims(model: onnx.ModelProto, feeds_list: Sequence[dict[str, np.ndarray]],
                        rtol: float = 1e-4, atol: float = 1e-5, cores: int = 2,
-                       **compile_opts: Any) -> "cannc.Session":
+                       **compile_opts: Any) -> cannc.Session:
     """Shape-polymorphic kernels: compile ``model`` (symbolic input dims) once,
     run it at the first feeds (this generates the code), then at every other
     feeds with *no* lowering and no LLVM compile; every run matches onnxruntime."""

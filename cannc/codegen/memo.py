@@ -27,7 +27,6 @@ unchanged model lowers nothing and compiles nothing.
 from __future__ import annotations
 
 import hashlib
-import os
 import pickle
 import threading
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -40,7 +39,7 @@ import numpy as np
 from .. import config
 from ..ir.graph import Node
 from ..ir.types import TensorType
-from .target import host
+from .target import host, read_checksummed, write_checksummed
 
 _MAGIC = b"CNCMEMO1\n"
 # attributes that name where a node came from and never change its code
@@ -211,17 +210,13 @@ class LoweringMemo:
             e = self.memory.get(key)
         if e is not None or self.root is None:
             return e
+        payload = read_checksummed(self._path(key), _MAGIC)
+        if not payload:
+            return None     # missing, or damaged: lower again (and overwrite)
         try:
-            data = self._path(key).read_bytes()
-        except OSError:
-            return None
-        n = len(_MAGIC)
-        if not data.startswith(_MAGIC) or len(data) < n + 32 or \
-                hashlib.sha256(data[n + 32:]).digest() != data[n:n + 32]:
-            return None     # damaged: lower again (and overwrite)
-        try:
-            e = pickle.loads(data[n + 32:])
-        except Exception:   # an entry written by another cannc: lower again
+            e = pickle.loads(payload)
+        except (pickle.UnpicklingError, AttributeError, ImportError, EOFError, TypeError,
+                ValueError):   # an entry written by another cannc: lower again
             return None
         if not isinstance(e, MemoEntry):
             return None
@@ -236,16 +231,10 @@ class LoweringMemo:
             return
         try:
             payload = pickle.dumps(e, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception:   # an unpicklable note or recipe: keep it in memory only
+        except (pickle.PicklingError, TypeError, AttributeError):
+            # an unpicklable note or recipe: keep it in memory only
             return
-        p = self._path(key)
-        try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            tmp = p.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
-            tmp.write_bytes(_MAGIC + hashlib.sha256(payload).digest() + payload)
-            os.replace(tmp, p)
-        except OSError:
-            pass
+        write_checksummed(self._path(key), _MAGIC, payload)
 
 
 _memos: dict[str, LoweringMemo] = {}
@@ -263,13 +252,8 @@ def salt() -> str:
     """Everything global the generated code depends on: the host target, cannc's
     sources, the tuning cache in effect and the codegen switches (environment
     and the FORCE_TUNING overrides tests and experiments set)."""
-    tfp = ""
-    try:
-        from .. import tuning
-        tfp = tuning.fingerprint()
-    except Exception:   # no tuning cache module / file: deterministic defaults
-        tfp = ""
+    from .. import tuning
     from . import conv, winograd
     switches = (f"wino={config.WINOGRAD}|conv={sorted(conv.FORCE_TUNING.items())!r}|"
                 f"wg={sorted(winograd.FORCE_TUNING.items())!r}")
-    return f"{host().fingerprint}|{source_digest()}|{tfp}|{switches}"
+    return f"{host().fingerprint}|{source_digest()}|{tuning.fingerprint()}|{switches}"

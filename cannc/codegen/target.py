@@ -155,6 +155,32 @@ def _dump(name: str, text: str, ext: str = ".ll") -> None:
 _MAGIC = b"CNCOBJ1\n"
 
 
+def read_checksummed(path: Path, magic: bytes) -> bytes | None:
+    """The payload of a cache file written by `write_checksummed`; None when it is
+    missing, and b"" marks a damaged one (wrong magic, truncated, checksum)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    n = len(magic)
+    if len(data) < n + 32 or not data.startswith(magic):
+        return b""
+    digest, payload = data[n:n + 32], data[n + 32:]
+    return payload if hashlib.sha256(payload).digest() == digest else b""
+
+
+def write_checksummed(path: Path, magic: bytes, payload: bytes) -> None:
+    """magic + sha256 + payload, written atomically (temp file + rename); a read-only
+    or full cache only costs speed."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
+        tmp.write_bytes(magic + hashlib.sha256(payload).digest() + payload)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 class ObjectCache:
     def __init__(self, root: str | Path | None) -> None:
         self.root = Path(root) if root else None
@@ -180,16 +206,10 @@ class ObjectCache:
             return self.memory[key]
         if self.root is None:
             return None
-        p = self._path(key)
-        try:
-            data = p.read_bytes()
-        except OSError:
+        payload = read_checksummed(self._path(key), _MAGIC)
+        if payload is None:
             return None
-        if len(data) < len(_MAGIC) + 32 or not data.startswith(_MAGIC):
-            self._damaged(key)
-            return None
-        digest, payload = data[len(_MAGIC):len(_MAGIC) + 32], data[len(_MAGIC) + 32:]
-        if hashlib.sha256(payload).digest() != digest:
+        if not payload:   # damaged: compiled again and overwritten
             self._damaged(key)
             return None
         self.memory[key] = payload
@@ -205,14 +225,7 @@ class ObjectCache:
         self.memory[key] = obj
         if self.root is None:
             return
-        p = self._path(key)
-        try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            tmp = p.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
-            tmp.write_bytes(_MAGIC + hashlib.sha256(obj).digest() + obj)
-            os.replace(tmp, p)
-        except OSError:
-            pass  # a read-only or full cache only costs speed
+        write_checksummed(self._path(key), _MAGIC, obj)
 
     def compile(self, module_ir: str, name: str, speed_level: int = 2) -> bytes:
         key = self.key(module_ir, speed_level)

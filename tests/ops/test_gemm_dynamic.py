@@ -5,9 +5,8 @@ generation (ABI.md "Runtime dimensions"), against onnxruntime."""
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
-from helpers import check_runtime_dims, single_node_model, with_dynamic_dims
+from helpers import check_runtime_dims, model_of, single_node_model, with_dynamic_dims
 from onnx import TensorProto, helper, numpy_helper
 
 import cannc
@@ -27,22 +26,7 @@ def f32(*shape):
     return R.standard_normal(shape).astype(np.float32)
 
 
-def dynamic(model: onnx.ModelProto, dims: dict[str, dict[int, str]]) -> onnx.ModelProto:
-    m = with_dynamic_dims(model, dims)
-    # outputs keep their rank (the ONNX checker wants a shape field)
-    for vi, vo in zip(m.graph.output, model.graph.output):
-        if not vi.type.tensor_type.HasField("shape"):
-            sh = vi.type.tensor_type.shape
-            for _ in vo.type.tensor_type.shape.dim:
-                sh.dim.add()
-    return m
-
-
-def model_of(nodes, inputs, outputs, inits=()):
-    g = helper.make_graph(nodes, "dyn_gemm", inputs, outputs, initializer=list(inits))
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = min(m.ir_version, 9)
-    return m
+dynamic = with_dynamic_dims
 
 
 def vi(name, shape):
