@@ -269,16 +269,20 @@ def _strides(shape: tuple[int, ...], out_shape: tuple[int, ...]) -> list[int]:
     return st
 
 
-def collapse(out_shape: tuple[int, ...], strides: list[list[int]]) -> tuple[list[int], list[list[int]]]:
-    """Drop size-1 dims and merge neighbours that every operand walks alike."""
-    dims = [d for d in range(len(out_shape)) if out_shape[d] != 1]
-    shape = [out_shape[d] for d in dims]
+def collapse(out_shape: tuple[int, ...], strides: list[list[int]], keep_ones: bool = False
+             ) -> tuple[list[int], list[list[int]]]:
+    """Drop size-1 dims and merge neighbours that every operand walks alike. With
+    ``keep_ones`` dims of extent 1 stay, apart from their neighbours (a runtime
+    batch of 1 keeps the merged rank of larger batches)."""
+    dims = [d for d in range(len(out_shape)) if keep_ones or out_shape[d] != 1]
+    shape = [int(out_shape[d]) for d in dims]
     sts = [[s[d] for d in dims] for s in strides]
     if not shape:
         return [1], [[0] for _ in strides]
     i = len(shape) - 2
     while i >= 0:
-        if all(s[i] == s[i + 1] * shape[i + 1] for s in sts):
+        if (not keep_ones or (shape[i] != 1 and shape[i + 1] != 1)) and \
+                all(s[i] == s[i + 1] * shape[i + 1] for s in sts):
             shape[i] *= shape[i + 1]
             for s in sts:
                 s[i] = s[i + 1]

@@ -291,8 +291,8 @@ class _Plan:
         self.itemsize = itemsize
         r = len(piece.shape)
         ss = list(piece.src_strides) if piece.src is not None else [0] * r
-        merge = _collapse_keep_ones if keep_ones else collapse
-        shape, (ss, ds) = merge(tuple(piece.shape), [ss, list(piece.dst_strides)])
+        shape, (ss, ds) = collapse(tuple(piece.shape), [ss, list(piece.dst_strides)],
+                                     keep_ones=keep_ones)
         if len(shape) == 1:
             shape, ss, ds = [1] + shape, [0] + ss, [0] + ds
         self.shape, self.ss, self.ds = shape, ss, ds
@@ -473,24 +473,6 @@ def emit_pieces(ctx: Any, pieces: Sequence[Piece], itemsize: int,
 # ---------------------------------------------------------------------------
 
 _PIECE_FIXED = 6      # dims per piece besides its shape and strides
-
-
-def _collapse_keep_ones(shape: tuple[int, ...], strides: list[list[int]]
-                        ) -> tuple[list[int], list[list[int]]]:
-    """collapse() that keeps dims of extent 1 apart (a runtime batch of 1 keeps the
-    merged rank of larger batches)."""
-    shape_l, sts = [int(d) for d in shape] or [1], [list(s) or [0] for s in strides]
-    i = len(shape_l) - 2
-    while i >= 0:
-        if shape_l[i] != 1 and shape_l[i + 1] != 1 and \
-                all(s[i] == s[i + 1] * shape_l[i + 1] for s in sts):
-            shape_l[i] *= shape_l[i + 1]
-            for s in sts:
-                s[i] = s[i + 1]
-                del s[i + 1]
-            del shape_l[i + 1]
-        i -= 1
-    return shape_l, sts
 
 
 def _stride_kind(x: int) -> int | str:
