@@ -583,7 +583,6 @@ def inspect_report(sess: Any, prog: Any) -> dict[str, Any]:
 
     predicted_total = costmodel.annotate(spec.kernels, sess.cores)  # for this many cores
     kernels = []
-    poly = _polymorphic_signatures(spec)
     for i, k in enumerate(spec.kernels):
         outs = [o for o in k.outputs if o]
         inter = sum(g.values[o].nbytes for o in outs if root(o) not in output_buffers)
@@ -599,7 +598,7 @@ def inspect_report(sess: Any, prog: Any) -> dict[str, Any]:
             "predicted_us": float(k.notes.get("predicted_us", 0.0)),
             # shape-polymorphic kernels read these sizes at run time (ABI.md)
             "runtime_dims": [int(d) for d in k.dims],
-            "shape_polymorphic": bool(k.dims) or k.signature in poly,
+            "shape_polymorphic": bool(k.shape_polymorphic),
             "notes": {str(a): b for a, b in k.notes.items()},
         })
     key = _key_of(sess, prog)
@@ -627,22 +626,6 @@ def inspect_report(sess: Any, prog: Any) -> dict[str, Any]:
                    "not_fused": [d.as_dict() for d in g.meta.get("fusion_log", [])]},
         "kernels": kernels,
     }
-
-
-def _polymorphic_signatures(spec: Any) -> set[str]:
-    """Signatures of kernels lowered through a tiling function (even those that read
-    no runtime dim: a conv's batch only changes its tile count)."""
-    from .ir.registry import lookup
-    out = set()
-    for k in spec.kernels:
-        # the IR node (maybe fused) that produced the kernel's first output
-        p = spec.graph.producer(k.outputs[0]) if k.outputs and k.outputs[0] else None
-        op = lookup(p.op_type, p.domain) if p is not None else None
-        if op is not None and op.tiling is not None and \
-                op.tiling(p, [spec.graph.values.get(v) if v else None for v in p.inputs],
-                          [spec.graph.values[v] for v in p.outputs if v]) is not None:
-            out.add(k.signature)
-    return out
 
 
 # kernel notes the tiling/pred columns already show (the plan itself: --json)

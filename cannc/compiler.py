@@ -233,6 +233,7 @@ class _Lowering:
                       flops=int(flops), bytes_read=br, bytes_written=bw,
                       object_key=entry.object_key, signature=key, notes=notes,
                       dims=tuple(int(d) for d in tiling.dims) if tiling else (),
+                      shape_polymorphic=tiling is not None,
                       # maps read and write element i together: an output may overwrite an input
                       inplace=op.category in (Category.ELEMENTWISE, Category.BROADCAST)
                       and (op.name == "FusedMap" or "expr" in op.extra))
@@ -297,7 +298,7 @@ def _replay(fn: Any, args: tuple, consts: list[np.ndarray | None]) -> np.ndarray
     try:
         k = (fn.__module__, fn.__qualname__, tuple(id(s) for s in srcs), pickle.dumps(
             [None if isinstance(a, ConstRef) else a for a in args]))
-    except Exception:
+    except (pickle.PicklingError, TypeError, AttributeError):   # not keyable: not shared
         return apply_recipe(fn, args, consts)
     with _recipe_lock:
         hit = _recipe_cache.get(k)
@@ -306,8 +307,7 @@ def _replay(fn: Any, args: tuple, consts: list[np.ndarray | None]) -> np.ndarray
         v = out()
         if v is not None and all(r() is s for r, s in zip(refs, srcs)):
             return v
-    v = apply_recipe(fn, args, consts)
-    v.setflags(write=False)
+    v = apply_recipe(fn, args, consts)          # (read-only: shared)
     with _recipe_lock:
         if len(_recipe_cache) > 4096:
             for kk in [kk for kk, (rs, o) in _recipe_cache.items() if o() is None]:

@@ -86,11 +86,11 @@ __all__ = [
 
 PANEL = 32  # columns of a packed B panel
 KC_MAX = 2048  # the K block of a (not packed) A
-# the K block of one row panel read in place: its rows sit a row stride apart, and
-# at a stride of a multiple of 4 KiB (K = 1024, 2048...) they share one L1 set; a long
-# K block streams so much of B through that set that the rows of A are evicted at
-# every step (measured 0.23 -> 0.8 ms for an 8x1024x1024 GEMM, depending on where
-# the arena put A)
+# the K block of a few rows (2..FEW_ROWS) read in place: they sit a row stride apart,
+# at a multiple of 4 KiB (K = 1024, 2048...) in one L1 set, and a long K block streams
+# much of B through that set. A precaution, not a measured win: 8x1024x1024 runs at
+# 108-112 GFLOP/s with or without it (gemm_bench); the 3x slowdown first blamed on
+# this came from where the packed weights lived (see runtime/program.py WeightPool)
 FEW_ROWS_KC = 256
 FEW_ROWS = 16  # rows up to which the dynamic kernel's tiles split only the columns
 SMALL_M = 12  # rows up to which a B that is not prepacked is read in place
@@ -611,7 +611,7 @@ def gemm_dims(spec: GemmSpec, M: int, batch: int = 1,
     # KC and NC as the plan of a prepacked B chooses them
     K = spec.K
     KC = tun.get("KC", min(K, 4096) if M == 1 else
-                 min(K, FEW_ROWS_KC) if M <= 16 else KC_MAX)
+                 min(K, FEW_ROWS_KC) if M <= FEW_ROWS else KC_MAX)
     KC = _cdiv(K, _cdiv(K, KC))
     _, wp = strip_width(p0, "prepacked")
     step = math.lcm(_grid_nr(p0.NR, p0.b_mode), wp)

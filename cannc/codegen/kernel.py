@@ -40,6 +40,9 @@ class Kernel:
     object_key: str = ""                 # the object cache key of its code
     signature: str = ""                  # its lowering-memo key (codegen/memo.py)
     dims: tuple[int, ...] = ()           # runtime dimensions (ABI.md), after the pointers
+    # lowered through a tiling function: other sizes run the same code (a conv's batch
+    # only changes its tile count, so it may read no dims at all)
+    shape_polymorphic: bool = False
     notes: dict[str, Any] = field(default_factory=dict)
     inplace: bool = False        # an output may share the buffer of a same-shaped input
 
