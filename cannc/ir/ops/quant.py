@@ -115,20 +115,27 @@ def _compute_dtype(x: np.dtype, s: np.dtype, precision: int | None) -> np.dtype:
         else np.result_type(x, s)
 
 
+def _operands(ctx: Any) -> tuple[bool, list[TensorType], list[int]]:
+    """(has a zero point, map operand types, their input slots) of Quantize/
+    DequantizeLinear: x, then scale and zero point in x's layout (per axis/block)."""
+    xv, pv = _layout(ctx.node, ctx.in_types)
+    has_zp = _present(ctx.node, 2)
+    types = [TensorType(ctx.in_types[0].dtype, xv), TensorType(ctx.in_types[1].dtype, pv)]
+    slots = [0, 1]
+    if has_zp:
+        types.append(TensorType(ctx.in_types[2].dtype, pv))
+        slots.append(2)
+    return has_zp, types, slots
+
+
 def _lower_quantize(ctx: Any) -> None:
     n = ctx.node
-    xv, pv = _layout(n, ctx.in_types)
     out_t = ctx.out_types[0]
     odt = np.dtype(out_t.dtype)
     lo, hi = _int_range(odt)
     xt, st = ctx.in_types[0], ctx.in_types[1]
     cdt = _compute_dtype(xt.dtype, st.dtype, n.attrs.get("precision"))
-    has_zp = _present(n, 2)
-    types = [TensorType(xt.dtype, xv), TensorType(st.dtype, pv)]
-    slots = [0, 1]
-    if has_zp:
-        types.append(TensorType(ctx.in_types[2].dtype, pv))
-        slots.append(2)
+    has_zp, types, slots = _operands(ctx)
 
     def expr(E: Expr, ops: Sequence[TV]) -> list[TV]:
         x, s = E.cast(ops[0], cdt), E.cast(ops[1], cdt)
@@ -139,7 +146,7 @@ def _lower_quantize(ctx: Any) -> None:
         qi = E.min(E.max(qi, E.const(lo, np.int64)), E.const(hi, np.int64))
         return [E.cast(qi, odt)]
 
-    emit_map(ctx, types, [TensorType(odt, xv)], expr, operand_slots=slots)
+    emit_map(ctx, types, [TensorType(odt, types[0].shape)], expr, operand_slots=slots)
     ctx.flops = xt.numel * 4
 
 
@@ -157,16 +164,8 @@ def _check_dequantize(n: Node, ins: list, outs: list) -> str | None:
 
 
 def _lower_dequantize(ctx: Any) -> None:
-    n = ctx.node
-    xv, pv = _layout(n, ctx.in_types)
     odt = np.dtype(ctx.out_types[0].dtype)
-    xt, st = ctx.in_types[0], ctx.in_types[1]
-    has_zp = _present(n, 2)
-    types = [TensorType(xt.dtype, xv), TensorType(st.dtype, pv)]
-    slots = [0, 1]
-    if has_zp:
-        types.append(TensorType(ctx.in_types[2].dtype, pv))
-        slots.append(2)
+    has_zp, types, slots = _operands(ctx)
 
     def expr(E: Expr, ops: Sequence[TV]) -> list[TV]:
         # like the reference: (float32(x) - zp) * scale, rounded once to the output type
@@ -175,8 +174,8 @@ def _lower_dequantize(ctx: Any) -> None:
             x = E.sub(x, E.cast(ops[2], F32))
         return [E.cast(E.mul(x, E.cast(ops[1], F32)), odt)]
 
-    emit_map(ctx, types, [TensorType(odt, xv)], expr, operand_slots=slots)
-    ctx.flops = xt.numel * 2
+    emit_map(ctx, types, [TensorType(odt, types[0].shape)], expr, operand_slots=slots)
+    ctx.flops = ctx.in_types[0].numel * 2
 
 
 register(OpDef(name="DequantizeLinear", category=Category.BROADCAST, lower=_lower_dequantize,

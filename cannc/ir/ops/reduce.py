@@ -364,22 +364,16 @@ register(OpDef(name="RMSNormalization", dtypes=FLOATS, category=Category.REDUCTI
 # InstanceNormalization, GroupNormalization
 # ---------------------------------------------------------------------------
 
-def _nc_check(n: Node, ins: list, outs: list) -> str | None:
-    r = _dtype_check(FLOATS)(n, ins, outs)
-    if r:
-        return r
-    if len(ins[0].shape) < 2:
-        return "the input must have rank >= 2 (N, C, ...)"
-    return None
-
-
-def _in_check(n: Node, ins: list, outs: list) -> str | None:
-    r = _dtype_check(FLOATS)(n, ins, outs)
-    if r:
-        return r
-    if len(ins[0].shape) < 3:
-        return "the input must have rank >= 3 (N, C, D1, ...)"
-    return None
+def _nc_check(min_rank: int, dims: str) -> Any:
+    """Float input of rank >= min_rank, laid out (N, C, ...)."""
+    def check(n: Node, ins: list, outs: list) -> str | None:
+        r = _dtype_check(FLOATS)(n, ins, outs)
+        if r:
+            return r
+        if len(ins[0].shape) < min_rank:
+            return f"the input must have rank >= {min_rank} ({dims})"
+        return None
+    return check
 
 
 def _lower_instance_norm(ctx: Any) -> None:
@@ -406,11 +400,11 @@ def _nc_tiling(n: Node, ins: list, outs: list) -> Any:
 
 
 register(OpDef(name="InstanceNormalization", dtypes=FLOATS, category=Category.REDUCTION,
-               lower=_lower_instance_norm, check=_in_check, tiling=_nc_tiling))
+               lower=_lower_instance_norm, check=_nc_check(3, "N, C, D1, ..."), tiling=_nc_tiling))
 
 
 def _gn_check(n: Node, ins: list, outs: list) -> str | None:
-    r = _nc_check(n, ins, outs)
+    r = _nc_check(2, "N, C, ...")(n, ins, outs)
     if r:
         return r
     g = int(n.attrs.get("num_groups", 0))
