@@ -40,6 +40,16 @@ class CliError(CanncError):
     """A command-line problem argparse cannot see (an unknown pass name, ORT refusing a model)."""
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return v
+
+
 # ---------------------------------------------------------------------------------------
 # argument types
 # ---------------------------------------------------------------------------------------
@@ -1172,7 +1182,7 @@ def _parser() -> argparse.ArgumentParser:
                                "winners in the tuning cache")
     p.add_argument("model", help="ONNX model")
     shape_opt(p)
-    p.add_argument("--budget", type=float, default=60.0, metavar="SECONDS",
+    p.add_argument("--budget", type=_positive_seconds, default=60.0, metavar="SECONDS",
                    help="time to spend measuring (default 60)")
     p.add_argument("--threads", type=_int_at_least(1), default=None, metavar="N",
                    help="cores the kernels are tuned for (default: usable CPU cores)")

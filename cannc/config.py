@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .errors import CanncError
+
 
 def _flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
@@ -24,9 +26,21 @@ def _flag(name: str) -> bool:
 DEBUG: bool = _flag("CANNC_DEBUG")
 VERIFY: bool = _flag("CANNC_VERIFY")
 DUMP_DIR: str | None = os.environ.get("CANNC_DUMP_DIR") or None
-ISA: str | None = {"avx2": "avx2"}.get(os.environ.get("CANNC_ISA", "").lower())
-WINOGRAD: str = {"0": "off", "false": "off", "no": "off", "off": "off",
-                 "force": "force"}.get(os.environ.get("CANNC_WINOGRAD", "").lower(), "auto")
+
+
+def _choice(name: str, choices: dict[str, str | None]) -> str | None:
+    """A switch with a few values; a misspelt one is an error, not silently the default."""
+    v = os.environ.get(name, "").lower()
+    if v not in choices:
+        known = ", ".join(repr(k) for k in choices if k)
+        raise CanncError(f"{name}={os.environ[name]!r}: expected one of {known} (or unset)")
+    return choices[v]
+
+
+ISA: str | None = _choice("CANNC_ISA", {"": None, "avx512": None, "avx2": "avx2"})
+WINOGRAD: str = _choice("CANNC_WINOGRAD", {"": "auto", "auto": "auto", "0": "off",
+                                           "false": "off", "no": "off", "off": "off",
+                                           "force": "force"}) or "auto"
 
 
 def cache_dir() -> Path | None:

@@ -5,6 +5,9 @@ measured time."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -174,3 +177,20 @@ def test_inspect_json_has_predictions(tiny_mlp, capsys):
     assert main(["inspect", path, "--shape", "x=16x64"]) == 0
     out = capsys.readouterr().out
     assert "pred µs" in out and "predicted:" in out
+
+
+@pytest.mark.parametrize("budget", ["-1", "0", "nan", "inf", "soon"])
+def test_tune_rejects_a_bad_budget(tiny_mlp, budget, capsys):
+    _, path = tiny_mlp
+    assert main(["tune", path, "--budget", budget]) == 2
+    assert "argument --budget" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("var,value", [("CANNC_ISA", "avx3"), ("CANNC_WINOGRAD", "maybe")])
+def test_misspelt_codegen_switch_is_a_clear_error(var, value):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, **{var: value})
+    r = subprocess.run([sys.executable, "-c", "import cannc"], env=env, capture_output=True,
+                       text=True, cwd=root)
+    assert r.returncode != 0
+    assert f"CanncError: {var}='{value}': expected one of" in r.stderr
