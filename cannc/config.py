@@ -38,9 +38,9 @@ def _choice(name: str, choices: dict[str, str | None]) -> str | None:
 
 
 ISA: str | None = _choice("CANNC_ISA", {"": None, "avx512": None, "avx2": "avx2"})
-WINOGRAD: str = _choice("CANNC_WINOGRAD", {"": "auto", "auto": "auto", "0": "off",
-                                           "false": "off", "no": "off", "off": "off",
-                                           "force": "force"}) or "auto"
+WINOGRAD: str = _choice("CANNC_WINOGRAD", {
+    "": "auto", "auto": "auto", "1": "auto", "true": "auto", "yes": "auto", "on": "auto",
+    "0": "off", "false": "off", "no": "off", "off": "off", "force": "force"}) or "auto"
 
 
 def cache_dir() -> Path | None:
