@@ -82,7 +82,7 @@ from cannc.codegen.attention import (
     attention_workspace_bytes,
     emit_attention,
 )
-from cannc.codegen.target import jit_kernel
+from cannc.native.target import jit_kernel
 from tests.helpers import aligned, run_concurrently, tile_ranges
 
 F32_LOWEST = float(np.finfo(np.float32).min)

@@ -75,7 +75,7 @@ from cannc.codegen.gemm import (
     gemm_workspace_bytes,
     prepack_b,
 )
-from cannc.codegen.target import host, jit_kernel
+from cannc.native.target import host, jit_kernel
 from tests.helpers import aligned, run_concurrently, tile_ranges
 
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
-
+from ._version import __version__  # noqa: E402
 from .errors import (  # noqa: E402
     CacheError, CanncError, CompileError, InputError, ModelError, ShapeError,
     UnsupportedOpError,

@@ -30,7 +30,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from . import __version__, config
+from . import config
+from ._version import __version__
 from .errors import CacheError, CanncError, InputError, ModelError
 
 Shapes = dict[str, tuple[int, ...]]
@@ -589,7 +590,7 @@ def inspect_report(sess: Any, prog: Any) -> dict[str, Any]:
         return v
 
     output_buffers = {root(o) for o in g.outputs}
-    from . import costmodel
+    from .schedule import costmodel
 
     predicted_total = costmodel.annotate(spec.kernels, sess.cores)  # for this many cores
     kernels = []
@@ -689,7 +690,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"shapes: {npoly} of {len(rep['kernels'])} kernel(s) take their sizes at run time "
           f"('any'): a new batch/sequence size re-plans them on the host without generating code")
     m = rep["memory"]
-    from .costmodel import cpu_model
+    from .schedule.costmodel import cpu_model
     print(f"predicted: {rep['predicted_us']:.1f} µs for the kernels on {rep['cores']} core(s) "
           f"(cost model: {cpu_model().summary()})")
     print(f"totals: {rep['num_kernels']} kernel(s) from {rep['onnx_nodes']} ONNX node(s) "
@@ -770,7 +771,7 @@ def tune_gemm(sig: dict[str, Any], threads: int, deadline: float,
     """Measure the candidate plans of one GEMM (until `deadline`, a perf_counter time)
     against its default plan; a candidate wins when it is more than `min_speedup` times
     as fast (twice: once in the sweep, again side by side with more rounds)."""
-    from . import tuning
+    from .schedule import tuning
 
     spec = tuning.gemm_spec_of(sig)
     bench = tuning.GemmBench(spec, threads)
@@ -832,7 +833,7 @@ def tune_gemm(sig: dict[str, Any], threads: int, deadline: float,
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from . import tuning
+    from .schedule import tuning
     from .runtime.device import usable_cores
 
     path = Path(args.cache) if args.cache else config.tuning_cache_path()
@@ -1004,7 +1005,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def _add_predictions(sess: Any, prof: Any) -> bool:
     """Put the cost model's prediction (for the session's cores) next to each measured
     kernel time: prof.kernels[i]['predicted_ms'] and ['tiling']."""
-    from . import costmodel
+    from .schedule import costmodel
 
     symbols = [k["symbol"] for k in prof.kernels]
     prog = next((p for p in sess.programs.values()

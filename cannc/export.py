@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .compiler import Specialization
+from .artifact import Specialization
 from .ir.types import NP_TO_ONNX
 
 

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import numpy as np
 import onnx
 
-from . import __version__
-from .codegen.target import ObjectCache, default_cache, host
-from .compiler import CompileOptions, Specialization, specialize
+from ._version import __version__
+from .native.target import ObjectCache, default_cache, host
+from .artifact import Specialization
+from .compiler import CompileOptions, specialize
 from .errors import CacheError, CanncError, InputError, ShapeError
 from .frontend import import_model, load_model_proto
 from .ir.types import onnx_type_string

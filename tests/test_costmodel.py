@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from cannc import costmodel
+from cannc.schedule import costmodel
 from cannc.codegen.gemm import GemmSpec
 
 CPU = costmodel.CpuModel(

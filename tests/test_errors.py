@@ -17,7 +17,7 @@ import pytest
 from onnx import TensorProto as T, helper, numpy_helper
 
 import cannc
-from cannc.codegen.target import ObjectCache
+from cannc.native.target import ObjectCache
 from tests.helpers import ort_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -314,7 +314,7 @@ def test_unresolvable_symbol_is_an_error_not_a_crash():
     have): loading must fail with a CompileError, not abort inside MCJIT."""
     import llvmlite.ir as ir
 
-    from cannc.codegen.target import JitLibrary, elf_symbols, new_module, optimise_and_emit
+    from cannc.native.target import JitLibrary, elf_symbols, new_module, optimise_and_emit
 
     m = new_module("t")
     f = ir.Function(m, ir.FunctionType(ir.DoubleType(), [ir.DoubleType()]), "calls_missing")

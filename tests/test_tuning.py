@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import cannc
-from cannc import tuning
+from cannc.schedule import tuning
 from cannc.cli import main
 from cannc.codegen.gemm import GemmSpec, gemm_plan
 from models import zoo

@@ -96,7 +96,7 @@ import numpy as np
 from llvmlite import ir
 
 from . import vmath
-from .emit import F32, I8, I32, I64, PTR, i32, i64
+from ..native.emit import F32, I8, I32, I64, PTR, i32, i64
 from .vec import VF, VI8, VI32, VI64, VM, VPTR, VecBuilder, abi_function, declare
 
 __all__ = [

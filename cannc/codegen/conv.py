@@ -50,7 +50,7 @@ from typing import Callable, Optional
 import llvmlite.ir as ir
 import numpy as np
 
-from .emit import F32, I8, I32, I64, PTR, i64
+from ..native.emit import F32, I8, I32, I64, PTR, i64
 from .vec import VF, VI32, VM, VPTR, VecBuilder, abi_function
 
 VI = VI32  # <16 x i32>: the lane indices and offsets of the window kernels

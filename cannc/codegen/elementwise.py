@@ -17,8 +17,8 @@ import llvmlite.ir as ir
 import numpy as np
 
 from ..ir.types import TensorType
-from . import emit
-from .emit import I64, for_range, i64, llvm_type
+from ..native import emit
+from ..native.emit import I64, for_range, i64, llvm_type
 
 MAX_TILE_ELEMS = 16384
 

@@ -66,7 +66,7 @@ from functools import lru_cache
 import numpy as np
 from llvmlite import ir
 
-from .emit import F32, I8, I64, PTR, i64
+from ..native.emit import F32, I8, I64, PTR, i64
 from .vec import VF, VI64, VM, VPTR, VecBuilder, abi_function
 
 __all__ = [
@@ -232,8 +232,8 @@ def _nv_for(rows: int, N: int, b_mode: str, isa: str = "avx512") -> int:
 
 def host_isa() -> str:
     """The vector ISA the kernels are planned for: 'avx512' or 'avx2' (the host target's
-    features, see codegen.target.host and CANNC_ISA)."""
-    from .target import host
+    features, see native.target.host and CANNC_ISA)."""
+    from ..native.target import host
 
     return "avx512" if host().has("avx512f") else "avx2"
 

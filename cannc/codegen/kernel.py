@@ -10,61 +10,19 @@ workspace and its cost figures.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import llvmlite.ir as ir
 import numpy as np
 
+from ..artifact import Kernel, Tiling  # noqa: F401  (lowerings return Tiling)
 from ..ir.graph import Node
 from ..ir.types import TensorType
-from . import emit
-from .target import new_module
+from ..native import emit
+from ..native.target import new_module
 
 ENTRY = "__cannc_kernel__"
-
-
-@dataclass
-class Kernel:
-    symbol: str
-    nodes: list[str]
-    op_types: list[str]
-    inputs: list[str]            # value names, '' for absent optional inputs
-    outputs: list[str]
-    num_tiles: int
-    workspace_bytes: int
-    single_core: bool
-    flops: int
-    bytes_read: int
-    bytes_written: int
-    object_key: str = ""                 # the object cache key of its code
-    signature: str = ""                  # its lowering-memo key (codegen/memo.py)
-    dims: tuple[int, ...] = ()           # runtime dimensions (ABI.md), after the pointers
-    # lowered through a tiling function: other sizes run the same code (a conv's batch
-    # only changes its tile count, so it may read no dims at all)
-    shape_polymorphic: bool = False
-    notes: dict[str, Any] = field(default_factory=dict)
-    inplace: bool = False        # an output may share the buffer of a same-shaped input
-
-
-@dataclass(frozen=True)
-class Tiling:
-    """The host tiling of a shape-polymorphic kernel for one set of shapes (the
-    CANN tiling-function pattern; see ABI.md "Runtime dimensions").
-
-    ``key`` is everything about the shapes that the generated code depends on
-    (rank, broadcast pattern, the static extents such as a GEMM's N and K); it
-    never holds a runtime dimension. ``dims`` are the values the kernel reads at
-    run time with ``ctx.rt_dim(b, i)``. The rest is what the runtime needs for
-    these shapes."""
-
-    key: tuple
-    dims: tuple[int, ...]
-    num_tiles: int
-    workspace_bytes: int = 0
-    single_core: bool = False
-    flops: int | None = None
-    notes: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)

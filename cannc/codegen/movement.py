@@ -36,9 +36,9 @@ from typing import Any, Callable, Iterator, Sequence
 import llvmlite.ir as ir
 import numpy as np
 
-from . import emit
+from ..native import emit
 from .elementwise import collapse
-from .emit import I64, for_range, i64
+from ..native.emit import I64, for_range, i64
 
 UNIT_ELEMS = 16384        # elements per tile for big copies
 MIN_UNIT_ELEMS = 2048

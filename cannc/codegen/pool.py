@@ -24,7 +24,7 @@ import numpy as np
 
 from . import vmath
 from .conv import VB, VI, Epilogue, Slots, cdiv, rup
-from .emit import F32, i64, intrinsic
+from ..native.emit import F32, i64, intrinsic
 from .vec import VF, VM, abi_function
 
 KINDS = ("dw", "max", "avg", "lp")

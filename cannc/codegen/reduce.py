@@ -38,9 +38,9 @@ from typing import Any, Callable, Iterator, Sequence
 import llvmlite.ir as ir
 import numpy as np
 
-from . import emit
+from ..native import emit
 from .elementwise import TV, Expr, bf16_bits_to_f32, f32_to_bf16_bits, is_bf16
-from .emit import I1, I32, PTR, for_range, i64, llvm_type
+from ..native.emit import I1, I32, PTR, for_range, i64, llvm_type
 from .kernel import Tiling
 
 BOOL = np.dtype(np.bool_)

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import llvmlite.ir as ir
 
-from .emit import F32, I1, I8, I32, I64, PTR, VOID, i32, i64
+from ..native.emit import F32, I1, I8, I32, I64, PTR, VOID, i32, i64
 
 W = 16  # lanes
 VF = ir.VectorType(F32, W)

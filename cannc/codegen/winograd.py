@@ -47,7 +47,7 @@ import llvmlite.ir as ir
 import numpy as np
 
 from .conv import VB, VI, ConvGeom, Epilogue, Slots, cdiv, dispatch_time, distinct_splits, rup
-from .emit import F32, I8, i64
+from ..native.emit import F32, I8, i64
 from .vec import VF, VPTR, abi_function
 
 # interpolation points of F(m, 3) (plus the point at infinity)

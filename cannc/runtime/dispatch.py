@@ -28,9 +28,9 @@ import ctypes
 import llvmlite.binding as llvm
 import llvmlite.ir as ir
 
-from ..codegen import emit
-from ..codegen.emit import I32, I64, PTR, VOID, for_range, i64
-from ..codegen.target import default_cache, new_module
+from ..native import emit
+from ..native.emit import I32, I64, PTR, VOID, for_range, i64
+from ..native.target import default_cache, new_module
 
 FLAG_SINGLE_CORE = 1
 RECORD_WORDS = 4

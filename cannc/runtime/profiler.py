@@ -74,8 +74,8 @@ def measure_fma_peak(iters: int = 2_000_000) -> float:
 
     import llvmlite.ir as ir
 
-    from ..codegen import emit
-    from ..codegen.target import JitLibrary, default_cache, new_module
+    from ..native import emit
+    from ..native.target import JitLibrary, default_cache, new_module
 
     m = new_module("fma_peak")
     vt = ir.VectorType(emit.F32, 16)

@@ -21,9 +21,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..codegen.kernel import Kernel
-from ..codegen.target import JitLibrary
-from ..compiler import Specialization
+from ..artifact import Kernel, Specialization
+from ..native.target import JitLibrary
 from . import dispatch
 from .device import Device
 from .memory import ALIGN, Interval, MemoryPlan, align_up, plan

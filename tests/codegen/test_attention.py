@@ -1,7 +1,7 @@
 """Tests of the fused attention kernel generator (cannc/codegen/attention.py).
 
 Every kernel is JIT-compiled for the host CPU through the compiler's own
-pipeline (cannc.codegen.target.jit_kernel) and called through ctypes with the
+pipeline (cannc.native.target.jit_kernel) and called through ctypes with the
 tile range split like two cores would (plus empty ranges), then compared with
 a float64 numpy reference of the unfused graph (matmul, scale, mask, causal,
 softmax, matmul) at rtol 1e-4 / atol 1e-5.
@@ -31,7 +31,7 @@ from cannc.codegen.attention import (
     dense_strides,
     emit_attention,
 )
-from cannc.codegen.target import jit_kernel
+from cannc.native.target import jit_kernel
 from tests.helpers import aligned, run_concurrently, run_splits, tile_ranges
 
 SENTINEL = np.float32(-12345.5)

@@ -1,7 +1,7 @@
 """Tests of the fp32 GEMM kernel generator (cannc/codegen/gemm.py).
 
 Every kernel is JIT-compiled for the host CPU through the compiler's own
-pipeline (cannc.codegen.target.jit_kernel) and called through ctypes with the
+pipeline (cannc.native.target.jit_kernel) and called through ctypes with the
 tile range split like two cores would (plus empty ranges), then compared with
 numpy (float64 reference).
 """
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 from llvmlite import ir
 
-from cannc.codegen import emit
+from cannc.native import emit
 from cannc.codegen.gemm import (
     GEMM_DIMS,
     GemmSpec,
@@ -36,7 +36,7 @@ from cannc.codegen.gemm import (
     prepack_b,
     prepacked_b_size,
 )
-from cannc.codegen.target import KernelFunction, jit_kernel, jit_library
+from cannc.native.target import KernelFunction, jit_kernel, jit_library
 from cannc.codegen.vec import declare
 from tests.helpers import aligned, run_splits
 
@@ -721,7 +721,7 @@ def test_dynamic_plan_and_grid():
 
 @pytest.fixture
 def avx2_host(monkeypatch):
-    from cannc.codegen import target
+    from cannc.native import target
 
     h = target.host()
     monkeypatch.setattr(target, "_host",
@@ -757,7 +757,7 @@ def test_avx2_dynamic_and_code(avx2_host):
     loops no stack slot (the accumulators stay in the 16 ymm registers)."""
     import re
 
-    from cannc.codegen.target import _optimise
+    from cannc.native.target import _optimise
 
     for spec in (GemmSpec(1, 100, 70, b_prepacked=True), GemmSpec(1, 45, 33),
                  GemmSpec(1, 70, 50, b_prepacked=True, bias=True, bias_col_stride=1)):

@@ -1,7 +1,7 @@
 """Accuracy and vectorisation tests of cannc.codegen.vmath.
 
 All kernels are built into one module, optimised and JIT-compiled once
-through the compiler's own pipeline (cannc.codegen.target.jit_library; a
+through the compiler's own pipeline (cannc.native.target.jit_library; a
 module-scoped fixture). Each kernel has the shape
 ``void f(ptr in, [ptr in2,] ptr out, i64 n)``: a ``<16 x T>`` loop and a
 scalar tail, so both the vector and the scalar forms of every function run.
@@ -26,7 +26,7 @@ from llvmlite import ir
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 from cannc.codegen import vmath
-from cannc.codegen.target import jit_library
+from cannc.native.target import jit_library
 from tests.helpers import aligned
 
 PTR = ir.PointerType()

@@ -20,7 +20,7 @@ import cannc
 from cannc import config
 from cannc.codegen import winograd as wg
 from cannc.codegen.conv import ConvGeom, Slots
-from cannc.codegen.target import jit_kernel, new_module
+from cannc.native.target import jit_kernel, new_module
 from tests.helpers import aligned, ort_run, run_splits, single_node_model
 
 RNG = np.random.default_rng(7)

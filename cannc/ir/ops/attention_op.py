@@ -56,8 +56,8 @@ import llvmlite.ir as ir
 import numpy as np
 from onnx import TensorProto
 
-from ...codegen import emit
-from ...codegen.emit import F32, I8, I64, PTR, for_range, i64
+from ...native import emit
+from ...native.emit import F32, I8, I64, PTR, for_range, i64
 from ..graph import Node
 from ..registry import Category, OpDef, register
 

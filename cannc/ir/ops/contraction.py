@@ -20,15 +20,15 @@ import numpy as np
 
 import llvmlite.ir as ir
 
-from ...codegen import emit
+from ...native import emit
 from ...codegen.elementwise import bf16_bits_to_f32, f32_to_bf16_bits, is_bf16
-from ...codegen.emit import for_range, i64
+from ...native.emit import for_range, i64
 from ...codegen.gemm import (GEMM_DIMS, GemmSpec, dynamic_able, dynamic_spec, emit_gemm,
                              gemm_dims, gemm_num_tiles, gemm_plan, gemm_workspace_bytes,
                              prepack_b)
 from ...codegen.kernel import ConstRef, Tiling
-from ...costmodel import gemm_notes
-from ...tuning import gemm_signature, gemm_tuning
+from ...schedule.costmodel import gemm_notes
+from ...schedule.tuning import gemm_signature, gemm_tuning
 from ..graph import Node
 from ..registry import Category, OpDef, register
 from ..types import TensorType

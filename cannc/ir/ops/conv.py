@@ -35,7 +35,7 @@ from ...codegen import winograd
 from ...codegen.conv import (VB, ConvGeom, ConvTGeom, Slots, abi_function, emit_conv,
                              emit_convtranspose, pack_convtranspose_weights, pack_weights,
                              plan_conv, plan_convtranspose, plan_workspace)
-from ...codegen.emit import i64
+from ...native.emit import i64
 from ...codegen.kernel import ConstRef, Tiling
 from ...codegen.pool import WindowSpec, avg_counts_1d, emit_window, plan_window
 from ..registry import Category, OpDef, register

@@ -239,7 +239,7 @@ def _asinh(E: Expr, x: TV, n: Any) -> TV:
 
 
 def emit_copysign(E: Expr, mag: TV, sgn: TV) -> Any:
-    from ...codegen import emit as _emit
+    from ...native import emit as _emit
     return _emit.intrinsic(E.b, "llvm.copysign", [mag.v, sgn.v])
 
 

@@ -18,11 +18,11 @@ from typing import Any, Sequence
 import llvmlite.ir as ir
 import numpy as np
 
-from ...codegen import emit
+from ...native import emit
 from ...codegen.elementwise import TV, Expr, emit_map, map_tiling
 from ...codegen.gemm import GEMM_DIMS, emit_gemm
-from ...costmodel import attention_notes
-from ...tuning import gemm_tuning
+from ...schedule.costmodel import attention_notes
+from ...schedule.tuning import gemm_tuning
 from ..graph import Node
 from ..registry import Category, OpDef, lookup, register
 from ..types import TensorType
@@ -456,7 +456,7 @@ def _fused_attention_tiling(node: Node, in_types: list, out_types: list) -> Any:
     other strides are runtime dims (codegen.attention.attention_tiling)."""
     from ...codegen.attention import attention_plan, attention_tiling
     from ...codegen.kernel import Tiling
-    from ...costmodel import attention_record, describe
+    from ...schedule.costmodel import attention_record, describe
 
     spec = node.attrs["spec"]
     t = attention_tiling(spec)

@@ -18,9 +18,9 @@ from typing import Any, Sequence
 import llvmlite.ir as ir
 import numpy as np
 
-from ...codegen import emit
+from ...native import emit
 from ...codegen.elementwise import TV, Expr, load_tv, store_tv
-from ...codegen.emit import I64, for_range, i64
+from ...native.emit import I64, for_range, i64
 from ...errors import UnsupportedOpError
 from ..graph import Node
 from ..registry import Category, OpDef, register

@@ -21,8 +21,8 @@ from typing import Any, Sequence
 import llvmlite.ir as ir
 import numpy as np
 
-from ...codegen import emit
-from ...codegen.emit import I64, for_range, i64
+from ...native import emit
+from ...native.emit import I64, for_range, i64
 from ...codegen.movement import (
     SMALL_ELEMS, UNIT_ELEMS, Piece, add, as_val, bits_of, broadcast_strides, cdiv, const_fill, const_table,
     contiguous_strides, copy_row, decode, emit_pieces, emit_rows, emit_table_rows, fill_row,

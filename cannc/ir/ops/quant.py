@@ -22,9 +22,9 @@ from typing import Any, Sequence
 import llvmlite.ir as ir
 import numpy as np
 
-from ...codegen import emit
+from ...native import emit
 from ...codegen.elementwise import TV, Expr, emit_map
-from ...codegen.emit import for_range, i64
+from ...native.emit import for_range, i64
 from ...errors import UnsupportedOpError
 from ..graph import Node
 from ..registry import Category, OpDef, register

@@ -16,8 +16,9 @@ from typing import Any, Callable
 import llvmlite.ir as ir
 import numpy as np
 
-from ...codegen import emit, vmath
-from ...codegen.emit import F32, I64, for_range, i64
+from ...native import emit
+from ...codegen import vmath
+from ...native.emit import F32, I64, for_range, i64
 from ..graph import Node
 from ..registry import Category, OpDef, register
 

@@ -1,10 +1,9 @@
-"""The compiler driver: the pipeline as one readable list, and specialisation.
+"""Lowering a specialised graph: one kernel per node, through the lowering memo.
 
-A model is imported once (symbolic shapes kept). For each set of concrete
-input shapes the graph is specialised: the passes below run, every remaining
-node is lowered to a native kernel, the kernels are compiled (through the
-object cache) and the memory is planned. Specialisations are cached by input
-shapes, so a model with dynamic batch and sequence compiles once per size.
+A node whose signature the memo holds is not lowered again: its constant
+recipes are replayed on this graph's weights; otherwise its lowering (registered
+onto the op by codegen) fills an LLVM module, which is compiled through the
+object cache.
 """
 
 from __future__ import annotations
@@ -12,132 +11,21 @@ from __future__ import annotations
 import os
 import pickle
 import threading
-import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from . import costmodel
-from .codegen import target
-from .codegen.kernel import ConstRef, Kernel, LowerCtx, Tiling, apply_recipe, finish
-from .codegen.memo import (LoweringMemo, MemoEntry, baked_key, default_memo,
-                           node_key)
-from .codegen.memo import salt as memo_salt
-from .codegen.target import ObjectCache, default_cache
-from .errors import CanncError, CompileError, UnsupportedOpError
-from .ir.graph import Graph, Node
-from .ir.registry import Category, OpDef, lookup
-from .passes import fold, fusion, legalize, patterns  # noqa: F401  (registers passes)
-from .passes.manager import PassManager
-
-# The optimisation pipelines, by name. Each entry is one named pass.
-PIPELINES: dict[str, list[str]] = {
-    "O0": [
-        "infer_and_fold",             # bind shapes: every value gets a concrete type; fold
-        "dce",                        # drop what no output needs (e.g. folded shape chains)
-        "legalize_matmul_broadcast",  # partial batch broadcasts -> Expand + batched GEMM
-        "legalize_attention",         # Attention: KV cache -> Concat, float16/bfloat16 -> float32
-    ],
-    "O1": [
-        "infer_and_fold",
-        "dce",
-        "remove_identities",          # Identity / inference Dropout: read the source directly
-        "legalize_matmul_broadcast",
-        "legalize_attention",
-        "fold_conv_bn",               # BatchNormalization after Conv folded into its weights
-        "fuse_layernorm",             # decomposed LayerNorm (older exporters) -> one op
-        "fuse_attention",             # QKᵀ/scale/mask/Softmax/·V (+ head transposes) -> one op
-        "fusion",                     # one kernel per elementwise chain / GEMM + epilogue
-    ],
-}
-DEFAULT_PIPELINE = "O1"
-
-
-@dataclass
-class CompileOptions:
-    pipeline: str = DEFAULT_PIPELINE
-    dump_after: set[str] = field(default_factory=set)
-    cache: ObjectCache | None = None
-    fusion: bool | dict[str, bool] = True     # False, or per-rule switches
-
-
-@dataclass
-class Specialization:
-    graph: Graph
-    kernels: list[Kernel]
-    aliases: dict[str, str]               # value -> the value whose buffer it shares
-    constants: dict[str, np.ndarray]      # every constant a kernel or output reads
-    objects: dict[str, bytes]             # symbol -> object code
-    pass_records: list[Any]
-    dumps: dict[str, str]
-    compile_seconds: float
-    cache_hits: int
-    cache_misses: int
-
-
-def unknown_ops(graph: Graph) -> list[tuple[str, str, str, int, str]]:
-    """Nodes whose op cannc does not know at all (checked before any pass runs, so
-    that every one of them is reported, not the first that a pass trips on)."""
-    out = []
-    for n in graph.nodes():
-        if lookup(n.op_type, n.domain) is None:
-            out.append((n.name, n.op_type, n.domain, n.opset, "no such op in cannc's registry"))
-    return out
-
-
-def support_problems(graph: Graph) -> list[tuple[str, str, str, int, str]]:
-    problems = []
-    for n in graph.nodes():
-        reason = node_support(graph, n)
-        if reason:
-            problems.append((n.name, n.op_type, n.domain, n.opset, reason))
-    return problems
-
-
-def node_support(graph: Graph, n: Node) -> str | None:
-    op = lookup(n.op_type, n.domain)
-    if op is None:
-        return "no such op in cannc's registry"
-    if n.opset < op.min_opset:
-        return f"opset {n.opset} is older than supported ({op.min_opset})"
-    ins = [graph.values.get(v) if v else None for v in n.inputs]
-    outs = [graph.values.get(v) for v in n.outputs if v]
-    return op.unsupported_reason(n, ins, [o for o in outs if o is not None])
-
-
-def specialize(base: Graph, shapes: dict[str, tuple[int, ...]],
-               options: CompileOptions,
-               values: dict[str, np.ndarray] | None = None) -> Specialization:
-    """Compile `base` for concrete input shapes; inputs in `values` become constants
-    (value specialisation, for inputs that decide shapes)."""
-    t0 = time.perf_counter()
-    if options.pipeline not in PIPELINES:
-        raise CompileError(f"unknown pipeline {options.pipeline!r}; "
-                           f"choose one of {', '.join(PIPELINES)}")
-    unknown = unknown_ops(base)
-    if unknown:
-        raise UnsupportedOpError(unknown)
-    g = base.copy()
-    fold.bind_input_shapes(g, shapes)
-    g.meta["fusion"] = options.fusion
-    for name, value in (values or {}).items():
-        g.inputs.remove(name)
-        g.set_constant(name, np.asarray(value))
-    pm = PassManager(PIPELINES[options.pipeline], dump_after=set(options.dump_after))
-    pm.run(g)
-    problems = support_problems(g)
-    if problems:
-        raise UnsupportedOpError(problems)
-    cache = options.cache or default_cache()
-    h0, m0 = cache.hits, cache.misses
-    kernels, aliases, constants, modules, objects = lower_graph(g, cache)
-    objects.update(compile_modules(modules, cache))
-    costmodel.annotate(kernels)  # notes['predicted_us'], notes['tiling'] (usable cores)
-    return Specialization(g, kernels, aliases, constants, objects, pm.records, pm.dumps,
-                          time.perf_counter() - t0, cache.hits - h0, cache.misses - m0)
+from ..artifact import Kernel, Tiling
+from ..codegen.kernel import ConstRef, LowerCtx, apply_recipe, finish
+from ..codegen.memo import LoweringMemo, MemoEntry, baked_key, default_memo, node_key
+from ..codegen.memo import salt as memo_salt
+from ..errors import CanncError, CompileError
+from ..ir.graph import Graph, Node
+from ..ir.registry import Category, OpDef, lookup
+from ..native import target
+from ..native.target import ObjectCache, default_cache
 
 
 def lower_graph(g: Graph, cache: ObjectCache | None = None, memo: LoweringMemo | None = None

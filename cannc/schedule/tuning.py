@@ -29,7 +29,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from . import config
+from .. import config
 
 FORMAT = "cannc-tuning"
 FORMAT_VERSION = 1
@@ -64,7 +64,7 @@ def _cpuinfo_model() -> str:
 def cpu_identity() -> dict[str, str]:
     """This CPU as the cache keys it: LLVM's host CPU name, /proc/cpuinfo's model name and a
     hash of the host target's features (what the generated code is compiled for)."""
-    from .codegen.target import host
+    from ..native.target import host
 
     h = host()
     feats = hashlib.sha256(f"{h.triple}|{h.features}".encode()).hexdigest()[:16]
@@ -72,7 +72,7 @@ def cpu_identity() -> dict[str, str]:
 
 
 def _version() -> str:
-    from . import __version__
+    from .._version import __version__
 
     return __version__
 
@@ -283,7 +283,7 @@ def gemm_signature(spec: Any, epilogue: bool = False) -> dict[str, Any]:
 
 def gemm_spec_of(signature: dict[str, Any]) -> Any:
     """The GemmSpec a gemm signature stands for (alpha = beta = 1)."""
-    from .codegen.gemm import GemmSpec
+    from ..codegen.gemm import GemmSpec
 
     return GemmSpec(**{k: v for k, v in signature.items() if k != "epilogue"})
 
@@ -294,7 +294,7 @@ def gemm_tuning(spec: Any, epilogue: bool = False) -> dict[str, Any] | None:
     tun = lookup("gemm", gemm_signature(spec, epilogue))
     if tun is None:
         return None
-    from .codegen.gemm import gemm_plan
+    from ..codegen.gemm import gemm_plan
 
     try:
         gemm_plan(spec, tun)
@@ -314,7 +314,7 @@ def gemm_candidates(spec: Any, cores: int) -> list[dict[str, Any]]:
     tile grid (ranked by the cost model for `cores` cores), K blocking, the micro-tile,
     A packing and the B access mode, interleaved so that a short budget tries each kind.
     Tunings that plan the same as the default (or as an earlier candidate) are dropped."""
-    from .codegen.gemm import _cdiv, _distinct_splits, _dot_able, gemm_plan
+    from ..codegen.gemm import _cdiv, _distinct_splits, _dot_able, gemm_plan
     from .costmodel import gemm_record, predict_gemm_us
 
     p0 = gemm_plan(spec)
@@ -373,8 +373,8 @@ class GemmBench:
     def __init__(self, spec: Any, cores: int, seed: int = 0) -> None:
         import numpy as np
 
-        from .codegen.gemm import prepack_b
-        from .runtime.device import aligned_empty
+        from ..codegen.gemm import prepack_b
+        from ..runtime.device import aligned_empty
 
         self.spec, self.cores = spec, max(1, int(cores))
         rng = np.random.default_rng(seed)
@@ -407,9 +407,9 @@ class GemmBench:
         """(kernel, tiles, workspace) of the plan `tuning` (None: the default plan)."""
         import ctypes
 
-        from .codegen.gemm import emit_gemm, gemm_plan
-        from .codegen.target import jit_kernel, new_module
-        from .runtime.device import aligned_empty
+        from ..codegen.gemm import emit_gemm, gemm_plan
+        from ..native.target import jit_kernel, new_module
+        from ..runtime.device import aligned_empty
 
         plan = gemm_plan(self.spec, tuning)
         m = new_module("tune")

@@ -152,12 +152,12 @@ def _fma_units(cpu: str, vector_bits: int) -> int:
 def _measured_peaks() -> dict[str, float] | None:
     """The profiler's measured peaks, if it measured them in this process or cached them."""
     try:
-        from .runtime import profiler
+        from ..runtime import profiler
     except Exception:  # noqa: BLE001  # pragma: no cover - the model works without it
         return None
     if profiler._peaks is not None:
         return profiler._peaks
-    from . import config
+    from .. import config
 
     d = config.cache_dir()
     if d is None:
@@ -179,8 +179,8 @@ def cpu_model() -> CpuModel:
 
 @lru_cache(maxsize=4)
 def _cpu_model(peak: float | None, mem: float | None) -> CpuModel:
-    from .codegen.target import host
-    from .runtime.device import usable_cores
+    from ..native.target import host
+    from ..runtime.device import usable_cores
     from .tuning import cpu_identity
 
     h = host()
@@ -209,7 +209,7 @@ def _cpu_model(peak: float | None, mem: float | None) -> CpuModel:
 def gemm_record(spec: Any, tuning: dict[str, Any] | None = None,
                 epilogue: bool = False) -> dict[str, Any]:
     """The plan of a GEMM as a plain dict (kernel.notes['plan'])."""
-    from .codegen.gemm import gemm_plan
+    from ..codegen.gemm import gemm_plan
     from .tuning import gemm_signature
 
     p = gemm_plan(spec, tuning)
@@ -238,7 +238,7 @@ def attention_record(spec: Any, plan: Any, tuning: dict[str, Any] | None = None
 
 
 def attention_notes(spec: Any, tuning: dict[str, Any] | None = None) -> dict[str, Any]:
-    from .codegen.attention import attention_plan
+    from ..codegen.attention import attention_plan
 
     rec = attention_record(spec, attention_plan(spec, tuning), tuning)
     return {"plan": rec, "tiling": describe(rec)}
@@ -302,7 +302,7 @@ def _gemm_units(rec: dict[str, Any], cores: int) -> float:
     (codegen.gemm._grid_cost: the even split of the tiles, packing, per-block overhead)
     but with columns padded to one vector, not to the micro-tile: the micro-kernel skips
     vectors that are wholly past N."""
-    from .codegen.gemm import _groups, _rup, _split_even
+    from ..codegen.gemm import _groups, _rup, _split_even
 
     M, N, K = rec["M"], rec["N"], rec["K"]
     MR, NR, MB, NB = rec["MR"], rec["NR"], rec["MB"], rec["NB"]

@@ -1,0 +1,89 @@
+"""The compiler driver: the pipeline as one readable list, and specialisation.
+
+A model is imported once (symbolic shapes kept). For each set of concrete
+input shapes the graph is specialised: the passes below run, every remaining
+node is lowered to a native kernel, the kernels are compiled (through the
+object cache) and the memory is planned. Specialisations are cached by input
+shapes, so a model with dynamic batch and sequence compiles once per size.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..artifact import Specialization
+from ..errors import CompileError, UnsupportedOpError
+from ..ir.graph import Graph
+from ..native.target import ObjectCache, default_cache
+from ..passes import fold, fusion, legalize, patterns  # noqa: F401  (registers passes)
+from ..passes.manager import PassManager
+from ..schedule import costmodel
+from .lowering import compile_modules, lower_graph
+from .support import support_problems, unknown_ops
+
+# The optimisation pipelines, by name. Each entry is one named pass.
+PIPELINES: dict[str, list[str]] = {
+    "O0": [
+        "infer_and_fold",             # bind shapes: every value gets a concrete type; fold
+        "dce",                        # drop what no output needs (e.g. folded shape chains)
+        "legalize_matmul_broadcast",  # partial batch broadcasts -> Expand + batched GEMM
+        "legalize_attention",         # Attention: KV cache -> Concat, float16/bfloat16 -> float32
+    ],
+    "O1": [
+        "infer_and_fold",
+        "dce",
+        "remove_identities",          # Identity / inference Dropout: read the source directly
+        "legalize_matmul_broadcast",
+        "legalize_attention",
+        "fold_conv_bn",               # BatchNormalization after Conv folded into its weights
+        "fuse_layernorm",             # decomposed LayerNorm (older exporters) -> one op
+        "fuse_attention",             # QKᵀ/scale/mask/Softmax/·V (+ head transposes) -> one op
+        "fusion",                     # one kernel per elementwise chain / GEMM + epilogue
+    ],
+}
+DEFAULT_PIPELINE = "O1"
+
+
+@dataclass
+class CompileOptions:
+    pipeline: str = DEFAULT_PIPELINE
+    dump_after: set[str] = field(default_factory=set)
+    cache: ObjectCache | None = None
+    fusion: bool | dict[str, bool] = True     # False, or per-rule switches
+
+
+def specialize(base: Graph, shapes: dict[str, tuple[int, ...]],
+               options: CompileOptions,
+               values: dict[str, np.ndarray] | None = None) -> Specialization:
+    """Compile `base` for concrete input shapes; inputs in `values` become constants
+    (value specialisation, for inputs that decide shapes)."""
+    t0 = time.perf_counter()
+    if options.pipeline not in PIPELINES:
+        raise CompileError(f"unknown pipeline {options.pipeline!r}; "
+                           f"choose one of {', '.join(PIPELINES)}")
+    unknown = unknown_ops(base)
+    if unknown:
+        raise UnsupportedOpError(unknown)
+    g = base.copy()
+    fold.bind_input_shapes(g, shapes)
+    g.meta["fusion"] = options.fusion
+    for name, value in (values or {}).items():
+        g.inputs.remove(name)
+        g.set_constant(name, np.asarray(value))
+    pm = PassManager(PIPELINES[options.pipeline], dump_after=set(options.dump_after))
+    pm.run(g)
+    problems = support_problems(g)
+    if problems:
+        raise UnsupportedOpError(problems)
+    cache = options.cache or default_cache()
+    h0, m0 = cache.hits, cache.misses
+    kernels, aliases, constants, modules, objects = lower_graph(g, cache)
+    objects.update(compile_modules(modules, cache))
+    costmodel.annotate(kernels)  # notes['predicted_us'], notes['tiling'] (usable cores)
+    return Specialization(g, kernels, aliases, constants, objects, pm.records, pm.dumps,
+                          time.perf_counter() - t0, cache.hits - h0, cache.misses - m0)
+
+
