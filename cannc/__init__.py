@@ -28,7 +28,7 @@ def compile(model: Any, **options: Any) -> Session:
 
 def supported_ops() -> list[dict[str, Any]]:
     """The table of supported ops: name, domain, category, dtypes, whether it fuses."""
-    from .ir.registry import all_ops
+    from .ir.ops import all_ops
 
     return [{"op": o.name, "domain": o.domain or "ai.onnx", "category": o.category.value,
              "min_opset": o.min_opset, "dtypes": sorted(o.dtypes) if o.dtypes else "any",

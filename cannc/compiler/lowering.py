@@ -18,12 +18,14 @@ from typing import Any
 import numpy as np
 
 from ..artifact import Kernel, Tiling
+from ..codegen.lower import Lowering, lowering_for
 from ..codegen.kernel import ConstRef, LowerCtx, apply_recipe, finish
 from ..codegen.memo import LoweringMemo, MemoEntry, baked_key, default_memo, node_key
 from ..codegen.memo import salt as memo_salt
 from ..errors import CanncError, CompileError
 from ..ir.graph import Graph, Node
-from ..ir.registry import Category, OpDef, lookup
+from ..ir.ops import lookup
+from ..ir.registry import Category, OpDef
 from ..native import target
 from ..native.target import ObjectCache, default_cache
 
@@ -84,14 +86,17 @@ class _Lowering:
         in_types = [g.values[v] if v else None for v in n.inputs]
         out_types = [g.values[v] for v in n.outputs if v]
         consts = [g.constants.get(root(v)) if v else None for v in n.inputs]
-        tiling = op.tiling(n, in_types, out_types) if op.tiling is not None else None
+        lowering = lowering_for(op)
+        if lowering is None:
+            raise CompileError(f"no native lowering of {n.op_type} (node '{n.name}')")
+        tiling = lowering.tiling(n, in_types, out_types) if lowering.tiling is not None else None
         key = node_key(n, in_types, out_types, consts, tiling.key if tiling else None, self.salt,
-                       tuple(op.extra.get("tiling_attrs", ())))
+                       op.tiling_attrs or tuple(op.extra.get("tiling_attrs", ())))
         entry = self._lookup(key, consts)
         if entry is None:
             with _counts_lock:
                 _lowerings += 1
-            entry = self._lower(n, op, in_types, out_types, consts, tiling, key)
+            entry = self._lower(n, op, lowering, in_types, out_types, consts, tiling, key)
         new_consts = {i: _replay(fn, args, consts) for i, (fn, args) in entry.recipes.items()}
         inputs = []
         for i, v in enumerate(n.inputs):
@@ -123,8 +128,10 @@ class _Lowering:
                       dims=tuple(int(d) for d in tiling.dims) if tiling else (),
                       shape_polymorphic=tiling is not None,
                       # maps read and write element i together: an output may overwrite an input
-                      inplace=op.category in (Category.ELEMENTWISE, Category.BROADCAST)
-                      and (op.name == "FusedMap" or "expr" in op.extra))
+                      inplace=op.inplace or (op.category in (Category.ELEMENTWISE,
+                                                              Category.BROADCAST)
+                                             # TRANSITIONAL: until the fields are typed
+                                             and (op.name == "FusedMap" or "expr" in op.extra)))
 
     def _lookup(self, key: str, consts: list[np.ndarray | None]) -> MemoEntry | None:
         e = self.memo.get(key)
@@ -140,14 +147,13 @@ class _Lowering:
             self.objects[e.symbol] = obj
         return e
 
-    def _lower(self, n: Node, op: OpDef, in_types: list, out_types: list,
+    def _lower(self, n: Node, op: OpDef, lowering: Lowering, in_types: list, out_types: list,
                consts: list[np.ndarray | None], tiling: Tiling | None, key: str) -> MemoEntry:
         ctx = LowerCtx(n, in_types, out_types, consts)
         ctx.opdef = op  # type: ignore[attr-defined]
         ctx.tiling = tiling
         try:
-            assert op.lower is not None
-            op.lower(ctx)
+            lowering.lower(ctx)
         except CanncError:
             raise
         except Exception as e:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ..ir.graph import Graph, Node
-from ..ir.registry import lookup
+from ..codegen.lower import lowering_for
+from ..ir.ops import lookup
 
 
 def unknown_ops(graph: Graph) -> list[tuple[str, str, str, int, str]]:
@@ -31,6 +32,8 @@ def node_support(graph: Graph, n: Node) -> str | None:
         return "no such op in cannc's registry"
     if n.opset < op.min_opset:
         return f"opset {n.opset} is older than supported ({op.min_opset})"
+    if op.needs_kernel and lowering_for(op) is None:
+        return "no native lowering yet"
     ins = [graph.values.get(v) if v else None for v in n.inputs]
     outs = [graph.values.get(v) for v in n.outputs if v]
-    return op.unsupported_reason(n, ins, [o for o in outs if o is not None])
+    return op.schema_reason(n, ins, [o for o in outs if o is not None])

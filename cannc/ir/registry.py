@@ -1,24 +1,27 @@
-"""The op registry: each op is defined once, here and in the op-family modules.
+"""The op registry: what each op IS, defined once in the op-family modules.
 
 An OpDef gathers what every layer needs to know about an op: its fusion
 category, which dtypes and opset versions it supports, its type/shape inference
 (defaulting to ONNX's own per-node inference, so each opset version is read
 with its own semantics), its NumPy reference (defaulting to onnx.reference, used
-by the constant folder and the tests, never by compiled code), and its lowering
-to a native kernel. Passes and codegen ask the registry; they never branch on
+by the constant folder and the tests, never by compiled code), and its fusion
+attributes as typed fields. How an op is lowered to native code is not here:
+lowerings live in `cannc.codegen.lower` and register themselves onto the op by
+name. Passes, the compiler and the faces ask the registry; they never branch on
 op names.
+
+This module imports nothing from codegen, runtime, passes or the compiler.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 if TYPE_CHECKING:
-    from ..codegen.kernel import LowerCtx
     from .graph import Node
     from .types import TensorType
 
@@ -34,33 +37,78 @@ class Category(str, Enum):
     SHAPE = "shape"               # computes shapes only; always constant once shapes are known
 
 
+MAP_CATEGORIES = (Category.ELEMENTWISE, Category.BROADCAST)
+
 CheckFn = Callable[["Node", list["TensorType"], list["TensorType"]], "str | None"]
-LowerFn = Callable[["LowerCtx"], None]
+FlopsFn = Callable[["Node", list["TensorType"], list["TensorType"]], int]
+# An elementwise op's scalar semantics: expr(E, node_view, operands) -> results, written
+# against the expression-builder protocol that codegen implements (ir/expr.py); operands
+# sit at their input positions (None for absent optional inputs).
+ExprFn = Callable[[Any, Any, Sequence[Any]], Sequence[Any]]
+# Type/shape inference where ONNX has none: (node, input types) -> output types.
+InferFn = Callable[["Node", list["TensorType | None"]], list["TensorType"]]
+# Shape ops: outputs computed from input *types* alone, once shapes are known.
+FoldFn = Callable[["Node", list["TensorType | None"]], list[np.ndarray]]
+# Epilogue operand check: (operand type, output shape, node) -> reason it cannot be read
+# inside the fused kernel, or None.
+OperandCheck = Callable[["TensorType", tuple[int, ...], "Node"], "str | None"]
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """How a contraction (or a row op) takes neighbouring elementwise groups into its kernel.
+
+    ``rule`` is the fusion switch that governs it (`cannc.compile(fusion={rule: False})`),
+    ``fused_op`` the op (in the ``cannc`` domain) that the pair becomes, ``operand`` the
+    check of every extra operand the group reads."""
+
+    rule: str
+    fused_op: str
+    operand: OperandCheck | None = None
 
 
 @dataclass
 class OpDef:
     name: str
     category: Category
-    lower: LowerFn | None = None
     domain: str = ""
     min_opset: int = 1
     dtypes: frozenset[str] | None = None      # supported input dtypes (None = any)
     check: CheckFn | None = None              # extra support check, returns a reason or None
-    flops: Callable[["Node", list["TensorType"], list["TensorType"]], int] | None = None
+    flops: FlopsFn | None = None
     reference: Callable[..., list[np.ndarray]] | None = None
     fusible: bool = False
     doc: str = ""
+    # -- typed per-op behaviour (what passes, the compiler and the faces ask) ------------
+    expr: ExprFn | None = None                # elementwise semantics (maps and fusion)
+    flops_per_elem: int = 1                   # of `expr`, per output element
+    infer: InferFn | None = None              # inference where ONNX's own has none
+    fold: FoldFn | None = None                # SHAPE ops: outputs from input types
+    value_inputs: tuple[int, ...] = ()        # inputs whose *value* decides output shapes
+    tiling_attrs: tuple[str, ...] = ()        # attributes a tiling key depends on (memo key)
+    inplace: bool = False                     # an output may overwrite a same-shaped input
+    forwards_input: Callable[["Node"], bool] | None = None  # node is an identity on input 0
+    deterministic: bool = True                # False: never constant-folded (random ops)
+    epilogue: Fusion | None = None            # contraction taking an elementwise epilogue
+    prologue: Fusion | None = None            # row op computing its producers inside it
+    fused_from: tuple[str, ...] = ()          # cannc-domain ops: what they fuse (docs)
+    # -- TRANSITIONAL (issue 10): removed once every family has moved its lowering to
+    # codegen/lower and its hooks to the typed fields above ------------------------------
+    lower: Callable[[Any], None] | None = None
+    tiling: Callable[..., Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-    # host tiling function of a shape-polymorphic lowering: (node, in_types,
-    # out_types) -> codegen.kernel.Tiling, or None where that shape is emitted
-    # statically (see codegen/ABI.md "Runtime dimensions")
-    tiling: Callable[["Node", list["TensorType | None"], list["TensorType"]], Any] | None = None
 
     def unsupported_reason(self, node: "Node", ins: list["TensorType"],
                            outs: list["TensorType"]) -> str | None:
-        if self.lower is None and self.category not in (Category.VIEW, Category.SHAPE):
+        """TRANSITIONAL: the old support check (schema + "has a lowering")."""
+        if self.lower is None and self.needs_kernel:
             return "no native lowering yet"
+        return self.schema_reason(node, ins, outs)
+
+    def schema_reason(self, node: "Node", ins: list["TensorType"],
+                      outs: list["TensorType"]) -> str | None:
+        """Why this op's definition rejects the node (dtypes, opset, attributes), or None.
+        Whether a native lowering exists is codegen's to say (`codegen.lower.lowering_for`)."""
         if self.dtypes is not None:
             for t in ins + outs:
                 if t is not None and np.dtype(t.dtype).name not in self.dtypes:
@@ -70,6 +118,11 @@ class OpDef:
             return self.check(node, ins, outs)
         return None
 
+    @property
+    def needs_kernel(self) -> bool:
+        """Views alias their input and shape ops fold away: neither is ever lowered."""
+        return self.category not in (Category.VIEW, Category.SHAPE)
+
 
 _REGISTRY: dict[tuple[str, str], OpDef] = {}
 
@@ -77,15 +130,29 @@ _REGISTRY: dict[tuple[str, str], OpDef] = {}
 def register(op: OpDef) -> OpDef:
     key = (op.domain, op.name)
     if key in _REGISTRY:
-        raise ValueError(f"op {op.name} registered twice")
+        raise ValueError(f"op {op.domain + '::' if op.domain else ''}{op.name} registered twice")
+    if op.expr is not None and op.category in MAP_CATEGORIES:
+        op.inplace = True      # maps read and write element i together
     _REGISTRY[key] = op
     return op
 
 
-def defop(name: str, category: Category, **kw: Any) -> Callable[[LowerFn], LowerFn]:
-    """Decorator form: `@defop("Relu", Category.ELEMENTWISE)` over the lowering."""
+def registered(op_type: str, domain: str = "") -> OpDef | None:
+    """The op as registered so far. Use `cannc.ir.ops.lookup`, which loads every family
+    first; this raw form is for the family modules themselves."""
+    if domain in ("ai.onnx",):
+        domain = ""
+    return _REGISTRY.get((domain, op_type))
 
-    def deco(fn: LowerFn) -> LowerFn:
+
+def registered_ops() -> list[OpDef]:
+    return sorted(_REGISTRY.values(), key=lambda o: (o.domain, o.name))
+
+
+def defop(name: str, category: Category, **kw: Any) -> Callable[[Any], Any]:
+    """TRANSITIONAL decorator form over a lowering."""
+
+    def deco(fn: Any) -> Any:
         register(OpDef(name=name, category=category, lower=fn, **kw))
         return fn
 
@@ -93,23 +160,12 @@ def defop(name: str, category: Category, **kw: Any) -> Callable[[LowerFn], Lower
 
 
 def lookup(op_type: str, domain: str = "") -> OpDef | None:
-    _load_ops()
-    if domain in ("ai.onnx",):
-        domain = ""
-    return _REGISTRY.get((domain, op_type))
+    """TRANSITIONAL: use cannc.ir.ops.lookup."""
+    from . import ops
+    return ops.lookup(op_type, domain)
 
 
 def all_ops() -> list[OpDef]:
-    _load_ops()
-    return sorted(_REGISTRY.values(), key=lambda o: (o.domain, o.name))
-
-
-_loaded = False
-
-
-def _load_ops() -> None:
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    from . import ops  # noqa: F401  (registers every op family)
+    """TRANSITIONAL: use cannc.ir.ops.all_ops."""
+    from . import ops
+    return ops.all_ops()

@@ -17,7 +17,8 @@ from onnx import helper, numpy_helper
 
 from ..errors import ModelError, ShapeError
 from ..ir.graph import Graph, Node
-from ..ir.registry import Category, lookup
+from ..ir.ops import lookup
+from ..ir.registry import Category
 from ..ir.types import NP_TO_ONNX, TensorType, np_dtype
 from .manager import graph_pass
 

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from ..ir.graph import Graph, Node
-from ..ir.registry import Category, lookup
+from ..ir.ops import lookup
+from ..ir.registry import Category
 from ..ir.types import TensorType
 from .manager import graph_pass
 

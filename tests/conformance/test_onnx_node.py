@@ -17,7 +17,7 @@ from onnx import numpy_helper
 from onnx.backend.test.case import node as node_cases
 
 import cannc.backend as backend
-from cannc.ir.registry import lookup
+from cannc.ir.ops import lookup
 
 # case name -> reason; the text before the first ':' is the reason's category
 # (tests/conformance/report.py counts them). Regenerate the counts with

@@ -10,7 +10,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from cannc.ir.registry import lookup
+from cannc.ir.ops import lookup
 from tests.helpers import (
     assert_matches_ort,
     check_runtime_dims,

@@ -1,0 +1,28 @@
+"""Lowerings: how each op becomes native code, registered onto the op by name.
+
+An op is defined in `cannc.ir.ops.<family>` (what it is); its lowering lives in
+`cannc.codegen.lower.<family>` (how it becomes code) and registers itself with
+`base.register_lowering`. `lowering_for(op)` is how the compiler and the
+support report find it: the lowering registered under the op's (domain, name),
+else the shared map lowering for any elementwise op that defines an `expr`
+(so a new elementwise op needs no lowering of its own).
+"""
+
+from __future__ import annotations
+
+from ...ir.registry import OpDef
+from .base import Lowering, register_lowering, registered_lowering
+
+# every lowering module, one per op family (importing one registers its lowerings)
+# (families move here from cannc/ir/ops one at a time: issue 10)
+
+
+def lowering_for(op: OpDef) -> Lowering | None:
+    """The native lowering of `op`, or None where cannc has none."""
+    found = registered_lowering(op)
+    if found is None and op.lower is not None:      # TRANSITIONAL: a family not yet moved
+        found = Lowering(op.lower, op.tiling)
+    return found
+
+
+__all__ = ["Lowering", "lowering_for", "register_lowering"]
