@@ -11,6 +11,9 @@
 Every cannc.CanncError is reported as `error: <message>` on stderr with exit code 2
 (`--debug` adds the traceback). `run --check` exits 1 when an output differs from
 onnxruntime, `check` exits 1 when a node cannot be compiled.
+
+This module parses and prints; the reports are the library's (`cannc.check` /
+`cannc.compiler.report`, `Session.inspect` / `cannc.compiler.inspect`).
 """
 
 from __future__ import annotations
