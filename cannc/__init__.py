@@ -6,14 +6,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
-from ._version import __version__  # noqa: E402
-from .errors import (  # noqa: E402
+from ._version import __version__
+from .compiler.pipeline import DEFAULT_PIPELINE
+from .compiler.report import NodeSupport, SupportReport, support_report
+from .compiler.support import supported_ops
+from .errors import (
     CacheError, CanncError, CompileError, InputError, ModelError, ShapeError,
     UnsupportedOpError,
 )
-from .session import NodeArg, Session, load  # noqa: E402
+from .session import NodeArg, Session, load
 
 
 def compile(model: Any, **options: Any) -> Session:
@@ -26,15 +29,16 @@ def compile(model: Any, **options: Any) -> Session:
     return Session(model, **options)
 
 
-def supported_ops() -> list[dict[str, Any]]:
-    """The table of supported ops: name, domain, category, dtypes, whether it fuses."""
-    from .ir.ops import all_ops
+def check(model: Any, shapes: dict[str, Sequence[int]] | None = None,
+          pipeline: str = DEFAULT_PIPELINE) -> SupportReport:
+    """Before compiling: every node of the model (a path, bytes, onnx.ModelProto or
+    ir.Graph), supported or not, with op, domain, opset, input dtypes and the reason.
+    `.supported` says whether the whole model compiles; `.to_dict()` is what
+    `cannc check --json` prints. Shapes not given: symbolic dims are 1."""
+    given = {n: tuple(int(d) for d in s) for n, s in (shapes or {}).items()}
+    return support_report(model, given, pipeline)
 
-    return [{"op": o.name, "domain": o.domain or "ai.onnx", "category": o.category.value,
-             "min_opset": o.min_opset, "dtypes": sorted(o.dtypes) if o.dtypes else "any",
-             "fusible": o.fusible} for o in all_ops()]
 
-
-__all__ = ["compile", "load", "Session", "NodeArg", "supported_ops", "CanncError",
-           "ModelError", "UnsupportedOpError", "InputError", "ShapeError", "CompileError",
-           "CacheError", "__version__"]
+__all__ = ["compile", "load", "check", "Session", "NodeArg", "SupportReport", "NodeSupport",
+           "supported_ops", "CanncError", "ModelError", "UnsupportedOpError", "InputError",
+           "ShapeError", "CompileError", "CacheError", "__version__"]

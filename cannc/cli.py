@@ -11,13 +11,15 @@
 Every cannc.CanncError is reported as `error: <message>` on stderr with exit code 2
 (`--debug` adds the traceback). `run --check` exits 1 when an output differs from
 onnxruntime, `check` exits 1 when a node cannot be compiled.
+
+This module parses and prints; the reports are the library's (`cannc.check` /
+`cannc.compiler.report`, `Session.inspect` / `cannc.compiler.inspect`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import sys
@@ -32,9 +34,18 @@ import numpy as np
 
 from . import config
 from ._version import __version__
+from .compiler.inspect import annotate_profile
+from .compiler.pipeline import DEFAULT_PIPELINE, PIPELINES
+from .compiler.report import support_report
+from .compiler.shapes import Shapes, complete_input_shapes, type_string
+from .compiler.support import supported_ops
 from .errors import CacheError, CanncError, InputError, ModelError
+from .export import save_fused_graph
+from .schedule.costmodel import cpu_model
+from .session import Session, load
 
-Shapes = dict[str, tuple[int, ...]]
+# onnxruntime is imported inside the verbs that use it (run --check, bench): it takes a
+# few tenths of a second to import, which `cannc check` or `cannc --version` need not wait.
 
 
 class CliError(CanncError):
@@ -120,13 +131,11 @@ def _onnx_source(path: str) -> str | bytes:
 def _open(path: str, *, cores: int | None, pipeline: str = "O1",
           dump_after: Sequence[str] = (), fusion: Any = True) -> Any:
     """A Session for an ONNX model (not yet specialised) or a loaded .cnc artifact."""
-    import cannc
-
     _require_file(path)
     if _is_artifact(path):
-        return cannc.load(path, cores=cores)
-    return cannc.compile(path, cores=cores, pipeline=pipeline, dump_after=list(dump_after),
-                         eager=False, fusion=fusion)
+        return load(path, cores=cores)
+    return Session(path, cores=cores, pipeline=pipeline, dump_after=list(dump_after),
+                   eager=False, fusion=fusion)
 
 
 def _fusion_opt(args: argparse.Namespace) -> Any:
@@ -135,49 +144,8 @@ def _fusion_opt(args: argparse.Namespace) -> Any:
     return getattr(args, "fusion_switch", None) or True
 
 
-def _input_shapes(graph: Any, given: Shapes, known: Sequence[tuple] = ()) -> Shapes:
-    """Concrete shapes for every graph input: the given ones; for the others, symbolic
-    dims take the value they have in a given input (so `batch` agrees everywhere), else
-    the first already compiled specialisation, else 1."""
-    unknown = sorted(set(given) - set(graph.inputs))
-    if unknown:
-        raise InputError(f"shape given for unknown input(s) {unknown}; "
-                         f"the model's inputs are {graph.inputs}")
-    if not given and known:
-        return dict(zip(graph.inputs, known[0]))
-    bound: dict[str, tuple[int, str]] = {}
-    for name, shp in given.items():
-        decl = graph.values[name].shape
-        if len(shp) != len(decl):
-            raise InputError(f"shape {list(shp)} given for input '{name}' has rank {len(shp)}, "
-                             f"the model declares rank {len(decl)} {_fmt_dims(decl)}")
-        for i, (d, v) in enumerate(zip(decl, shp)):
-            if isinstance(d, int) and d != v:
-                raise InputError(f"shape {list(shp)} given for input '{name}' does not match "
-                                 f"{_fmt_dims(decl)} (dimension {i} must be {d})")
-            if isinstance(d, str):
-                if d in bound and bound[d][0] != v:
-                    raise InputError(f"dimension '{d}' is {bound[d][0]} in input "
-                                     f"'{bound[d][1]}' but {v} in input '{name}'")
-                bound.setdefault(d, (int(v), name))
-    out: Shapes = {}
-    for i, name in enumerate(graph.inputs):
-        if name in given:
-            out[name] = tuple(int(d) for d in given[name])
-            continue
-        dims = graph.values[name].shape
-        fallback = known[0][i] if known and len(known[0][i]) == len(dims) else (1,) * len(dims)
-        out[name] = tuple(d if isinstance(d, int) else bound.get(d, (fallback[j],))[0]
-                          for j, d in enumerate(dims))
-    return out
-
-
-def _fmt_dims(shape: Sequence[Any]) -> str:
-    return "[" + ", ".join(str(d) for d in shape) + "]"
-
-
 def _specialize(sess: Any, given: Shapes) -> Any:
-    return sess.specialize(_input_shapes(sess.graph, given, list(sess.programs)))
+    return sess.specialize(complete_input_shapes(sess.graph, given, list(sess.programs)))
 
 
 def _key_of(sess: Any, prog: Any) -> tuple:
@@ -210,7 +178,7 @@ def _make_feeds(sess: Any, files: list[tuple[str, str]], shapes: Shapes, seed: i
         except (OSError, ValueError) as e:
             raise InputError(f"cannot read input '{name}' from {path}: {e}") from e
     given = {**shapes, **{n: a.shape for n, a in arrays.items()}}
-    full = _input_shapes(sess.graph, given, list(sess.programs))
+    full = complete_input_shapes(sess.graph, given, list(sess.programs))
     rng = np.random.default_rng(seed)
     feeds = {}
     for name in names:
@@ -266,10 +234,6 @@ def _fmt_count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def _fmt_type(dtype: Any, shape: Sequence[Any]) -> str:
-    return f"{np.dtype(dtype).name}[{', '.join(str(d) for d in shape)}]"
-
-
 def _fmt_shapes(shapes: Shapes) -> str:
     return ", ".join(f"{n}={'x'.join(map(str, s)) or 'scalar'}" for n, s in shapes.items())
 
@@ -316,8 +280,6 @@ def _stats(a: np.ndarray) -> str:
 # ---------------------------------------------------------------------------------------
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from .compiler import PIPELINES
-
     passes = list(args.dump_after or [])
     bad = [p for p in passes if p not in PIPELINES[args.pipeline] and p != "all"]
     if bad:
@@ -385,8 +347,8 @@ def compare(name: str, got: np.ndarray, exp: np.ndarray, rtol: float | None = No
     res: dict[str, Any] = {"name": name, "shape": list(got.shape), "dtype": str(got.dtype),
                            "max_abs": 0.0, "max_rel": 0.0, "ok": True, "problem": None}
     if got.shape != exp.shape or got.dtype != exp.dtype:
-        res.update(ok=False, problem=f"cannc gives {_fmt_type(got.dtype, got.shape)}, "
-                                     f"onnxruntime {_fmt_type(exp.dtype, exp.shape)}")
+        res.update(ok=False, problem=f"cannc gives {type_string(got.dtype, got.shape)}, "
+                                     f"onnxruntime {type_string(exp.dtype, exp.shape)}")
         return res
     if got.size == 0:
         return res
@@ -424,7 +386,7 @@ def cmd_run(args: argparse.Namespace) -> int:
              if compiled else ""))
     names = sess.graph.outputs
     print(_table(["output", "type", "stats"],
-                 [[n, _fmt_type(o.dtype, o.shape), _stats(o)] for n, o in zip(names, outs)]))
+                 [[n, type_string(o.dtype, o.shape), _stats(o)] for n, o in zip(names, outs)]))
     if args.save_outputs:
         d = Path(args.save_outputs)
         d.mkdir(parents=True, exist_ok=True)
@@ -461,97 +423,15 @@ def _safe_name(name: str) -> str:
 # check
 # ---------------------------------------------------------------------------------------
 
-def check_report(model: str, shapes: Shapes | None = None, pipeline: str = "O1"
-                 ) -> dict[str, Any]:
-    """Every node of the model: ok / folded / view / unused / unsupported (with the reason)."""
-    from .compiler import PIPELINES, node_support
-    from .frontend import import_model
-    from .ir.registry import Category, lookup
-    from .passes.fold import bind_input_shapes
-    from .passes.manager import PassManager
-
-    _require_file(model)
-    graph, _ = import_model(_onnx_source(model))
-    # What compilation will see: shapes bound, constants and shape chains folded, dead code
-    # dropped. If that already fails, the nodes are checked on the symbolic graph instead.
-    spec: Any = None
-    stop = None
-    removed_by: dict[str, str] = {}   # node -> the pass that removed it
-    try:
-        spec = graph.copy()
-        bind_input_shapes(spec, _input_shapes(graph, shapes or {}))
-        for pass_name in PIPELINES[pipeline]:
-            before = set(spec.g.nodes)
-            PassManager([pass_name]).run(spec)
-            removed_by.update(dict.fromkeys(before - set(spec.g.nodes), pass_name))
-    except CanncError as e:
-        spec, stop = None, f"{type(e).__name__}: {e}"
-    static_folded = _static_folds(graph) if spec is None else set()
-
-    def row(g: Any, n: Any, inserted: bool = False) -> dict[str, Any]:
-        op = lookup(n.op_type, n.domain)
-        r = {"name": n.name, "op": n.op_type, "domain": n.domain or "ai.onnx", "opset": n.opset,
-             "input_dtypes": [np.dtype(graph.values[v].dtype).name if v in graph.values
-                              else (np.dtype(g.values[v].dtype).name if v in g.values else "?")
-                              if v else "" for v in n.inputs],
-             "status": "ok", "reason": None}
-        if inserted:
-            r["inserted_by_compiler"] = True
-        if spec is not None and not inserted and n.name not in spec.g:
-            by = removed_by.get(n.name, "?")
-            r["status"] = _REMOVED_STATUS.get(by, "rewritten")
-            r["reason"] = f"removed by pass '{by}'"
-            return r
-        if spec is None and n.name in static_folded:
-            r["status"] = "folded"
-            return r
-        try:
-            why = node_support(g, g.node(n.name))
-        except Exception as e:  # an op check that needs concrete shapes
-            why = f"cannot be checked ({type(e).__name__}: {e})"
-        if why:
-            r.update(status="unsupported", reason=why)
-        elif op is not None and op.category == Category.VIEW:
-            r["status"] = "view"
-        return r
-
-    rows = [row(spec if spec is not None else graph, n) for n in graph.nodes()]
-    if spec is not None:
-        rows += [row(spec, n, inserted=True) for n in spec.nodes() if n.name not in graph.g]
-    counts = {s: sum(r["status"] == s for r in rows)
-              for s in ("ok", "folded", "view", "unused", "rewritten", "unsupported")}
-    return {"model": model, "opsets": {d or "ai.onnx": v for d, v in graph.opsets.items()},
-            "inputs": {n: _fmt_type(graph.values[n].dtype, graph.values[n].shape)
-                       for n in graph.inputs},
-            "nodes": rows, "counts": counts, "shape_inference_error": stop,
-            "supported": counts["unsupported"] == 0 and stop is None}
-
-
-def _static_folds(graph: Any) -> set[str]:
-    """Nodes the constant folder will remove: all inputs constant, or shape-only ops."""
-    from .ir.registry import Category, lookup
-    from .passes.fold import NONDETERMINISTIC
-
-    known, folded = set(graph.constants), set()
-    for n in graph.nodes():
-        op = lookup(n.op_type, n.domain)
-        shape_only = op is not None and op.category == Category.SHAPE and "fold" in op.extra
-        if n.op_type not in NONDETERMINISTIC and (
-                shape_only or all(v in known for v in n.inputs if v)):
-            folded.add(n.name)
-            known.update(v for v in n.outputs if v)
-    return folded
-
-
-# what it means for a node that a pass removed it
-_REMOVED_STATUS = {"infer_and_fold": "folded", "dce": "unused"}
 _STATUS_TEXT = {"ok": "ok", "folded": "ok (folded at compile time)",
                 "view": "ok (view: shares its input's buffer)",
                 "unused": "ok (nothing needs it: removed)", "rewritten": "ok (rewritten by a pass)"}
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    rep = check_report(args.model, dict(args.shape or []), args.pipeline)
+    _require_file(args.model)
+    rep = support_report(_onnx_source(args.model), dict(args.shape or []), args.pipeline,
+                         name=args.model).to_dict()
     if args.json:
         _print_json(rep)
     else:
@@ -579,91 +459,16 @@ def cmd_check(args: argparse.Namespace) -> int:
 # inspect
 # ---------------------------------------------------------------------------------------
 
-def inspect_report(sess: Any, prog: Any) -> dict[str, Any]:
-    """Per kernel and in total: nodes, shapes, FLOPs, bytes, tiles; memory plan; passes."""
-    spec = prog.spec
-    g = spec.graph
-
-    def root(v: str) -> str:
-        while v in spec.aliases:
-            v = spec.aliases[v]
-        return v
-
-    output_buffers = {root(o) for o in g.outputs}
-    from .schedule import costmodel
-
-    predicted_total = costmodel.annotate(spec.kernels, sess.cores)  # for this many cores
-    kernels = []
-    for i, k in enumerate(spec.kernels):
-        outs = [o for o in k.outputs if o]
-        inter = sum(g.values[o].nbytes for o in outs if root(o) not in output_buffers)
-        kernels.append({
-            "index": i, "symbol": k.symbol, "nodes": list(k.nodes), "op_types": list(k.op_types),
-            "outputs": [{"name": o, "dtype": np.dtype(g.values[o].dtype).name,
-                         "shape": list(g.values[o].shape)} for o in outs],
-            "flops": int(k.flops), "bytes_read": int(k.bytes_read),
-            "bytes_written": int(k.bytes_written), "intermediate_bytes_written": int(inter),
-            "tiles": int(k.num_tiles), "single_core": bool(k.single_core),
-            "workspace_bytes": int(k.workspace_bytes),
-            "tiling": k.notes.get("tiling", ""),
-            "predicted_us": float(k.notes.get("predicted_us", 0.0)),
-            # shape-polymorphic kernels read these sizes at run time (ABI.md)
-            "runtime_dims": [int(d) for d in k.dims],
-            "shape_polymorphic": bool(k.shape_polymorphic),
-            "notes": {str(a): b for a, b in k.notes.items()},
-        })
-    key = _key_of(sess, prog)
-    return {
-        "cores": sess.cores, "pipeline": sess.options.pipeline,
-        "input_shapes": {n: list(s) for n, s in zip(sess.graph.inputs, key)},
-        "outputs": {o: _fmt_type(g.values[o].dtype, g.values[o].shape) for o in g.outputs},
-        "onnx_nodes": sess.graph.num_nodes(), "views": len(spec.aliases),
-        "num_kernels": len(kernels),
-        "total_flops": sum(k["flops"] for k in kernels),
-        "bytes_read": sum(k["bytes_read"] for k in kernels),
-        "bytes_written": sum(k["bytes_written"] for k in kernels),
-        "intermediate_bytes_written": sum(k["intermediate_bytes_written"] for k in kernels),
-        "predicted_us": predicted_total,
-        "cost_model": dataclasses.asdict(costmodel.cpu_model()),
-        "memory": {"arena_bytes": int(prog.plan.arena_bytes),
-                   "naive_bytes": int(prog.plan.naive_bytes),
-                   "lower_bound_bytes": int(prog.plan.lower_bound_bytes),
-                   "weights_bytes": int(prog.weights_bytes)},
-        "passes": [{"name": r.name, "seconds": r.seconds, "changed": r.changed,
-                    "nodes_after": r.nodes_after} for r in spec.pass_records],
-        "compile_seconds": spec.compile_seconds,
-        "cache_hits": spec.cache_hits, "cache_misses": spec.cache_misses,
-        "fusion": {"switches": sess.options.fusion,
-                   "not_fused": [d.as_dict() for d in g.meta.get("fusion_log", [])]},
-        "kernels": kernels,
-    }
-
-
 # kernel notes the tiling/pred columns already show (the plan itself: --json)
 _MODEL_NOTES = ("plan", "tiling", "predicted_us", "predicted_bound", "path")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    fusion = _fusion_opt(args)
-    sess = _open(args.model, cores=args.cores, pipeline=args.pipeline, fusion=fusion)
-    given = dict(args.shape or [])
-    prog = _specialize(sess, given)
-    rep = inspect_report(sess, prog)
-    rep["model"] = args.model
-    if fusion is not False and not _is_artifact(args.model):
-        # the same model without fusion, for the with/without comparison
-        base = _open(args.model, cores=args.cores, pipeline=args.pipeline, fusion=False)
-        brep = inspect_report(base, _specialize(base, given))
-        rep["fusion"]["without_fusion"] = {
-            "num_kernels": brep["num_kernels"],
-            "intermediate_bytes_written": brep["intermediate_bytes_written"],
-            "arena_bytes": brep["memory"]["arena_bytes"]}
+    sess = _open(args.model, cores=args.cores, pipeline=args.pipeline, fusion=_fusion_opt(args))
+    # a loaded artifact is not recompiled without fusion for the with/without comparison
+    rep = sess.inspect(dict(args.shape or []), without_fusion=not _is_artifact(args.model))
     if args.export_fused:
-        from .export import save_fused_graph
-        save_fused_graph(prog.spec, args.export_fused)
-    if args.json:
-        _print_json(rep)
-        return 0
+        save_fused_graph(sess.specialize(rep["input_shapes"]).spec, args.export_fused)
     if args.json:
         _print_json(rep)
         return 0
@@ -676,7 +481,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for k in rep["kernels"]:
         nodes = ", ".join(k["nodes"])
         rows.append([k["index"], k["symbol"], _clip(nodes, 44), "+".join(k["op_types"]),
-                     _clip(", ".join(_fmt_type(o["dtype"], o["shape"]) for o in k["outputs"]), 32),
+                     _clip(", ".join(type_string(o["dtype"], o["shape"]) for o in k["outputs"]), 32),
                      _fmt_count(k["flops"]), _fmt_bytes(k["bytes_read"]),
                      _fmt_bytes(k["bytes_written"]), k["tiles"],
                      "1" if k["single_core"] else "all",
@@ -690,7 +495,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"shapes: {npoly} of {len(rep['kernels'])} kernel(s) take their sizes at run time "
           f"('any'): a new batch/sequence size re-plans them on the host without generating code")
     m = rep["memory"]
-    from .schedule.costmodel import cpu_model
     print(f"predicted: {rep['predicted_us']:.1f} µs for the kernels on {rep['cores']} core(s) "
           f"(cost model: {cpu_model().summary()})")
     print(f"totals: {rep['num_kernels']} kernel(s) from {rep['onnx_nodes']} ONNX node(s) "
@@ -986,7 +790,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
                         pipeline_requests=args.pipeline_requests)
     if args.trace:
         prof.write_chrome_trace(args.trace)
-    predicted = _add_predictions(sess, prof)
+    predicted = annotate_profile(prof, sess.programs.values(), sess.cores)
     if args.json:
         _print_json(prof.to_dict())
         return 0
@@ -1000,23 +804,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if args.trace:
         print(f"chrome trace: {args.trace} (open in chrome://tracing or ui.perfetto.dev)")
     return 0
-
-
-def _add_predictions(sess: Any, prof: Any) -> bool:
-    """Put the cost model's prediction (for the session's cores) next to each measured
-    kernel time: prof.kernels[i]['predicted_ms'] and ['tiling']."""
-    from .schedule import costmodel
-
-    symbols = [k["symbol"] for k in prof.kernels]
-    prog = next((p for p in sess.programs.values()
-                 if [k.symbol for k in p.kernels] == symbols), None)
-    if prog is None:
-        return False
-    costmodel.annotate(prog.kernels, sess.cores)
-    for row, k in zip(prof.kernels, prog.kernels):
-        row["predicted_ms"] = float(k.notes["predicted_us"]) / 1e3
-        row["tiling"] = k.notes.get("tiling", "")
-    return True
 
 
 def _print_predictions(prof: Any, top: int) -> None:
@@ -1035,9 +822,7 @@ def _print_predictions(prof: Any, top: int) -> None:
 
 
 def cmd_ops(args: argparse.Namespace) -> int:
-    import cannc
-
-    ops = cannc.supported_ops()
+    ops = supported_ops()
     if args.json:
         _print_json(ops)
         return 0
@@ -1066,8 +851,6 @@ def _fmt_dtypes(dtypes: str | list[str]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .compiler import DEFAULT_PIPELINE, PIPELINES
-
     ap = argparse.ArgumentParser(
         prog="cannc", description="cannc: an ahead-of-time compiler for ONNX models.",
         epilog="errors print `error: <message>` and exit 2; --debug shows the traceback")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import hashlib
 import json
 import threading
@@ -10,8 +9,9 @@ import time
 import zipfile
 from concurrent.futures import Future
 from dataclasses import dataclass
+from os import PathLike
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import onnx
@@ -19,16 +19,17 @@ import onnx
 from ._version import __version__
 from .native.target import ObjectCache, default_cache, host
 from .artifact import Specialization
-from .compiler import CompileOptions, specialize
+from .compiler import PIPELINES, CompileOptions, specialize
+from .compiler.inspect import inspect_report, without_fusion as without_fusion_figures
+from .compiler.shapes import complete_input_shapes
 from .errors import CacheError, CanncError, InputError, ShapeError
 from .frontend import import_model, load_model_proto
 from .ir.types import onnx_type_string
+from .passes.fusion import RULES
 from .runtime.device import shared_device
+from .runtime.profiler import Profile, profile
 from .runtime.program import Program, WeightPool, dispatcher_object
 from .runtime.stream import Event, is_pinned
-
-if TYPE_CHECKING:
-    from .runtime.profiler import Profile
 
 
 @dataclass(frozen=True)
@@ -55,13 +56,14 @@ class Session:
             raise CanncError(f"cores must be a positive integer, got {cores!r}")
         if not isinstance(inflight, int) or inflight < 1:
             raise CanncError(f"inflight must be a positive integer, got {inflight!r}")
-        from .compiler import PIPELINES
         if pipeline not in PIPELINES:
             raise CanncError(f"unknown pipeline {pipeline!r}; choose one of "
                              f"{', '.join(PIPELINES)}")
         fusion = _fusion_switches(fusion)
         proto, _ = load_model_proto(model)
         self._proto = proto                      # serialised only when saved
+        # the model's file (or the .cnc's, see load), named by reports
+        self.source: str | None = str(model) if isinstance(model, (str, PathLike)) else None
         self.graph, _ = import_model(proto)
         self.options = CompileOptions(pipeline=pipeline,
                                       dump_after=set(dump_after), cache=cache, fusion=fusion)
@@ -197,12 +199,34 @@ class Session:
             return self._pipe
 
     def profile(self, input_feed: dict[str, Any], runs: int = 20, warmup: int = 3,
-                pipeline_requests: int = 0) -> "Profile":
+                pipeline_requests: int = 0) -> Profile:
         """Per-kernel times, GFLOP/s and GB/s against this machine's peak, per-core busy
         time, copy and compute time, memory; `.write_chrome_trace(path)`."""
-        from .runtime.profiler import profile
         return profile(self, input_feed, runs=runs, warmup=warmup,
                        pipeline_requests=pipeline_requests)
+
+    def inspect(self, shapes: dict[str, Sequence[int]] | None = None, *,
+                without_fusion: bool = True) -> dict[str, Any]:
+        """What `cannc inspect --json` prints: the kernels of the specialisation for
+        `shapes` (compiled if need be; inputs not given take their symbolic dims from the
+        given ones, else from the first specialisation, else 1) with their nodes, FLOPs,
+        bytes, tiling, predicted time and runtime dims; totals, memory plan, passes, what
+        did not fuse and why. `without_fusion`: also compile the model without fusion and
+        report its kernel count and traffic (`["fusion"]["without_fusion"]`; skipped when
+        this session does not fuse)."""
+        given = {n: tuple(int(d) for d in s) for n, s in (shapes or {}).items()}
+        full = complete_input_shapes(self.graph, given, list(self._programs))
+        prog = self.specialize(full)
+        rep = inspect_report(prog, cores=self.cores, pipeline=self.options.pipeline,
+                             input_shapes=full, onnx_nodes=self.graph.num_nodes(),
+                             fusion=self.options.fusion)
+        rep["model"] = self.source
+        if without_fusion and self.options.fusion is not False:
+            base = Session(self._proto, cores=self.cores, pipeline=self.options.pipeline,
+                           eager=False, cache=self.options.cache, fusion=False)
+            rep["fusion"]["without_fusion"] = without_fusion_figures(base.inspect(
+                full, without_fusion=False))
+        return rep
 
     def mem_info(self) -> dict[str, int]:
         """Device memory in use (arena, weights, workspace), its total and peak."""
@@ -368,8 +392,6 @@ class Session:
 def _fusion_switches(fusion: Any) -> bool | dict[str, bool]:
     """True/False, {rule: bool}, or the path of a JSON switch file (like CANN's
     fusion_switch_file): {"elementwise": true, "gemm_epilogue": false, ...}."""
-    from .passes.fusion import RULES
-
     if isinstance(fusion, (str, Path)):
         try:
             fusion = json.loads(Path(fusion).read_text())
@@ -426,6 +448,7 @@ def load(path: str | Path, *, cores: int | None = None) -> Session:
     except Exception as e:
         raise CacheError(f"{path}: the embedded model is damaged: {e}") from e
     sess = Session(proto, cores=cores, pipeline=pipeline, eager=False, cache=cache)
+    sess.source = str(path)
     for shp in specs:
         if len(shp) != len(sess.graph.inputs):
             raise CacheError(f"{path}: damaged manifest (specialization {shp})")

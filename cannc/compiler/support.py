@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from ..ir.graph import Graph, Node
+from typing import Any
+
 from ..codegen.lower import lowering_for
-from ..ir.ops import lookup
+from ..ir.graph import Graph, Node
+from ..ir.ops import all_ops, lookup
+
+
+def supported_ops() -> list[dict[str, Any]]:
+    """The table of supported ops: name, domain, category, dtypes, whether it fuses."""
+    return [{"op": o.name, "domain": o.domain or "ai.onnx", "category": o.category.value,
+             "min_opset": o.min_opset, "dtypes": sorted(o.dtypes) if o.dtypes else "any",
+             "fusible": o.fusible} for o in all_ops()]
 
 
 def unknown_ops(graph: Graph) -> list[tuple[str, str, str, int, str]]:

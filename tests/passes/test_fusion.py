@@ -178,14 +178,12 @@ def test_switches_by_rule_and_by_file(tmp_path):
 
 def test_zoo_bert_fusion_reduces_kernels_and_traffic():
     from models import zoo
-    from cannc.cli import inspect_report
 
     model = zoo.build("bert")
     shapes = {"input_ids": (2, 32), "attention_mask": (2, 32)}
     fused = cannc.compile(model, cores=1, shapes=shapes)
     plain = cannc.compile(model, cores=1, shapes=shapes, fusion=False)
-    (pf,), (pp,) = fused.programs.values(), plain.programs.values()
-    rf, rp = inspect_report(fused, pf), inspect_report(plain, pp)
+    rf, rp = fused.inspect(without_fusion=False), plain.inspect()
     assert rf["num_kernels"] * 2 <= rp["num_kernels"]
     assert rf["intermediate_bytes_written"] <= 0.6 * rp["intermediate_bytes_written"]
     assert rf["fusion"]["not_fused"], "refusals are reported"
