@@ -1,6 +1,6 @@
-"""The tuning cache (cannc/tuning.py) and `cannc tune`: round trip, damaged files, keys,
-CANNC_TUNING=0, and a tune run whose winners a later compile uses. Never asserts on a
-measured time."""
+"""The tuning cache (cannc/schedule/tuning.py), the search (cannc/compiler/tune.py) and
+`cannc tune`: round trip, damaged files, keys, CANNC_TUNING=0, and a tune run whose
+winners a later compile uses. Never asserts on a measured time."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 
 import cannc
-from cannc.schedule import tuning
 from cannc.cli import main
 from cannc.codegen.gemm import GemmSpec, gemm_plan
+from cannc.codegen.plans import gemm_spec_of, gemm_tuning
+from cannc.compiler import tune
+from cannc.schedule import tuning
 from models import zoo
 from tests.helpers import ort_run
 
@@ -55,7 +57,7 @@ def test_damaged_file_is_ignored(cache_file):
     cache_file.write_text('{"format": "cannc-tuning", "version": 1, "entries": {"x": ')
     with pytest.warns(RuntimeWarning, match="damaged tuning cache"):
         assert tuning.lookup("gemm", SIG) is None
-    assert tuning.gemm_tuning(tuning.gemm_spec_of(SIG), epilogue=True) is None
+    assert gemm_tuning(gemm_spec_of(SIG), epilogue=True) is None
     # the next store replaces the garbage with a valid file
     tuning.store("gemm", SIG, {"KC": 64}, 1.0)
     with warnings.catch_warnings():
@@ -69,10 +71,10 @@ def test_damaged_file_is_ignored(cache_file):
 
 
 def test_illegal_stored_tuning_is_ignored(cache_file):
-    spec = tuning.gemm_spec_of(SIG)
+    spec = gemm_spec_of(SIG)
     tuning.store("gemm", SIG, {"NV": 3}, 1.0)       # NV must be even: the planner refuses
     with pytest.warns(RuntimeWarning, match="ignoring tuning"):
-        assert tuning.gemm_tuning(spec, epilogue=True) is None
+        assert gemm_tuning(spec, epilogue=True) is None
 
 
 def test_key_depends_on_cpu_and_version(cache_file, monkeypatch):
@@ -105,7 +107,7 @@ def test_candidates_are_legal_and_distinct():
     for spec in (GemmSpec(8, 1024, 256, b_prepacked=True), GemmSpec(200, 64, 120),
                  GemmSpec(29, 75, 410, trans_b=True), GemmSpec(9, 8, 100),
                  GemmSpec(7, 20, 9, batch=3, a_batch_stride=63, b_batch_stride=180)):
-        cands = tuning.gemm_candidates(spec, cores=2)
+        cands = tune.gemm_candidates(spec, cores=2)
         plans = [gemm_plan(spec, t) for t in cands]
         assert gemm_plan(spec) not in plans
         assert len(set(plans)) == len(plans)

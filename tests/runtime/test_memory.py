@@ -1,9 +1,11 @@
-"""The memory planner: live buffers never overlap; reuse gets near the lower bound."""
+"""The memory planner (a compile step, cannc.compiler.planning): live buffers never
+overlap; reuse gets near the lower bound."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cannc.runtime.memory import ALIGN, Interval, plan
+from cannc.artifact import ALIGN
+from cannc.compiler.planning import Interval, place
 
 
 def _check(intervals, p):
@@ -26,12 +28,12 @@ def _check(intervals, p):
                 min_size=1, max_size=40))
 def test_no_two_live_buffers_overlap(items):
     intervals = [Interval(f"v{i}", size, s, s + d) for i, (size, s, d) in enumerate(items)]
-    _check(intervals, plan(intervals))
+    _check(intervals, place(intervals))
 
 
 def test_chain_reuses_memory():
     # a chain a -> b -> c -> d: only two buffers are live at once
     ivs = [Interval(f"v{i}", 1024, i, i + 1) for i in range(10)]
-    p = plan(ivs)
+    p = place(ivs)
     assert p.arena_bytes == 2 * 1024 == p.lower_bound_bytes
     assert p.naive_bytes == 10 * 1024
