@@ -126,3 +126,21 @@ def test_tiling_description_and_annotate():
 def test_predictions_are_deterministic():
     k = gemm_kernel(300, 200, 100, batch=1)
     assert costmodel.predict(k, 2, CPU) == costmodel.predict(k, 2, CPU)
+
+
+def test_measured_peaks_come_from_machine_json(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setenv("CANNC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(machine, "_peaks", None)
+    assert machine.measured_peaks() is None                        # never measures
+    assert machine.cpu_model().peak_source == "estimated"
+    (tmp_path / "machine.json").write_text(json.dumps(
+        {"version": machine.PEAKS_VERSION, "fp32_gflops_per_core": 123.0, "mem_gbps": 45.0}))
+    cpu = machine.cpu_model()
+    assert cpu.peak_source == "measured" and cpu.peak_gflops_core == 123.0
+    assert cpu.mem_source == "measured" and cpu.dram_gbps == 45.0
+    assert machine.peaks()["fp32_gflops_per_core"] == 123.0        # read, not measured
+    (tmp_path / "machine.json").write_text(json.dumps({"version": -1}))
+    monkeypatch.setattr(machine, "_peaks", None)
+    assert machine.measured_peaks() is None                        # another format: ignored

@@ -163,6 +163,30 @@ def test_tune_then_compile_uses_entries(tiny_mlp, cache_file, capsys):
     assert rc == 0 and "default µs" in out and "speedup" in out
 
 
+def test_tune_library_stores_winners(tiny_mlp, cache_file):
+    """compiler.tune.tune_gemms (what `cannc tune` runs): every distinct GEMM measured
+    and, with min_speedup 0, its best candidate stored."""
+    import time
+
+    _, path = tiny_mlp
+    sess = cannc.compile(path, shapes={"x": (16, 64)}, cores=2)
+    (prog,) = sess.programs.values()
+    items = tune.gemm_items(prog.spec.kernels)
+    assert items and all(it["kernels"] for it in items)
+    seen: list[tuple[str, bool]] = []
+    res = tune.tune_gemms(prog.spec.kernels, 2, time.perf_counter() + 6, path=cache_file,
+                          progress=lambda text, force: seen.append((text, force)),
+                          min_speedup=0.0)
+    assert [r["signature"] for r in res] == [it["signature"] for it in items]
+    assert any(force and text.startswith("kernel 1/") for text, force in seen)
+    done = [r for r in res if not r["skipped"]]
+    assert done and all(r["gemm"] == tune.gemm_label(r["signature"]) for r in done)
+    stored = [r for r in done if r["stored"]]
+    assert len(tuning.entries(cache_file)) == len(stored)
+    for r in stored:
+        assert tuning.lookup("gemm", r["signature"]) == (r["tuning"] or {})
+
+
 def test_inspect_json_has_predictions(tiny_mlp, capsys):
     _, path = tiny_mlp
     assert main(["inspect", path, "--shape", "x=16x64", "--json", "--cores", "2"]) == 0
