@@ -10,7 +10,7 @@
 Shapes are MxNxK. B is prepacked (a constant weight) unless --raw-b.
 For every shape, one line with the median (and best) GFLOP/s of cannc (the whole
 tile range on one thread, or split over --cores threads), its % of this core's
-measured fp32 FMA peak (cannc.runtime.profiler.measure_fma_peak), numpy with
+measured fp32 FMA peak (cannc.schedule.machine.measure_fma_peak), numpy with
 OpenBLAS limited to the same number of threads, and an onnxruntime MatMul with a
 constant B (intra_op_num_threads = --cores); all measured in the same process,
 interleaved. --dynamic also times the shape-polymorphic kernel (compiled once for
@@ -222,7 +222,7 @@ if __name__ == "__main__":
     if ARGS.peak:
         peak = ARGS.peak
     else:
-        from cannc.runtime.profiler import measure_fma_peak
+        from cannc.schedule.machine import measure_fma_peak
 
         peak = measure_fma_peak()
     print(

@@ -41,7 +41,7 @@ def gemm_figure(runs: int) -> dict:
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
-    from cannc.runtime.profiler import measure_fma_peak
+    from cannc.schedule.machine import measure_fma_peak
 
     n = 1024
     rng = np.random.default_rng(0)

@@ -5,7 +5,8 @@ reads them and never imports the compiler. A `Kernel` is one generated native
 function with its launch description; `Tiling` is the host tiling of a
 shape-polymorphic kernel for one set of shapes; a `Specialization` is a whole
 graph compiled for one set of input shapes: its kernels in launch order, the
-constants they read, their object code and the memory plan.
+constants they read, their object code and the memory plan (`MemoryPlan`,
+made by cannc.compiler.planning: where every intermediate lives in the arena).
 """
 
 from __future__ import annotations
@@ -61,6 +62,30 @@ class Tiling:
     notes: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
+ALIGN = 64   # every buffer of the arena (and every weight and workspace) starts here
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Where the intermediates of a specialisation live: one device arena per execution
+    context, each buffer at an ALIGN-aligned offset; buffers whose lifetimes are disjoint
+    share memory, and an elementwise output may take over its dying input's buffer."""
+
+    offsets: dict[str, int]       # storage root -> its offset in the arena
+    storage: dict[str, str]       # value -> the value whose buffer it uses (in place)
+    arena_bytes: int
+    naive_bytes: int              # every intermediate in its own buffer
+    lower_bound_bytes: int        # the most bytes live at once
+
+    def root(self, v: str) -> str:
+        """The storage root of an (alias-resolved) value."""
+        return self.storage.get(v, v)
+
+
 @dataclass
 class Specialization:
     graph: Graph
@@ -73,3 +98,4 @@ class Specialization:
     compile_seconds: float
     cache_hits: int
     cache_misses: int
+    memory: MemoryPlan

@@ -575,7 +575,7 @@ def tune_gemm(sig: dict[str, Any], threads: int, deadline: float,
     """Measure the candidate plans of one GEMM (until `deadline`, a perf_counter time)
     against its default plan; a candidate wins when it is more than `min_speedup` times
     as fast (twice: once in the sweep, again side by side with more rounds)."""
-    from .schedule import tuning
+    from .compiler import tune as tuning  # TRANSITIONAL: the search is cannc.compiler.tune
 
     spec = tuning.gemm_spec_of(sig)
     bench = tuning.GemmBench(spec, threads)
@@ -638,7 +638,7 @@ def tune_gemm(sig: dict[str, Any], threads: int, deadline: float,
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from .schedule import tuning
-    from .runtime.device import usable_cores
+    from .schedule.machine import usable_cores
 
     path = Path(args.cache) if args.cache else config.tuning_cache_path()
     if path is None:

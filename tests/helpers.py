@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import cannc
 from cannc.ir.types import NP_TO_ONNX
-from cannc.runtime.device import aligned_empty
+from cannc.runtime.memory import aligned_empty
 
 
 def aligned(shape: int | Sequence[int], dtype: Any = np.float32,

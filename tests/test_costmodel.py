@@ -1,4 +1,5 @@
-"""The cost model (cannc/costmodel.py): deterministic sanity of its predictions (on a fixed
+"""The cost model (cannc/schedule/costmodel.py) and the machine description
+(cannc/schedule/machine.py): deterministic sanity of its predictions (on a fixed
 machine description, so that no test depends on this machine or on a measurement)."""
 
 from __future__ import annotations
@@ -8,10 +9,11 @@ from typing import Any
 
 import pytest
 
-from cannc.schedule import costmodel
 from cannc.codegen.gemm import GemmSpec
+from cannc.codegen.plans import gemm_notes
+from cannc.schedule import costmodel, machine
 
-CPU = costmodel.CpuModel(
+CPU = machine.CpuModel(
     llvm_cpu="znver4", model="test", vector_bits=512, f32_lanes=16, fma_units=1,
     freq_ghz=3.6, cores=2, l1d_bytes=32 << 10, l2_bytes=1 << 20, l3_bytes=32 << 20,
     peak_gflops_core=115.0, peak_source="estimated", dram_gbps=27.0, mem_source="estimated")
@@ -19,7 +21,7 @@ CPU = costmodel.CpuModel(
 
 @dataclass
 class K:
-    """The fields of codegen.kernel.Kernel the cost model reads."""
+    """The fields of artifact.Kernel the cost model reads."""
     num_tiles: int
     single_core: bool
     flops: int
@@ -31,14 +33,14 @@ class K:
 
 def gemm_kernel(M: int, N: int, K_: int, tuning: dict | None = None, **kw: Any) -> K:
     spec = GemmSpec(M, N, K_, b_prepacked=True, **kw)
-    notes = costmodel.gemm_notes(spec, tuning)
+    notes = gemm_notes(spec, tuning)
     return K(num_tiles=notes["plan"]["tiles"], single_core=False,
              flops=2 * spec.batch * M * N * K_, bytes_read=4 * (M * K_ + K_ * N),
              bytes_written=4 * M * N, notes=notes)
 
 
 def test_cpu_model_of_this_machine():
-    cpu = costmodel.cpu_model()
+    cpu = machine.cpu_model()
     assert cpu.vector_bits in (128, 256, 512) and cpu.f32_lanes == cpu.vector_bits // 32
     assert cpu.cores >= 1 and cpu.peak_gflops_core > 0 and cpu.dram_gbps > 0
     assert cpu.l1d_bytes < cpu.l2_bytes <= cpu.l3_bytes
@@ -53,8 +55,8 @@ def test_cache_sizes_parse(tmp_path):
         (d / "level").write_text(f"{level}\n")
         (d / "type").write_text(f"{kind}\n")
         (d / "size").write_text(f"{size}\n")
-    assert costmodel.cache_sizes(str(tmp_path)) == {1: 48 << 10, 2: 2 << 20, 3: 36 << 20}
-    assert costmodel.cache_sizes(str(tmp_path / "missing")) == {}
+    assert machine.cache_sizes(str(tmp_path)) == {1: 48 << 10, 2: 2 << 20, 3: 36 << 20}
+    assert machine.cache_sizes(str(tmp_path / "missing")) == {}
 
 
 def test_time_grows_with_flops():
@@ -124,3 +126,21 @@ def test_tiling_description_and_annotate():
 def test_predictions_are_deterministic():
     k = gemm_kernel(300, 200, 100, batch=1)
     assert costmodel.predict(k, 2, CPU) == costmodel.predict(k, 2, CPU)
+
+
+def test_measured_peaks_come_from_machine_json(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setenv("CANNC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(machine, "_peaks", None)
+    assert machine.measured_peaks() is None                        # never measures
+    assert machine.cpu_model().peak_source == "estimated"
+    (tmp_path / "machine.json").write_text(json.dumps(
+        {"version": machine.PEAKS_VERSION, "fp32_gflops_per_core": 123.0, "mem_gbps": 45.0}))
+    cpu = machine.cpu_model()
+    assert cpu.peak_source == "measured" and cpu.peak_gflops_core == 123.0
+    assert cpu.mem_source == "measured" and cpu.dram_gbps == 45.0
+    assert machine.peaks()["fp32_gflops_per_core"] == 123.0        # read, not measured
+    (tmp_path / "machine.json").write_text(json.dumps({"version": -1}))
+    monkeypatch.setattr(machine, "_peaks", None)
+    assert machine.measured_peaks() is None                        # another format: ignored

@@ -1,6 +1,6 @@
-"""The tuning cache (cannc/tuning.py) and `cannc tune`: round trip, damaged files, keys,
-CANNC_TUNING=0, and a tune run whose winners a later compile uses. Never asserts on a
-measured time."""
+"""The tuning cache (cannc/schedule/tuning.py), the search (cannc/compiler/tune.py) and
+`cannc tune`: round trip, damaged files, keys, CANNC_TUNING=0, and a tune run whose
+winners a later compile uses. Never asserts on a measured time."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 
 import cannc
-from cannc.schedule import tuning
 from cannc.cli import main
 from cannc.codegen.gemm import GemmSpec, gemm_plan
+from cannc.codegen.plans import gemm_spec_of, gemm_tuning
+from cannc.compiler import tune
+from cannc.schedule import tuning
 from models import zoo
 from tests.helpers import ort_run
 
@@ -55,7 +57,7 @@ def test_damaged_file_is_ignored(cache_file):
     cache_file.write_text('{"format": "cannc-tuning", "version": 1, "entries": {"x": ')
     with pytest.warns(RuntimeWarning, match="damaged tuning cache"):
         assert tuning.lookup("gemm", SIG) is None
-    assert tuning.gemm_tuning(tuning.gemm_spec_of(SIG), epilogue=True) is None
+    assert gemm_tuning(gemm_spec_of(SIG), epilogue=True) is None
     # the next store replaces the garbage with a valid file
     tuning.store("gemm", SIG, {"KC": 64}, 1.0)
     with warnings.catch_warnings():
@@ -69,10 +71,10 @@ def test_damaged_file_is_ignored(cache_file):
 
 
 def test_illegal_stored_tuning_is_ignored(cache_file):
-    spec = tuning.gemm_spec_of(SIG)
+    spec = gemm_spec_of(SIG)
     tuning.store("gemm", SIG, {"NV": 3}, 1.0)       # NV must be even: the planner refuses
     with pytest.warns(RuntimeWarning, match="ignoring tuning"):
-        assert tuning.gemm_tuning(spec, epilogue=True) is None
+        assert gemm_tuning(spec, epilogue=True) is None
 
 
 def test_key_depends_on_cpu_and_version(cache_file, monkeypatch):
@@ -105,7 +107,7 @@ def test_candidates_are_legal_and_distinct():
     for spec in (GemmSpec(8, 1024, 256, b_prepacked=True), GemmSpec(200, 64, 120),
                  GemmSpec(29, 75, 410, trans_b=True), GemmSpec(9, 8, 100),
                  GemmSpec(7, 20, 9, batch=3, a_batch_stride=63, b_batch_stride=180)):
-        cands = tuning.gemm_candidates(spec, cores=2)
+        cands = tune.gemm_candidates(spec, cores=2)
         plans = [gemm_plan(spec, t) for t in cands]
         assert gemm_plan(spec) not in plans
         assert len(set(plans)) == len(plans)
@@ -159,6 +161,30 @@ def test_tune_then_compile_uses_entries(tiny_mlp, cache_file, capsys):
     rc = main(["tune", path, "--shape", "x=16x64", "--budget", "1", "--cache", str(cache_file)])
     out, _ = capsys.readouterr()
     assert rc == 0 and "default µs" in out and "speedup" in out
+
+
+def test_tune_library_stores_winners(tiny_mlp, cache_file):
+    """compiler.tune.tune_gemms (what `cannc tune` runs): every distinct GEMM measured
+    and, with min_speedup 0, its best candidate stored."""
+    import time
+
+    _, path = tiny_mlp
+    sess = cannc.compile(path, shapes={"x": (16, 64)}, cores=2)
+    (prog,) = sess.programs.values()
+    items = tune.gemm_items(prog.spec.kernels)
+    assert items and all(it["kernels"] for it in items)
+    seen: list[tuple[str, bool]] = []
+    res = tune.tune_gemms(prog.spec.kernels, 2, time.perf_counter() + 6, path=cache_file,
+                          progress=lambda text, force: seen.append((text, force)),
+                          min_speedup=0.0)
+    assert [r["signature"] for r in res] == [it["signature"] for it in items]
+    assert any(force and text.startswith("kernel 1/") for text, force in seen)
+    done = [r for r in res if not r["skipped"]]
+    assert done and all(r["gemm"] == tune.gemm_label(r["signature"]) for r in done)
+    stored = [r for r in done if r["stored"]]
+    assert len(tuning.entries(cache_file)) == len(stored)
+    for r in stored:
+        assert tuning.lookup("gemm", r["signature"]) == (r["tuning"] or {})
 
 
 def test_inspect_json_has_predictions(tiny_mlp, capsys):

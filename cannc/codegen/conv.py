@@ -51,6 +51,7 @@ import llvmlite.ir as ir
 import numpy as np
 
 from ..native.emit import F32, I8, I32, I64, PTR, i64
+from ..schedule.split import CHUNKS_PER_CORE
 from .vec import VF, VI32, VM, VPTR, VecBuilder, abi_function
 
 VI = VI32  # <16 x i32>: the lane indices and offsets of the window kernels
@@ -120,14 +121,6 @@ class VB(VecBuilder):
         return b.ashr(b.sub(b.ptrtoint(ptr, I64), b.ptrtoint(base, I64)), i64(2))
 
 
-def _chunks_per_core() -> int:
-    try:
-        from ..runtime.dispatch import CHUNKS_PER_CORE
-        return int(CHUNKS_PER_CORE)
-    except Exception:  # pragma: no cover - the dispatcher's policy is not ours to own
-        return 2
-
-
 WAKE_COST = 1.0e6    # a worker core starts late: ~10 us, in flop units (~100 GFLOP/s)
 
 
@@ -138,7 +131,7 @@ def dispatch_time(T: int, cores: int, range_cost) -> float:
     range_cost(t0, t1) is the cost of tiles [t0, t1)."""
     if cores <= 1:
         return range_cost(0, T)
-    chunk = max(1, cdiv(T, cores * _chunks_per_core()))
+    chunk = max(1, cdiv(T, cores * CHUNKS_PER_CORE))
     free = [0.0] + [WAKE_COST] * (cores - 1)
     for t0 in range(0, T, chunk):
         c = min(range(cores), key=lambda i: free[i])

@@ -67,6 +67,10 @@ import numpy as np
 from llvmlite import ir
 
 from ..native.emit import F32, I8, I64, PTR, i64
+from ..schedule.split import cdiv as _cdiv
+from ..schedule.split import gemm_groups as _groups
+from ..schedule.split import rup as _rup
+from ..schedule.split import split_even as _split_even
 from .vec import VF, VI64, VM, VPTR, VecBuilder, abi_function
 
 __all__ = [
@@ -205,14 +209,6 @@ class GemmPlan:
         return batch * self.mt * self.nt
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _rup(a: int, b: int) -> int:
-    return _cdiv(a, b) * b
-
-
 def _nc_for(KC: int, NR: int) -> int:
     """The N block: the KC x NC block of B stays in L2 (a multiple of NR)."""
     return max(NR, (L2_B_BLOCK // (4 * KC)) // NR * NR)
@@ -236,27 +232,6 @@ def host_isa() -> str:
     from ..native.target import host
 
     return "avx512" if host().has("avx512f") else "avx2"
-
-
-def _split_even(T: int, n: int):
-    return [(i * T // n, (i + 1) * T // n) for i in range(n)]
-
-
-def _groups(batch, mt, nt, t0, t1):
-    """The blocks one call processes for tile range [t0, t1) (as the kernel)."""
-    per_b = mt * nt
-    t = t0
-    while t < t1:
-        b, r = divmod(t, per_b)
-        jt, it = divmod(r, mt)
-        if mt == 1:
-            jt1 = min(nt, jt + (t1 - t))
-            yield b, 0, 1, jt, jt1
-            t += jt1 - jt
-        else:
-            it1 = min(mt, it + (t1 - t))
-            yield b, it, it1, jt, jt + 1
-            t += it1 - it
 
 
 def _grid_cost(spec: GemmSpec, MR, NR, MB, NB, mt, nt, pack_a, pack_b, cores=2):

@@ -22,6 +22,7 @@ from ..passes import fold, fusion, legalize, patterns  # noqa: F401  (registers 
 from ..passes.manager import PassManager
 from ..schedule import costmodel
 from .lowering import compile_modules, lower_graph
+from .planning import plan_memory
 from .support import support_problems, unknown_ops
 
 # The optimisation pipelines, by name. Each entry is one named pass.
@@ -83,7 +84,8 @@ def specialize(base: Graph, shapes: dict[str, tuple[int, ...]],
     kernels, aliases, constants, modules, objects = lower_graph(g, cache)
     objects.update(compile_modules(modules, cache))
     costmodel.annotate(kernels)  # notes['predicted_us'], notes['tiling'] (usable cores)
+    memory = plan_memory(g, kernels, aliases, constants)  # liveness, in-place reuse, offsets
     return Specialization(g, kernels, aliases, constants, objects, pm.records, pm.dumps,
-                          time.perf_counter() - t0, cache.hits - h0, cache.misses - m0)
+                          time.perf_counter() - t0, cache.hits - h0, cache.misses - m0, memory)
 
 

@@ -8,35 +8,16 @@ Python is involved once per launch, not once per kernel or tile.
 
 from __future__ import annotations
 
-import mmap
-import os
 import queue
 import threading
 import weakref
-from typing import TYPE_CHECKING, Callable
-
-if TYPE_CHECKING:
-    from .stream import CopyEngine, Stream
+from typing import Callable
 
 import numpy as np
 
-PAGE = mmap.PAGESIZE
-
-
-def usable_cores() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover
-        return max(1, os.cpu_count() or 1)
-
-
-def aligned_empty(nbytes: int, align: int = PAGE, zero: bool = True) -> np.ndarray:
-    """A uint8 buffer whose data pointer is `align`-aligned (page-aligned by default)."""
-    raw = (np.zeros if zero else np.empty)(nbytes + align, dtype=np.uint8)
-    off = (-raw.ctypes.data) % align
-    buf = raw[off:off + nbytes]
-    assert buf.ctypes.data % align == 0
-    return buf
+from ..schedule.machine import usable_cores
+from .memory import aligned_empty
+from .stream import CopyEngine, Stream
 
 
 class Device:
@@ -73,16 +54,14 @@ class Device:
             job(core)
 
     @property
-    def copy_engine(self) -> "CopyEngine":
+    def copy_engine(self) -> CopyEngine:
         """The device's copy engine (its own thread), started on first use."""
         with self._mem_lock:
             if getattr(self, "_copy_engine", None) is None:
-                from .stream import CopyEngine
                 self._copy_engine = CopyEngine()
             return self._copy_engine
 
-    def stream(self, name: str = "stream") -> "Stream":
-        from .stream import Stream
+    def stream(self, name: str = "stream") -> Stream:
         return Stream(self.copy_engine, name)
 
     # -- device memory (the aclrtMalloc / aclrtGetMemInfo analogues) ---------------------

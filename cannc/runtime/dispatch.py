@@ -31,11 +31,11 @@ import llvmlite.ir as ir
 from ..native import emit
 from ..native.emit import I32, I64, PTR, VOID, for_range, i64
 from ..native.target import default_cache, new_module
+from ..schedule.split import CHUNKS_PER_CORE
 
 FLAG_SINGLE_CORE = 1
 RECORD_WORDS = 4
 COUNTER_WORDS = 8      # claimed and done of one kernel on their own cache line
-CHUNKS_PER_CORE = 2
 PROFILE_WORDS = 4
 ENTRY = "cannc_run"
 CYCLES = "cannc_cycles"

@@ -2,10 +2,11 @@
 
 Per kernel: time, FLOPs, bytes, achieved GFLOP/s and GB/s and their share of
 this machine's measured peak (CANN reports these as Cube utilisation and
-memory bandwidth), per-core busy time; per run: copy-in, compute and copy-out
-time, copy/compute overlap of pipelined requests; device memory in use. It
-writes a Chrome trace (chrome://tracing, Perfetto) with one track per AI Core
-and one for the copy engine. Fused kernels are mapped back to the ONNX nodes
+memory bandwidth; the peaks come from cannc.schedule.machine), per-core busy
+time; per run: copy-in, compute and copy-out time, copy/compute overlap of
+pipelined requests; device memory in use. It writes a Chrome trace
+(chrome://tracing, Perfetto) with one track per AI Core and one for the copy
+engine. Fused kernels are mapped back to the ONNX nodes
 they contain, so a user finds their own layer.
 """
 
@@ -20,12 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import config
+from ..schedule import machine
 from . import dispatch
 from .program import Program, RunTimes
 
 _peaks: dict[str, float] | None = None
-PEAKS_VERSION = 2
 
 
 def _cycle_rate(prog: Program) -> float:
@@ -37,86 +37,12 @@ def _cycle_rate(prog: Program) -> float:
 
 
 def machine_peaks(prog: Program) -> dict[str, float]:
-    """fp32 peak per core (one 16-lane FMA per cycle at the measured clock: the Zen 4
-    figure, see PERFORMANCE_NOTES) and the measured copy bandwidth of this machine;
-    cached in the cannc cache directory."""
+    """This machine's measured fp32 peak per core and copy bandwidth (measured once and
+    cached by cannc.schedule.machine), and the cycle rate of the dispatcher's counter."""
     global _peaks
-    if _peaks is not None:
-        return _peaks
-    path = (config.cache_dir() or Path("/nonexistent")) / "machine.json"
-    try:
-        cached = json.loads(path.read_text())
-        if cached.get("version") == PEAKS_VERSION:
-            cached["cycles_per_second"] = _cycle_rate(prog)
-            _peaks = cached
-            return _peaks
-    except (OSError, ValueError, AttributeError):
-        pass
-    rate = _cycle_rate(prog)
-    a = np.ones(32 << 20, np.uint8)
-    b = np.empty_like(a)
-    best = min(_timed(lambda: np.copyto(b, a)) for _ in range(5))
-    _peaks = {"version": PEAKS_VERSION, "cycles_per_second": rate,
-              "fp32_gflops_per_core": measure_fma_peak(),
-              "mem_gbps": 2 * a.nbytes / best / 1e9}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(_peaks))
-    except OSError:
-        pass
+    if _peaks is None:
+        _peaks = {**machine.peaks(), "cycles_per_second": _cycle_rate(prog)}
     return _peaks
-
-
-def measure_fma_peak(iters: int = 2_000_000) -> float:
-    """GFLOP/s of one core running independent <16 x float> FMA chains: the
-    machine's fp32 peak as generated code can reach it (best of 5)."""
-    import ctypes
-
-    import llvmlite.ir as ir
-
-    from ..native import emit
-    from ..native.target import JitLibrary, default_cache, new_module
-
-    m = new_module("fma_peak")
-    vt = ir.VectorType(emit.F32, 16)
-    fn = ir.Function(m, ir.FunctionType(emit.F32, [emit.I64]), name="cannc_fma_peak")
-    b = ir.IRBuilder(fn.append_basic_block("entry"))
-    one = emit.const_like(1.0000001, vt)
-    chains = 12
-    entry = b.block
-    loop = fn.append_basic_block("loop")
-    done = fn.append_basic_block("done")
-    b.branch(loop)
-    b.position_at_end(loop)
-    i = b.phi(emit.I64)
-    i.add_incoming(emit.i64(0), entry)
-    accs = []
-    for c in range(chains):
-        p = b.phi(vt)
-        p.add_incoming(emit.const_like(float(c), vt), entry)
-        accs.append(p)
-    new = [emit.intrinsic(b, "llvm.fma", [a, one, one]) for a in accs]
-    for p, v in zip(accs, new):
-        p.add_incoming(v, loop)
-    nxt = b.add(i, emit.i64(1))
-    i.add_incoming(nxt, loop)
-    b.cbranch(b.icmp_signed("<", nxt, fn.args[0]), loop, done)
-    b.position_at_end(done)
-    total = new[0]
-    for v in new[1:]:
-        total = b.fadd(total, v)
-    b.ret(b.extract_element(total, ir.Constant(emit.I32, 0)))
-    lib = JitLibrary([default_cache().compile(str(m), "fma_peak", speed_level=0)])
-    f = ctypes.CFUNCTYPE(ctypes.c_float, ctypes.c_int64)(lib.address("cannc_fma_peak"))
-    f(iters // 10)
-    best = min(_timed(lambda: f(iters)) for _ in range(5))
-    return chains * 16 * 2 * iters / best / 1e9
-
-
-def _timed(fn: Any) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 @dataclass

@@ -1,9 +1,10 @@
-"""An executable specialisation: kernels loaded, memory planned, ready to run.
+"""An executable specialisation: kernels loaded, memory laid out, ready to run.
 
 Device memory is laid out once per program: every constant is uploaded once
 into the session's WeightPool (shared by every run and by the programs of
 other input shapes), and per *execution context* one
-arena for every intermediate (offsets from the memory planner), a per-core
+arena for every intermediate (offsets from the specialisation's memory plan,
+made at compile time by cannc.compiler.planning), a per-core
 workspace, the argument table of every kernel and the schedule that the native
 dispatcher walks. A run takes a free context (so runs from many threads, or
 several requests in flight, never share an intermediate buffer), copies the
@@ -21,74 +22,12 @@ from typing import Callable
 
 import numpy as np
 
-from ..artifact import Kernel, Specialization
+from ..artifact import ALIGN, Kernel, MemoryPlan, Specialization, align_up
 from ..native.target import JitLibrary
 from . import dispatch
 from .device import Device
-from .memory import ALIGN, Interval, MemoryPlan, align_up, plan
 
 MAX_CONTEXTS = 8
-
-
-def liveness(spec: Specialization) -> tuple[list[Interval], dict[str, str], int]:
-    """Lifetimes of every buffer over the kernel order, and in-place sharing: an output
-    of an elementwise kernel takes over a same-sized input that dies at that kernel."""
-    g, kernels = spec.graph, spec.kernels
-
-    def root(v: str) -> str:
-        while v in spec.aliases:
-            v = spec.aliases[v]
-        return v
-
-    end = len(kernels)
-    last: dict[str, int] = {}
-    for i, k in enumerate(kernels):
-        for v in k.inputs:
-            if v and v not in spec.constants:
-                last[root(v)] = i
-    for o in g.outputs:
-        last[root(o)] = end
-    storage: dict[str, str] = {}          # value -> the value whose buffer it uses
-    start: dict[str, int] = {}
-    for v in g.inputs:
-        start[v] = -1
-    for i, k in enumerate(kernels):
-        taken: set[str] = set()
-        for o in k.outputs:
-            if not o:
-                continue
-            start.setdefault(o, i)
-            if not k.inplace:
-                continue
-            ot = g.values[o]
-            for v in k.inputs:
-                if not v or v in spec.constants or v in taken:
-                    continue
-                r = root(v)
-                s = storage.get(r, r)
-                if last.get(r) != i or r in g.inputs and r in g.outputs:
-                    continue
-                vt = g.values[r]
-                if vt.nbytes == ot.nbytes and tuple(g.values[v].shape) == tuple(ot.shape) \
-                        and np.dtype(vt.dtype).itemsize == np.dtype(ot.dtype).itemsize \
-                        and not any(last.get(x, -2) > i for x, y in storage.items() if y == s
-                                    and x != r):
-                    storage[o] = s
-                    taken.add(v)
-                    break
-    # one interval per storage root, covering every value that lives in it
-    span: dict[str, list[int]] = {}
-    for v, s0 in start.items():
-        s = storage.get(v, v)
-        lo, hi = s0, max(last.get(v, s0), s0)
-        if s in span:
-            span[s][0] = min(span[s][0], lo)
-            span[s][1] = max(span[s][1], hi)
-        else:
-            span[s] = [lo, hi]
-    intervals = [Interval(s, g.values[s].nbytes, lo, hi) for s, (lo, hi) in span.items()]
-    naive = sum(align_up(max(g.values[v].nbytes, 1)) for v in start)
-    return intervals, storage, naive
 
 
 @dataclass
@@ -157,10 +96,9 @@ class Program:
         self.waddr = {c: b.ctypes.data for c, b in self.wbuf.items()}
         self.weights_bytes = sum(align_up(max(spec.constants[c].nbytes, 1)) for c in used)
 
-        # -- memory plan ------------------------------------------------------------------
-        intervals, self.storage, naive = liveness(spec)
-        self.plan: MemoryPlan = plan(intervals)
-        self.plan.naive_bytes = naive   # every intermediate in its own buffer
+        # -- memory: the plan made at compile time -------------------------------------
+        self.plan: MemoryPlan = spec.memory
+        self.storage = spec.memory.storage   # value -> the value whose buffer it uses
         self.ws_stride = align_up(max((k.workspace_bytes for k in kernels), default=0))
         self.lib = JitLibrary(list(dict.fromkeys(spec.objects.values())) + [dispatcher_obj])
         self._fn = [self.lib.address(k.symbol) for k in kernels]
@@ -175,7 +113,7 @@ class Program:
     def _root(self, v: str) -> str:
         while v in self.spec.aliases:
             v = self.spec.aliases[v]
-        return self.storage.get(v, v)
+        return self.plan.root(v)
 
     def _view(self, arena: np.ndarray, v: str) -> np.ndarray:
         t = self.spec.graph.values[v]

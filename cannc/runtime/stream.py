@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .device import PAGE
+from .memory import PAGE
 
 
 def is_pinned(a: np.ndarray) -> bool:

@@ -3,8 +3,10 @@
 An entry maps (kernel kind, kernel signature, CPU, cannc version) to the planner
 overrides (`tuning` dicts, e.g. ``{"KC": 128, "pack_a": False}`` for
 ``codegen.gemm.gemm_plan``) that beat the modelled default plan when measured
-on this CPU. Lowerings ask ``lookup(kind, signature)``; without an entry they
-get ``None`` and plan exactly as they would without a cache.
+on this CPU. Lowerings ask ``lookup(kind, signature)`` (a GEMM's through
+``codegen.plans.gemm_tuning``, which checks that the planner still accepts it);
+without an entry they get ``None`` and plan exactly as they would without a
+cache. The search that measures candidates is ``cannc.compiler.tune``.
 
 The file is JSON (``config.tuning_cache_path()``: ``CANNC_TUNING_CACHE`` or
 ``<cache dir>/tuning.json``), written atomically (temp file + ``os.replace``,
@@ -20,7 +22,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import threading
 import time
 import warnings
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import config
+from . import machine
 
 FORMAT = "cannc-tuning"
 FORMAT_VERSION = 1
@@ -41,7 +43,6 @@ __all__ = [
     "entry_key",
     "fingerprint",
     "gemm_signature",
-    "gemm_tuning",
     "lookup",
     "store",
 ]
@@ -51,15 +52,6 @@ __all__ = [
 # what an entry is keyed on
 # ---------------------------------------------------------------------------
 
-def _cpuinfo_model() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return ""
-    m = re.search(r"^model name\s*:\s*(.*)$", text, re.MULTILINE)
-    return m.group(1).strip() if m else ""
-
-
 @lru_cache(maxsize=1)
 def cpu_identity() -> dict[str, str]:
     """This CPU as the cache keys it: LLVM's host CPU name, /proc/cpuinfo's model name and a
@@ -68,7 +60,7 @@ def cpu_identity() -> dict[str, str]:
 
     h = host()
     feats = hashlib.sha256(f"{h.triple}|{h.features}".encode()).hexdigest()[:16]
-    return {"llvm_cpu": h.cpu, "model": _cpuinfo_model(), "features": feats}
+    return {"llvm_cpu": h.cpu, "model": machine.model_name(), "features": feats}
 
 
 def _version() -> str:
@@ -279,200 +271,3 @@ def gemm_signature(spec: Any, epilogue: bool = False) -> dict[str, Any]:
            if f.name not in _GEMM_PLAN_FREE}
     sig["epilogue"] = bool(epilogue)
     return sig
-
-
-def gemm_spec_of(signature: dict[str, Any]) -> Any:
-    """The GemmSpec a gemm signature stands for (alpha = beta = 1)."""
-    from ..codegen.gemm import GemmSpec
-
-    return GemmSpec(**{k: v for k, v in signature.items() if k != "epilogue"})
-
-
-def gemm_tuning(spec: Any, epilogue: bool = False) -> dict[str, Any] | None:
-    """The cached tuning of this GEMM if there is one and the planner accepts it (a stale
-    or edited entry that no longer plans is ignored with a warning)."""
-    tun = lookup("gemm", gemm_signature(spec, epilogue))
-    if tun is None:
-        return None
-    from ..codegen.gemm import gemm_plan
-
-    try:
-        gemm_plan(spec, tun)
-    except Exception as e:  # noqa: BLE001 - any planner refusal: fall back to the default
-        warnings.warn(f"ignoring tuning {tun} of GEMM {spec.M}x{spec.N}x{spec.K}: {e}",
-                      RuntimeWarning, stacklevel=2)
-        return None
-    return tun
-
-
-# ---------------------------------------------------------------------------
-# measuring GEMM candidates (`cannc tune`)
-# ---------------------------------------------------------------------------
-
-def gemm_candidates(spec: Any, cores: int) -> list[dict[str, Any]]:
-    """Legal planner overrides worth measuring for this GEMM, most promising first: the
-    tile grid (ranked by the cost model for `cores` cores), K blocking, the micro-tile,
-    A packing and the B access mode, interleaved so that a short budget tries each kind.
-    Tunings that plan the same as the default (or as an earlier candidate) are dropped."""
-    from ..codegen.gemm import _cdiv, _distinct_splits, _dot_able, gemm_plan
-    from .costmodel import gemm_record, predict_gemm_us
-
-    p0 = gemm_plan(spec)
-    M, N, K = spec.M, spec.N, spec.K
-    groups: dict[str, list[dict[str, Any]]] = {"grid": [], "KC": [], "micro": [], "A/B": []}
-    # the tile grid: rows-only or columns-only splits, like the planner's own choice
-    P, Q = _cdiv(M, p0.MR), _cdiv(N, p0.NR)
-    grids = {(mt, 1) for mt, _ in _distinct_splits(P)} | {(1, nt) for nt, _ in _distinct_splits(Q)}
-    groups["grid"] = [{"grid": [mt, nt]} for mt, nt in sorted(grids)
-                      if spec.batch * mt * nt <= max(512, spec.batch)]
-    if p0.b_mode == "dot":
-        for mr in (1, 2, 4, 8):
-            for nr in (4, 8, 16):
-                if mr <= M:
-                    groups["micro"].append({"MR": mr, "NR": nr})
-    else:
-        groups["KC"] = [{"KC": kc} for kc in (64, 96, 128, 192, 256, 384, 512, 1024) if kc < K]
-        if K <= 4096:
-            groups["KC"].append({"KC": K})
-        for mr, nv in ((6, 2), (8, 2), (4, 2), (4, 4), (5, 2), (3, 4), (2, 6), (1, 8), (12, 2)):
-            if mr <= M and 16 * nv <= 32 * _cdiv(N, 32):
-                groups["micro"].append({"MR": mr, "NV": nv})
-        groups["A/B"].append({"pack_a": not p0.pack_a})
-        if not spec.b_prepacked:
-            modes = ["pack"] + (["direct"] if not spec.trans_b else [])
-            modes += ["dot"] if _dot_able(spec) else []
-            groups["A/B"] += [{"b_mode": m} for m in modes if m != p0.b_mode]
-    seen = {p0}
-    ranked: dict[str, list[tuple[float, dict[str, Any]]]] = {}
-    for g, tuns in groups.items():
-        ranked[g] = []
-        for t in tuns:
-            try:
-                plan = gemm_plan(spec, t)
-                cost = predict_gemm_us(gemm_record(spec, t), cores)
-            except (ValueError, AssertionError, ZeroDivisionError):
-                continue
-            if plan in seen:
-                continue
-            seen.add(plan)
-            ranked[g].append((cost, t))
-        ranked[g].sort(key=lambda ct: ct[0])
-    out: list[dict[str, Any]] = []
-    while any(ranked.values()):
-        for lst in ranked.values():
-            if lst:
-                out.append(lst.pop(0)[1])
-    return out
-
-
-class GemmBench:
-    """One GEMM on random data, run through the kernel ABI as `cores` cores would run it:
-    the tile range split evenly, each core's range timed alone and the slowest taken
-    (so that the other tenants of a shared machine do not decide the winner)."""
-
-    def __init__(self, spec: Any, cores: int, seed: int = 0) -> None:
-        import numpy as np
-
-        from ..codegen.gemm import prepack_b
-        from ..runtime.device import aligned_empty
-
-        self.spec, self.cores = spec, max(1, int(cores))
-        rng = np.random.default_rng(seed)
-        s = spec
-
-        def buf(n: int) -> Any:
-            a = aligned_empty(4 * max(n, 1), 64).view(np.float32)
-            a[:] = rng.standard_normal(a.size, dtype=np.float32)
-            return a
-
-        ra, ca = (s.K, s.M) if s.trans_a else (s.M, s.K)
-        rb, cb = (s.N, s.K) if s.trans_b else (s.K, s.N)
-        na = s.batch if s.a_batch_stride else 1
-        nb = s.batch if s.b_batch_stride else 1
-        self.A = buf((na - 1) * s.a_batch_stride + (ra - 1) * s.lda_ + ca)
-        braw = buf((nb - 1) * s.b_batch_stride + (rb - 1) * s.ldb_ + cb)
-        if s.b_prepacked:
-            packed = prepack_b(s, braw)
-            self.B = aligned_empty(4 * packed.size, 64).view(np.float32)
-            self.B[:] = packed
-        else:
-            self.B = braw
-        self.bias = None
-        if s.bias:
-            self.bias = buf((s.M - 1) * s.bias_row_stride + (s.N - 1) * s.bias_col_stride + 1)
-        self.c_len = (s.batch - 1) * s.c_batch_stride_ + (s.M - 1) * s.ldc_ + s.N
-        self.C = buf(self.c_len)
-
-    def build(self, tuning: dict[str, Any] | None) -> Any:
-        """(kernel, tiles, workspace) of the plan `tuning` (None: the default plan)."""
-        import ctypes
-
-        from ..codegen.gemm import emit_gemm, gemm_plan
-        from ..native.target import jit_kernel, new_module
-        from ..runtime.device import aligned_empty
-
-        plan = gemm_plan(self.spec, tuning)
-        m = new_module("tune")
-        emit_gemm(m, "cannc_tune_gemm", self.spec, tuning=tuning)
-        fn = jit_kernel(m, "cannc_tune_gemm", speed_level=2)   # as the compiler builds it
-        ws = aligned_empty(max(plan.ws_bytes, 64), 64)
-        ptrs = [self.A.ctypes.data, self.B.ctypes.data]
-        if self.bias is not None:
-            ptrs.append(self.bias.ctypes.data)
-        ptrs.append(self.C.ctypes.data)
-        args = (ctypes.c_void_p * len(ptrs))(*ptrs)
-        return _Built(fn, args, plan.num_tiles(self.spec.batch), ws)
-
-    def result(self, k: _Built) -> Any:
-        self.C[:] = 0.0
-        k.run(0, k.tiles)
-        return self.C[:self.c_len].copy()
-
-    def time_us(self, k: _Built, reps: int, blocks: int = 3) -> float:
-        """µs of one call of the kernel on `cores` cores (the slowest core's range); each
-        range runs `blocks` blocks of `reps` calls and the fastest block counts (other
-        tenants of a shared machine only ever add time)."""
-        T = k.tiles
-        worst = 0.0
-        for i in range(self.cores):
-            lo, hi = i * T // self.cores, (i + 1) * T // self.cores
-            if lo == hi:
-                continue
-            best = float("inf")
-            for _ in range(blocks):
-                t0 = time.perf_counter()
-                for _ in range(reps):
-                    k.run(lo, hi)
-                best = min(best, (time.perf_counter() - t0) / reps)
-            worst = max(worst, best)
-        return worst * 1e6
-
-
-class _Built:
-    def __init__(self, fn: Any, args: Any, tiles: int, ws: Any) -> None:
-        self.fn, self.args, self.tiles, self.ws = fn, args, tiles, ws
-        self.ws_ptr = ws.ctypes.data
-
-    def run(self, lo: int, hi: int) -> None:
-        self.fn(self.args, lo, hi, self.ws_ptr)
-
-
-def measure_pair(bench: GemmBench, base: _Built, cand: _Built, rounds: int = 5,
-                 sample_us: float = 600.0) -> tuple[float, float]:
-    """(base, cand) µs: the median of `rounds` samples of the base, and that divided by the
-    median of the paired ratios base/cand (the rounds alternate which runs first, so the
-    noise of a shared machine hits both sides of each pair alike)."""
-    import statistics
-
-    est = max(bench.time_us(base, 1, 1), bench.time_us(cand, 1, 1), 0.5)
-    reps = max(1, min(10_000, int(sample_us / est)))
-    tb, ratios = [], []
-    for r in range(rounds):
-        if r % 2 == 0:
-            b, c = bench.time_us(base, reps), bench.time_us(cand, reps)
-        else:
-            c, b = bench.time_us(cand, reps), bench.time_us(base, reps)
-        tb.append(b)
-        ratios.append(b / c)
-    base_us = statistics.median(tb)
-    return base_us, base_us / statistics.median(ratios)

@@ -1,9 +1,11 @@
-"""The memory planner: live buffers never overlap; reuse gets near the lower bound."""
+"""The memory planner (a compile step, cannc.compiler.planning): live buffers never
+overlap; reuse gets near the lower bound."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cannc.runtime.memory import ALIGN, Interval, plan
+from cannc.artifact import ALIGN
+from cannc.compiler.planning import Interval, place
 
 
 def _check(intervals, p):
@@ -26,12 +28,44 @@ def _check(intervals, p):
                 min_size=1, max_size=40))
 def test_no_two_live_buffers_overlap(items):
     intervals = [Interval(f"v{i}", size, s, s + d) for i, (size, s, d) in enumerate(items)]
-    _check(intervals, plan(intervals))
+    _check(intervals, place(intervals))
 
 
 def test_chain_reuses_memory():
     # a chain a -> b -> c -> d: only two buffers are live at once
     ivs = [Interval(f"v{i}", 1024, i, i + 1) for i in range(10)]
-    p = plan(ivs)
+    p = place(ivs)
     assert p.arena_bytes == 2 * 1024 == p.lower_bound_bytes
     assert p.naive_bytes == 10 * 1024
+
+
+def test_plan_is_made_at_compile_time_and_read_by_the_runtime():
+    import dataclasses
+
+    import numpy as np
+    import pytest
+    from onnx import TensorProto, helper
+
+    import cannc
+    from cannc.artifact import MemoryPlan
+    from cannc.compiler.planning import plan_memory
+
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Exp", ["a"], ["b"]),
+             helper.make_node("ReduceSum", ["b"], ["s"], keepdims=1),
+             helper.make_node("Div", ["b", "s"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                     [32, 32])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [32, 32])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    sess = cannc.compile(m, cores=2, fusion=False)
+    x = np.ones((32, 32), np.float32)
+    sess.run(None, {"x": x})
+    (prog,) = sess.programs.values()
+    spec = prog.spec
+    assert isinstance(spec.memory, MemoryPlan) and prog.plan is spec.memory
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.memory.arena_bytes = 0  # type: ignore[misc]
+    assert spec.memory.storage            # an elementwise output took over its input
+    assert spec.memory.lower_bound_bytes <= spec.memory.arena_bytes < spec.memory.naive_bytes
+    # planning again gives the same plan
+    assert plan_memory(spec.graph, spec.kernels, spec.aliases, spec.constants) == spec.memory

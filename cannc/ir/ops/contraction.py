@@ -27,8 +27,8 @@ from ...codegen.gemm import (GEMM_DIMS, GemmSpec, dynamic_able, dynamic_spec, em
                              gemm_dims, gemm_num_tiles, gemm_plan, gemm_workspace_bytes,
                              prepack_b)
 from ...codegen.kernel import ConstRef, Tiling
-from ...schedule.costmodel import gemm_notes
-from ...schedule.tuning import gemm_signature, gemm_tuning
+from ...codegen.plans import gemm_notes, gemm_tuning
+from ...schedule.tuning import gemm_signature
 from ..graph import Node
 from ..registry import Category, OpDef, register
 from ..types import TensorType

@@ -21,8 +21,7 @@ import numpy as np
 from ...native import emit
 from ...codegen.elementwise import TV, Expr, emit_map, map_tiling
 from ...codegen.gemm import GEMM_DIMS, emit_gemm
-from ...schedule.costmodel import attention_notes
-from ...schedule.tuning import gemm_tuning
+from ...codegen.plans import attention_notes, gemm_tuning
 from ..graph import Node
 from ..registry import Category, OpDef, lookup, register
 from ..types import TensorType
@@ -456,7 +455,8 @@ def _fused_attention_tiling(node: Node, in_types: list, out_types: list) -> Any:
     other strides are runtime dims (codegen.attention.attention_tiling)."""
     from ...codegen.attention import attention_plan, attention_tiling
     from ...codegen.kernel import Tiling
-    from ...schedule.costmodel import attention_record, describe
+    from ...codegen.plans import attention_record
+    from ...schedule.costmodel import describe
 
     spec = node.attrs["spec"]
     t = attention_tiling(spec)

@@ -1,0 +1,278 @@
+"""This machine: its CPU, caches, usable cores and measured peaks, in one place.
+
+`cpu_model()` describes the machine, detected at run time: vector width (from
+the host target's features), cache sizes (/sys/devices/system/cpu/cpu0/cache),
+usable cores, the fp32 peak per core (measured if it has been measured and
+cached, else FMA units x lanes x 2 x clock) and the memory bandwidth (the
+measured copy bandwidth if cached, else an estimate).
+
+`peaks()` measures the fp32 FMA peak of one core (`measure_fma_peak`) and the
+memory copy bandwidth once and caches them in ``<cache dir>/machine.json``;
+`measured_peaks()` returns them only if already measured (in this process or
+in the file), never measuring. The cost model and the profiler read them here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import config
+
+PEAKS_VERSION = 2
+_peaks: dict[str, float] | None = None     # measured (or read) in this process
+
+
+def usable_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover
+        return max(1, os.cpu_count() or 1)
+
+
+def model_name() -> str:
+    """/proc/cpuinfo's model name ('' if there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return ""
+    m = re.search(r"^model name\s*:\s*(.*)$", text, re.MULTILINE)
+    return m.group(1).strip() if m else ""
+
+
+# ---------------------------------------------------------------------------
+# the CPU
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CpuModel:
+    llvm_cpu: str
+    model: str               # /proc/cpuinfo model name
+    vector_bits: int
+    f32_lanes: int
+    fma_units: int           # vector FMAs issued per cycle at vector_bits
+    freq_ghz: float
+    cores: int
+    l1d_bytes: int           # per core
+    l2_bytes: int            # per core
+    l3_bytes: int            # shared
+    peak_gflops_core: float  # fp32
+    peak_source: str         # 'measured' | 'estimated'
+    dram_gbps: float         # whole chip
+    mem_source: str
+
+    @property
+    def l1_gbps_core(self) -> float:
+        return 2 * self.vector_bits / 8 * self.freq_ghz     # two vector loads per cycle
+
+    @property
+    def l2_gbps_core(self) -> float:
+        return 32 * self.freq_ghz
+
+    @property
+    def l3_gbps_core(self) -> float:
+        return 16 * self.freq_ghz
+
+    def summary(self) -> str:
+        return (f"{self.llvm_cpu} ({self.model or 'unknown model'}), {self.cores} core(s), "
+                f"{self.vector_bits}-bit vectors x {self.fma_units} FMA/cycle, "
+                f"~{self.freq_ghz:.2f} GHz, L1d {self.l1d_bytes >> 10} KiB, "
+                f"L2 {self.l2_bytes >> 10} KiB, L3 {self.l3_bytes >> 20} MiB; fp32 peak "
+                f"{self.peak_gflops_core:.0f} GFLOP/s/core ({self.peak_source}), memory "
+                f"{self.dram_gbps:.0f} GB/s ({self.mem_source})")
+
+
+def _parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)\s*B?\s*", text, re.IGNORECASE)
+    if not m:
+        return 0
+    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
+
+
+def cache_sizes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> dict[int, int]:
+    """{level: bytes} of the data/unified caches of cpu0 (empty if sysfs is not there)."""
+    out: dict[int, int] = {}
+    for d in sorted(Path(root).glob("index*")):
+        try:
+            level = int((d / "level").read_text())
+            kind = (d / "type").read_text().strip()
+            size = _parse_size((d / "size").read_text())
+        except (OSError, ValueError):
+            continue
+        if kind in ("Data", "Unified") and size:
+            out[level] = size
+    return out
+
+
+def _freq_ghz() -> float:
+    """The highest clock the OS reports (cpufreq's max, else /proc/cpuinfo's MHz)."""
+    best = 0.0
+    try:
+        khz = int(Path("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq").read_text())
+        best = khz / 1e6
+    except (OSError, ValueError):
+        pass
+    try:
+        mhz = [float(x) for x in re.findall(r"^cpu MHz\s*:\s*([\d.]+)",
+                                           Path("/proc/cpuinfo").read_text(), re.MULTILINE)]
+        if mhz:
+            best = max(best, max(mhz) / 1e3)
+    except (OSError, ValueError):
+        pass
+    return best or 3.0
+
+
+# vector FMA issue per cycle at the full vector width
+_FMA_512_TWO = ("skylake-avx512", "cascadelake", "cooperlake", "icelake-server",
+                "sapphirerapids", "emeraldrapids", "graniterapids", "znver5")
+
+
+def _fma_units(cpu: str, vector_bits: int) -> int:
+    if vector_bits >= 512:
+        return 2 if cpu.startswith(_FMA_512_TWO) else 1   # Zen 4: 2x256-bit = 1 zmm
+    return 2
+
+
+def cpu_model() -> CpuModel:
+    """This machine (re-read once its peaks have been measured)."""
+    peaks = measured_peaks() or {}
+    return _cpu_model(peaks.get("fp32_gflops_per_core"), peaks.get("mem_gbps"))
+
+
+@lru_cache(maxsize=4)
+def _cpu_model(peak: float | None, mem: float | None) -> CpuModel:
+    from ..native.target import host
+
+    h = host()
+    vbits = h.vector_bytes * 8
+    lanes = vbits // 32
+    units = _fma_units(h.cpu, vbits)
+    freq = _freq_ghz()
+    caches = cache_sizes()
+    if peak:  # the clock the FMA units ran at (the OS often reports the base clock)
+        freq = float(peak) / (units * lanes * 2)
+    return CpuModel(
+        llvm_cpu=h.cpu, model=model_name(), vector_bits=vbits, f32_lanes=lanes,
+        fma_units=units, freq_ghz=freq, cores=usable_cores(),
+        l1d_bytes=caches.get(1, 32 << 10), l2_bytes=caches.get(2, 1 << 20),
+        l3_bytes=caches.get(3, 32 << 20),
+        peak_gflops_core=float(peak) if peak else units * lanes * 2 * freq,
+        peak_source="measured" if peak else "estimated",
+        dram_gbps=float(mem) if mem else 8.0 * freq,
+        mem_source="measured" if mem else "estimated")
+
+
+# ---------------------------------------------------------------------------
+# the measured peaks
+# ---------------------------------------------------------------------------
+
+def _peaks_path() -> Path | None:
+    d = config.cache_dir()
+    return d / "machine.json" if d is not None else None
+
+
+def measured_peaks() -> dict[str, float] | None:
+    """The measured peaks, if measured in this process or cached on disk (never measures)."""
+    if _peaks is not None:
+        return _peaks
+    path = _peaks_path()
+    if path is None:
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("version") != PEAKS_VERSION:
+        return None
+    return data
+
+
+def peaks() -> dict[str, float]:
+    """fp32 peak per core (``fp32_gflops_per_core``: one core's independent FMA chains,
+    see measure_fma_peak) and the measured copy bandwidth (``mem_gbps``) of this machine;
+    measured once and cached in the cannc cache directory (machine.json)."""
+    global _peaks
+    if _peaks is not None:
+        return _peaks
+    cached = measured_peaks()
+    if cached is not None:
+        _peaks = cached
+        return _peaks
+    _peaks = {"version": PEAKS_VERSION, "fp32_gflops_per_core": measure_fma_peak(),
+              "mem_gbps": measure_copy_bandwidth()}
+    path = _peaks_path()
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(_peaks))
+        except OSError:
+            pass
+    return _peaks
+
+
+def measure_copy_bandwidth() -> float:
+    """GB/s (read + write) of a 32 MiB memory copy (best of 5)."""
+    a = np.ones(32 << 20, np.uint8)
+    b = np.empty_like(a)
+    best = min(_timed(lambda: np.copyto(b, a)) for _ in range(5))
+    return 2 * a.nbytes / best / 1e9
+
+
+def measure_fma_peak(iters: int = 2_000_000) -> float:
+    """GFLOP/s of one core running independent <16 x float> FMA chains: the
+    machine's fp32 peak as generated code can reach it (best of 5)."""
+    import ctypes
+
+    import llvmlite.ir as ir
+
+    from ..native import emit
+    from ..native.target import JitLibrary, default_cache, new_module
+
+    m = new_module("fma_peak")
+    vt = ir.VectorType(emit.F32, 16)
+    fn = ir.Function(m, ir.FunctionType(emit.F32, [emit.I64]), name="cannc_fma_peak")
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    one = emit.const_like(1.0000001, vt)
+    chains = 12
+    entry = b.block
+    loop = fn.append_basic_block("loop")
+    done = fn.append_basic_block("done")
+    b.branch(loop)
+    b.position_at_end(loop)
+    i = b.phi(emit.I64)
+    i.add_incoming(emit.i64(0), entry)
+    accs = []
+    for c in range(chains):
+        p = b.phi(vt)
+        p.add_incoming(emit.const_like(float(c), vt), entry)
+        accs.append(p)
+    new = [emit.intrinsic(b, "llvm.fma", [a, one, one]) for a in accs]
+    for p, v in zip(accs, new):
+        p.add_incoming(v, loop)
+    nxt = b.add(i, emit.i64(1))
+    i.add_incoming(nxt, loop)
+    b.cbranch(b.icmp_signed("<", nxt, fn.args[0]), loop, done)
+    b.position_at_end(done)
+    total = new[0]
+    for v in new[1:]:
+        total = b.fadd(total, v)
+    b.ret(b.extract_element(total, ir.Constant(emit.I32, 0)))
+    lib = JitLibrary([default_cache().compile(str(m), "fma_peak", speed_level=0)])
+    f = ctypes.CFUNCTYPE(ctypes.c_float, ctypes.c_int64)(lib.address("cannc_fma_peak"))
+    f(iters // 10)
+    best = min(_timed(lambda: f(iters)) for _ in range(5))
+    return chains * 16 * 2 * iters / best / 1e9
+
+
+def _timed(fn: Any) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
