@@ -41,7 +41,8 @@ from .compiler.shapes import Shapes, complete_input_shapes, type_string
 from .compiler.support import supported_ops
 from .errors import CacheError, CanncError, InputError, ModelError
 from .export import save_fused_graph
-from .schedule.costmodel import cpu_model
+from .compiler.tune import tune_gemms
+from .schedule.machine import cpu_model, usable_cores
 from .session import Session, load
 
 # onnxruntime is imported inside the verbs that use it (run --check, bench): it takes a
@@ -559,87 +560,7 @@ class _Progress:
             self.stream.flush()
 
 
-def _gemm_label(sig: dict[str, Any]) -> str:
-    s = f"{sig['M']}x{sig['N']}x{sig['K']}"
-    if sig.get("batch", 1) > 1:
-        s = f"{sig['batch']}x[{s}]"
-    flags = [f for f, on in (("A^T", sig.get("trans_a")), ("B^T", sig.get("trans_b")),
-                             ("B-prepacked", sig.get("b_prepacked")), ("+bias", sig.get("bias")),
-                             ("+epilogue", sig.get("epilogue"))) if on]
-    return " ".join([s] + flags)
-
-
-def tune_gemm(sig: dict[str, Any], threads: int, deadline: float,
-              progress: Callable[[str], None] = lambda s: None,
-              min_speedup: float = 1.03) -> dict[str, Any]:
-    """Measure the candidate plans of one GEMM (until `deadline`, a perf_counter time)
-    against its default plan; a candidate wins when it is more than `min_speedup` times
-    as fast (twice: once in the sweep, again side by side with more rounds)."""
-    from .compiler import tune as tuning  # TRANSITIONAL: the search is cannc.compiler.tune
-
-    spec = tuning.gemm_spec_of(sig)
-    bench = tuning.GemmBench(spec, threads)
-    base = bench.build(None)
-    ref = bench.result(base)
-    atol = 1e-4 * max(1.0, spec.K ** 0.5) * 4
-    cands = tuning.gemm_candidates(spec, threads)
-    existing = tuning.lookup("gemm", sig)
-    if existing and existing not in cands:
-        cands.insert(0, existing)
-    res: dict[str, Any] = {"signature": sig, "gemm": _gemm_label(sig), "candidates": len(cands),
-                           "tried": 0, "wrong": 0, "tuning": None, "default_us": None,
-                           "best_us": None, "speedup": 1.0, "existing": existing}
-    wins: list[tuple[float, dict[str, Any], float, float]] = []  # (speedup, tuning, base, cand)
-    base_times: list[float] = []
-
-    def trial(tun: dict[str, Any]) -> None:
-        try:
-            k = bench.build(tun)
-        except (CanncError, ValueError, AssertionError):
-            return
-        res["tried"] += 1
-        if not np.allclose(bench.result(k), ref, rtol=1e-3, atol=atol):
-            res["wrong"] += 1   # never keep a plan that computes something else
-            return
-        tb, tc = tuning.measure_pair(bench, base, k)
-        base_times.append(tb)
-        wins.append((tb / tc, tun, tb, tc))
-
-    for j, tun in enumerate(cands):
-        if time.perf_counter() >= deadline:
-            break
-        progress(f"candidate {j + 1}/{len(cands)}")
-        trial(tun)
-    # the two best improvements on different knobs, together
-    good = sorted((w for w in wins if w[0] > 1.0), key=lambda w: -w[0])
-    if len(good) >= 2 and time.perf_counter() < deadline:
-        a, b = good[0][1], next((w[1] for w in good[1:] if not set(w[1]) & set(good[0][1])), None)
-        if b is not None:
-            progress("combining the two best")
-            res["candidates"] += 1
-            trial({**a, **b})
-    if not base_times:
-        res["default_us"] = tuning.measure_pair(bench, base, base, rounds=3)[0]
-        return res
-    res["default_us"] = float(np.median(base_times))
-    speedup, tun, tb, tc = max(wins, key=lambda w: w[0])
-    if speedup > min_speedup:
-        # confirm side by side with more rounds: a lucky sample must not win
-        progress("confirming the winner")
-        tb, tc = tuning.measure_pair(bench, base, bench.build(tun), rounds=9)
-        speedup = tb / tc
-        res["default_us"] = tb
-    if speedup > min_speedup:
-        res.update(tuning=tun, best_us=tc, speedup=speedup)
-    else:
-        res.update(best_us=res["default_us"], speedup=1.0)
-    return res
-
-
 def cmd_tune(args: argparse.Namespace) -> int:
-    from .schedule import tuning
-    from .schedule.machine import usable_cores
-
     path = Path(args.cache) if args.cache else config.tuning_cache_path()
     if path is None:
         raise CliError("no tuning cache file: give --cache PATH or set CANNC_TUNING_CACHE "
@@ -648,46 +569,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     sess = _open(args.model, cores=threads)
     prog = _specialize(sess, dict(args.shape or []))
-    # distinct GEMM signatures, the ones the cost model says take longest first
-    found: dict[str, dict[str, Any]] = {}
-    for i, k in enumerate(prog.spec.kernels):
-        rec = k.notes.get("plan")
-        if not (isinstance(rec, dict) and rec.get("kind") == "gemm"):
-            continue
-        key = json.dumps(rec["signature"], sort_keys=True)
-        item = found.setdefault(key, {"signature": rec["signature"], "kernels": [],
-                                      "predicted_us": 0.0})
-        item["kernels"].append(i)
-        item["predicted_us"] += float(k.notes.get("predicted_us", 0.0))
-    items = sorted(found.values(), key=lambda it: -it["predicted_us"])
-    deadline = t_start + args.budget
     progress = _Progress(args.budget)
-    results = []
-    for i, it in enumerate(items):
-        now = time.perf_counter()
-        label = f"kernel {i + 1}/{len(items)} (GEMM {_gemm_label(it['signature'])})"
-        if now >= deadline:
-            results.append({**it, "gemm": _gemm_label(it["signature"]), "skipped": True})
-            continue
-        # an even share of what is left, so every kernel gets measured
-        share_end = now + (deadline - now) / (len(items) - i)
-        progress.update(label, force=True)
-        r = tune_gemm(it["signature"], threads, share_end,
-                      lambda s, label=label: progress.update(f"{label}: {s}"),
-                      min_speedup=1.0 + args.min_gain / 100)
-        r.update(kernels=it["kernels"], predicted_us=it["predicted_us"], skipped=False)
-        if r["tuning"] is not None:
-            tuning.store("gemm", it["signature"], r["tuning"], r["best_us"], path=path,
-                         default_us=r["default_us"], speedup=r["speedup"], threads=threads)
-            r["stored"] = True
-        elif r["existing"]:
-            # a stored tuning that no longer beats the default is replaced by the default
-            tuning.store("gemm", it["signature"], {}, r["default_us"], path=path,
-                         default_us=r["default_us"], speedup=1.0, threads=threads)
-            r["stored"] = True
-        else:
-            r["stored"] = False
-        results.append(r)
+    results = tune_gemms(prog.spec.kernels, threads, t_start + args.budget, path=path,
+                         progress=lambda text, force: progress.update(text, force=force),
+                         min_speedup=1.0 + args.min_gain / 100)
     progress.done()
     elapsed = time.perf_counter() - t_start
     if args.json:
@@ -706,7 +591,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             verdict += f" ({r['wrong']} wrong candidate(s) rejected)"
         rows.append([ks, r["gemm"], f"{r['default_us']:.1f}", f"{r['best_us']:.1f}",
                      f"x{r['speedup']:.2f}", f"{r['tried']}/{r['candidates']}", verdict])
-    print(f"{args.model}: {len(items)} distinct GEMM(s) tuned on {threads} thread(s) in "
+    print(f"{args.model}: {len(results)} distinct GEMM(s) tuned on {threads} thread(s) in "
           f"{elapsed:.1f} s (budget {args.budget:g} s)")
     print(_table(["kernels", "gemm", "default µs", "best µs", "speedup", "tried", "tuning"],
                  rows, right=(2, 3, 4, 5)))
