@@ -535,7 +535,7 @@ def _static_folds(graph: Any) -> set[str]:
     known, folded = set(graph.constants), set()
     for n in graph.nodes():
         op = lookup(n.op_type, n.domain)
-        shape_only = op is not None and op.category == Category.SHAPE and "fold" in op.extra
+        shape_only = op is not None and op.category == Category.SHAPE and op.fold is not None
         if n.op_type not in NONDETERMINISTIC and (
                 shape_only or all(v in known for v in n.inputs if v)):
             folded.add(n.name)
