@@ -16,8 +16,10 @@ from typing import Callable, Sequence
 import llvmlite.ir as ir
 import numpy as np
 
+from ..artifact import Tiling
 from ..ir.types import TensorType
 from ..native import emit
+from . import vmath
 from ..native.emit import I64, for_range, i64, llvm_type
 
 MAX_TILE_ELEMS = 16384
@@ -102,7 +104,8 @@ class TV:
 
 
 class Expr:
-    """Dtype-aware builders for expression functions."""
+    """Dtype-aware builders for expression functions: implements the builder protocol
+    `cannc.ir.expr.ExprBuilder` that the ops' `expr` functions are written against."""
 
     def __init__(self, b: ir.IRBuilder, lanes: int) -> None:
         self.b = b
@@ -143,6 +146,14 @@ class Expr:
             return TV(self.b.sdiv(x.v, safe), x.dtype)
         return TV(self.b.udiv(x.v, safe), x.dtype)
 
+    def rem(self, x: TV, y: TV) -> TV:
+        """The remainder of truncating division (frem, srem or urem by dtype)."""
+        if self.is_float(x):
+            return TV(self.b.frem(x.v, y.v), x.dtype)
+        if emit.is_signed(x.dtype):
+            return TV(self.b.srem(x.v, y.v), x.dtype)
+        return TV(self.b.urem(x.v, y.v), x.dtype)
+
     def neg(self, x: TV) -> TV:
         return TV(self.b.fneg(x.v) if self.is_float(x) else self.b.neg(x.v), x.dtype)
 
@@ -152,6 +163,10 @@ class Expr:
     def call(self, name: str, *xs: TV) -> TV:
         """An overloaded LLVM intrinsic such as 'llvm.sqrt' on float operands."""
         return TV(emit.intrinsic(self.b, name, [x.v for x in xs]), xs[0].dtype)
+
+    def math(self, name: str, *xs: TV) -> TV:
+        """A `codegen.vmath` function ('exp', 'log', 'tanh', 'pow', ...) on float operands."""
+        return TV(getattr(vmath, name)(self.b, *[x.v for x in xs]), xs[0].dtype)
 
     def min(self, x: TV, y: TV) -> TV:
         if self.is_float(x):
@@ -184,6 +199,13 @@ class Expr:
             r = self.b.icmp_unsigned(op, x.v, y.v)
         return TV(r, np.dtype(np.bool_))
 
+    def ucmp(self, op: str, x: TV, y: TV) -> TV:
+        """An integer comparison as unsigned, whatever the dtype."""
+        return TV(self.b.icmp_unsigned(op, x.v, y.v), np.dtype(np.bool_))
+
+    def isnan(self, x: TV) -> TV:
+        return TV(self.b.fcmp_unordered("uno", x.v, x.v), np.dtype(np.bool_))
+
     def select(self, c: TV, x: TV, y: TV) -> TV:
         return TV(self.b.select(c.v, x.v, y.v), x.dtype)
 
@@ -198,6 +220,15 @@ class Expr:
 
     def not_(self, x: TV) -> TV:
         return TV(self.b.not_(x.v), x.dtype)
+
+    def shl(self, x: TV, y: TV) -> TV:
+        return TV(self.b.shl(x.v, y.v), x.dtype)
+
+    def shr(self, x: TV, y: TV) -> TV:
+        """Arithmetic shift for signed dtypes, logical for unsigned."""
+        if emit.is_signed(x.dtype):
+            return TV(self.b.ashr(x.v, y.v), x.dtype)
+        return TV(self.b.lshr(x.v, y.v), x.dtype)
 
     # -- conversions -------------------------------------------------------
     def cast(self, x: TV, dtype: np.dtype) -> TV:
@@ -466,11 +497,9 @@ def map_tile_elems(total: int) -> int:
 
 
 def map_tiling(operand_types: Sequence[TensorType], out_types: Sequence[TensorType],
-               flops_per_elem: int = 0):
+               flops_per_elem: int = 0) -> Tiling | None:
     """The host tiling of a broadcasting map (see emit_map): dims are
     (tile elements, total elements, merged extents...); None for empty outputs."""
-    from .kernel import Tiling
-
     out_shape = tuple(int(d) for d in out_types[0].shape)
     lay = map_layout([tuple(t.shape) for t in operand_types], out_shape, len(out_types))
     if lay is None:

@@ -70,7 +70,7 @@ def infer_node(graph: Graph, n: Node) -> list[TensorType]:
     """Concrete output types of node n from its (concrete) input types and constants.
     ONNX's own inference first; an op may supply `extra["infer"]` where ONNX has none."""
     op = lookup(n.op_type, n.domain)
-    own = op.extra.get("infer") if op is not None else None
+    own = (op.infer or op.extra.get("infer")) if op is not None else None  # TRANSITIONAL
     if own is not None:
         try:
             return _onnx_infer(graph, n)
@@ -130,7 +130,7 @@ def _foldable(graph: Graph, n: Node) -> bool:
     if all(v in graph.constants for v in present):
         return True
     op = lookup(n.op_type, n.domain)
-    return op is not None and op.category == Category.SHAPE and "fold" in op.extra
+    return op is not None and op.category == Category.SHAPE and op.fold is not None
 
 
 @graph_pass("infer_and_fold")
@@ -151,8 +151,8 @@ def infer_and_fold(graph: Graph) -> bool:
                 changed = True
                 continue
             op = lookup(n.op_type, n.domain)
-            if op is not None and op.category == Category.SHAPE and op.extra.get("fold"):
-                outs = op.extra["fold"](n, [graph.values[v] if v else None for v in n.inputs])
+            if op is not None and op.category == Category.SHAPE and op.fold is not None:
+                outs = op.fold(n, [graph.values[v] if v else None for v in n.inputs])
             else:
                 try:
                     outs = reference_eval(graph, n, ins)

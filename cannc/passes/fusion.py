@@ -62,14 +62,14 @@ def log(graph: Graph, producer: str, consumer: str, rule: str, reason: str) -> N
 def is_map(graph: Graph, n: Node) -> str | None:
     """None if n can join an elementwise group, else the reason it cannot."""
     op = lookup(n.op_type, n.domain)
-    if op is None or op.category not in MAP_CATEGORIES or "expr" not in op.extra:
+    if op is None or op.category not in MAP_CATEGORIES or op.expr is None:
         cat = op.category.value if op is not None else "unknown"
         return f"{n.op_type} is not elementwise ({cat})"
     outs = [graph.values[v] for v in n.outputs if v]
     if len({tuple(t.shape) for t in outs}) != 1:
         return f"{n.op_type} outputs differ in shape"
     ins = [graph.values[v] if v else None for v in n.inputs]
-    if op.unsupported_reason(n, ins, outs):
+    if op.schema_reason(n, ins, outs):
         return "unsupported"
     return None
 

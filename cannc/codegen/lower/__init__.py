@@ -15,6 +15,10 @@ from .base import Lowering, register_lowering, registered_lowering
 
 # every lowering module, one per op family (importing one registers its lowerings)
 # (families move here from cannc/ir/ops one at a time: issue 10)
+from . import elementwise  # noqa: F401
+from . import reduce  # noqa: F401
+from . import misc  # noqa: F401
+from . import rnn  # noqa: F401
 
 
 def lowering_for(op: OpDef) -> Lowering | None:

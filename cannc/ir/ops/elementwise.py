@@ -1,9 +1,11 @@
 """Elementwise and broadcasting ops: one expression each, one shared loop nest.
 
-Each op's `expr(E, node, operands)` builds its result from typed values with
-the dtype-aware helpers of `Expr`; the shared emitter (codegen/elementwise.py)
-turns it into a vectorised, broadcasting loop nest, and fusion composes the
-same expressions into bigger kernels.
+Each op's `expr(E, n, operands)` is its semantics, built from typed values with the
+dtype-aware builder `E` (the protocol `cannc.ir.expr.ExprBuilder`; codegen's
+`Expr` implements it); `n` is the node (`cannc.ir.expr.NodeView`). The shared map
+lowering (codegen/lower/elementwise.py) turns any op with an `expr` into a
+vectorised, broadcasting loop nest, and fusion composes the same expressions into
+bigger kernels. Adding an op is one `defmap` or `unary` line here.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ...codegen.elementwise import TV, Expr, emit_map, map_tiling
-from ..registry import Category, OpDef, lookup, register
+from ..expr import ExprBuilder, ExprFn, NodeView, Value
+from ..graph import Node
+from ..registry import Category, OpDef, register
 
 FLOATS = frozenset({"float32", "float64", "float16", "bfloat16"})
 UINTS = frozenset({"uint8", "uint16", "uint32", "uint64"})
@@ -22,34 +25,10 @@ INTS = frozenset({"int8", "int16", "int32", "int64"}) | UINTS
 NUMERIC = FLOATS | INTS
 ALL = NUMERIC | {"bool"}
 
-ExprFn = Callable[[Expr, Any, Sequence[TV]], Sequence[TV]]
-
-
-def _lower_map(ctx: Any) -> None:
-    op = ctx.opdef
-    present = [i for i, v in enumerate(ctx.node.inputs) if v]
-    types = [ctx.in_types[i] for i in present]
-    emit_map(ctx, types, ctx.out_types, lambda E, vals: op.extra["expr"](E, ctx, _spread(ctx, vals)),
-             operand_slots=present)
-    ctx.flops = ctx.out_types[0].numel * op.extra.get("flops_per_elem", 1)
-
-
-def _map_tiling(node: Any, in_types: list, out_types: list) -> Any:
-    """Host tiling: the broadcast pattern is the key, the extents are runtime dims."""
-    op = lookup(node.op_type, node.domain)
-    types = [in_types[i] for i, v in enumerate(node.inputs) if v]
-    return map_tiling(types, out_types, op.extra.get("flops_per_elem", 1) if op else 1)
-
-
-def _spread(ctx: Any, vals: Sequence[TV]) -> list[TV | None]:
-    """Operands back at their input positions (None for absent optional inputs)."""
-    it = iter(vals)
-    return [next(it) if v else None for v in ctx.node.inputs]
-
 
 def _input_dtypes(allowed: frozenset[str]):
     """A support check on the input dtypes only (for ops whose output is bool)."""
-    def check(n: Any, ins: list, outs: list) -> str | None:
+    def check(n: Node, ins: list, outs: list) -> str | None:
         for t in ins:
             if t is not None and np.dtype(t.dtype).name not in allowed:
                 return f"dtype {np.dtype(t.dtype).name} not supported " \
@@ -65,32 +44,24 @@ def defmap(name: str, expr: ExprFn, dtypes: frozenset[str] = FLOATS,
     if input_dtypes is not None:
         kw["check"] = _input_dtypes(input_dtypes)
         dtypes = None  # type: ignore[assignment]
-    register(OpDef(name=name, category=category, lower=_lower_map, dtypes=dtypes,
-                   fusible=True, extra={"expr": expr, "flops_per_elem": flops},
-                   tiling=_map_tiling, **kw))
+    register(OpDef(name=name, category=category, dtypes=dtypes, fusible=True,
+                   expr=expr, flops_per_elem=flops, **kw))
 
 
-def unary(name: str, fn: Callable[[Expr, TV, Any], TV], dtypes: frozenset[str] = FLOATS,
-          flops: int = 1) -> None:
+UnaryFn = Callable[[ExprBuilder, Value, NodeView], Value]     # fn(E, x, n) -> result
+
+
+def unary(name: str, fn: UnaryFn, dtypes: frozenset[str] = FLOATS, flops: int = 1) -> None:
+    """A one-input map: fn(E, x, n) -> result."""
     defmap(name, lambda E, n, xs: [fn(E, xs[0], n)], dtypes, Category.ELEMENTWISE, flops)
 
 
-class _VMath:
-    """Late-bound access to codegen.vmath (imported on first use by a lowering)."""
-
-    def __getattr__(self, name: str) -> Any:
-        from ...codegen import vmath as m
-        return getattr(m, name)
+def _vm(name: str) -> UnaryFn:
+    """A vector-math function (codegen.vmath) of the input."""
+    return lambda E, x, n: E.math(name, x)
 
 
-vmath = _VMath()
-
-
-def _vm(name: str) -> Callable[[Expr, TV, Any], TV]:
-    return lambda E, x, n: TV(getattr(vmath, name)(E.b, x.v), x.dtype)
-
-
-def _c(E: Expr, value: float, like: TV) -> TV:
+def _c(E: ExprBuilder, value: float, like: Value) -> Value:
     return E.const(value, like.dtype)
 
 
@@ -101,7 +72,7 @@ defmap("Mul", lambda E, n, xs: [E.mul(xs[0], xs[1])], NUMERIC)
 defmap("Div", lambda E, n, xs: [E.div(xs[0], xs[1])], NUMERIC)
 
 
-def _pow(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
+def _pow(E: ExprBuilder, n: NodeView, xs: Sequence[Value]) -> list[Value]:
     x, y = xs
     out_dt = n.out_types[0].dtype
     c = n.const(1)
@@ -118,28 +89,28 @@ def _pow(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
     if not E.is_float(x):
         # integer base: compute in float64 and convert back (exact for the usual ranges)
         xf, yf = E.cast(x, np.float64), E.cast(y, np.float64)
-        return [E.cast(TV(vmath.pow(E.b, xf.v, yf.v), np.dtype(np.float64)), out_dt)]
+        return [E.cast(E.math("pow", xf, yf), out_dt)]
     y = E.cast(y, x.dtype)
-    return [TV(vmath.pow(E.b, x.v, y.v), x.dtype)]
+    return [E.math("pow", x, y)]
 
 
 defmap("Pow", _pow, NUMERIC, flops=10)
 
 
-def _sum(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
+def _sum(E: ExprBuilder, n: NodeView, xs: Sequence[Value]) -> list[Value]:
     acc = xs[0]
     for x in xs[1:]:
         acc = E.add(acc, x)
     return [acc]
 
 
-def _mean(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
+def _mean(E: ExprBuilder, n: NodeView, xs: Sequence[Value]) -> list[Value]:
     s = _sum(E, n, xs)[0]
     return [E.div(s, _c(E, len(xs), s))]
 
 
-def _fold(f: Callable[[Expr, TV, TV], TV]) -> ExprFn:
-    def expr(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
+def _fold(f: Callable[[ExprBuilder, Value, Value], Value]) -> ExprFn:
+    def expr(E: ExprBuilder, n: NodeView, xs: Sequence[Value]) -> list[Value]:
         acc = xs[0]
         for x in xs[1:]:
             acc = f(E, acc, x)
@@ -153,12 +124,12 @@ defmap("Min", _fold(lambda E, a, b: E.min(a, b)), NUMERIC)
 defmap("Max", _fold(lambda E, a, b: E.max(a, b)), NUMERIC)
 
 
-def _mod(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
+def _mod(E: ExprBuilder, n: NodeView, xs: Sequence[Value]) -> list[Value]:
     x, y = xs
     if E.is_float(x):
         if n.attr("fmod", 0):
-            return [TV(E.b.frem(x.v, y.v), x.dtype)]
-        r = TV(E.b.frem(x.v, y.v), x.dtype)
+            return [E.rem(x, y)]
+        r = E.rem(x, y)
         # python-style: result takes the sign of the divisor
         zero = _c(E, 0.0, x)
         fix = E.and_(E.cmp("!=", r, zero), E.xor(E.cmp("<", r, zero), E.cmp("<", y, zero)))
@@ -167,7 +138,7 @@ def _mod(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
     one = E.const(1, x.dtype)
     ys = E.select(E.cmp("==", y, zero), one, y)
     signed = np.dtype(x.dtype).kind == "i"
-    r = TV(E.b.srem(x.v, ys.v) if signed else E.b.urem(x.v, ys.v), x.dtype)
+    r = E.rem(x, ys)
     if n.attr("fmod", 0) or not signed:
         return [r]
     fix = E.and_(E.cmp("!=", r, zero), E.xor(E.cmp("<", r, zero), E.cmp("<", ys, zero)))
@@ -196,32 +167,34 @@ unary("Relu", lambda E, x, n: E.max(x, E.const(0, x.dtype)),
       NUMERIC - {"uint8", "uint16", "uint32", "uint64"})
 
 
-def _softsign(E: Expr, x: TV, n: Any) -> TV:
+def _softsign(E: ExprBuilder, x: Value, n: NodeView) -> Value:
     return E.div(x, E.add(_c(E, 1.0, x), E.abs(x)))
 
 
 unary("Softsign", _softsign, flops=3)
 
 
-def _shrink(E: Expr, x: TV, n: Any) -> TV:
+def _shrink(E: ExprBuilder, x: Value, n: NodeView) -> Value:
     lam, bias = float(n.attr("lambd", 0.5)), float(n.attr("bias", 0.0))
     if E.is_float(x):
         lo, hi = _c(E, -lam, x), _c(E, lam, x)
         bv = _c(E, bias, x)
     else:  # integer inputs: the attributes are floats; compare in float64
         xf = E.cast(x, np.float64)
-        lo_c, hi_c = E.cmp("<", xf, E.const(-lam, np.float64)), E.cmp(">", xf, E.const(lam, np.float64))
+        lo_c = E.cmp("<", xf, E.const(-lam, np.float64))
+        hi_c = E.cmp(">", xf, E.const(lam, np.float64))
         bv = E.const(int(bias), x.dtype)
         zero = E.const(0, x.dtype)
         return E.select(lo_c, E.add(x, bv), E.select(hi_c, E.sub(x, bv), zero))
     zero = _c(E, 0.0, x)
-    return E.select(E.cmp("<", x, lo), E.add(x, bv), E.select(E.cmp(">", x, hi), E.sub(x, bv), zero))
+    return E.select(E.cmp("<", x, lo), E.add(x, bv),
+                    E.select(E.cmp(">", x, hi), E.sub(x, bv), zero))
 
 
 unary("Shrink", _shrink, NUMERIC, flops=3)
 
 
-def _libm(name: str) -> Callable[[Expr, TV, Any], TV]:
+def _libm(name: str) -> UnaryFn:
     """An LLVM math intrinsic (llvm.tan, llvm.asin, ...: libm per lane)."""
     return lambda E, x, n: E.call(name, x)
 
@@ -231,26 +204,20 @@ for _name, _intr in (("Tan", "llvm.tan"), ("Asin", "llvm.asin"), ("Acos", "llvm.
     unary(_name, _libm(_intr), flops=20)
 
 
-def _asinh(E: Expr, x: TV, n: Any) -> TV:
+def _asinh(E: ExprBuilder, x: Value, n: NodeView) -> Value:
     # sign(x) * log(|x| + sqrt(x^2 + 1)), on |x| so that it is odd and exact at 0
     a = E.abs(x)
-    r = TV(vmath.log(E.b, E.add(a, E.call("llvm.sqrt", E.fma(a, a, _c(E, 1.0, x)))).v), x.dtype)
-    return TV(emit_copysign(E, r, x), x.dtype)
+    r = E.math("log", E.add(a, E.call("llvm.sqrt", E.fma(a, a, _c(E, 1.0, x)))))
+    return E.call("llvm.copysign", r, x)
 
 
-def emit_copysign(E: Expr, mag: TV, sgn: TV) -> Any:
-    from ...native import emit as _emit
-    return _emit.intrinsic(E.b, "llvm.copysign", [mag.v, sgn.v])
+def _acosh(E: ExprBuilder, x: Value, n: NodeView) -> Value:
+    return E.math("log", E.add(x, E.call("llvm.sqrt", E.fma(x, x, _c(E, -1.0, x)))))
 
 
-def _acosh(E: Expr, x: TV, n: Any) -> TV:
-    return TV(vmath.log(E.b, E.add(x, E.call("llvm.sqrt", E.fma(x, x, _c(E, -1.0, x)))).v),
-              x.dtype)
-
-
-def _atanh(E: Expr, x: TV, n: Any) -> TV:
-    lp = TV(vmath.log1p(E.b, x.v), x.dtype)
-    lm = TV(vmath.log1p(E.b, E.neg(x).v), x.dtype)
+def _atanh(E: ExprBuilder, x: Value, n: NodeView) -> Value:
+    lp = E.math("log1p", x)
+    lm = E.math("log1p", E.neg(x))
     return E.mul(_c(E, 0.5, x), E.sub(lp, lm))
 
 
@@ -259,7 +226,7 @@ unary("Acosh", _acosh, flops=20)
 unary("Atanh", _atanh, flops=20)
 
 
-def _sign(E: Expr, x: TV, n: Any) -> TV:
+def _sign(E: ExprBuilder, x: Value, n: NodeView) -> Value:
     zero, one = E.const(0, x.dtype), E.const(1, x.dtype)
     pos = E.select(E.cmp(">", x, zero), one, zero)
     if np.dtype(x.dtype).kind == "u":
@@ -267,14 +234,14 @@ def _sign(E: Expr, x: TV, n: Any) -> TV:
     neg = E.select(E.cmp("<", x, zero), E.neg(one), zero)
     r = E.add(pos, neg)
     if E.is_float(x):  # NaN stays NaN
-        r = E.select(TV(E.b.fcmp_unordered("uno", x.v, x.v), np.dtype(np.bool_)), x, r)
+        r = E.select(E.isnan(x), x, r)
     return r
 
 
 unary("Sign", _sign, NUMERIC)
 
 
-def _leaky(E: Expr, x: TV, n: Any) -> TV:
+def _leaky(E: ExprBuilder, x: Value, n: NodeView) -> Value:
     a = _c(E, n.attr("alpha", 0.01), x)
     return E.select(E.cmp("<", x, _c(E, 0.0, x)), E.mul(x, a), x)
 
@@ -282,28 +249,28 @@ def _leaky(E: Expr, x: TV, n: Any) -> TV:
 unary("LeakyRelu", _leaky)
 
 
-def _elu(E: Expr, x: TV, n: Any) -> TV:
+def _elu(E: ExprBuilder, x: Value, n: NodeView) -> Value:
     a = _c(E, n.attr("alpha", 1.0), x)
-    em1 = E.sub(TV(vmath.exp(E.b, x.v), x.dtype), _c(E, 1.0, x))
+    em1 = E.sub(E.math("exp", x), _c(E, 1.0, x))
     return E.select(E.cmp("<", x, _c(E, 0.0, x)), E.mul(a, em1), x)
 
 
 unary("Elu", _elu, flops=12)
 
 
-def _selu(E: Expr, x: TV, n: Any) -> TV:
+def _selu(E: ExprBuilder, x: Value, n: NodeView) -> Value:
     a = _c(E, n.attr("alpha", 1.67326319217681884765625), x)
     g = _c(E, n.attr("gamma", 1.05070102214813232421875), x)
-    em1 = E.sub(TV(vmath.exp(E.b, x.v), x.dtype), _c(E, 1.0, x))
+    em1 = E.sub(E.math("exp", x), _c(E, 1.0, x))
     return E.mul(g, E.select(E.cmp("<=", x, _c(E, 0.0, x)), E.mul(a, em1), x))
 
 
 unary("Selu", _selu, flops=12)
 
 
-def _celu(E: Expr, x: TV, n: Any) -> TV:
+def _celu(E: ExprBuilder, x: Value, n: NodeView) -> Value:
     a = n.attr("alpha", 1.0)
-    em1 = E.sub(TV(vmath.exp(E.b, E.div(x, _c(E, a, x)).v), x.dtype), _c(E, 1.0, x))
+    em1 = E.sub(E.math("exp", E.div(x, _c(E, a, x))), _c(E, 1.0, x))
     neg = E.min(_c(E, 0.0, x), E.mul(_c(E, a, x), em1))
     return E.add(E.max(_c(E, 0.0, x), x), neg)
 
@@ -311,14 +278,14 @@ def _celu(E: Expr, x: TV, n: Any) -> TV:
 unary("Celu", _celu, flops=12)
 
 
-def _thresholded(E: Expr, x: TV, n: Any) -> TV:
+def _thresholded(E: ExprBuilder, x: Value, n: NodeView) -> Value:
     return E.select(E.cmp(">", x, _c(E, n.attr("alpha", 1.0), x)), x, _c(E, 0.0, x))
 
 
 unary("ThresholdedRelu", _thresholded)
 
 
-def _hardsigmoid(E: Expr, x: TV, n: Any) -> TV:
+def _hardsigmoid(E: ExprBuilder, x: Value, n: NodeView) -> Value:
     a, b = n.attr("alpha", 0.2), n.attr("beta", 0.5)
     y = E.fma(x, _c(E, a, x), _c(E, b, x))
     return E.min(E.max(y, _c(E, 0.0, x)), _c(E, 1.0, x))
@@ -327,7 +294,7 @@ def _hardsigmoid(E: Expr, x: TV, n: Any) -> TV:
 unary("HardSigmoid", _hardsigmoid)
 
 
-def _hardswish(E: Expr, x: TV, n: Any) -> TV:
+def _hardswish(E: ExprBuilder, x: Value, n: NodeView) -> Value:
     y = E.fma(x, _c(E, 1.0 / 6.0, x), _c(E, 0.5, x))
     return E.mul(x, E.min(E.max(y, _c(E, 0.0, x)), _c(E, 1.0, x)))
 
@@ -335,31 +302,31 @@ def _hardswish(E: Expr, x: TV, n: Any) -> TV:
 unary("HardSwish", _hardswish)
 
 
-def _mish(E: Expr, x: TV, n: Any) -> TV:
-    return E.mul(x, TV(vmath.tanh(E.b, vmath.softplus(E.b, x.v)), x.dtype))
+def _mish(E: ExprBuilder, x: Value, n: NodeView) -> Value:
+    return E.mul(x, E.math("tanh", E.math("softplus", x)))
 
 
 unary("Mish", _mish, flops=30)
 
 
-def _gelu(E: Expr, x: TV, n: Any) -> TV:
+def _gelu(E: ExprBuilder, x: Value, n: NodeView) -> Value:
     if n.attr("approximate", "none") == "tanh":
-        return TV(vmath.gelu_tanh(E.b, x.v), x.dtype)
-    return TV(vmath.gelu_erf(E.b, x.v), x.dtype)
+        return E.math("gelu_tanh", x)
+    return E.math("gelu_erf", x)
 
 
 unary("Gelu", _gelu, flops=20)
 
 
-def _swish(E: Expr, x: TV, n: Any) -> TV:
+def _swish(E: ExprBuilder, x: Value, n: NodeView) -> Value:
     a = n.attr("alpha", 1.0)
-    return E.mul(x, TV(vmath.sigmoid(E.b, E.mul(x, _c(E, a, x)).v), x.dtype))
+    return E.mul(x, E.math("sigmoid", E.mul(x, _c(E, a, x))))
 
 
 unary("Swish", _swish, flops=14)
 
 
-def _clip(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
+def _clip(E: ExprBuilder, n: NodeView, xs: Sequence[Value]) -> list[Value]:
     x = xs[0]
     if n.opset < 11:
         lo = n.attr("min", -math.inf)
@@ -388,14 +355,14 @@ defmap("Xor", lambda E, n, xs: [E.xor(xs[0], xs[1])], frozenset({"bool"}))
 defmap("Where", lambda E, n, xs: [E.select(xs[0], xs[1], xs[2])], ALL)
 
 
-def _isnan(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
-    return [TV(E.b.fcmp_unordered("uno", xs[0].v, xs[0].v), np.dtype(np.bool_))]
+def _isnan(E: ExprBuilder, n: NodeView, xs: Sequence[Value]) -> list[Value]:
+    return [E.isnan(xs[0])]
 
 
 defmap("IsNaN", _isnan, FLOATS, Category.ELEMENTWISE, input_dtypes=FLOATS)
 
 
-def _isinf(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
+def _isinf(E: ExprBuilder, n: NodeView, xs: Sequence[Value]) -> list[Value]:
     x = xs[0]
     pos, neg = int(n.attr("detect_positive", 1)), int(n.attr("detect_negative", 1))
     inf = _c(E, math.inf, x)
@@ -411,7 +378,7 @@ def _isinf(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
 defmap("IsInf", _isinf, FLOATS, Category.ELEMENTWISE, input_dtypes=FLOATS, min_opset=10)
 
 
-def _cast(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
+def _cast(E: ExprBuilder, n: NodeView, xs: Sequence[Value]) -> list[Value]:
     return [E.cast(xs[0], n.out_types[0].dtype)]
 
 
@@ -419,7 +386,7 @@ defmap("Cast", _cast, ALL, Category.ELEMENTWISE)
 defmap("CastLike", _cast, ALL, Category.ELEMENTWISE)
 
 
-def _prelu(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
+def _prelu(E: ExprBuilder, n: NodeView, xs: Sequence[Value]) -> list[Value]:
     x, slope = xs
     zero = E.const(0, x.dtype)
     return [E.select(E.cmp("<", x, zero), E.mul(x, slope), x)]
@@ -429,22 +396,21 @@ defmap("PRelu", _prelu, NUMERIC - UINTS, flops=2)
 
 
 # -- bitwise ------------------------------------------------------------------------
-def _bitshift(E: Expr, n: Any, xs: Sequence[TV]) -> list[TV]:
+def _bitshift(E: ExprBuilder, n: NodeView, xs: Sequence[Value]) -> list[Value]:
     x, y = xs
     left = n.attr("direction", "LEFT")
     left = (left.decode() if isinstance(left, bytes) else left) == "LEFT"
     bits = np.dtype(x.dtype).itemsize * 8
-    b = E.b
     wide = E.const(bits, y.dtype)
     # a shift by the width or more, or by a negative amount (large as unsigned), shifts
     # every bit out (LLVM would make it poison): 0, or -1 for an arithmetic right shift
-    oor = TV(b.icmp_unsigned(">=", y.v, wide.v), np.dtype(np.bool_))
+    oor = E.ucmp(">=", y, wide)
     if left:
-        return [E.select(oor, E.const(0, x.dtype), TV(b.shl(x.v, y.v), x.dtype))]
+        return [E.select(oor, E.const(0, x.dtype), E.shl(x, y))]
     if np.dtype(x.dtype).kind == "i":
         amt = E.select(oor, E.const(bits - 1, y.dtype), y)
-        return [TV(b.ashr(x.v, amt.v), x.dtype)]
-    return [E.select(oor, E.const(0, x.dtype), TV(b.lshr(x.v, y.v), x.dtype))]
+        return [E.shr(x, amt)]
+    return [E.select(oor, E.const(0, x.dtype), E.shr(x, y))]
 
 
 defmap("BitShift", _bitshift, INTS, min_opset=11)

@@ -57,9 +57,9 @@ def eval_body(E: Expr, body: Sequence[Node], env: dict[str, TV], types: dict[str
     """Evaluate the body's expressions in order; env maps value names to typed values."""
     for n in body:
         op = lookup(n.op_type, n.domain)
-        assert op is not None and "expr" in op.extra, n.op_type
+        assert op is not None and op.expr is not None, n.op_type
         args = [env[v] if v else None for v in n.inputs]
-        outs = op.extra["expr"](E, SubCtx(n, types, consts), args)
+        outs = op.expr(E, SubCtx(n, types, consts), args)
         for v, o in zip(n.outputs, outs):
             if v:
                 env[v] = o
@@ -101,7 +101,7 @@ def _lower_fused_map(ctx: Any) -> None:
 
     emit_map(ctx, operand_types, ctx.out_types, expr, operand_slots=present,
              folded_types=[ctx.in_types[i] for i in imm])
-    ctx.flops = sum(ctx.out_types[0].numel * lookup(n.op_type).extra.get("flops_per_elem", 1)
+    ctx.flops = sum(ctx.out_types[0].numel * lookup(n.op_type).flops_per_elem
                     for n in body)
 
 
@@ -113,7 +113,7 @@ def _fused_map_tiling(node: Node, in_types: list, out_types: list) -> Any:
     t = map_tiling(types, out_types)
     if t is None:
         return None
-    flops = sum(numel * lookup(n.op_type, n.domain).extra.get("flops_per_elem", 1)
+    flops = sum(numel * lookup(n.op_type, n.domain).flops_per_elem
                 for n in node.attrs["body"])
     return dataclasses.replace(t, flops=flops)
 
@@ -173,7 +173,7 @@ def _fused_gemm_tiling(node: Node, in_types: list, out_types: list) -> Any:
                 return None
             pats.append((i, pat))
     numel = int(np.prod(out_shape))
-    flops = (t.flops or 0) + sum(numel * lookup(n.op_type).extra.get("flops_per_elem", 1)
+    flops = (t.flops or 0) + sum(numel * lookup(n.op_type).flops_per_elem
                                  for n in body[1:])
     return dataclasses.replace(t, key=t.key + (("epilogue", tuple(pats)),), flops=flops)
 
@@ -240,7 +240,7 @@ def _lower_fused_gemm(ctx: Any) -> None:
     b.ret_void()
     if not dyn:
         finish_contraction(ctx, spec, tuning=tun, epilogue=True)
-        ctx.flops += sum(out_t.numel * lookup(n.op_type).extra.get("flops_per_elem", 1)
+        ctx.flops += sum(out_t.numel * lookup(n.op_type).flops_per_elem
                          for n in epi)
     ctx.notes["epilogue"] = "+".join(n.op_type for n in epi)
 
@@ -372,7 +372,7 @@ def _lower_fused_conv(ctx: Any) -> None:
     tkey = ctx.tiling.key[1] if ctx.tiling is not None else None
     _lower_conv(_NodeView(ctx, conv, types[conv_out]), epilogue=epilogue, y_slot=n_in,
                 tkey=tkey)
-    ctx.flops += sum(int(np.prod(out_shape)) * lookup(n.op_type).extra.get("flops_per_elem", 1)
+    ctx.flops += sum(int(np.prod(out_shape)) * lookup(n.op_type).flops_per_elem
                      for n in epi)
     ctx.notes["epilogue"] = "+".join(n.op_type for n in epi)
 
@@ -395,7 +395,7 @@ def _fused_conv_tiling(node: Node, in_types: list, out_types: list) -> Any:
     pats = tuple(conv_operand_pattern(in_types[i], out_shape) if v else None
                  for i, v in enumerate(node.inputs) if i >= ncon)
     numel = int(np.prod(out_shape))
-    flops = (t.flops or 0) + sum(numel * lookup(n.op_type).extra.get("flops_per_elem", 1)
+    flops = (t.flops or 0) + sum(numel * lookup(n.op_type).flops_per_elem
                                  for n in epi)
     return dataclasses.replace(t, key=("fused_conv", t.key, pats), flops=flops)
 
@@ -505,7 +505,8 @@ def _fused_softmax_tiling(n: Node, ins: list, outs: list) -> Any:
     row (broadcast along the softmax axis) is in the key."""
     sm = n.attrs["body"][-1]
     xt = n.attrs["types"][sm.inputs[0]]
-    smdef = lookup(sm.op_type, sm.domain)
+    from ...codegen.lower.base import registered_lowering  # TRANSITIONAL (H1: moved to codegen)
+    smdef = registered_lowering(lookup(sm.op_type, sm.domain))
     t = smdef.tiling(sm, [xt], outs) if smdef is not None and smdef.tiling else None
     if t is None:
         return None
@@ -523,7 +524,7 @@ def _fused_softmax_tiling(n: Node, ins: list, outs: list) -> Any:
         extra += st[:-1]
         per_row.append(st[-1] == 0)
     numel = int(np.prod(shape))
-    flops = (t.flops or 0) + sum(numel * lookup(b.op_type).extra.get("flops_per_elem", 1)
+    flops = (t.flops or 0) + sum(numel * lookup(b.op_type).flops_per_elem
                                  for b in n.attrs["body"][:-1])
     return dataclasses.replace(t, key=("fused_softmax", rank, t.key, tuple(per_row)),
                                dims=t.dims + tuple(extra), flops=flops)
@@ -605,8 +606,9 @@ def _lower_fused_softmax(ctx: Any) -> None:
         ctx.reduce_x_source = x_source
     view = _ReductionView(ctx, sm, types[sm.outputs[0]])
     object.__setattr__(view, "in_types", [xt])
-    lookup(sm.op_type).lower(view)
-    ctx.flops += sum(int(np.prod(shape)) * lookup(n.op_type).extra.get("flops_per_elem", 1)
+    from ...codegen.lower.base import registered_lowering  # TRANSITIONAL (H1: moved to codegen)
+    registered_lowering(lookup(sm.op_type)).lower(view)
+    ctx.flops += sum(int(np.prod(shape)) * lookup(n.op_type).flops_per_elem
                      for n in pro)
     ctx.notes["prologue"] = "+".join(n.op_type for n in pro)
 

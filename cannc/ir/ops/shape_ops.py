@@ -34,7 +34,7 @@ def _shape_fold(n: Node, ins: list[TensorType | None]) -> list[np.ndarray]:
 
 
 for _name in ("Shape", "Size"):
-    register(OpDef(name=_name, category=Category.SHAPE, extra={"fold": _shape_fold},
+    register(OpDef(name=_name, category=Category.SHAPE, fold=_shape_fold,
                    doc="folds to a constant once shapes are known"))
 
 for _name in ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"):
