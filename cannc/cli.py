@@ -529,15 +529,14 @@ def check_report(model: str, shapes: Shapes | None = None, pipeline: str = "O1"
 
 def _static_folds(graph: Any) -> set[str]:
     """Nodes the constant folder will remove: all inputs constant, or shape-only ops."""
-    from .ir.registry import Category, lookup
-    from .passes.fold import NONDETERMINISTIC
+    from .ir.registry import lookup
+    from .passes.fold import foldable_op, shape_fold
 
     known, folded = set(graph.constants), set()
     for n in graph.nodes():
         op = lookup(n.op_type, n.domain)
-        shape_only = op is not None and op.category == Category.SHAPE and "fold" in op.extra
-        if n.op_type not in NONDETERMINISTIC and (
-                shape_only or all(v in known for v in n.inputs if v)):
+        shape_only = shape_fold(op) is not None
+        if foldable_op(op) and (shape_only or all(v in known for v in n.inputs if v)):
             folded.add(n.name)
             known.update(v for v in n.outputs if v)
     return folded

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..ir.graph import Graph, Node
-from .fusion import enabled, log
-from .manager import graph_pass
+from .fusion import log
+from .manager import PassContext, graph_pass
 
 
 def reduce_axes(graph: Graph, n: Node) -> list[int] | None:
@@ -53,13 +53,13 @@ def _only_consumer(graph: Graph, v: str, op_types: tuple[str, ...]) -> Node | No
 
 
 @graph_pass("fuse_layernorm")
-def fuse_layernorm(graph: Graph) -> bool:
+def fuse_layernorm(graph: Graph, ctx: PassContext) -> bool:
     """ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div(/Mul/Add) -> LayerNormalization."""
     changed = False
     for mean in list(graph.nodes()):
         if mean.op_type != "ReduceMean" or mean.name not in graph.g:
             continue
-        if not enabled(graph, "layernorm"):
+        if not ctx.fusion_enabled("layernorm"):
             return False
         why = _match_layernorm(graph, mean)
         if isinstance(why, str):
@@ -162,12 +162,12 @@ def _fits(shape: tuple[int, ...], norm_shape: tuple[int, ...]) -> bool:
 
 
 @graph_pass("fold_conv_bn")
-def fold_conv_bn(graph: Graph) -> bool:
+def fold_conv_bn(graph: Graph, ctx: PassContext) -> bool:
     """Conv -> BatchNormalization (inference, constant parameters): fold the BN into the
     convolution's weights and bias at compile time; the BN node disappears."""
     changed = False
     for bn in list(graph.nodes()):
-        if bn.op_type != "BatchNormalization" or not enabled(graph, "conv_bn"):
+        if bn.op_type != "BatchNormalization" or not ctx.fusion_enabled("conv_bn"):
             continue
         x = bn.inputs[0]
         conv = graph.producer(x)
@@ -280,13 +280,13 @@ def _peel_scalar_scale(graph: Graph, v: str, absorbed: list[Node]) -> tuple[str,
 
 
 @graph_pass("fuse_attention")
-def fuse_attention(graph: Graph) -> bool:
+def fuse_attention(graph: Graph, ctx: PassContext) -> bool:
     """MatMul(Q, Kᵀ) -> scale -> mask -> Softmax -> MatMul(·, V), with the head split/merge
     Transposes around it, becomes one FusedAttention kernel (online softmax, no score
     matrix in memory)."""
     changed = False
     for mm in list(graph.nodes()):
-        if mm.op_type != "MatMul" or mm.name not in graph.g or not enabled(graph, "attention"):
+        if mm.op_type != "MatMul" or mm.name not in graph.g or not ctx.fusion_enabled("attention"):
             continue
         found = _match_attention(graph, mm)
         if found is None:

@@ -154,6 +154,7 @@ def _topk_check(n: Node, ins: list, outs: list) -> str | None:
 
 
 register(OpDef(name="TopK", category=Category.OPAQUE, lower=_lower_topk, check=_topk_check,
+               value_inputs=(1,),
                doc="one row per tile; insertion into the k best (stable ties)"))
 
 
@@ -333,7 +334,7 @@ def _lower_cumprod(ctx: Any) -> None:
 
 
 register(OpDef(name="CumProd", category=Category.OPAQUE, min_opset=26, lower=_lower_cumprod,
-               check=_input_dtypes(NUMERIC), doc="running product along the axis"))
+               check=_input_dtypes(NUMERIC), value_inputs=(1,), doc="running product along the axis"))
 
 
 # ---------------------------------------------------------------------------

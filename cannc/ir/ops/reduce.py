@@ -24,7 +24,7 @@ from ...codegen.elementwise import TV, Expr, emit_map, map_tiling
 from ...codegen.kernel import ConstRef
 from ...errors import UnsupportedOpError
 from ..graph import Node
-from ..registry import Category, OpDef, register
+from ..registry import Category, Fusion, OpDef, register
 from ..types import TensorType
 
 FLOATS = frozenset({"float32", "float64", "float16", "bfloat16"})
@@ -159,6 +159,7 @@ for _name, _kind, _dts, _from in _REDUCES:
     # dtypes stay None: the int64 axes input would fail a check over all tensors
     register(OpDef(name=_name, category=Category.REDUCTION, lower=_make_reduce(_kind, _from),
                    check=_dtype_check(_dts), tiling=_make_reduce_tiling(_kind, _from),
+                   value_inputs=(1,),
                    doc=f"reduce ({_kind}); axes as input from opset {_from}; "
                        f"data: {', '.join(sorted(_dts))}"))
 
@@ -255,7 +256,9 @@ def _make_softmax(kind: str):
 for _name, _kind in (("Softmax", "softmax"), ("LogSoftmax", "logsoftmax"),
                      ("Hardmax", "hardmax")):
     register(OpDef(name=_name, category=Category.REDUCTION, lower=_make_softmax(_kind),
-                   dtypes=FLOATS, tiling=_make_softmax_tiling(_kind)))
+                   dtypes=FLOATS, tiling=_make_softmax_tiling(_kind),
+                   prologue=None if _kind == "hardmax" else Fusion(
+                       rule="softmax_prologue", fused_op="FusedSoftmax")))
 
 
 # ---------------------------------------------------------------------------
@@ -576,4 +579,4 @@ def _lower_cumsum(ctx: Any) -> None:
 
 
 register(OpDef(name="CumSum", category=Category.OPAQUE, min_opset=11, lower=_lower_cumsum,
-               check=_dtype_check(FLOATS | INTS), doc="data: floats, int32/64, uint32/64"))
+               check=_dtype_check(FLOATS | INTS), value_inputs=(1,), doc="data: floats, int32/64, uint32/64"))
