@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..ir.attnspec import AttnSpec
 from ..ir.graph import Graph, Node
 from .fusion import log
 from .manager import PassContext, graph_pass
@@ -309,8 +310,6 @@ def fuse_attention(graph: Graph, ctx: PassContext) -> bool:
 
 
 def _match_attention(graph: Graph, mm: Node):
-    from ..codegen.attention import AttnSpec
-
     if any(np.dtype(graph.values[v].dtype) != np.float32 for v in mm.inputs):
         return None
     qv, ktv = mm.inputs
