@@ -26,7 +26,6 @@ is logged with the rule and the pair of nodes, in `graph.meta["fusion_log"]`;
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Generic, TypeVar
 
 import numpy as np
 
@@ -34,25 +33,10 @@ from ..ir.graph import Graph, Node
 from ..ir.ops import lookup
 from ..ir.registry import MAP_CATEGORIES, Fusion
 from .manager import PassContext, graph_pass
+from .rules import Refusal, Rule, log
 
 RULES = ("conv_bn", "layernorm", "attention", "elementwise", "gemm_epilogue", "conv_epilogue",
          "softmax_prologue")
-
-
-@dataclass(frozen=True)
-class Decision:
-    producer: str
-    consumer: str
-    rule: str
-    reason: str
-
-    def as_dict(self) -> dict[str, str]:
-        return {"producer": self.producer, "consumer": self.consumer, "rule": self.rule,
-                "reason": self.reason}
-
-
-def log(graph: Graph, producer: str, consumer: str, rule: str, reason: str) -> None:
-    graph.meta.setdefault("fusion_log", []).append(Decision(producer, consumer, rule, reason))
 
 
 def is_map(graph: Graph, n: Node) -> str | None:
@@ -214,59 +198,36 @@ def _replace_group(graph: Graph, names: list[str], op_type: str, inputs: list[st
 
 @dataclass
 class Match:
-    """A candidate found by a rule's pattern: `rule` is the switch that governs it and
-    `pairs` the (producer, consumer) nodes a refusal is logged for."""
+    """A contraction (or a row op) and the elementwise group next to it: `rule` is the
+    switch of its op's Fusion record, `pairs` the (producer, consumer) nodes it joins."""
 
     rule: str
     fusion: Fusion
     node: Node
-    pairs: list[tuple[str, str]]
+    pairs: tuple[tuple[str, str], ...]
     gid: int
-
-
-M = TypeVar("M", bound=Match)
-
-
-@dataclass(frozen=True)
-class Rule(Generic[M]):
-    """A fusion rule. `pattern` finds a candidate at a node (None: not this rule's
-    pattern), `check` returns why it cannot fuse (None: it can), `rewrite` fuses it.
-    Refusals, a switched-off rule included, go to the fusion log."""
-
-    name: str
-    pattern: Callable[[Graph, Node, Groups], M | None]
-    check: Callable[[Graph, M, Groups], str | None]
-    rewrite: Callable[[Graph, M, Groups], None]
-
-    def apply(self, graph: Graph, n: Node, groups: Groups, ctx: PassContext) -> bool:
-        m = self.pattern(graph, n, groups)
-        if m is None:
-            return False
-        reason = self.check(graph, m, groups) if ctx.fusion_enabled(m.rule) \
-            else "rule switched off"
-        if reason:
-            for p, c in m.pairs:
-                log(graph, p, c, m.rule, reason)
-            return False
-        self.rewrite(graph, m, groups)
-        return True
 
 
 # -- contraction epilogues (the op's `epilogue` record: MatMul, Gemm, Conv) ------------
 
 
-def _epilogue_pattern(graph: Graph, n: Node, groups: Groups) -> Match | None:
+def _epilogue_pattern(graph: Graph, groups: Groups, n: Node) -> Match | None:
     op = lookup(n.op_type, n.domain)
     if op is None or op.epilogue is None:
         return None
     cons = graph.consumers(n.outputs[0])
     if not cons:
         return None
-    return Match(op.epilogue.rule, op.epilogue, n, [(n.name, c) for c in cons],
+    return Match(op.epilogue.rule, op.epilogue, n, tuple((n.name, c) for c in cons),
                  groups.group_of.get(cons[0], -1))
 
 
-def _epilogue_reason(graph: Graph, m: Match, groups: Groups) -> str | None:
+def _epilogue_check(graph: Graph, groups: Groups, m: Match) -> Refusal | None:
+    why = _epilogue_reason(graph, groups, m)
+    return Refusal(why, m.pairs) if why else None
+
+
+def _epilogue_reason(graph: Graph, groups: Groups, m: Match) -> str | None:
     n = m.node
     cons = [c for _, c in m.pairs]
     out = n.outputs[0]
@@ -312,7 +273,7 @@ def _epilogue_reason(graph: Graph, m: Match, groups: Groups) -> str | None:
     return None
 
 
-def _epilogue_rewrite(graph: Graph, m: Match, groups: Groups) -> None:
+def _epilogue_rewrite(graph: Graph, groups: Groups, m: Match) -> None:
     n = m.node
     names = groups.members.pop(m.gid)
     ins, outs = group_io(graph, names)
@@ -320,13 +281,15 @@ def _epilogue_rewrite(graph: Graph, m: Match, groups: Groups) -> None:
     _replace_group(graph, [n.name] + names, m.fusion.fused_op, list(n.inputs) + ext, outs, n)
 
 
-EPILOGUE = Rule("epilogue", _epilogue_pattern, _epilogue_reason, _epilogue_rewrite)
+EPILOGUE: Rule[Groups, Match] = Rule("epilogue", _epilogue_pattern, _epilogue_check,
+                                     _epilogue_rewrite, switch=lambda m: m.rule,
+                                     pairs=lambda m: m.pairs)
 
 
 # -- prologues (the op's `prologue` record: Softmax, LogSoftmax) -----------------------
 
 
-def _prologue_pattern(graph: Graph, n: Node, groups: Groups) -> Match | None:
+def _prologue_pattern(graph: Graph, groups: Groups, n: Node) -> Match | None:
     op = lookup(n.op_type, n.domain)
     if op is None or op.prologue is None:
         return None
@@ -336,10 +299,15 @@ def _prologue_pattern(graph: Graph, n: Node, groups: Groups) -> Match | None:
     gid = groups.group_of[p.name]
     if gid not in groups.members:
         return None
-    return Match(op.prologue.rule, op.prologue, n, [(p.name, n.name)], gid)
+    return Match(op.prologue.rule, op.prologue, n, ((p.name, n.name),), gid)
 
 
-def _prologue_reason(graph: Graph, m: Match, groups: Groups) -> str | None:
+def _prologue_check(graph: Graph, groups: Groups, m: Match) -> Refusal | None:
+    why = _prologue_reason(graph, groups, m)
+    return Refusal(why, m.pairs) if why else None
+
+
+def _prologue_reason(graph: Graph, groups: Groups, m: Match) -> str | None:
     sm = m.node
     x = sm.inputs[0]
     t = graph.values[x]
@@ -357,14 +325,16 @@ def _prologue_reason(graph: Graph, m: Match, groups: Groups) -> str | None:
     return None
 
 
-def _prologue_rewrite(graph: Graph, m: Match, groups: Groups) -> None:
+def _prologue_rewrite(graph: Graph, groups: Groups, m: Match) -> None:
     names = groups.members.pop(m.gid)
     ins, _ = group_io(graph, names)
     _replace_group(graph, names + [m.node.name], m.fusion.fused_op, ins, list(m.node.outputs),
                    graph.node(names[0]))
 
 
-PROLOGUE = Rule("prologue", _prologue_pattern, _prologue_reason, _prologue_rewrite)
+PROLOGUE: Rule[Groups, Match] = Rule("prologue", _prologue_pattern, _prologue_check,
+                                     _prologue_rewrite, switch=lambda m: m.rule,
+                                     pairs=lambda m: m.pairs)
 
 
 # ---------------------------------------------------------------------------
@@ -380,8 +350,7 @@ def fusion(graph: Graph, ctx: PassContext) -> bool:
     changed = False
     # contraction epilogues first: they take whole groups
     for rule in (EPILOGUE, PROLOGUE):
-        for n in list(graph.nodes()):
-            changed |= rule.apply(graph, n, groups, ctx)
+        changed |= rule.run(graph, groups, ctx)
     for gid, names in groups.members.items():
         if len(names) < 2:
             continue
