@@ -30,6 +30,7 @@ from onnx import numpy_helper
 from onnx.backend.base import Backend, BackendRep, Device, DeviceType
 
 from .ir.ops import lookup
+from .ir.types import NP_TO_ONNX
 from .session import Session
 
 MIN_FRONTEND_OPSET = 7
@@ -130,8 +131,6 @@ class CanncBackend(Backend):
     @classmethod
     def run_node(cls, node: onnx.NodeProto, inputs: Sequence[np.ndarray], device: str = "CPU",
                  outputs_info: Any = None, **kwargs: Any) -> tuple[np.ndarray, ...]:
-        from .ir.types import NP_TO_ONNX
-
         arrays = [np.asarray(x) for x in inputs]
         vis = [onnx.helper.make_tensor_value_info(n, NP_TO_ONNX[a.dtype], a.shape)
                for n, a in zip(node.input, arrays) if n]
