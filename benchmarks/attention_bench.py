@@ -74,8 +74,8 @@ import numpy as np
 from llvmlite import ir
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from cannc.ir.attnspec import AttnSpec
 from cannc.codegen.attention import (
-    AttnSpec,
     attention_num_tiles,
     attention_plan,
     attention_tiling,

@@ -12,8 +12,8 @@ Two things the backend does that a plain `cannc.compile` does not:
   a graph input, also those that real models carry as initializers and that
   decide an output shape or a kernel's parameters: Resize scales/sizes/roi,
   Range bounds, OneHot depth, Reshape/Expand/Tile shapes, Slice/Pad/Reduce axes,
-  a CumSum axis, a TopK k, a Compress condition... A graph input that feeds such
-  a slot (SHAPE_INPUTS) becomes an initializer holding the fed value, and the
+  a CumSum axis, a TopK k... A graph input that feeds such a slot (the op's
+  `value_inputs` in the registry) becomes an initializer holding the fed value, and the
   model is compiled once per distinct value (cached). Every other input stays a
   runtime input, so the computation itself still runs as native code. (The
   Session does the same for small integer inputs after a ShapeError; this
@@ -29,32 +29,24 @@ import onnx
 from onnx import numpy_helper
 from onnx.backend.base import Backend, BackendRep, Device, DeviceType
 
+from .ir.ops import lookup
+from .ir.types import NP_TO_ONNX
 from .session import Session
 
-# op type -> input positions whose values decide an output shape or kernel parameters
-SHAPE_INPUTS: dict[str, tuple[int, ...]] = {
-    "Reshape": (1,), "Expand": (1,), "Tile": (1,), "Slice": (1, 2, 3, 4), "Pad": (1, 3),
-    "Resize": (1, 2, 3), "Upsample": (1,), "Range": (0, 1, 2), "OneHot": (1,),
-    "ConstantOfShape": (0,), "Squeeze": (1,), "Unsqueeze": (1,), "Split": (1,),
-    "ReduceSum": (1,), "ReduceMean": (1,), "ReduceMax": (1,), "ReduceMin": (1,),
-    "ReduceProd": (1,), "ReduceL1": (1,), "ReduceL2": (1,), "ReduceLogSum": (1,),
-    "ReduceLogSumExp": (1,), "ReduceSumSquare": (1,), "CumSum": (1,), "CumProd": (1,),
-    "TopK": (1,), "Compress": (1,), "CenterCropPad": (1,), "Col2Im": (1, 2),
-    "MaxUnpool": (2,), "AffineGrid": (1,), "DFT": (1, 2), "STFT": (1, 2, 3),
-    "BlackmanWindow": (0,), "HannWindow": (0,), "HammingWindow": (0,),
-    "MelWeightMatrix": (0, 1, 2, 3, 4),
-}
 MIN_FRONTEND_OPSET = 7
 _MAX_SPECIALISATIONS = 16
 
 
 def shape_deciding_inputs(model: onnx.ModelProto) -> list[str]:
-    """Graph inputs that feed a value-deciding slot of some node (see SHAPE_INPUTS)."""
+    """Graph inputs that feed a value-deciding slot of some node (the op's `value_inputs`).
+    Ops cannc does not define have none: such a model fails to compile anyway, naming
+    the op (UnsupportedOpError), whatever the inputs are."""
     inputs = {i.name for i in model.graph.input}
     inits = {i.name for i in model.graph.initializer}
     out: list[str] = []
     for n in model.graph.node:
-        for pos in SHAPE_INPUTS.get(n.op_type, ()) if n.domain in ("", "ai.onnx") else ():
+        op = lookup(n.op_type, n.domain)
+        for pos in op.value_inputs if op is not None else ():
             if pos < len(n.input):
                 v = n.input[pos]
                 if v and v in inputs and v not in inits and v not in out:
@@ -139,8 +131,6 @@ class CanncBackend(Backend):
     @classmethod
     def run_node(cls, node: onnx.NodeProto, inputs: Sequence[np.ndarray], device: str = "CPU",
                  outputs_info: Any = None, **kwargs: Any) -> tuple[np.ndarray, ...]:
-        from .ir.types import NP_TO_ONNX
-
         arrays = [np.asarray(x) for x in inputs]
         vis = [onnx.helper.make_tensor_value_info(n, NP_TO_ONNX[a.dtype], a.shape)
                for n, a in zip(node.input, arrays) if n]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -208,3 +209,71 @@ def check_runtime_dims(model: onnx.ModelProto, feeds_list: Sequence[dict[str, np
             else:
                 np.testing.assert_array_equal(g, e, err_msg=f"run {i}: {o.name}")
     return sess
+
+
+# ---------------------------------------------------------------------------------------
+# one pass on a small graph: before / after
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GraphState:
+    """What a pass test compares: the nodes' op types in order, every value's type
+    (dtype name, shape) and the constants' values."""
+
+    ops: list[str]
+    values: dict[str, tuple[str, tuple[int, ...]]]
+    constants: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class PassRun:
+    changed: bool
+    before: GraphState
+    after: GraphState
+    graph: Any          # the graph after the pass (cannc.ir.graph.Graph)
+
+
+def graph_state(g: Any) -> GraphState:
+    return GraphState([n.op_type for n in g.nodes()],
+                      {v: (np.dtype(t.dtype).name, tuple(t.shape)) for v, t in g.values.items()},
+                      {k: np.array(a) for k, a in g.constants.items()})
+
+
+def pass_graph(nodes: Sequence[onnx.NodeProto], inputs: dict[str, tuple[Any, Sequence[int]]],
+               outputs: Sequence[str], inits: dict[str, np.ndarray] | None = None,
+               opset: int = 17) -> Any:
+    """An IR graph of these nodes with concrete types (inputs: name -> (dtype, shape)), as
+    the passes after `infer_and_fold` see it, but nothing folded."""
+    from cannc.frontend import import_model
+    from cannc.passes.fold import bind_input_shapes, infer_node
+
+    vis = [helper.make_tensor_value_info(n, NP_TO_ONNX[np.dtype(dt)], list(s))
+           for n, (dt, s) in inputs.items()]
+    outs = [helper.make_tensor_value_info(o, TensorProto.UNDEFINED, None) for o in outputs]
+    inits_ = [numpy_helper.from_array(np.asarray(a), n) for n, a in (inits or {}).items()]
+    m = onnx.shape_inference.infer_shapes(model_of(nodes, vis, outs, inits_, name="pass_test",
+                                                   opset=opset))
+    for vi in m.graph.output:       # the outputs' types as ONNX infers them (the checker)
+        for v in m.graph.value_info:
+            if v.name == vi.name:
+                vi.CopyFrom(v)
+    g, _ = import_model(m)
+    bind_input_shapes(g, {n: tuple(s) for n, (_, s) in inputs.items()})
+    for n in g.nodes():
+        for v, t in zip(n.outputs, infer_node(g, n)):
+            if v and t is not None:
+                g.values[v] = t
+    return g
+
+
+def run_pass(name: str, g: Any, *, fusion: Any = True, **options: Any) -> PassRun:
+    """Run the ONE pass `name` on graph g (verified before and after), with the fusion
+    switches and the pass's own options given; returns the graph's state before and after."""
+    from cannc.passes.manager import PassContext, PassManager
+
+    ctx = PassContext(fusion=fusion, pass_options={name: options} if options else {})
+    pm = PassManager([name], ctx, verify=True)
+    before = graph_state(g)
+    pm.run(g)
+    return PassRun(pm.records[0].changed, before, graph_state(g), g)

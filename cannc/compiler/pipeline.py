@@ -19,7 +19,7 @@ from ..errors import CompileError, UnsupportedOpError
 from ..ir.graph import Graph
 from ..native.target import ObjectCache, default_cache
 from ..passes import fold, fusion, legalize, patterns  # noqa: F401  (registers passes)
-from ..passes.manager import PassManager
+from ..passes.manager import PassContext, PassManager
 from ..schedule import costmodel
 from .lowering import compile_modules, lower_graph
 from .planning import plan_memory
@@ -68,13 +68,13 @@ def specialize(base: Graph, shapes: dict[str, tuple[int, ...]],
     unknown = unknown_ops(base)
     if unknown:
         raise UnsupportedOpError(unknown)
+    ctx = PassContext(fusion=options.fusion)
+    pm = PassManager(PIPELINES[options.pipeline], ctx, dump_after=set(options.dump_after))
     g = base.copy()
     fold.bind_input_shapes(g, shapes)
-    g.meta["fusion"] = options.fusion
     for name, value in (values or {}).items():
         g.inputs.remove(name)
         g.set_constant(name, np.asarray(value))
-    pm = PassManager(PIPELINES[options.pipeline], dump_after=set(options.dump_after))
     pm.run(g)
     problems = support_problems(g)
     if problems:

@@ -20,7 +20,7 @@ from ..frontend import import_model
 from ..ir.graph import Graph, Node
 from ..ir.ops import lookup
 from ..ir.registry import Category
-from ..passes.fold import NONDETERMINISTIC, bind_input_shapes
+from ..passes.fold import bind_input_shapes, foldable_op, shape_fold
 from ..passes.manager import PassManager
 from .pipeline import DEFAULT_PIPELINE, PIPELINES
 from .shapes import Shapes, complete_input_shapes, type_string
@@ -158,10 +158,8 @@ def _static_folds(graph: Graph) -> set[str]:
     known, folded = set(graph.constants), set()
     for n in graph.nodes():
         op = lookup(n.op_type, n.domain)
-        shape_only = op is not None and op.category == Category.SHAPE and (
-            op.fold is not None or "fold" in op.extra)  # TRANSITIONAL: op.extra
-        if n.op_type not in NONDETERMINISTIC and (
-                shape_only or all(v in known for v in n.inputs if v)):
+        shape_only = shape_fold(op) is not None
+        if foldable_op(op) and (shape_only or all(v in known for v in n.inputs if v)):
             folded.add(n.name)
             known.update(v for v in n.outputs if v)
     return folded

@@ -49,9 +49,11 @@ ExprFn = Callable[[Any, Any, Sequence[Any]], Sequence[Any]]
 InferFn = Callable[["Node", list["TensorType | None"]], list["TensorType"]]
 # Shape ops: outputs computed from input *types* alone, once shapes are known.
 FoldFn = Callable[["Node", list["TensorType | None"]], list[np.ndarray]]
-# Epilogue operand check: (operand type, output shape, node) -> reason it cannot be read
-# inside the fused kernel, or None.
-OperandCheck = Callable[["TensorType", tuple[int, ...], "Node"], "str | None"]
+# Epilogue operand check: (operand type, node, its input types, its output type) -> why the
+# operand cannot be read inside the fused kernel ("is not a ... of the GEMM's output"), or None.
+OperandCheck = Callable[["TensorType", "Node", list["TensorType"], "TensorType"], "str | None"]
+# Whether the node itself can take an epilogue: (node, input types, output type) -> reason.
+NodeCheck = Callable[["Node", list["TensorType"], "TensorType"], "str | None"]
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,12 @@ class Fusion:
 
     ``rule`` is the fusion switch that governs it (`cannc.compile(fusion={rule: False})`),
     ``fused_op`` the op (in the ``cannc`` domain) that the pair becomes, ``operand`` the
-    check of every extra operand the group reads."""
+    check of every extra operand the group reads, ``node`` the check of the node itself."""
 
     rule: str
     fused_op: str
     operand: OperandCheck | None = None
+    node: NodeCheck | None = None
 
 
 @dataclass

@@ -9,7 +9,7 @@ own semantics); folding uses the op's NumPy reference.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -18,13 +18,11 @@ from onnx import helper, numpy_helper
 from ..errors import ModelError, ShapeError
 from ..ir.graph import Graph, Node
 from ..ir.ops import lookup
-from ..ir.registry import Category
+from ..ir.registry import Category, FoldFn, OpDef
 from ..ir.types import NP_TO_ONNX, TensorType, np_dtype
-from .manager import graph_pass
+from .manager import PassContext, graph_pass
 
 FOLD_LIMIT_ELEMS = 1 << 26
-NONDETERMINISTIC = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
-                    "Multinomial", "Bernoulli"}
 _SHAPE_INPUT_LIMIT = 1 << 16
 
 
@@ -68,7 +66,7 @@ def _type_proto(t: TensorType) -> onnx.TypeProto:
 
 def infer_node(graph: Graph, n: Node) -> list[TensorType]:
     """Concrete output types of node n from its (concrete) input types and constants.
-    ONNX's own inference first; an op may supply `extra["infer"]` where ONNX has none."""
+    ONNX's own inference first; an op may supply `infer` where ONNX has none."""
     op = lookup(n.op_type, n.domain)
     own = (op.infer or op.extra.get("infer")) if op is not None else None  # TRANSITIONAL
     if own is not None:
@@ -123,18 +121,37 @@ def _onnx_infer(graph: Graph, n: Node) -> list[TensorType]:
     return types
 
 
+def shape_fold(op: OpDef | None) -> FoldFn | None:
+    """The op's fold from input types (SHAPE ops), or None."""
+    if op is None or op.category != Category.SHAPE:
+        return None
+    return op.fold or op.extra.get("fold")  # TRANSITIONAL
+
+
+def foldable_op(op: OpDef | None) -> bool:
+    """Whether nodes of this op may be folded at all. Random ops are not deterministic;
+    ops cannc does not define never reach the passes of a compile (it rejects them first),
+    and `cannc check` reports them as unsupported rather than folded."""
+    return op is not None and op.deterministic
+
+
 def _foldable(graph: Graph, n: Node) -> bool:
-    if n.op_type in NONDETERMINISTIC:
+    op = lookup(n.op_type, n.domain)
+    if not foldable_op(op):
         return False
     present = [v for v in n.inputs if v]
     if all(v in graph.constants for v in present):
         return True
-    op = lookup(n.op_type, n.domain)
-    return op is not None and op.category == Category.SHAPE and op.fold is not None
+    return shape_fold(op) is not None
 
 
-@graph_pass("infer_and_fold")
-def infer_and_fold(graph: Graph) -> bool:
+@dataclass(frozen=True)
+class FoldOptions:
+    limit_elems: int = FOLD_LIMIT_ELEMS   # larger results stay computed at run time
+
+
+@graph_pass("infer_and_fold", options=FoldOptions)
+def infer_and_fold(graph: Graph, ctx: PassContext) -> bool:
     """Infer concrete types node by node and fold every node whose result is known.
     Tensors with no elements carry no data: they fold like constants (an empty batch
     runs no kernel at all)."""
@@ -150,16 +167,16 @@ def infer_and_fold(graph: Graph) -> bool:
                     _fold_empty(graph, n, infer_node(graph, n)):
                 changed = True
                 continue
-            op = lookup(n.op_type, n.domain)
-            if op is not None and op.category == Category.SHAPE and op.fold is not None:
-                outs = op.fold(n, [graph.values[v] if v else None for v in n.inputs])
+            fold_types = shape_fold(lookup(n.op_type, n.domain))
+            if fold_types is not None:
+                outs = fold_types(n, [graph.values[v] if v else None for v in n.inputs])
             else:
                 try:
                     outs = reference_eval(graph, n, ins)
                 except Exception as e:
                     raise ModelError(f"cannot evaluate constant node '{n.name}' "
                                      f"({n.op_type}): {type(e).__name__}: {e}") from e
-            if all(o.size <= FOLD_LIMIT_ELEMS for o in outs):
+            if all(o.size <= ctx.options.limit_elems for o in outs):
                 graph.remove_node(n.name)
                 for v, o in zip(n.outputs, outs):
                     if v:
@@ -187,7 +204,7 @@ def _fold_empty(graph: Graph, n: Node, types: list[TensorType | None]) -> bool:
 
 
 @graph_pass("dce")
-def dead_code_elimination(graph: Graph) -> bool:
+def dead_code_elimination(graph: Graph, ctx: PassContext) -> bool:
     """Remove nodes none of whose outputs is used, and unused constants."""
     changed = False
     used = set(graph.outputs)
@@ -213,16 +230,15 @@ def bind_input_shapes(graph: Graph, shapes: dict[str, tuple[int, ...]]) -> None:
 
 
 @graph_pass("remove_identities")
-def remove_identities(graph: Graph) -> bool:
-    """Identity and inference-mode Dropout forward their input: consumers read it directly
-    (kept when the output is a graph output, which must exist under its own name)."""
+def remove_identities(graph: Graph, ctx: PassContext) -> bool:
+    """Nodes that forward their input (the op's `forwards_input`: Identity, inference-mode
+    Dropout): consumers read the input directly (kept when the output is a graph output,
+    which must exist under its own name)."""
     changed = False
     for name in [n.name for n in graph.nodes()]:
         n = graph.node(name)        # re-read: an earlier removal may have rewritten its inputs
-        if n.op_type not in ("Identity", "Dropout") or n.domain:
-            continue
-        if n.op_type == "Dropout" and (len(n.outputs) > 1 and n.outputs[1]
-                                       or len(n.inputs) > 2 and n.inputs[2]):
+        op = lookup(n.op_type, n.domain)
+        if op is None or op.forwards_input is None or not op.forwards_input(n):
             continue
         out, src = n.outputs[0], n.inputs[0]
         if out in graph.outputs:

@@ -1,62 +1,42 @@
 """Operator fusion.
 
 Rules, each switchable by name (`cannc.compile(model, fusion={"gemm_epilogue": False})`
-or `fusion=False` for none), run in this order:
+or `fusion=False` for none; the switches reach the passes in `PassContext.fusion`),
+run in this order:
 
 - `conv_bn`: Conv followed by BatchNormalization with constant parameters: BN
   folded into the convolution's weights and bias at compile time.
 - `layernorm`: the decomposed ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div/Mul/Add
   pattern becomes one LayerNormalization.
+- `attention`: QKᵀ/scale/mask/Softmax/·V becomes one FusedAttention.
 - `elementwise`: chains of elementwise/broadcast ops over the same iteration
   shape become one loop nest (TVM FuseOps style grouping, in topological order).
-- `gemm_epilogue`: a MatMul/Gemm whose result feeds only one elementwise group
-  of its own shape takes the group as its epilogue (bias, activation, residual).
+- `gemm_epilogue` / `conv_epilogue`: a contraction (an op with an `epilogue` Fusion
+  record: MatMul, Gemm, Conv) whose result feeds only one elementwise group of its own
+  shape takes the group as its epilogue (bias, activation, residual).
+- `softmax_prologue`: an op with a `prologue` record (Softmax, LogSoftmax) computes the
+  elementwise group that produces its input inside its own kernel.
 
-Every decision not to fuse two neighbouring nodes is logged with the rule that
-refused and why, in `graph.meta["fusion_log"]`; `cannc inspect` shows it.
+Each rule is pattern + check + rewrite (`Rule`): the pattern finds a candidate, the
+check returns the reason it cannot fuse (or None), the rewrite fuses it. Every reason
+is logged with the rule and the pair of nodes, in `graph.meta["fusion_log"]`;
+`cannc inspect` shows it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from ..ir.graph import Graph, Node
 from ..ir.ops import lookup
-from ..ir.registry import Category
-from ..ir.types import TensorType
-from .manager import graph_pass
+from ..ir.registry import MAP_CATEGORIES, Fusion
+from .manager import PassContext, graph_pass
+from .rules import Refusal, Rule, log
 
 RULES = ("conv_bn", "layernorm", "attention", "elementwise", "gemm_epilogue", "conv_epilogue",
          "softmax_prologue")
-EPILOGUE_RULE = {"MatMul": "gemm_epilogue", "Gemm": "gemm_epilogue", "Conv": "conv_epilogue"}
-FUSED_OP = {"MatMul": "FusedGemm", "Gemm": "FusedGemm", "Conv": "FusedConv"}
-MAP_CATEGORIES = (Category.ELEMENTWISE, Category.BROADCAST)
-
-
-@dataclass(frozen=True)
-class Decision:
-    producer: str
-    consumer: str
-    rule: str
-    reason: str
-
-    def as_dict(self) -> dict[str, str]:
-        return {"producer": self.producer, "consumer": self.consumer, "rule": self.rule,
-                "reason": self.reason}
-
-
-def enabled(graph: Graph, rule: str) -> bool:
-    sw = graph.meta.get("fusion", True)
-    if isinstance(sw, bool):
-        return sw
-    return bool(sw.get(rule, True))
-
-
-def log(graph: Graph, producer: str, consumer: str, rule: str, reason: str) -> None:
-    graph.meta.setdefault("fusion_log", []).append(Decision(producer, consumer, rule, reason))
 
 
 def is_map(graph: Graph, n: Node) -> str | None:
@@ -125,9 +105,23 @@ class Groups:
         return None
 
 
-def build_map_groups(graph: Graph) -> Groups:
+def _join_reason(groups: Groups, gid: int, n: Node, shape: tuple[int, ...],
+                 joined: int | None, ctx: PassContext) -> str | None:
+    """The elementwise rule's check: why n cannot join the group gid of one of its
+    producers (None: it joins)."""
+    if not ctx.fusion_enabled("elementwise"):
+        return "rule switched off"
+    if joined is not None:
+        return "consumer already fused with another producer's group"
+    if groups.shape[gid] != shape:
+        return f"shapes differ: {list(groups.shape[gid])} vs {list(shape)}"
+    return groups.creates_cycle(gid, n)
+
+
+def build_map_groups(graph: Graph, ctx: PassContext) -> Groups:
+    """The elementwise rule's pattern: every map node joins the group of a producer it
+    reads (first one whose check passes) or starts its own."""
     groups = Groups(graph)
-    on = enabled(graph, "elementwise")
     for n in graph.nodes():
         why = is_map(graph, n)
         if why is not None:
@@ -145,20 +139,9 @@ def build_map_groups(graph: Graph) -> Groups:
             gid = groups.group_of[p.name]
             if joined is not None and gid == joined:
                 continue
-            if not on:
-                log(graph, p.name, n.name, "elementwise", "rule switched off")
-                continue
-            if joined is not None:
-                log(graph, p.name, n.name, "elementwise",
-                    "consumer already fused with another producer's group")
-                continue
-            if groups.shape[gid] != shape:
-                log(graph, p.name, n.name, "elementwise",
-                    f"shapes differ: {list(groups.shape[gid])} vs {list(shape)}")
-                continue
-            cyc = groups.creates_cycle(gid, n)
-            if cyc:
-                log(graph, p.name, n.name, "elementwise", cyc)
+            why = _join_reason(groups, gid, n, shape, joined, ctx)
+            if why:
+                log(graph, p.name, n.name, "elementwise", why)
                 continue
             groups.add(gid, n)
             joined = gid
@@ -208,90 +191,44 @@ def _replace_group(graph: Graph, names: list[str], op_type: str, inputs: list[st
 
 
 # ---------------------------------------------------------------------------
-# the pass
+# rules: pattern + check (a reason) + rewrite
 # ---------------------------------------------------------------------------
 
 
-@graph_pass("fusion")
-def fusion(graph: Graph) -> bool:
-    """Group elementwise chains; give contractions their epilogues."""
-    groups = build_map_groups(graph)
-    changed = False
-    # contraction epilogues first: they take whole groups
-    for n in list(graph.nodes()):
-        rule = EPILOGUE_RULE.get(n.op_type)
-        if rule is None or n.domain:
-            continue
-        out = n.outputs[0]
-        cons = graph.consumers(out)
-        if not cons:
-            continue
-        if not enabled(graph, rule):
-            for c in cons:
-                log(graph, n.name, c, rule, "rule switched off")
-            continue
-        reason = _epilogue_reason(graph, n, cons, groups)
-        if reason:
-            for c in cons:
-                log(graph, n.name, c, rule, reason)
-            continue
-        gid = groups.group_of[cons[0]]
-        names = groups.members.pop(gid)
-        ins, outs = group_io(graph, names)
-        ext = [v for v in ins if v != out]
-        _replace_group(graph, [n.name] + names, FUSED_OP[n.op_type], list(n.inputs) + ext,
-                       outs, n)
-        changed = True
-    # elementwise producers of a Softmax (scale, additive mask...) read inside it
-    for n in list(graph.nodes()):
-        if n.op_type not in ("Softmax", "LogSoftmax") or n.domain:
-            continue
-        p = graph.producer(n.inputs[0])
-        if p is None or p.name not in groups.group_of:
-            continue
-        gid = groups.group_of[p.name]
-        if gid not in groups.members:
-            continue
-        reason = _prologue_reason(graph, n, groups, gid)
-        if reason:
-            log(graph, p.name, n.name, "softmax_prologue", reason)
-            continue
-        names = groups.members.pop(gid)
-        ins, _ = group_io(graph, names)
-        _replace_group(graph, names + [n.name], "FusedSoftmax", ins, list(n.outputs),
-                       graph.node(names[0]))
-        changed = True
-    for gid, names in groups.members.items():
-        if len(names) < 2:
-            continue
-        ins, outs = group_io(graph, names)
-        _replace_group(graph, names, "FusedMap", ins, outs, graph.node(names[0]))
-        changed = True
-    return changed
+@dataclass
+class Match:
+    """A contraction (or a row op) and the elementwise group next to it: `rule` is the
+    switch of its op's Fusion record, `pairs` the (producer, consumer) nodes it joins."""
+
+    rule: str
+    fusion: Fusion
+    node: Node
+    pairs: tuple[tuple[str, str], ...]
+    gid: int
 
 
-def _prologue_reason(graph: Graph, sm: Node, groups: Groups, gid: int) -> str | None:
-    if not enabled(graph, "softmax_prologue"):
-        return "rule switched off"
-    x = sm.inputs[0]
-    t = graph.values[x]
-    rank = len(t.shape)
-    if np.dtype(t.dtype) != np.float32:
-        return "prologues are generated for float32 only"
-    axis = sm.attrs.get("axis", -1 if sm.opset >= 13 else 1)
-    if rank == 0 or axis % rank != rank - 1 or int(t.shape[-1]) <= 1:
-        return f"{sm.op_type} is not over the last axis"
-    if groups.shape[gid] != tuple(t.shape):
-        return "the prologue's shape differs from the Softmax input"
-    _, outs = group_io(graph, groups.members[gid])
-    if outs != [x] or graph.consumers(x) != [sm.name]:
-        return f"the prologue also writes values used elsewhere ({', '.join(outs)})"
-    return None
+# -- contraction epilogues (the op's `epilogue` record: MatMul, Gemm, Conv) ------------
 
 
-def _epilogue_reason(graph: Graph, n: Node, cons: list[str], groups: Groups) -> str | None:
-    from ..ir.ops.fused import conv_operand_pattern, operand_pattern
+def _epilogue_pattern(graph: Graph, groups: Groups, n: Node) -> Match | None:
+    op = lookup(n.op_type, n.domain)
+    if op is None or op.epilogue is None:
+        return None
+    cons = graph.consumers(n.outputs[0])
+    if not cons:
+        return None
+    return Match(op.epilogue.rule, op.epilogue, n, tuple((n.name, c) for c in cons),
+                 groups.group_of.get(cons[0], -1))
 
+
+def _epilogue_check(graph: Graph, groups: Groups, m: Match) -> Refusal | None:
+    why = _epilogue_reason(graph, groups, m)
+    return Refusal(why, m.pairs) if why else None
+
+
+def _epilogue_reason(graph: Graph, groups: Groups, m: Match) -> str | None:
+    n = m.node
+    cons = [c for _, c in m.pairs]
     out = n.outputs[0]
     t = graph.values[out]
     if np.dtype(t.dtype) != np.float32:
@@ -316,24 +253,18 @@ def _epilogue_reason(graph: Graph, n: Node, cons: list[str], groups: Groups) -> 
                "a GEMM epilogue stores one"
     if np.dtype(graph.values[outs[0]].dtype) != np.float32:
         return "the epilogue's result is not float32"
-    from ..ir.ops.contraction import _matmul_spec
-    batched = False
-    if n.op_type == "MatMul":
-        spec, why = _matmul_spec(graph.values[n.inputs[0]], graph.values[n.inputs[1]])
-        if spec is None:
+    in_types = [graph.values[v] for v in n.inputs if v]
+    if m.fusion.node is not None:
+        why = m.fusion.node(n, in_types, t)
+        if why:
             return why
-        batched = spec.batch > 1
     for v in ins:
-        if v == out:
+        if v == out or m.fusion.operand is None:
             continue
         vt = graph.values[v]
-        if n.op_type == "Conv":
-            if conv_operand_pattern(vt, tuple(t.shape)) is None:
-                return f"epilogue operand '{v}' of shape {list(vt.shape)} is not a scalar, " \
-                       "per-channel or full tensor of the convolution's output"
-        elif operand_pattern(vt, tuple(t.shape), batched) is None:
-            return f"epilogue operand '{v}' of shape {list(vt.shape)} is not a " \
-                   "scalar, row, column or full tensor of the GEMM's output"
+        why = m.fusion.operand(vt, n, in_types, t)
+        if why:
+            return f"epilogue operand '{v}' of shape {list(vt.shape)} {why}"
     # the group must not read a value computed from the GEMM's result outside the group
     cyc = groups.creates_cycle(gid, graph.node(names[0]))
     if cyc:
@@ -341,3 +272,88 @@ def _epilogue_reason(graph: Graph, n: Node, cons: list[str], groups: Groups) -> 
     return None
 
 
+def _epilogue_rewrite(graph: Graph, groups: Groups, m: Match) -> None:
+    n = m.node
+    names = groups.members.pop(m.gid)
+    ins, outs = group_io(graph, names)
+    ext = [v for v in ins if v != n.outputs[0]]
+    _replace_group(graph, [n.name] + names, m.fusion.fused_op, list(n.inputs) + ext, outs, n)
+
+
+EPILOGUE: Rule[Groups, Match] = Rule("epilogue", _epilogue_pattern, _epilogue_check,
+                                     _epilogue_rewrite, switch=lambda m: m.rule,
+                                     pairs=lambda m: m.pairs)
+
+
+# -- prologues (the op's `prologue` record: Softmax, LogSoftmax) -----------------------
+
+
+def _prologue_pattern(graph: Graph, groups: Groups, n: Node) -> Match | None:
+    op = lookup(n.op_type, n.domain)
+    if op is None or op.prologue is None:
+        return None
+    p = graph.producer(n.inputs[0])
+    if p is None or p.name not in groups.group_of:
+        return None
+    gid = groups.group_of[p.name]
+    if gid not in groups.members:
+        return None
+    return Match(op.prologue.rule, op.prologue, n, ((p.name, n.name),), gid)
+
+
+def _prologue_check(graph: Graph, groups: Groups, m: Match) -> Refusal | None:
+    why = _prologue_reason(graph, groups, m)
+    return Refusal(why, m.pairs) if why else None
+
+
+def _prologue_reason(graph: Graph, groups: Groups, m: Match) -> str | None:
+    sm = m.node
+    x = sm.inputs[0]
+    t = graph.values[x]
+    rank = len(t.shape)
+    if np.dtype(t.dtype) != np.float32:
+        return "prologues are generated for float32 only"
+    axis = sm.attrs.get("axis", -1 if sm.opset >= 13 else 1)
+    if rank == 0 or axis % rank != rank - 1 or int(t.shape[-1]) <= 1:
+        return f"{sm.op_type} is not over the last axis"
+    if groups.shape[m.gid] != tuple(t.shape):
+        return "the prologue's shape differs from the Softmax input"
+    _, outs = group_io(graph, groups.members[m.gid])
+    if outs != [x] or graph.consumers(x) != [sm.name]:
+        return f"the prologue also writes values used elsewhere ({', '.join(outs)})"
+    return None
+
+
+def _prologue_rewrite(graph: Graph, groups: Groups, m: Match) -> None:
+    names = groups.members.pop(m.gid)
+    ins, _ = group_io(graph, names)
+    _replace_group(graph, names + [m.node.name], m.fusion.fused_op, ins, list(m.node.outputs),
+                   graph.node(names[0]))
+
+
+PROLOGUE: Rule[Groups, Match] = Rule("prologue", _prologue_pattern, _prologue_check,
+                                     _prologue_rewrite, switch=lambda m: m.rule,
+                                     pairs=lambda m: m.pairs)
+
+
+# ---------------------------------------------------------------------------
+# the pass
+# ---------------------------------------------------------------------------
+
+
+@graph_pass("fusion")
+def fusion(graph: Graph, ctx: PassContext) -> bool:
+    """Group elementwise chains; give contractions their epilogues, row ops their
+    prologues; every remaining group of two or more nodes becomes one FusedMap."""
+    groups = build_map_groups(graph, ctx)
+    changed = False
+    # contraction epilogues first: they take whole groups
+    for rule in (EPILOGUE, PROLOGUE):
+        changed |= rule.run(graph, groups, ctx)
+    for gid, names in groups.members.items():
+        if len(names) < 2:
+            continue
+        ins, outs = group_io(graph, names)
+        _replace_group(graph, names, "FusedMap", ins, outs, graph.node(names[0]))
+        changed = True
+    return changed

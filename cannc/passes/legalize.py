@@ -5,17 +5,18 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
+from ..ir.epilogue import matmul_dims
 from ..ir.graph import Graph, Node
+from ..ir.ops.attention_op import (K_IN, MASK_IN, NONPAD_IN, PAST_K_IN, PAST_LEN_ATTR,
+                                   PAST_V_IN, V_IN, feature_problem)
 from ..ir.types import NP_TO_ONNX, TensorType
-from .manager import graph_pass
+from .manager import PassContext, graph_pass
 
 
 @graph_pass("legalize_matmul_broadcast")
-def legalize_matmul_broadcast(graph: Graph) -> bool:
+def legalize_matmul_broadcast(graph: Graph, ctx: PassContext) -> bool:
     """MatMul whose batch dims broadcast partially within one operand (e.g. [2,1,M,K] @
     [3,K,N]): materialise the broadcast with an Expand so the GEMM sees one batch stride."""
-    from ..ir.ops.contraction import _matmul_dims
-
     changed = False
     for n in list(graph.nodes()):
         if n.op_type != "MatMul":
@@ -23,7 +24,7 @@ def legalize_matmul_broadcast(graph: Graph) -> bool:
         a, b = graph.values[n.inputs[0]], graph.values[n.inputs[1]]
         if not (a.is_static and b.is_static) or len(a.shape) < 2 or len(b.shape) < 2:
             continue
-        batch, M, K, N, ab, bb = _matmul_dims(tuple(a.shape), tuple(b.shape))
+        batch, M, K, N, ab, bb = matmul_dims(tuple(a.shape), tuple(b.shape))
         new_inputs = list(n.inputs)
         for i, (t, tb) in enumerate(((a, ab), (b, bb))):
             if tb == batch or all(d == 1 for d in tb):
@@ -45,7 +46,7 @@ def legalize_matmul_broadcast(graph: Graph) -> bool:
 
 
 @graph_pass("legalize_attention")
-def legalize_attention(graph: Graph) -> bool:
+def legalize_attention(graph: Graph, ctx: PassContext) -> bool:
     """ONNX Attention into the form its fused kernel takes (ir/ops/attention_op.py):
 
     - past_key / past_value: Concat(past, K) along the sequence (K of a 3-D node first
@@ -59,17 +60,6 @@ def legalize_attention(graph: Graph) -> bool:
 
     Nodes with a feature the kernel lacks (softcap, qk_matmul_output, ...) are left
     alone, so that the support check reports them as they are."""
-    from ..ir.ops.attention_op import (
-        K_IN,
-        MASK_IN,
-        NONPAD_IN,
-        PAST_K_IN,
-        PAST_LEN_ATTR,
-        PAST_V_IN,
-        V_IN,
-        feature_problem,
-    )
-
     changed = False
     for n in list(graph.nodes()):
         if n.op_type != "Attention" or n.domain not in ("", "ai.onnx"):

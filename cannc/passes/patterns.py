@@ -1,17 +1,19 @@
 """Pattern fusions: exporter idioms rewritten into the single ops they stand for.
 
-Each rule is pattern + check + rewrite; a check that fails logs its reason in
-graph.meta["fusion_log"] (see passes/fusion.py), so "why didn't this fuse?" is
-answered by `cannc inspect`.
+Each is a `Rule` (passes/rules.py): pattern + check + rewrite; a check that fails
+logs its reason in graph.meta["fusion_log"], so "why didn't this fuse?" is answered
+by `cannc inspect`. These rules match exporter idioms, so they name the ops of their
+pattern; a switched-off rule (`fusion={"layernorm": False}`) does not even match.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ..ir.attnspec import AttnSpec
 from ..ir.graph import Graph, Node
-from .fusion import enabled, log
-from .manager import graph_pass
+from .manager import PassContext, graph_pass
+from .rules import Refusal, Rule
 
 
 def reduce_axes(graph: Graph, n: Node) -> list[int] | None:
@@ -53,40 +55,47 @@ def _only_consumer(graph: Graph, v: str, op_types: tuple[str, ...]) -> Node | No
 
 
 @graph_pass("fuse_layernorm")
-def fuse_layernorm(graph: Graph) -> bool:
+def fuse_layernorm(graph: Graph, ctx: PassContext) -> bool:
     """ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div(/Mul/Add) -> LayerNormalization."""
-    changed = False
-    for mean in list(graph.nodes()):
-        if mean.op_type != "ReduceMean" or mean.name not in graph.g:
-            continue
-        if not enabled(graph, "layernorm"):
-            return False
-        why = _match_layernorm(graph, mean)
-        if isinstance(why, str):
-            if why:
-                log(graph, mean.name, "(layernorm pattern)", "layernorm", why)
-            continue
-        nodes, x, eps, gamma, beta, axis, out = why
-        rank = len(graph.values[x].shape)
-        norm_shape = tuple(graph.values[x].shape[axis:])
-        dt = graph.values[x].dtype
-        if gamma is None:
-            gamma = f"{mean.name}::ln_gamma"
-            graph.set_constant(gamma, np.ones(norm_shape, dt))
-        if beta is None:
-            beta = f"{mean.name}::ln_beta"
-            graph.set_constant(beta, np.zeros(norm_shape, dt))
-        order = graph.g.nodes[nodes[0].name]["order"]
-        for n in nodes:
-            graph.remove_node(n.name)
-        graph.add_node(Node(name=f"{mean.name}::LayerNormalization", op_type="LayerNormalization",
-                            inputs=(x, gamma, beta), outputs=(out,),
-                            attrs={"axis": axis - rank, "epsilon": eps,
-                                   "fused_from": [n.name for n in nodes],
-                                   "fused_ops": [n.op_type for n in nodes]}, opset=17,
-                            ), order=order)
-        changed = True
-    return changed
+    return LAYERNORM.run(graph, None, ctx)
+
+
+def _layernorm_pattern(graph: Graph, _: None, mean: Node):
+    if mean.op_type != "ReduceMean":
+        return None
+    found = _match_layernorm(graph, mean)
+    return None if found == "" else (mean, found)
+
+
+def _layernorm_check(graph: Graph, _: None, m) -> Refusal | None:
+    mean, found = m
+    return Refusal(found, ((mean.name, "(layernorm pattern)"),)) \
+        if isinstance(found, str) else None
+
+
+def _layernorm_rewrite(graph: Graph, _: None, m) -> None:
+    mean, (nodes, x, eps, gamma, beta, axis, out) = m
+    rank = len(graph.values[x].shape)
+    norm_shape = tuple(graph.values[x].shape[axis:])
+    dt = graph.values[x].dtype
+    if gamma is None:
+        gamma = f"{mean.name}::ln_gamma"
+        graph.set_constant(gamma, np.ones(norm_shape, dt))
+    if beta is None:
+        beta = f"{mean.name}::ln_beta"
+        graph.set_constant(beta, np.zeros(norm_shape, dt))
+    order = graph.g.nodes[nodes[0].name]["order"]
+    for n in nodes:
+        graph.remove_node(n.name)
+    graph.add_node(Node(name=f"{mean.name}::LayerNormalization", op_type="LayerNormalization",
+                        inputs=(x, gamma, beta), outputs=(out,),
+                        attrs={"axis": axis - rank, "epsilon": eps,
+                               "fused_from": [n.name for n in nodes],
+                               "fused_ops": [n.op_type for n in nodes]}, opset=17,
+                        ), order=order)
+
+
+LAYERNORM: Rule = Rule("layernorm", _layernorm_pattern, _layernorm_check, _layernorm_rewrite)
 
 
 def _match_layernorm(graph: Graph, mean: Node):
@@ -162,43 +171,51 @@ def _fits(shape: tuple[int, ...], norm_shape: tuple[int, ...]) -> bool:
 
 
 @graph_pass("fold_conv_bn")
-def fold_conv_bn(graph: Graph) -> bool:
+def fold_conv_bn(graph: Graph, ctx: PassContext) -> bool:
     """Conv -> BatchNormalization (inference, constant parameters): fold the BN into the
     convolution's weights and bias at compile time; the BN node disappears."""
-    changed = False
-    for bn in list(graph.nodes()):
-        if bn.op_type != "BatchNormalization" or not enabled(graph, "conv_bn"):
-            continue
-        x = bn.inputs[0]
-        conv = graph.producer(x)
-        if conv is None or conv.op_type != "Conv":
-            continue
-        why = _conv_bn_reason(graph, conv, bn)
-        if why:
-            log(graph, conv.name, bn.name, "conv_bn", why)
-            continue
-        scale, b, mean, var = (graph.constants[v].astype(np.float64) for v in bn.inputs[1:5])
-        eps = float(bn.attrs.get("epsilon", 1e-5))
-        w = graph.constants[conv.inputs[1]].astype(np.float64)
-        cb = (graph.constants[conv.inputs[2]].astype(np.float64)
-              if len(conv.inputs) > 2 and conv.inputs[2] else np.zeros(w.shape[0]))
-        s = scale / np.sqrt(var + eps)
-        dt = graph.values[x].dtype
-        w2 = (w * s.reshape((-1,) + (1,) * (w.ndim - 1))).astype(dt)
-        b2 = ((cb - mean) * s + b).astype(dt)
-        wname, bname = f"{conv.name}::w_bn", f"{conv.name}::b_bn"
-        graph.set_constant(wname, w2)
-        graph.set_constant(bname, b2)
-        y = bn.outputs[0]
-        attrs = dict(conv.attrs)
-        attrs["fused_from"] = [conv.name, bn.name]
-        attrs["fused_ops"] = ["Conv", "BatchNormalization"]
-        new = conv.replace(inputs=(conv.inputs[0], wname, bname), outputs=(y,), attrs=attrs,
-                           proto=None)
-        graph.remove_node(bn.name)
-        graph.replace_node(conv.name, new)
-        changed = True
-    return changed
+    return CONV_BN.run(graph, None, ctx)
+
+
+def _conv_bn_pattern(graph: Graph, _: None, bn: Node) -> tuple[Node, Node] | None:
+    if bn.op_type != "BatchNormalization":
+        return None
+    conv = graph.producer(bn.inputs[0])
+    return (conv, bn) if conv is not None and conv.op_type == "Conv" else None
+
+
+def _conv_bn_check(graph: Graph, _: None, m: tuple[Node, Node]) -> Refusal | None:
+    conv, bn = m
+    why = _conv_bn_reason(graph, conv, bn)
+    return Refusal(why, ((conv.name, bn.name),)) if why else None
+
+
+def _conv_bn_rewrite(graph: Graph, _: None, m: tuple[Node, Node]) -> None:
+    conv, bn = m
+    x = bn.inputs[0]
+    scale, b, mean, var = (graph.constants[v].astype(np.float64) for v in bn.inputs[1:5])
+    eps = float(bn.attrs.get("epsilon", 1e-5))
+    w = graph.constants[conv.inputs[1]].astype(np.float64)
+    cb = (graph.constants[conv.inputs[2]].astype(np.float64)
+          if len(conv.inputs) > 2 and conv.inputs[2] else np.zeros(w.shape[0]))
+    s = scale / np.sqrt(var + eps)
+    dt = graph.values[x].dtype
+    w2 = (w * s.reshape((-1,) + (1,) * (w.ndim - 1))).astype(dt)
+    b2 = ((cb - mean) * s + b).astype(dt)
+    wname, bname = f"{conv.name}::w_bn", f"{conv.name}::b_bn"
+    graph.set_constant(wname, w2)
+    graph.set_constant(bname, b2)
+    y = bn.outputs[0]
+    attrs = dict(conv.attrs)
+    attrs["fused_from"] = [conv.name, bn.name]
+    attrs["fused_ops"] = ["Conv", "BatchNormalization"]
+    new = conv.replace(inputs=(conv.inputs[0], wname, bname), outputs=(y,), attrs=attrs,
+                       proto=None)
+    graph.remove_node(bn.name)
+    graph.replace_node(conv.name, new)
+
+
+CONV_BN: Rule = Rule("conv_bn", _conv_bn_pattern, _conv_bn_check, _conv_bn_rewrite)
 
 
 def _conv_bn_reason(graph: Graph, conv: Node, bn: Node) -> str | None:
@@ -280,37 +297,44 @@ def _peel_scalar_scale(graph: Graph, v: str, absorbed: list[Node]) -> tuple[str,
 
 
 @graph_pass("fuse_attention")
-def fuse_attention(graph: Graph) -> bool:
+def fuse_attention(graph: Graph, ctx: PassContext) -> bool:
     """MatMul(Q, Kᵀ) -> scale -> mask -> Softmax -> MatMul(·, V), with the head split/merge
     Transposes around it, becomes one FusedAttention kernel (online softmax, no score
     matrix in memory)."""
-    changed = False
-    for mm in list(graph.nodes()):
-        if mm.op_type != "MatMul" or mm.name not in graph.g or not enabled(graph, "attention"):
-            continue
-        found = _match_attention(graph, mm)
-        if found is None:
-            continue
-        if isinstance(found, tuple) and len(found) == 3 and isinstance(found[0], str):
-            prod, cons, why = found
-            log(graph, prod, cons, "attention", why)
-            continue
-        nodes, inputs, out, spec = found
-        order = graph.g.nodes[mm.name]["order"]
-        body_names = [n.name for n in nodes]
-        for n in nodes:
-            graph.remove_node(n.name)
-        graph.add_node(Node(name=f"attention::{mm.name}", op_type="FusedAttention",
-                            inputs=tuple(inputs), outputs=(out,), domain="cannc", opset=1,
-                            attrs={"spec": spec, "fused_from": body_names,
-                                   "fused_ops": [n.op_type for n in nodes]}), order=order)
-        changed = True
-    return changed
+    return ATTENTION.run(graph, None, ctx)
+
+
+def _attention_pattern(graph: Graph, _: None, mm: Node):
+    if mm.op_type != "MatMul":
+        return None
+    found = _match_attention(graph, mm)
+    return None if found is None else (mm, found)
+
+
+def _attention_check(graph: Graph, _: None, m) -> Refusal | None:
+    _mm, found = m
+    if isinstance(found, tuple) and len(found) == 3 and isinstance(found[0], str):
+        prod, cons, why = found
+        return Refusal(why, ((prod, cons),))
+    return None
+
+
+def _attention_rewrite(graph: Graph, _: None, m) -> None:
+    mm, (nodes, inputs, out, spec) = m
+    order = graph.g.nodes[mm.name]["order"]
+    body_names = [n.name for n in nodes]
+    for n in nodes:
+        graph.remove_node(n.name)
+    graph.add_node(Node(name=f"attention::{mm.name}", op_type="FusedAttention",
+                        inputs=tuple(inputs), outputs=(out,), domain="cannc", opset=1,
+                        attrs={"spec": spec, "fused_from": body_names,
+                               "fused_ops": [n.op_type for n in nodes]}), order=order)
+
+
+ATTENTION: Rule = Rule("attention", _attention_pattern, _attention_check, _attention_rewrite)
 
 
 def _match_attention(graph: Graph, mm: Node):
-    from ..codegen.attention import AttnSpec
-
     if any(np.dtype(graph.values[v].dtype) != np.float32 for v in mm.inputs):
         return None
     qv, ktv = mm.inputs

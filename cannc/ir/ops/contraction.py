@@ -30,26 +30,13 @@ from ...codegen.kernel import ConstRef, Tiling
 from ...codegen.plans import gemm_notes, gemm_tuning
 from ...schedule.tuning import gemm_signature
 from ..graph import Node
-from ..registry import Category, OpDef, register
+from ..epilogue import gemm_operand, matmul_dims as _matmul_dims, matmul_fit, matmul_operand
+from ..registry import Category, Fusion, OpDef, register
 from ..types import TensorType
 
 F32 = frozenset({"float32"})
 MATMUL_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "int32", "int64",
                            "uint32", "uint64"})
-
-
-def _matmul_dims(a: tuple[int, ...], b: tuple[int, ...]):
-    """(batch shape, M, K, N, a_batch, b_batch) of numpy matmul after 1-D promotion."""
-    a2 = (1,) + a if len(a) == 1 else a
-    b2 = b + (1,) if len(b) == 1 else b
-    M, K = a2[-2], a2[-1]
-    N = b2[-1]
-    ab, bb = a2[:-2], b2[:-2]
-    r = max(len(ab), len(bb))
-    ab = (1,) * (r - len(ab)) + ab
-    bb = (1,) * (r - len(bb)) + bb
-    out = tuple(max(x, y) for x, y in zip(ab, bb))
-    return out, M, K, N, ab, bb
 
 
 def _matmul_spec(a: TensorType, b: TensorType) -> tuple[GemmSpec | None, str | None]:
@@ -412,6 +399,8 @@ def _lower_dynamic(ctx: Any) -> None:
 
 register(OpDef(name="MatMul", category=Category.CONTRACTION, lower=_lower_matmul,
                dtypes=MATMUL_DTYPES, check=_check_matmul, tiling=gemm_tiling,
+               epilogue=Fusion(rule="gemm_epilogue", fused_op="FusedGemm",
+                               operand=matmul_operand, node=matmul_fit),
                doc="float32: packed, register-blocked GEMM; other dtypes: a loop nest"))
 
 
@@ -450,4 +439,6 @@ def _lower_gemm(ctx: Any) -> None:
 
 
 register(OpDef(name="Gemm", category=Category.CONTRACTION, lower=_lower_gemm, dtypes=F32,
-               check=_check_gemm, tiling=gemm_tiling, doc="packed, register-blocked GEMM with fused bias"))
+               check=_check_gemm, tiling=gemm_tiling,
+               epilogue=Fusion(rule="gemm_epilogue", fused_op="FusedGemm", operand=gemm_operand),
+               doc="packed, register-blocked GEMM with fused bias"))

@@ -38,7 +38,8 @@ from ...codegen.conv import (VB, ConvGeom, ConvTGeom, Slots, abi_function, emit_
 from ...native.emit import i64
 from ...codegen.kernel import ConstRef, Tiling
 from ...codegen.pool import WindowSpec, avg_counts_1d, emit_window, plan_window
-from ..registry import Category, OpDef, register
+from ..epilogue import conv_operand
+from ..registry import Category, Fusion, OpDef, register
 
 F32 = frozenset({"float32"})
 SINGLE_CORE_FLOPS = 100_000   # below this a kernel runs on core 0 only (no split, no wait)
@@ -308,6 +309,7 @@ def _check_conv(node: Any, ins: list[Any], outs: list[Any]) -> str | None:
 
 register(OpDef(name="Conv", category=Category.CONTRACTION, lower=_lower_conv, dtypes=F32,
                check=_check_conv, tiling=conv_tiling,
+               epilogue=Fusion(rule="conv_epilogue", fused_op="FusedConv", operand=conv_operand),
                doc="implicit GEMM (im2col tiles + 6x32 micro-kernel); depthwise: direct"))
 
 

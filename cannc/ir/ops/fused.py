@@ -23,6 +23,7 @@ from ...codegen.elementwise import TV, Expr, emit_map, map_tiling
 from ...codegen.gemm import GEMM_DIMS, emit_gemm
 from ...codegen.plans import attention_notes, gemm_tuning
 from ..graph import Node
+from ..epilogue import conv_operand_pattern, operand_pattern
 from ..registry import Category, OpDef, lookup, register
 from ..types import TensorType
 from .contraction import finish_contraction, plan_contraction
@@ -124,32 +125,6 @@ register(OpDef(name="FusedMap", domain=DOMAIN, category=Category.BROADCAST,
 
 
 # -- GEMM + epilogue ---------------------------------------------------------------
-
-
-def operand_pattern(t: TensorType, out_shape: tuple[int, ...], batched: bool) -> str | None:
-    """How an epilogue operand is indexed from the GEMM's (m, n): 'scalar' (offset 0),
-    'row' (n), 'col' (m), 'full' (m*N + n); None when it is none of these. An operand
-    of the output's rank and extents is 'full' (and [.., 1] 'col') even when the rows are
-    one (M = 1), so a kernel for any M indexes it the same way at every M."""
-    shape = tuple(t.shape)
-    r = len(out_shape)
-    if not batched and len(shape) == r and r >= 2:
-        if shape == tuple(out_shape):
-            return "full"
-        if shape[-1] == 1 and out_shape[-1] != 1 and shape[:-1] == tuple(out_shape[:-1]):
-            return "col"
-    shape = (1,) * (r - len(shape)) + shape
-    if all(d == 1 for d in shape):
-        return "scalar"
-    if all(d == 1 for d in shape[:-1]) and shape[-1] == out_shape[-1]:
-        return "row"
-    if batched:
-        return None
-    if shape == tuple(out_shape):
-        return "full"
-    if shape[-1] == 1 and shape[:-1] == tuple(out_shape[:-1]):
-        return "col"
-    return None
 
 
 def _fused_gemm_tiling(node: Node, in_types: list, out_types: list) -> Any:
@@ -280,22 +255,6 @@ register(OpDef(name="FusedGemm", domain=DOMAIN, category=Category.CONTRACTION,
 
 
 # -- Conv + epilogue -----------------------------------------------------------------
-
-
-def conv_operand_pattern(t: TensorType, out_shape: tuple[int, ...]) -> str | None:
-    """How an epilogue operand of a Conv output [N, M, *spatial] is indexed: 'scalar',
-    'channel' (one value per output channel) or 'full'; None otherwise."""
-    shape = tuple(t.shape)
-    r = len(out_shape)
-    shape = (1,) * (r - len(shape)) + shape
-    if all(d == 1 for d in shape):
-        return "scalar"
-    if shape == tuple(out_shape):
-        return "full"
-    if r >= 2 and shape[1] == out_shape[1] and all(
-            d == 1 for i, d in enumerate(shape) if i != 1):
-        return "channel"
-    return None
 
 
 class _NodeView:

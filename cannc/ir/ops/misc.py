@@ -42,7 +42,7 @@ def _topk_check(n: Node, ins: list, outs: list) -> str | None:
     return None
 
 
-register(OpDef(name="TopK", category=Category.OPAQUE, check=_topk_check,
+register(OpDef(name="TopK", category=Category.OPAQUE, check=_topk_check, value_inputs=(1,),
                doc="one row per tile; insertion into the k best (stable ties)"))
 
 
@@ -100,7 +100,8 @@ register(OpDef(name="Einsum", category=Category.CONTRACTION, min_opset=12,
 
 
 register(OpDef(name="CumProd", category=Category.OPAQUE, min_opset=26,
-               check=_input_dtypes(NUMERIC), doc="running product along the axis"))
+               check=_input_dtypes(NUMERIC), value_inputs=(1,),
+               doc="running product along the axis"))
 
 
 def _lrn_check(n: Node, ins: list, outs: list) -> str | None:

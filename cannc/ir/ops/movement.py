@@ -97,10 +97,11 @@ def _empty_kernel(ctx: Any) -> None:
 
 
 def _reg(name: str, lower: Any, dtypes: frozenset[str] = ALL, check: Any = None,
-         min_opset: int = 1, doc: str = "", tiling: Any = None, reference: Any = None) -> None:
+         min_opset: int = 1, doc: str = "", tiling: Any = None, reference: Any = None,
+         value_inputs: tuple[int, ...] = ()) -> None:
     register(OpDef(name=name, category=Category.INJECTIVE, lower=lower, dtypes=dtypes,
                    check=check, min_opset=min_opset, doc=doc, tiling=tiling,
-                   reference=reference))
+                   reference=reference, value_inputs=value_inputs))
 
 
 PieceBuilder = Any  # (node, in_types, out_types) -> list[Piece]
@@ -185,7 +186,7 @@ def _split_check(n: Node, ins: list[Any], outs: list[Any]) -> str | None:
 
 
 _reg("Split", _lower_split, check=_split_check, doc="one copy per output, one kernel",
-     tiling=_split_tiling)
+     tiling=_split_tiling, value_inputs=(1,))
 
 
 def _slice_params(ctx: Any, rank: int) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -223,7 +224,8 @@ def _lower_slice(ctx: Any) -> None:
     emit_pieces(ctx, [piece], _isz(ctx))
 
 
-_reg("Slice", _lower_slice, doc="strided copy (negative steps walk backwards)")
+_reg("Slice", _lower_slice, doc="strided copy (negative steps walk backwards)",
+     value_inputs=(1, 2, 3, 4))
 
 
 def _expand_pieces(n: Node, ins: list[Any], outs: list[Any]) -> list[Piece]:
@@ -234,7 +236,7 @@ def _expand_pieces(n: Node, ins: list[Any], outs: list[Any]) -> list[Piece]:
 
 _lower_expand, _expand_tiling = _piece_op(_expand_pieces)
 _reg("Expand", _lower_expand, doc="strided copy with stride-0 (broadcast) dims",
-     tiling=_expand_tiling)
+     tiling=_expand_tiling, value_inputs=(1,))
 
 
 def _tile_pieces(n: Node, ins: list[Any], outs: list[Any]) -> list[Piece]:
@@ -252,7 +254,7 @@ def _tile_pieces(n: Node, ins: list[Any], outs: list[Any]) -> list[Piece]:
 
 _lower_tile, _tile_tiling = _piece_op(_tile_pieces)
 _reg("Tile", _lower_tile, min_opset=6, doc="strided copy over (repeat, dim) pairs",
-     tiling=_tile_tiling)
+     tiling=_tile_tiling, value_inputs=(1,))
 
 
 def _depth_to_space_pieces(nd: Node, ins: list[Any], outs: list[Any]) -> list[Piece]:
@@ -355,7 +357,8 @@ def _pad_check(n: Node, ins: list[Any], outs: list[Any]) -> str | None:
     return None
 
 
-_reg("Pad", _lower_pad, check=_pad_check, doc="constant/reflect/edge/wrap; copy + fill pieces")
+_reg("Pad", _lower_pad, check=_pad_check, doc="constant/reflect/edge/wrap; copy + fill pieces",
+     value_inputs=(1, 3))
 
 
 # ---------------------------------------------------------------------------
@@ -755,7 +758,8 @@ def _lower_onehot(ctx: Any) -> None:
     _finish_rows(ctx, b, units, prod(out))
 
 
-_reg("OneHot", _lower_onehot, doc="runtime indices (out of range: all off)")
+_reg("OneHot", _lower_onehot, doc="runtime indices (out of range: all off)",
+     value_inputs=(1,))
 
 
 def _lower_trilu(ctx: Any) -> None:
@@ -1121,6 +1125,7 @@ def _lower_resize(ctx: Any) -> None:
 
 
 _reg("Resize", _lower_resize, check=_resize_check, min_opset=10,
-     doc="nearest and (multi)linear; coordinate tables built at compile time")
+     doc="nearest and (multi)linear; coordinate tables built at compile time",
+     value_inputs=(1, 2, 3))
 _reg("Upsample", _lower_resize, check=_resize_check, min_opset=7,
-     doc="deprecated: Resize with asymmetric coordinates")
+     doc="deprecated: Resize with asymmetric coordinates", value_inputs=(1,))

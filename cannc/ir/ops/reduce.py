@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..graph import Node
-from ..registry import Category, OpDef, register
+from ..registry import Category, Fusion, OpDef, register
 from ..types import TensorType
 
 FLOATS = frozenset({"float32", "float64", "float16", "bfloat16"})
@@ -76,6 +76,7 @@ def node_reduce_axes(n: Node, rank: int, axes_input_from: int) -> list[int] | No
 for _name, _kind, _dts, _from in REDUCES:
     # dtypes stay None: the int64 axes input would fail a check over all tensors
     register(OpDef(name=_name, category=Category.REDUCTION, check=_dtype_check(_dts),
+                   value_inputs=(1,),
                    doc=f"reduce ({_kind}); axes as input from opset {_from}; "
                        f"data: {', '.join(sorted(_dts))}"))
 
@@ -108,7 +109,9 @@ def softmax_axes(n: Node, rank: int) -> list[int]:
 
 
 for _name in ("Softmax", "LogSoftmax", "Hardmax"):
-    register(OpDef(name=_name, category=Category.REDUCTION, dtypes=FLOATS))
+    register(OpDef(name=_name, category=Category.REDUCTION, dtypes=FLOATS,
+                   prologue=None if _name == "Hardmax" else Fusion(
+                       rule="softmax_prologue", fused_op="FusedSoftmax")))
 
 
 # ---------------------------------------------------------------------------
@@ -264,4 +267,5 @@ register(OpDef(name="MeanVarianceNormalization", category=Category.REDUCTION, mi
 # ---------------------------------------------------------------------------
 
 register(OpDef(name="CumSum", category=Category.OPAQUE, min_opset=11,
-               check=_dtype_check(FLOATS | INTS), doc="data: floats, int32/64, uint32/64"))
+               check=_dtype_check(FLOATS | INTS), value_inputs=(1,),
+               doc="data: floats, int32/64, uint32/64"))

@@ -38,7 +38,9 @@ for _name in ("Shape", "Size"):
                    doc="folds to a constant once shapes are known"))
 
 for _name in ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"):
-    register(OpDef(name=_name, category=Category.VIEW, doc="shares its input's buffer"))
+    register(OpDef(name=_name, category=Category.VIEW, doc="shares its input's buffer",
+                   value_inputs=(1,) if _name in ("Reshape", "Squeeze", "Unsqueeze") else (),
+                   forwards_input=(lambda n: True) if _name == "Identity" else None))
 
 
 def _dropout_check(n: Node, ins: list[Any], outs: list[Any]) -> str | None:
@@ -50,6 +52,7 @@ def _dropout_check(n: Node, ins: list[Any], outs: list[Any]) -> str | None:
 
 
 register(OpDef(name="Dropout", category=Category.VIEW, check=_dropout_check,
+               forwards_input=lambda n: _dropout_check(n, [], []) is None,
                doc="inference: the identity"))
 
 
@@ -63,4 +66,5 @@ def _needs_constant(what: str):
 for _name, _what in (("Constant", "value"), ("ConstantOfShape", "the shape input"),
                      ("Range", "start/limit/delta"), ("NonZero", "the input")):
     register(OpDef(name=_name, category=Category.SHAPE, check=_needs_constant(_what),
+                   value_inputs={"ConstantOfShape": (0,), "Range": (0, 1, 2)}.get(_name, ()),
                    doc="folded at compile time"))
