@@ -150,7 +150,7 @@ class _Lowering:
     def _lower(self, n: Node, op: OpDef, lowering: Lowering, in_types: list, out_types: list,
                consts: list[np.ndarray | None], tiling: Tiling | None, key: str) -> MemoEntry:
         ctx = LowerCtx(n, in_types, out_types, consts)
-        ctx.opdef = op  # type: ignore[attr-defined]
+        ctx.opdef = op
         ctx.tiling = tiling
         try:
             lowering.lower(ctx)

@@ -70,7 +70,7 @@ def infer_node(graph: Graph, n: Node) -> list[TensorType]:
     """Concrete output types of node n from its (concrete) input types and constants.
     ONNX's own inference first; an op may supply `extra["infer"]` where ONNX has none."""
     op = lookup(n.op_type, n.domain)
-    own = op.extra.get("infer") if op is not None else None
+    own = (op.infer or op.extra.get("infer")) if op is not None else None  # TRANSITIONAL
     if own is not None:
         try:
             return _onnx_infer(graph, n)

@@ -15,6 +15,12 @@ from .base import Lowering, register_lowering, registered_lowering
 
 # every lowering module, one per op family (importing one registers its lowerings)
 # (families move here from cannc/ir/ops one at a time: issue 10)
+from . import movement  # noqa: F401
+from . import contraction  # noqa: F401
+from . import conv  # noqa: F401
+from . import fused  # noqa: F401
+from . import attention  # noqa: F401
+from . import quant  # noqa: F401
 
 
 def lowering_for(op: OpDef) -> Lowering | None:
