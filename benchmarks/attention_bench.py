@@ -75,13 +75,13 @@ from llvmlite import ir
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from cannc.codegen.attention import (
-    AttnSpec,
     attention_num_tiles,
     attention_plan,
     attention_tiling,
     attention_workspace_bytes,
     emit_attention,
 )
+from cannc.ir.ops.fused import AttnSpec
 from cannc.native.target import jit_kernel
 from tests.helpers import aligned, run_concurrently, tile_ranges
 

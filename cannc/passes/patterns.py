@@ -309,7 +309,7 @@ def fuse_attention(graph: Graph) -> bool:
 
 
 def _match_attention(graph: Graph, mm: Node):
-    from ..codegen.attention import AttnSpec
+    from ..ir.ops.fused import AttnSpec
 
     if any(np.dtype(graph.values[v].dtype) != np.float32 for v in mm.inputs):
         return None

@@ -23,14 +23,13 @@ from llvmlite import ir
 
 from cannc.codegen.attention import (
     RT_DIMS,
-    AttnSpec,
     attention_num_tiles,
     attention_plan,
     attention_tiling,
     attention_workspace_bytes,
-    dense_strides,
     emit_attention,
 )
+from cannc.ir.ops.fused import AttnSpec, dense_strides
 from cannc.native.target import jit_kernel
 from tests.helpers import aligned, run_concurrently, run_splits, tile_ranges
 

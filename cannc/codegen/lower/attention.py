@@ -2,7 +2,7 @@
 flash-attention kernel (codegen/attention.py).
 
 Layouts: 3-D operands ``[B, S, heads*d]`` and 4-D ``[B, heads, S, d]`` are
-both read in place, through the element strides of codegen.attention.AttnSpec;
+both read in place, through the element strides of AttnSpec (ir/ops/fused.py);
 grouped-query attention (``kv_num_heads < q_num_heads``) reads KV head
 ``h // (Hq/Hkv)`` for query head h (the interleaved repeat of the reference).
 
@@ -35,10 +35,10 @@ import llvmlite.ir as ir
 import numpy as np
 
 from ...ir.ops.attention_op import K_IN, MASK_IN, NONPAD_IN, Q_IN, V_IN, Plan, analyse
+from ...ir.ops.fused import AttnSpec
 from ...native import emit
 from ...native.emit import F32, I8, I64, PTR, for_range, i64
-from ..attention import (AttnSpec, attention_num_tiles, attention_workspace_bytes,
-                         emit_attention)
+from ..attention import attention_num_tiles, attention_workspace_bytes, emit_attention
 from ..kernel import LowerCtx
 from .base import register_lowering
 
