@@ -725,6 +725,12 @@ def _lower_eyelike(ctx: LowerCtx) -> None:
     _finish_rows(ctx, b, units, prod(out))
 
 
+# ---------------------------------------------------------------------------
+# Resize / Upsample: separable per-dim source tables built at compile time
+# (nearest: one tap per dim; linear: two weighted taps per scaled dim), then a
+# row walk that reads the tables from constant globals.
+# ---------------------------------------------------------------------------
+
 def _resize_scales(ctx: LowerCtx, shp: list[int], out: list[int]) -> tuple[list[float], list[float]]:
     """(scale per dim, roi as [starts..., ends...] per dim) as ORT computes them (float32)."""
     r = len(shp)

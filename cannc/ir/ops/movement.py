@@ -146,9 +146,7 @@ _reg("Trilu", min_opset=14, doc="row copies and zero fills (k may be runtime)")
 
 
 # ---------------------------------------------------------------------------
-# Resize / Upsample: separable per-dim source tables built at compile time
-# (nearest: one tap per dim; linear: two weighted taps per scaled dim), then a
-# row walk that reads the tables from constant globals.
+# Resize / Upsample
 # ---------------------------------------------------------------------------
 
 COORD_MODES = ("half_pixel", "half_pixel_symmetric", "pytorch_half_pixel", "align_corners",

@@ -79,10 +79,6 @@ register(OpDef(name="QuantizeLinear", category=Category.BROADCAST,
                doc="per-tensor, per-axis and blocked; int8/uint8/int16/uint16 outputs"))
 
 
-# ---------------------------------------------------------------------------
-# DequantizeLinear
-# ---------------------------------------------------------------------------
-
 def _check_dequantize(n: Node, ins: list, outs: list) -> str | None:
     return _check_common(n, ins, outs, QINTS | {"int32"})
 
