@@ -18,6 +18,7 @@ import numpy as np
 
 from ..artifact import Kernel, Tiling  # noqa: F401  (lowerings return Tiling)
 from ..ir.graph import Node
+from ..ir.registry import OpDef
 from ..ir.types import TensorType
 from ..native import emit
 from ..native.target import new_module
@@ -68,15 +69,20 @@ def apply_recipe(fn: Callable[..., np.ndarray], args: tuple,
 class LowerCtx:
     """Everything a lowering may read, and the few things it sets.
 
-    Reads: node, in_types, out_types, consts (ndarray or None per input),
-    module, symbol. Sets: num_tiles, workspace_bytes, single_core, flops, and
-    may replace a constant input with a transformed constant (e.g. prepacked
-    weights) through `replace_const`.
+    Reads: node, opdef (the node's op definition), in_types, out_types, consts
+    (ndarray or None per input), module, symbol, tiling. Sets: num_tiles,
+    workspace_bytes, single_core, flops, and may replace a constant input with a
+    transformed constant (e.g. prepacked weights) through `replace_const`.
+
+    A fused Softmax (codegen/lower/fused.py) hands the reduction lowering its
+    prologue through `reduce_x_source` (static shapes) or `reduce_x_rows` (a
+    kernel for any shape): see codegen/reduce.py.
     """
 
     def __init__(self, node: Node, in_types: list[TensorType | None],
                  out_types: list[TensorType], consts: list[np.ndarray | None]) -> None:
         self.node = node
+        self.opdef: OpDef | None = None       # set by the compiler
         self.in_types = in_types
         self.out_types = out_types
         self.consts = consts
@@ -92,6 +98,9 @@ class LowerCtx:
         self.notes: dict[str, Any] = {}
         self.tiling: Tiling | None = None     # set by the compiler for tiling op families
         self.const_reads: set[int] = set()
+        # the x of a fused Softmax's reduction, computed by its prologue
+        self.reduce_x_source: Callable[..., Any] | None = None
+        self.reduce_x_rows: Callable[..., Any] | None = None
 
     # -- the ABI function --------------------------------------------------
     def begin(self) -> tuple[ir.Function, ir.IRBuilder]:

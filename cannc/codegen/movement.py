@@ -611,6 +611,10 @@ def affine_runs(table: Sequence[int]) -> list[tuple[int, int, int, int]]:
     return runs
 
 
+# body(b, row_digits, row, col0, ncols): emits one row's columns [col0, col0 + ncols)
+RowBody = Callable[[ir.IRBuilder, list[ir.Value], ir.Value, ir.Value, ir.Value], None]
+
+
 def emit_rows(ctx: Any, b: ir.IRBuilder, outer: Sequence[int], inner: int, body: RowBody,
               start: int = 0, target: int | None = None, itemsize: int = 4) -> int:
     """Walk an output seen as rows (`outer` dims, flattened) of `inner` elements, in the

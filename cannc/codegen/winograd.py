@@ -12,7 +12,7 @@ A kernel tile is ``(image, block of PT Winograd tiles of that image, block of CH
 output channels)`` (channel block fastest, image slowest). The plan is made for ONE
 image (``plan_winograd`` ignores N but for ``num_tiles``): a batch of N runs N times
 one image's ``PB*MB`` tiles with the same code (the tile index carries the image, at
-a fixed stride), so the kernel serves every batch size (ir/ops/conv.py conv_tiling).
+a fixed stride), so the kernel serves every batch size (codegen/lower/conv.py conv_tiling).
 Per reduction block of ``CB`` input channels it
 
 1. transforms the input, 16 Winograd tiles per vector, into ``V[xi][ci][q]`` in
@@ -585,7 +585,7 @@ def choose(geom: ConvGeom, mode: str = "auto", cores: int = 2) -> WinoPlan | Non
     """The Winograd plan to use for ``geom`` (constant weights), or None for the implicit
     GEMM. ``mode``: 'off', 'force' (every eligible shape) or 'auto' (the cost model).
     Decided on ONE image (its plan, its direct-conv time), so every batch size takes the
-    same path and the same code (ir/ops/conv.py conv_tiling)."""
+    same path and the same code (codegen/lower/conv.py conv_tiling)."""
     if mode == "off" or not eligible(geom):
         return None
     plan = plan_winograd(geom, cores=cores)

@@ -91,7 +91,7 @@ class _Lowering:
             raise CompileError(f"no native lowering of {n.op_type} (node '{n.name}')")
         tiling = lowering.tiling(n, in_types, out_types) if lowering.tiling is not None else None
         key = node_key(n, in_types, out_types, consts, tiling.key if tiling else None, self.salt,
-                       op.tiling_attrs or tuple(op.extra.get("tiling_attrs", ())))
+                       op.tiling_attrs)
         entry = self._lookup(key, consts)
         if entry is None:
             with _counts_lock:
@@ -128,10 +128,7 @@ class _Lowering:
                       dims=tuple(int(d) for d in tiling.dims) if tiling else (),
                       shape_polymorphic=tiling is not None,
                       # maps read and write element i together: an output may overwrite an input
-                      inplace=op.inplace or (op.category in (Category.ELEMENTWISE,
-                                                              Category.BROADCAST)
-                                             # TRANSITIONAL: until the fields are typed
-                                             and (op.name == "FusedMap" or "expr" in op.extra)))
+                      inplace=op.inplace)
 
     def _lookup(self, key: str, consts: list[np.ndarray | None]) -> MemoEntry | None:
         e = self.memo.get(key)
@@ -150,7 +147,7 @@ class _Lowering:
     def _lower(self, n: Node, op: OpDef, lowering: Lowering, in_types: list, out_types: list,
                consts: list[np.ndarray | None], tiling: Tiling | None, key: str) -> MemoEntry:
         ctx = LowerCtx(n, in_types, out_types, consts)
-        ctx.opdef = op  # type: ignore[attr-defined]
+        ctx.opdef = op
         ctx.tiling = tiling
         try:
             lowering.lower(ctx)

@@ -15,11 +15,13 @@ This module imports nothing from codegen, runtime, passes or the compiler.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
+
+from .expr import ExprFn  # an elementwise op's scalar semantics, over codegen's builder
 
 if TYPE_CHECKING:
     from .graph import Node
@@ -41,10 +43,6 @@ MAP_CATEGORIES = (Category.ELEMENTWISE, Category.BROADCAST)
 
 CheckFn = Callable[["Node", list["TensorType"], list["TensorType"]], "str | None"]
 FlopsFn = Callable[["Node", list["TensorType"], list["TensorType"]], int]
-# An elementwise op's scalar semantics: expr(E, node_view, operands) -> results, written
-# against the expression-builder protocol that codegen implements (ir/expr.py); operands
-# sit at their input positions (None for absent optional inputs).
-ExprFn = Callable[[Any, Any, Sequence[Any]], Sequence[Any]]
 # Type/shape inference where ONNX has none: (node, input types) -> output types.
 InferFn = Callable[["Node", list["TensorType | None"]], list["TensorType"]]
 # Shape ops: outputs computed from input *types* alone, once shapes are known.
@@ -94,24 +92,12 @@ class OpDef:
     deterministic: bool = True                # False: never constant-folded (random ops)
     epilogue: Fusion | None = None            # contraction taking an elementwise epilogue
     prologue: Fusion | None = None            # row op computing its producers inside it
-    fused_from: tuple[str, ...] = ()          # cannc-domain ops: what they fuse (docs)
-    # -- TRANSITIONAL (issue 10): removed once every family has moved its lowering to
-    # codegen/lower and its hooks to the typed fields above ------------------------------
-    lower: Callable[[Any], None] | None = None
-    tiling: Callable[..., Any] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def unsupported_reason(self, node: "Node", ins: list["TensorType"],
-                           outs: list["TensorType"]) -> str | None:
-        """TRANSITIONAL: the old support check (schema + "has a lowering")."""
-        if self.lower is None and self.needs_kernel:
-            return "no native lowering yet"
-        return self.schema_reason(node, ins, outs)
 
     def schema_reason(self, node: "Node", ins: list["TensorType"],
                       outs: list["TensorType"]) -> str | None:
-        """Why this op's definition rejects the node (dtypes, opset, attributes), or None.
-        Whether a native lowering exists is codegen's to say (`codegen.lower.lowering_for`)."""
+        """Why this op's definition rejects the node (dtypes, attributes), or None. The
+        opset is checked by the caller; whether a native lowering exists is codegen's to
+        say (`cannc.codegen.lower.lowering_for`)."""
         if self.dtypes is not None:
             for t in ins + outs:
                 if t is not None and np.dtype(t.dtype).name not in self.dtypes:
@@ -151,24 +137,3 @@ def registered(op_type: str, domain: str = "") -> OpDef | None:
 def registered_ops() -> list[OpDef]:
     return sorted(_REGISTRY.values(), key=lambda o: (o.domain, o.name))
 
-
-def defop(name: str, category: Category, **kw: Any) -> Callable[[Any], Any]:
-    """TRANSITIONAL decorator form over a lowering."""
-
-    def deco(fn: Any) -> Any:
-        register(OpDef(name=name, category=category, lower=fn, **kw))
-        return fn
-
-    return deco
-
-
-def lookup(op_type: str, domain: str = "") -> OpDef | None:
-    """TRANSITIONAL: use cannc.ir.ops.lookup."""
-    from . import ops
-    return ops.lookup(op_type, domain)
-
-
-def all_ops() -> list[OpDef]:
-    """TRANSITIONAL: use cannc.ir.ops.all_ops."""
-    from . import ops
-    return ops.all_ops()

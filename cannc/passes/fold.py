@@ -68,7 +68,7 @@ def infer_node(graph: Graph, n: Node) -> list[TensorType]:
     """Concrete output types of node n from its (concrete) input types and constants.
     ONNX's own inference first; an op may supply `infer` where ONNX has none."""
     op = lookup(n.op_type, n.domain)
-    own = (op.infer or op.extra.get("infer")) if op is not None else None  # TRANSITIONAL
+    own = op.infer if op is not None else None
     if own is not None:
         try:
             return _onnx_infer(graph, n)
@@ -125,7 +125,7 @@ def shape_fold(op: OpDef | None) -> FoldFn | None:
     """The op's fold from input types (SHAPE ops), or None."""
     if op is None or op.category != Category.SHAPE:
         return None
-    return op.fold or op.extra.get("fold")  # TRANSITIONAL
+    return op.fold
 
 
 def foldable_op(op: OpDef | None) -> bool:

@@ -346,7 +346,7 @@ def test_conv_epilogue_offsets(tuning):
                               pb=(0, 1, 1), bias=True)
     plan = conv_codegen.plan_conv(g, tuning=tuning)
     wp = conv_codegen.pack_weights(g, plan, w.reshape(40, 12, 1, 3, 3))
-    got = _run_kernel(lambda mod, name: conv_native.emit_conv(mod, name, g, plan,
+    got = _run_kernel(lambda mod, name: conv_codegen.emit_conv(mod, name, g, plan,
                                                                epilogue=_index_epilogue),
                       plan.num_tiles, plan.ws_bytes, [x, wp, bias], ref.shape)
     want = ref + np.arange(ref.size, dtype=np.float32).reshape(ref.shape)
@@ -363,7 +363,7 @@ def test_window_and_convtranspose_epilogue_offsets():
     spec = pool_codegen.WindowSpec(kind="max", N=2, C=3, M=3, isz=(1, 9, 11), osz=(1, 4, 5),
                                    k=(1, 3, 3), s=(1, 2, 2))
     plan = pool_codegen.plan_window(spec)
-    got = _run_kernel(lambda mod, name: pool_native.emit_window(mod, name, spec, plan,
+    got = _run_kernel(lambda mod, name: pool_codegen.emit_window(mod, name, spec, plan,
                                                                  epilogue=_index_epilogue),
                       plan.num_tiles, 0, [x], ref.shape)
     np.testing.assert_allclose(got, ref + np.arange(ref.size).reshape(ref.shape), rtol=1e-5)
@@ -375,7 +375,7 @@ def test_window_and_convtranspose_epilogue_offsets():
                                 s=(1, 2, 2), d=(1, 1, 1), pb=(0, 0, 0), bias=True)
     tplan = conv_codegen.plan_convtranspose(tg)
     wp = conv_codegen.pack_convtranspose_weights(tg, tplan, w)
-    got = _run_kernel(lambda mod, name: conv_native.emit_convtranspose(mod, name, tg, tplan,
+    got = _run_kernel(lambda mod, name: conv_codegen.emit_convtranspose(mod, name, tg, tplan,
                                                                         epilogue=_index_epilogue),
                       tplan.num_tiles, tplan.ws_bytes, [x, wp, bias], ref.shape)
     np.testing.assert_allclose(got, ref + np.arange(ref.size).reshape(ref.shape), rtol=1e-4,

@@ -13,7 +13,7 @@ import cannc
 from cannc.codegen.gemm import GEMM_DIMS
 from cannc.compiler import codegen_counts
 from cannc.ir.graph import Node
-from cannc.ir.ops.contraction import gemm_tiling
+from cannc.codegen.lower.contraction import gemm_tiling
 from cannc.ir.types import TensorType
 
 R = np.random.default_rng(11)

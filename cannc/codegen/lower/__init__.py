@@ -19,14 +19,17 @@ from . import elementwise  # noqa: F401
 from . import reduce  # noqa: F401
 from . import misc  # noqa: F401
 from . import rnn  # noqa: F401
+from . import movement  # noqa: F401
+from . import contraction  # noqa: F401
+from . import conv  # noqa: F401
+from . import fused  # noqa: F401
+from . import attention  # noqa: F401
+from . import quant  # noqa: F401
 
 
 def lowering_for(op: OpDef) -> Lowering | None:
     """The native lowering of `op`, or None where cannc has none."""
-    found = registered_lowering(op)
-    if found is None and op.lower is not None:      # TRANSITIONAL: a family not yet moved
-        found = Lowering(op.lower, op.tiling)
-    return found
+    return registered_lowering(op)
 
 
 __all__ = ["Lowering", "lowering_for", "register_lowering"]

@@ -1,0 +1,408 @@
+"""Lowerings of MatMul and Gemm (cannc/ir/ops/contraction.py): the packed GEMM generator.
+
+float32 MatMul/Gemm go onto codegen/gemm.py; constant B is packed once at compile time.
+Other dtypes (float16, bfloat16, float64, int32/64, uint32/64), empty operands
+and the integer contractions (MatMulInteger, QLinearMatMul in lower/quant.py)
+use `emit_matmul_nest`: a loop nest vectorised along N (one output row per
+tile, accumulators in registers), computing in an accumulator dtype (float32
+for the 16-bit floats, like onnxruntime's and NumPy's half dot products).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import llvmlite.ir as ir
+import numpy as np
+
+from ...artifact import Tiling
+from ...ir.graph import Node
+from ...ir.ops.contraction import _matmul_dims
+from ...ir.ops.contraction import _matmul_spec as _matmul_shape
+from ...ir.types import TensorType
+from ...native import emit
+from ...native.emit import for_range, i64
+from ...schedule.costmodel import gemm_notes
+from ...schedule.tuning import gemm_signature, gemm_tuning
+from ..elementwise import bf16_bits_to_f32, f32_to_bf16_bits, is_bf16
+from ..gemm import (GEMM_DIMS, GemmSpec, dynamic_able, dynamic_spec, emit_gemm, gemm_dims,
+                    gemm_num_tiles, gemm_plan, gemm_workspace_bytes, prepack_b)
+from ..kernel import ConstRef, LowerCtx
+from .base import register_lowering
+
+
+def _matmul_spec(a: TensorType, b: TensorType) -> tuple[GemmSpec | None, str | None]:
+    """The GemmSpec of `a @ b` (ir's MatmulShape), or None and the reason."""
+    shape, why = _matmul_shape(a, b)
+    if shape is None:
+        return None, why
+    return GemmSpec(**dataclasses.asdict(shape)), None
+
+
+# ---------------------------------------------------------------------------
+# the loop nest (any dtype)
+# ---------------------------------------------------------------------------
+
+def acc_dtype(dt: np.dtype) -> np.dtype:
+    """The dtype a contraction over `dt` accumulates in."""
+    dt = np.dtype(dt)
+    if dt.name in ("float16", "bfloat16", "float32"):
+        return np.dtype(np.float32)
+    return dt
+
+
+def load_as(b: ir.IRBuilder, ptr: ir.Value, off: ir.Value, dt: np.dtype, acc: np.dtype,
+            lanes: int) -> ir.Value:
+    """Element(s) ptr[off : off+lanes] of dtype dt converted to the accumulator dtype."""
+    dt, acc = np.dtype(dt), np.dtype(acc)
+    et = emit.llvm_type(dt)
+    ty = ir.VectorType(et, lanes) if lanes > 1 else et
+    v = b.load(emit.gep(b, ptr, off, et), typ=ty)
+    v.align = dt.itemsize
+    at = emit.llvm_type(acc)
+    aty = ir.VectorType(at, lanes) if lanes > 1 else at
+    if dt == acc:
+        return v
+    if is_bf16(dt):
+        v = bf16_bits_to_f32(b, v)
+        return v if acc == np.float32 else b.fpext(v, aty)
+    if emit.is_float(dt) and emit.is_float(acc):
+        return b.fpext(v, aty) if dt.itemsize < acc.itemsize else b.fptrunc(v, aty)
+    if emit.is_float(acc):
+        return b.sitofp(v, aty) if emit.is_signed(dt) else b.uitofp(v, aty)
+    if dt.itemsize < acc.itemsize:
+        return b.sext(v, aty) if emit.is_signed(dt) else b.zext(v, aty)
+    return v
+
+
+def store_from(b: ir.IRBuilder, v: ir.Value, ptr: ir.Value, off: ir.Value, dt: np.dtype,
+               acc: np.dtype) -> None:
+    """Store accumulator value(s) v as dtype dt (floats round to nearest)."""
+    dt, acc = np.dtype(dt), np.dtype(acc)
+    lanes = v.type.count if isinstance(v.type, ir.VectorType) else 1
+    et = emit.llvm_type(dt)
+    ty = ir.VectorType(et, lanes) if lanes > 1 else et
+    if is_bf16(dt):
+        if acc != np.float32:
+            v = b.fptrunc(v, ir.VectorType(emit.F32, lanes) if lanes > 1 else emit.F32)
+        v = f32_to_bf16_bits(b, v)
+    elif dt != acc:
+        if emit.is_float(dt):
+            v = b.fptrunc(v, ty) if dt.itemsize < acc.itemsize else b.fpext(v, ty)
+        else:
+            v = b.trunc(v, ty)
+    st = b.store(v, emit.gep(b, ptr, off, et))
+    st.align = dt.itemsize
+
+
+def _bstrides(shape: tuple[int, ...], batch: tuple[int, ...], mat: int) -> list[int]:
+    """Element strides of an operand's batch dims (0 where broadcast), matrices of `mat`."""
+    st, acc = [0] * len(batch), mat
+    for d in range(len(batch) - 1, -1, -1):
+        st[d] = 0 if shape[d] == 1 else acc
+        acc *= shape[d]
+    return st
+
+
+def emit_matmul_nest(ctx: LowerCtx, a_shape: tuple[int, ...], b_shape: tuple[int, ...],
+                     acc: np.dtype, load_a: Any, load_b: Any, store: Any,
+                     prologue: Any = None) -> None:
+    """C[batch, M, N] = sum_k A[batch, M, k] * B[batch, k, N] (numpy matmul broadcasting,
+    1-D operands promoted) as a loop nest: a tile is one row of C, vectorised along N.
+
+    prologue(b) -> P (anything, e.g. pointers); load_a(b, P, off) -> scalar in `acc` (off:
+    element offset in A); load_b(b, P, off, n, lanes) -> `lanes` values in `acc` from
+    B[off : off+lanes] (n: the first column); store(b, P, value, c_off, n) with value the
+    accumulators of columns [n, n+lanes)."""
+    batch, M, K, N, ab, bb = _matmul_dims(tuple(a_shape), tuple(b_shape))
+    nb = int(np.prod(batch)) if batch else 1
+    acc = np.dtype(acc)
+    at = emit.llvm_type(acc)
+    lanes = max(1, 64 // acc.itemsize)
+    flt = emit.is_float(acc)
+    a_st = _bstrides(ab, batch, M * K)
+    b_st = _bstrides(bb, batch, K * N)
+    rows = nb * M
+    ctx.num_tiles = max(1, rows)
+    ctx.single_core = rows * N * max(K, 1) < 32768
+    ctx.flops = 2 * rows * N * K
+    fn, b = ctx.begin()
+    P = prologue(b) if prologue is not None else None
+    if rows == 0 or N == 0:
+        b.ret_void()
+        return
+    # accumulators live in allocas (promoted to registers by LLVM)
+    accs = {1: b.alloca(at, name="acc1")}
+    if lanes > 1:
+        accs[lanes] = b.alloca(ir.VectorType(at, lanes), name=f"acc{lanes}")
+
+    def madd(x: ir.Value, y: ir.Value, z: ir.Value) -> ir.Value:
+        if flt:
+            return emit.intrinsic(b, "llvm.fma", [x, y, z])
+        return b.add(b.mul(x, y), z)
+
+    with for_range(b, ctx.tile_begin, ctx.tile_end, name="row") as t:
+        bi = b.udiv(t, i64(M)) if M > 1 else t
+        m = b.urem(t, i64(M)) if M > 1 else i64(0)
+        a_off, b_off = b.mul(m, i64(K)), i64(0)
+        rem = bi
+        for d in range(len(batch) - 1, -1, -1):
+            idx = b.urem(rem, i64(batch[d])) if d > 0 else rem
+            rem = b.udiv(rem, i64(batch[d])) if d > 0 else rem
+            if a_st[d]:
+                a_off = b.add(a_off, b.mul(idx, i64(a_st[d])))
+            if b_st[d]:
+                b_off = b.add(b_off, b.mul(idx, i64(b_st[d])))
+        c_off = b.mul(t, i64(N))
+
+        def cols(n: ir.Value, w: int) -> None:
+            ty = ir.VectorType(at, w) if w > 1 else at
+            b.store(emit.const_like(0, ty), accs[w])
+            if K:
+                with for_range(b, 0, K, name="k") as k:
+                    av = load_a(b, P, b.add(a_off, k))
+                    if w > 1:
+                        av = emit.splat(b, av, w)
+                    bv = load_b(b, P, b.add(b_off, b.add(b.mul(k, i64(N)), n)), n, w)
+                    b.store(madd(av, bv, b.load(accs[w], typ=ty)), accs[w])
+            store(b, P, b.load(accs[w], typ=ty), b.add(c_off, n), n)
+
+        nv = N - N % lanes if lanes > 1 else 0
+        if nv:
+            with for_range(b, 0, nv, step=lanes, name="nv") as n:
+                cols(n, lanes)
+        if nv < N:
+            with for_range(b, nv, N, name="ns") as n:
+                cols(n, 1)
+    b.ret_void()
+
+
+def _lower_matmul_nest(ctx: LowerCtx) -> None:
+    a_t, b_t = ctx.in_types[0], ctx.in_types[1]
+    dt = np.dtype(ctx.out_types[0].dtype)
+    acc = acc_dtype(dt)
+
+    def prologue(b: ir.IRBuilder) -> tuple:
+        return ctx.in_ptr(b, 0), ctx.in_ptr(b, 1), ctx.out_ptr(b, 0)
+
+    def load_a(b: ir.IRBuilder, P: tuple, off: ir.Value) -> ir.Value:
+        return load_as(b, P[0], off, a_t.dtype, acc, 1)
+
+    def load_b(b: ir.IRBuilder, P: tuple, off: ir.Value, n: ir.Value, w: int) -> ir.Value:
+        return load_as(b, P[1], off, b_t.dtype, acc, w)
+
+    def store(b: ir.IRBuilder, P: tuple, v: ir.Value, off: ir.Value, n: ir.Value) -> None:
+        store_from(b, v, P[2], off, dt, acc)
+
+    emit_matmul_nest(ctx, tuple(int(d) for d in a_t.shape), tuple(int(d) for d in b_t.shape),
+                     acc, load_a, load_b, store, prologue)
+    ctx.notes["matmul"] = "loop nest"
+
+
+def _use_gemm(ctx: LowerCtx) -> bool:
+    ins = ctx.in_types
+    if np.dtype(ins[0].dtype) != np.float32 or np.dtype(ins[1].dtype) != np.float32:
+        return False
+    if any(int(d) == 0 for t in ins for d in t.shape):
+        return False
+    return _matmul_spec(ins[0], ins[1])[0] is not None
+
+
+def _lower_matmul(ctx: LowerCtx) -> None:
+    if ctx.tiling is not None:
+        return _lower_dynamic(ctx)
+    if not _use_gemm(ctx):
+        return _lower_matmul_nest(ctx)
+    spec = plan_contraction(ctx)
+    tun = gemm_tuning(spec)  # measured by `cannc tune` (None: the modelled default plan)
+    emit_gemm(ctx.module, ctx.symbol, spec, tuning=tun)
+    finish_contraction(ctx, spec, tuning=tun)
+
+
+def plan_contraction(ctx: LowerCtx, node: Node | None = None) -> GemmSpec:
+    """The GemmSpec of a MatMul/Gemm node (ctx.node by default; its inputs are ctx's first
+    inputs); packs a constant B through ctx.replace_const and drops an unread Gemm C."""
+    n = node or ctx.node
+    if n.op_type == "MatMul":
+        spec, why = _matmul_spec(ctx.in_types[0], ctx.in_types[1])
+        assert spec is not None, why
+    else:
+        present_c = len(n.inputs) > 2 and bool(n.inputs[2])
+        spec = _gemm_spec(ctx, n, ctx.in_types[:2] + ([ctx.in_types[2]] if present_c else []))
+        if len(n.inputs) > 2 and not spec.bias:
+            ctx.drop_input(2)  # absent, or beta == 0: C is not read
+    b = ctx.const(1)
+    if b is not None:
+        spec = _with(spec, b_prepacked=True)
+        ctx.replace_const(1, _prepack_const_b, spec, n.op_type == "MatMul", ConstRef(1))
+    return spec
+
+
+def _prepack_const_b(spec: GemmSpec, matmul: bool, b: np.ndarray) -> np.ndarray:
+    if matmul:
+        nb = spec.batch if spec.b_batch_stride else 1
+        b = b.reshape(nb, spec.K, spec.N) if spec.b_batch_stride else b.reshape(spec.K, spec.N)
+    return prepack_b(spec, b)
+
+
+def finish_contraction(ctx: LowerCtx, spec: GemmSpec, extra_ws: int = 0,
+                       tuning: dict | None = None, epilogue: bool = False) -> None:
+    ctx.num_tiles = gemm_num_tiles(spec, tuning)
+    ctx.workspace_bytes = gemm_workspace_bytes(spec, tuning) + extra_ws
+    ctx.flops = 2 * spec.batch * spec.M * spec.N * spec.K
+    ctx.notes["gemm"] = _describe(spec)
+    ctx.notes.update(gemm_notes(spec, tuning, epilogue))  # notes['plan'], notes['tiling']
+
+
+def _with(spec: GemmSpec, **kw: Any) -> GemmSpec:
+    return dataclasses.replace(spec, **kw)
+
+
+def _describe(spec: GemmSpec) -> str:
+    s = f"{spec.M}x{spec.N}x{spec.K}"
+    if spec.batch > 1:
+        s = f"{spec.batch}x[{s}]"
+    return s + (" B-prepacked" if spec.b_prepacked else "")
+
+
+# ---------------------------------------------------------------------------
+# shape-polymorphic GEMMs: M (and the batch count) at run time
+# ---------------------------------------------------------------------------
+
+def dynamic_gemm(n: Node, ins: list[TensorType | None]
+                 ) -> tuple[GemmSpec, int, int, int | None, GemmSpec] | None:
+    """The kernel of a float32 MatMul/Gemm node for any M (rows: batch x sequence of a
+    [.., M, K] x [K, N] MatMul, whose batch folds into M) and any batch count (a batched
+    MatMul): (canonical GemmSpec without prepacking, M, batch, batch items of B when B is
+    batched, the static GemmSpec of these shapes), or None where the shapes are emitted
+    statically (other dtypes, A transposed, empty operands)."""
+    if ins[0] is None or ins[1] is None:
+        return None
+    if any(np.dtype(t.dtype) != np.float32 for t in ins if t is not None):
+        return None
+    if any(not t.is_static or any(int(d) == 0 for d in t.shape) for t in ins if t is not None):
+        return None
+    if n.op_type == "Gemm":
+        present_c = len(n.inputs) > 2 and bool(n.inputs[2])
+        spec = _gemm_spec(None, n, ins[:2] + ([ins[2]] if present_c else []))
+        if dynamic_able(spec):
+            return None
+        return dynamic_spec(spec), spec.M, 1, None, spec
+    a, b = (tuple(int(d) for d in t.shape) for t in ins[:2])
+    batch, M, K, N, ab, bb = _matmul_dims(a, b)
+    nb = int(np.prod(batch)) if batch else 1
+    spec, _ = _matmul_spec(ins[0], ins[1])
+    if spec is None:
+        return None
+    if len(b) <= 2 or (nb > 1 and all(d == 1 for d in bb)):
+        # B has no batch: A's batch dims fold into M
+        return dynamic_spec(GemmSpec(M=nb * M, N=N, K=K)), nb * M, 1, None, spec
+    # batched; A is broadcast when it has no batch (at one item: when it is 2-D)
+    a_one = len(a) <= 2 or (nb > 1 and all(d == 1 for d in ab))
+    canon = dynamic_spec(GemmSpec(M=M, N=N, K=K, batch=2, a_batch_stride=0 if a_one else M * K,
+                                  b_batch_stride=K * N, c_batch_stride=M * N), batched=True)
+    return canon, M, nb, int(np.prod(bb)), spec
+
+
+def _tuned(spec: GemmSpec, epilogue: bool) -> bool:
+    """A `cannc tune` entry exists for these exact shapes (B prepacked or not: the tiling
+    function does not know whether B is a constant)."""
+    return any(gemm_tuning(_with(spec, b_prepacked=pre), epilogue) is not None
+               for pre in (True, False))
+
+
+def gemm_tiling(n: Node, ins: list[TensorType | None], outs: list[TensorType],
+                epilogue: bool = False) -> Tiling | None:
+    """The host tiling function of MatMul and Gemm (codegen/ABI.md "Runtime dimensions"):
+    the key is the canonical GEMM (N, K, layouts, bias pattern, alpha, beta), the dims
+    are GEMM_DIMS for these M and batch. Shapes that `cannc tune` measured get their
+    tuned static kernel (None)."""
+    d = dynamic_gemm(n, ins)
+    if d is None:
+        return None
+    canon, M, batch, _, full = d
+    if _tuned(full, epilogue):
+        return None
+    # B may be a constant (prepacked: no workspace) or not (packed per block): the
+    # workspace of the latter serves both, the dims serve both (gemm_dims); the grid
+    # is the one of a prepacked B when B is 2-D (a weight, most likely)
+    guess = _with(canon, b_prepacked=len(ins[1].shape) <= 2)
+    dims, tiles = gemm_dims(guess, M, batch)
+    ws = gemm_workspace_bytes(canon)
+    p = gemm_plan(guess)
+    notes = {"gemm": _describe(_with(canon, M=M, batch=batch, dyn=False)) + " dynamic",
+             "plan": {"kind": "gemm", "M": M, "N": canon.N, "K": canon.K, "batch": batch,
+                      "MR": p.MR, "NR": p.NR, "NV": p.NV, "KC": p.KC, "MC": p.MC,
+                      "NC": p.NC, **dict(zip(GEMM_DIMS[2:], dims[2:])),
+                      "b_mode": p.b_mode, "pack_a": p.pack_a, "pack_b": p.b_mode == "pack",
+                      "tiles": tiles, "workspace_bytes": ws, "tuning": None,
+                      "dynamic": True,
+                      # what `cannc tune` measures (B taken as a prepacked weight when 2-D)
+                      "signature": gemm_signature(
+                          _with(full, b_prepacked=len(ins[1].shape) <= 2), epilogue)}}
+    return Tiling(key=("gemm", canon), dims=dims, num_tiles=tiles,
+                  workspace_bytes=ws, flops=2 * batch * M * canon.N * canon.K, notes=notes)
+
+
+def plan_dynamic(ctx: LowerCtx, node: Node | None = None) -> GemmSpec:
+    """plan_contraction for a kernel of any M and batch count (ctx.tiling is set): the
+    canonical GemmSpec (prepacked when B is a constant: the packing depends on N and K
+    only, so the recipe serves every M); drops an unread Gemm C."""
+    n = node or ctx.node
+    ncon = len(n.inputs)
+    d = dynamic_gemm(n, ctx.in_types[:ncon])
+    assert d is not None
+    spec, _, _, b_items, _ = d
+    if n.op_type == "Gemm" and len(n.inputs) > 2 and not spec.bias:
+        ctx.drop_input(2)  # absent, or beta == 0: C is not read
+    if ctx.const(1) is not None:
+        spec = _with(spec, b_prepacked=True)
+        # the packing spec: B's own batch items (when batched), no M
+        pack = _with(spec, dyn=False, batch=b_items or 1, a_batch_stride=0,
+                     b_batch_stride=spec.b_batch_stride if b_items and b_items > 1 else 0)
+        ctx.replace_const(1, _prepack_const_b, pack, n.op_type == "MatMul", ConstRef(1))
+    return spec
+
+
+def dims_slot(ctx: LowerCtx) -> int:
+    """The argument slot of the first runtime dim (after the tensor pointers)."""
+    return len(ctx.node.inputs) - len(ctx.dropped) + len(ctx.node.outputs)
+
+
+def _lower_dynamic(ctx: LowerCtx) -> None:
+    spec = plan_dynamic(ctx)
+    emit_gemm(ctx.module, ctx.symbol, spec, dims_slot=dims_slot(ctx))
+    ctx.notes["gemm"] = _describe(spec) + " dynamic"
+
+
+def _gemm_spec(ctx_or_types: Any, n: Node, ins: list[TensorType]) -> GemmSpec:
+    ta, tb = bool(n.attrs.get("transA", 0)), bool(n.attrs.get("transB", 0))
+    a, b = ins[0].shape, ins[1].shape
+    M, K = (a[1], a[0]) if ta else (a[0], a[1])
+    N = b[0] if tb else b[1]
+    alpha = float(n.attrs.get("alpha", 1.0))
+    beta = float(n.attrs.get("beta", 1.0))
+    c = ins[2] if len(ins) > 2 else None
+    rs = cs = 0
+    has_bias = c is not None and beta != 0.0
+    if has_bias:
+        cshape = (1,) * (2 - len(c.shape)) + tuple(c.shape)
+        # a 2-D C of one row is a [M, N] C when M is 1 (the same kernel as at other M)
+        rs = 0 if cshape[0] == 1 and (M != 1 or len(c.shape) < 2) else cshape[1]
+        cs = 0 if cshape[1] == 1 else 1
+    return GemmSpec(M=M, N=N, K=K, trans_a=ta, trans_b=tb, alpha=alpha, beta=beta,
+                    bias=has_bias, bias_row_stride=rs, bias_col_stride=cs)
+
+
+def _lower_gemm(ctx: LowerCtx) -> None:
+    if ctx.tiling is not None:
+        return _lower_dynamic(ctx)
+    spec = plan_contraction(ctx)
+    tun = gemm_tuning(spec)  # measured by `cannc tune` (None: the modelled default plan)
+    emit_gemm(ctx.module, ctx.symbol, spec, tuning=tun)
+    finish_contraction(ctx, spec, tuning=tun)
+
+
+register_lowering("MatMul", tiling=gemm_tiling)(_lower_matmul)
+register_lowering("Gemm", tiling=gemm_tiling)(_lower_gemm)

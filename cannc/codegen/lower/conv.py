@@ -1,0 +1,396 @@
+"""Lowerings of Conv, ConvTranspose, MaxPool, AveragePool, LpPool (cannc/ir/ops/conv.py).
+
+Every op is normalised to three spatial dimensions (1-D and 2-D get size-1
+dims in front) and lowered to one of two native kernel families:
+
+* ``codegen/conv.py``: the implicit GEMM (im2col per tile into the workspace,
+  register-blocked 6x32 micro-kernel), for Conv and ConvTranspose; constant
+  weights are packed into micro-kernel panels at compile time, runtime weights
+  are packed per tile.
+* ``codegen/winograd.py``: Winograd F(2x2, 3x3) for 3x3 stride-1 convs with constant
+  weights where its cost model beats the implicit GEMM (``CANNC_WINOGRAD=0``: never).
+* ``codegen/pool.py``: sliding-window kernels vectorised along the output
+  width, for the pools and the depthwise convolution (group == C).
+
+Conv (and FusedConv), MaxPool, AveragePool and LpPool take the batch at run time
+(``conv_tiling`` / ``pool_tiling``, codegen/ABI.md "Runtime dimensions"): their kernels
+are planned for one image and a tile index carries the image, so a batch of N runs N
+times one image's tiles with the same code. That holds for the Winograd path too: it is
+chosen and planned on one image. ConvTranspose is emitted for its full shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace as dc_replace
+from typing import Any
+
+import llvmlite.ir as ir
+import numpy as np
+
+from ... import config
+from ...artifact import Tiling
+from ...ir.ops.conv import _auto_pad, _ints, _to3, window_pads
+from ...native.emit import i64
+from .. import winograd
+from ..conv import (VB, ConvGeom, ConvTGeom, Slots, abi_function, emit_conv,
+                    emit_convtranspose, pack_convtranspose_weights, pack_weights, plan_conv,
+                    plan_convtranspose, plan_workspace)
+from ..kernel import ConstRef, LowerCtx
+from ..pool import WindowSpec, avg_counts_1d, emit_window, plan_window
+from .base import register_lowering
+
+SINGLE_CORE_FLOPS = 100_000   # below this a kernel runs on core 0 only (no split, no wait)
+
+
+def _noop(ctx: LowerCtx) -> None:
+    fn = abi_function(ctx.module, ctx.symbol)
+    ir.IRBuilder(fn.append_basic_block("entry")).ret_void()
+    ctx.num_tiles = 1
+    ctx.single_core = True
+
+
+# ---------------------------------------------------------------------------
+# Conv
+# ---------------------------------------------------------------------------
+
+def _has_bias(ctx: LowerCtx) -> bool:
+    return len(ctx.node.inputs) > 2 and bool(ctx.node.inputs[2])
+
+
+def conv_geometry(ctx: LowerCtx) -> tuple[ConvGeom, bool]:
+    """(geometry, depthwise?) of a Conv node."""
+    return conv_geom_of(ctx.node, ctx.in_types, ctx.out_types)
+
+
+def conv_geom_of(node: Any, ins: list[Any], outs: list[Any]) -> tuple[ConvGeom, bool]:
+    """(geometry, depthwise?) of a Conv node with these input and output types."""
+    x_t, w_t, y_t = ins[0], ins[1], outs[0]
+    r = x_t.rank - 2
+    N, C = int(x_t.shape[0]), int(x_t.shape[1])
+    M = int(w_t.shape[0])
+    G = int(node.attrs.get("group", 1))
+    k = [int(v) for v in w_t.shape[2:]]
+    s = _ints(node.attrs.get("strides"), r, 1)
+    d = _ints(node.attrs.get("dilations"), r, 1)
+    in_sp = [int(v) for v in x_t.shape[2:]]
+    out_sp = [int(v) for v in y_t.shape[2:]]
+    pb, _ = window_pads(node, in_sp, k, s, d, out_sp)
+    geom = ConvGeom(N=N, C=C, M=M, G=G, isz=_to3(in_sp, 1), osz=_to3(out_sp, 1),
+                    k=_to3(k, 1), s=_to3(s, 1), d=_to3(d, 1), pb=_to3(pb, 0),
+                    bias=len(node.inputs) > 2 and bool(node.inputs[2]))
+    depthwise = G == C and G > 1 and M % G == 0
+    return geom, depthwise
+
+
+def _dw_spec(geom: ConvGeom) -> WindowSpec:
+    return WindowSpec(kind="dw", N=geom.N, C=geom.C, M=geom.M, isz=geom.isz, osz=geom.osz,
+                      k=geom.k, s=geom.s, d=geom.d, pb=geom.pb, bias=geom.bias)
+
+
+def _gemm_path(plan: Any) -> str:
+    return (("direct-gemm" if plan.direct else "im2col-gemm") + ("-swapped" if plan.swap else "")
+            + f" MR{plan.MR} KC{plan.KC}x{plan.nkb} P{plan.P}x{plan.PB} CH{plan.CH}x{plan.MB}")
+
+
+def _winograd_path(p: Any) -> str:
+    return f"winograd F({p.m},3) MR{p.MR} PT{p.PT}x{p.PB} CH{p.CH}x{p.MB} CB{p.CB}x{p.nkb}"
+
+
+def _static_types(ts: list[Any]) -> bool:
+    return all(t is not None and t.is_static and t.numel > 0 for t in ts)
+
+
+def conv_tiling(node: Any, ins: list[Any], outs: list[Any]) -> Tiling | None:
+    """The host tiling function of Conv (codegen/ABI.md "Runtime dimensions"): the batch
+    N is the runtime dimension. The tile grid is planned for ONE image (``plan_conv`` /
+    ``plan_window`` at N=1) and the kernel's tile ``t`` is tile ``t % T1`` of image
+    ``t // T1``, the per-image offsets being static strides; so the code depends on the
+    geometry without N and on that plan (the key), and a batch of N runs N*T1 tiles
+    (no runtime dims are read). The Winograd path is chosen and planned on one image
+    too; its key also holds the implicit-GEMM plan, which a Conv with runtime weights
+    (that the tiling function cannot tell apart) runs in the Winograd kernel's tile grid."""
+    if len(ins) < 2 or not _static_types([ins[0], ins[1], outs[0]]) or not 3 <= ins[0].rank <= 5:
+        return None
+    geom, depthwise = conv_geom_of(node, ins, outs)
+    one = dc_replace(geom, N=1)
+    notes: dict[str, Any] = {}
+    if depthwise:
+        spec = _dw_spec(one)
+        wplan = plan_window(spec)
+        key: tuple = ("conv", "dw", spec, wplan)
+        tiles, ws = wplan.num_tiles, 0
+        notes["path"] = f"depthwise R{wplan.R}xV{wplan.V}"
+    elif (wplan := winograd.choose(one, config.WINOGRAD)) is not None:
+        gplan = plan_conv(one, const_weights=True)
+        key = ("conv", "winograd", one, (wplan, gplan))
+        tiles = wplan.num_tiles
+        ws = max(wplan.ws_bytes, plan_workspace(gplan, const_weights=False).ws_bytes)
+        # the path note comes from the lowering (Winograd or, for runtime weights, not)
+        notes["gemm_flops"] = winograd.winograd_gemm_flops(geom, wplan)
+    else:
+        plan = plan_conv(one, const_weights=True)
+        key = ("conv", "gemm", one, plan)
+        # the tiling function does not know whether W is a constant (prepacked) or not
+        # (packed per tile into the workspace): the workspace of the latter serves both
+        tiles, ws = plan.num_tiles, plan_workspace(plan, const_weights=False).ws_bytes
+        notes["path"] = _gemm_path(plan)
+    return Tiling(key=key, dims=(), num_tiles=geom.N * tiles, workspace_bytes=ws,
+                  single_core=geom.flops < SINGLE_CORE_FLOPS, flops=geom.flops, notes=notes)
+
+
+def _lower_conv(ctx: LowerCtx, epilogue: Any = None, y_slot: int | None = None,
+                tkey: tuple | None = None) -> None:
+    """Lower a Conv; a fused kernel passes its epilogue (codegen.conv.Epilogue), the
+    argument slot of the output and the key of the conv's tiling (conv_tiling)."""
+    if tkey is None and ctx.tiling is not None:
+        tkey = ctx.tiling.key
+    if tkey is not None:
+        return _lower_conv_any_batch(ctx, tkey, epilogue, y_slot)
+    if ctx.out_types[0].numel == 0:
+        return _noop(ctx)
+    geom, depthwise = conv_geometry(ctx)
+    if y_slot is None:
+        y_slot = len(ctx.node.inputs)
+    slots = Slots(x=0, w=1, b=2 if geom.bias else -1, y=y_slot)
+    ctx.flops = geom.flops
+    ctx.single_core = geom.flops < SINGLE_CORE_FLOPS
+    if depthwise:
+        spec = _dw_spec(geom)
+        plan = plan_window(spec)
+        emit_window(ctx.module, ctx.symbol, spec, plan, slots, epilogue=epilogue)
+        ctx.num_tiles = plan.num_tiles
+        ctx.notes["path"] = f"depthwise R{plan.R}xV{plan.V}"
+        return
+    w = ctx.const(1)
+    wplan = winograd.choose(geom, config.WINOGRAD) if w is not None else None
+    if wplan is not None:
+        # flops stay the direct-conv count (comparable GFLOP/s); the GEMMs do fewer
+        ctx.replace_const(1, winograd.pack_winograd_weights, geom, wplan, ConstRef(1))
+        winograd.emit_winograd(ctx.module, ctx.symbol, geom, wplan, slots, epilogue=epilogue)
+        ctx.num_tiles = wplan.num_tiles
+        ctx.workspace_bytes = wplan.ws_bytes
+        ctx.notes["path"] = _winograd_path(wplan)
+        ctx.notes["gemm_flops"] = winograd.winograd_gemm_flops(geom, wplan)
+        return
+    plan = plan_conv(geom, const_weights=w is not None)
+    if w is not None:
+        ctx.replace_const(1, _pack_conv_weights, geom, plan, ConstRef(1), False)
+    emit_conv(ctx.module, ctx.symbol, geom, plan, slots, a_prepacked=w is not None,
+              epilogue=epilogue)
+    ctx.num_tiles = plan.num_tiles
+    ctx.workspace_bytes = plan.ws_bytes
+    ctx.notes["path"] = _gemm_path(plan)
+
+
+def _lower_conv_any_batch(ctx: LowerCtx, tkey: tuple, epilogue: Any, y_slot: int | None) -> None:
+    """The Conv kernel of conv_tiling's key: the geometry and plan of ONE image (the tile
+    index carries the image), so it serves every batch size."""
+    _, kind, geom, plan = tkey  # geom: a ConvGeom ('gemm', 'winograd') or WindowSpec ('dw'), N=1
+    one = dc_replace(conv_geometry(ctx)[0], N=1)
+    assert (_dw_spec(one) if kind == "dw" else one) == geom, (geom, one)
+    if y_slot is None:
+        y_slot = len(ctx.node.inputs)
+    slots = Slots(x=0, w=1, b=2 if geom.bias else -1, y=y_slot)
+    if kind == "dw":
+        emit_window(ctx.module, ctx.symbol, geom, plan, slots, epilogue=epilogue)
+        ctx.num_tiles = plan.num_tiles
+        ctx.notes["path"] = f"depthwise R{plan.R}xV{plan.V}"
+        return
+    const_w = ctx.is_const(1)
+    if kind == "winograd":
+        wplan, plan = plan
+        if const_w:
+            ctx.replace_const(1, winograd.pack_winograd_weights, geom, wplan, ConstRef(1))
+            winograd.emit_winograd(ctx.module, ctx.symbol, geom, wplan, slots, epilogue=epilogue)
+            ctx.num_tiles, ctx.workspace_bytes = wplan.num_tiles, wplan.ws_bytes
+            ctx.notes["path"] = _winograd_path(wplan)
+            return
+        # runtime weights (no Winograd transform): the implicit GEMM, in Winograd's grid
+        plan = plan_workspace(plan, const_weights=False)
+        inner = emit_conv(ctx.module, "conv_gemm", geom, plan, slots, a_prepacked=False,
+                          epilogue=epilogue)
+        _emit_regrid(ctx.module, ctx.symbol, inner, wplan.num_tiles, plan.num_tiles)
+        ctx.num_tiles, ctx.workspace_bytes = wplan.num_tiles, plan.ws_bytes
+        ctx.notes["path"] = _gemm_path(plan) + f" in {wplan.num_tiles} tiles/image"
+        return
+    if const_w:
+        ctx.replace_const(1, _pack_conv_weights, geom, plan, ConstRef(1), False)
+    else:
+        plan = plan_workspace(plan, const_weights=False)
+    emit_conv(ctx.module, ctx.symbol, geom, plan, slots, a_prepacked=const_w, epilogue=epilogue)
+    ctx.num_tiles = plan.num_tiles
+    ctx.workspace_bytes = plan.ws_bytes
+    ctx.notes["path"] = _gemm_path(plan)
+
+
+def _emit_regrid(module: Any, name: str, inner: Any, outer_tiles: int, inner_tiles: int) -> None:
+    """ABI kernel ``name`` of ``outer_tiles`` tiles per image that runs the kernel ``inner``
+    of ``inner_tiles`` tiles per image (both: tile t is a tile of image t // tiles): outer
+    tile j of an image runs its inner tiles [j*I/O, (j+1)*I/O)."""
+    fn = abi_function(module, name)
+    v = VB(module, fn)
+    b = v.b
+    args, tb, te, ws = fn.args
+    with v.loop(tb, te, 1, "t") as t:
+        img, j = v.divmod_c(t, outer_tiles)
+        base = b.mul(img, i64(inner_tiles))
+        lo = b.udiv(b.mul(j, i64(inner_tiles)), i64(outer_tiles))
+        hi = b.udiv(b.mul(b.add(j, i64(1)), i64(inner_tiles)), i64(outer_tiles))
+        b.call(inner, [args, b.add(base, lo), b.add(base, hi), ws])
+    b.ret_void()
+
+
+# ---------------------------------------------------------------------------
+# ConvTranspose: a stride-1 convolution over the virtually up-sampled input
+# ---------------------------------------------------------------------------
+
+def convtranspose_geometry(ctx: LowerCtx) -> ConvGeom:
+    x_t, w_t, y_t = ctx.in_types[0], ctx.in_types[1], ctx.out_types[0]
+    r = x_t.rank - 2
+    N, C = int(x_t.shape[0]), int(x_t.shape[1])
+    G = int(ctx.attr("group", 1))
+    Mg = int(w_t.shape[1])
+    k = [int(v) for v in w_t.shape[2:]]
+    s = _ints(ctx.attr("strides"), r, 1)
+    d = _ints(ctx.attr("dilations"), r, 1)
+    in_sp = [int(v) for v in x_t.shape[2:]]
+    out_sp = [int(v) for v in y_t.shape[2:]]
+    adj = _ints(ctx.attr("output_padding"), r, 0)
+    ap = _auto_pad(ctx.node)
+    has_out_shape = ctx.attr("output_shape") is not None
+    pads = _ints(ctx.attr("pads"), 2 * r, 0)
+    head = []
+    for i in range(r):
+        if has_out_shape or ap in ("SAME_UPPER", "SAME_LOWER"):
+            total = max(0, (in_sp[i] - 1) * s[i] + adj[i] + (k[i] - 1) * d[i] + 1 - out_sp[i])
+            # as onnxruntime: SAME_UPPER pads the head by total//2, the others by the rest
+            head.append(total // 2 if ap == "SAME_UPPER" else total - total // 2)
+        elif ap == "VALID":
+            head.append(0)
+        else:
+            head.append(pads[i])
+    pbc = [d[i] * (k[i] - 1) - head[i] for i in range(r)]
+    return ConvGeom(N=N, C=C, M=Mg * G, G=G, isz=_to3(in_sp, 1), osz=_to3(out_sp, 1),
+                    k=_to3(k, 1), s=(1, 1, 1), d=_to3(d, 1), pb=_to3(pbc, 0),
+                    u=_to3(s, 1), bias=_has_bias(ctx))
+
+
+def _pack_conv_weights(geom: Any, plan: Any, w: np.ndarray, transposed: bool) -> np.ndarray:
+    if transposed:
+        return pack_weights(geom, plan, w.reshape(geom.C, geom.Mg, *geom.k),
+                            transposed_layout=True)
+    return pack_weights(geom, plan, w.reshape(geom.M, geom.Cg, *geom.k))
+
+
+def _lower_convtranspose(ctx: LowerCtx) -> None:
+    if ctx.out_types[0].numel == 0:
+        return _noop(ctx)
+    geom = convtranspose_geometry(ctx)
+    slots = Slots(x=0, w=1, b=2 if geom.bias else -1, y=len(ctx.node.inputs))
+    w = ctx.const(1)
+    if w is not None:
+        # GEMM (W^T X) into the workspace + col2im: no work on inserted zeros
+        tg = ConvTGeom(N=geom.N, C=geom.C, M=geom.M, G=geom.G, isz=geom.isz, osz=geom.osz,
+                       k=geom.k, s=geom.u, d=geom.d,
+                       pb=tuple(geom.d[i] * (geom.k[i] - 1) - geom.pb[i] for i in range(3)),
+                       bias=geom.bias)
+        tplan = plan_convtranspose(tg)
+        ctx.replace_const(1, pack_convtranspose_weights, tg, tplan, ConstRef(1))
+        emit_convtranspose(ctx.module, ctx.symbol, tg, tplan, slots)
+        ctx.num_tiles = tplan.num_tiles
+        ctx.workspace_bytes = tplan.ws_bytes
+        ctx.flops = tg.flops
+        ctx.single_core = tg.flops < SINGLE_CORE_FLOPS
+        ctx.notes["path"] = f"gemm+col2im MR{tplan.MR} CH{tplan.CHB}x{tplan.MB} CB{tplan.CB}x{tplan.nkb}"
+        return
+    plan = plan_conv(geom, const_weights=False)
+    if w is not None:
+        ctx.replace_const(1, _pack_conv_weights, geom, plan, ConstRef(1), True)
+    emit_conv(ctx.module, ctx.symbol, geom, plan, slots, a_prepacked=w is not None,
+              transposed_layout=True)
+    ctx.num_tiles = plan.num_tiles
+    ctx.workspace_bytes = plan.ws_bytes
+    ctx.single_core = geom.flops < SINGLE_CORE_FLOPS
+    # useful work (the up-sampled formulation also multiplies the inserted zeros)
+    ctx.flops = 2 * geom.N * geom.C * int(np.prod(geom.isz)) * geom.Mg * geom.KK
+    ctx.notes["path"] = f"fractionally-strided implicit-gemm MR{plan.MR} KC{plan.KC}x{plan.nkb}"
+
+
+# ---------------------------------------------------------------------------
+# pools
+# ---------------------------------------------------------------------------
+
+def pool_geometry(ctx: LowerCtx) -> tuple[dict, list[int], list[int]]:
+    return pool_geom_of(ctx.node, ctx.in_types[0], ctx.out_types[0])
+
+
+def pool_geom_of(node: Any, x_t: Any, y_t: Any) -> tuple[dict, list[int], list[int]]:
+    r = x_t.rank - 2
+    k = [int(v) for v in node.attrs["kernel_shape"]]
+    s = _ints(node.attrs.get("strides"), r, 1)
+    d = _ints(node.attrs.get("dilations"), r, 1)
+    in_sp = [int(v) for v in x_t.shape[2:]]
+    out_sp = [int(v) for v in y_t.shape[2:]]
+    pb, pe = window_pads(node, in_sp, k, s, d, out_sp)
+    g = dict(N=int(x_t.shape[0]), C=int(x_t.shape[1]), M=int(x_t.shape[1]),
+             isz=_to3(in_sp, 1), osz=_to3(out_sp, 1), k=_to3(k, 1), s=_to3(s, 1),
+             d=_to3(d, 1), pb=_to3(pb, 0))
+    return g, pb, pe
+
+
+def pool_spec(node: Any, x_t: Any, y_t: Any) -> WindowSpec:
+    """The window kernel of a MaxPool / AveragePool / LpPool node with these types."""
+    op = node.op_type
+    g, pb, pe = pool_geom_of(node, x_t, y_t)
+    extra: dict = {}
+    if op == "MaxPool":
+        kind = "max"
+    elif op == "LpPool":
+        kind = "lp"
+        extra["p"] = int(node.attrs.get("p", 2))
+    else:
+        kind = "avg"
+        inc = bool(node.attrs.get("count_include_pad", 0))
+        pb3, pe3 = _to3(pb, 0), _to3(pe, 0)
+        per_axis = [avg_counts_1d(g["isz"][a], g["osz"][a], g["k"][a], g["s"][a], g["d"][a],
+                                  pb3[a], pe3[a], inc) for a in range(3)]
+        extra["count_rows"] = tuple(float(a * b) for a in per_axis[0] for b in per_axis[1])
+        extra["count_cols"] = tuple(float(c) for c in per_axis[2])
+    return WindowSpec(kind=kind, **g, **extra)
+
+
+def pool_tiling(node: Any, ins: list[Any], outs: list[Any]) -> Tiling | None:
+    """The host tiling function of the pools: as conv_tiling, the batch N is runtime; the
+    window kernel of ONE image (its spec and plan at N=1) is the key and a batch of N
+    runs N times its tiles (the tile index carries the image)."""
+    if not _static_types([ins[0], outs[0]]) or not 3 <= ins[0].rank <= 5:
+        return None
+    spec = pool_spec(node, ins[0], outs[0])
+    one = dc_replace(spec, N=1)
+    plan = plan_window(one)
+    work = outs[0].numel * spec.KK
+    return Tiling(key=("window", one, plan), dims=(), num_tiles=spec.N * plan.num_tiles,
+                  single_core=work < SINGLE_CORE_FLOPS // 4, flops=work,
+                  notes={"path": f"window {spec.kind} R{plan.R}xV{plan.V}"})
+
+
+def _lower_pool(ctx: LowerCtx) -> None:
+    if ctx.tiling is not None:      # pool_tiling: one image's spec and plan, any batch
+        _, spec, plan = ctx.tiling.key
+        assert dc_replace(pool_spec(ctx.node, ctx.in_types[0], ctx.out_types[0]), N=1) == spec
+    elif ctx.out_types[0].numel == 0:
+        return _noop(ctx)
+    else:
+        spec = pool_spec(ctx.node, ctx.in_types[0], ctx.out_types[0])
+        plan = plan_window(spec)
+    emit_window(ctx.module, ctx.symbol, spec, plan, Slots(x=0, w=-1, b=-1, y=len(ctx.node.inputs)))
+    ctx.num_tiles = plan.num_tiles
+    ctx.single_core = ctx.out_types[0].numel * spec.KK < SINGLE_CORE_FLOPS // 4
+    ctx.flops = ctx.out_types[0].numel * spec.KK
+    ctx.notes["path"] = f"window {spec.kind} R{plan.R}xV{plan.V}"
+
+
+register_lowering("Conv", tiling=conv_tiling)(_lower_conv)
+register_lowering("ConvTranspose")(_lower_convtranspose)
+for _name in ("MaxPool", "AveragePool", "LpPool"):
+    register_lowering(_name, tiling=pool_tiling)(_lower_pool)
