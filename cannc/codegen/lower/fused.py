@@ -23,8 +23,8 @@ from ...ir.ops.fused import DOMAIN
 from ...ir.registry import OpDef
 from ...ir.types import TensorType
 from ...native import emit
-from ...schedule.costmodel import attention_notes, attention_record, describe
-from ...schedule.tuning import gemm_tuning
+from ...schedule.costmodel import describe
+from ..plans import attention_notes, attention_record, gemm_tuning
 from ..attention import (RT_DIMS, attention_num_tiles, attention_plan, attention_tiling,
                          attention_workspace_bytes, emit_attention)
 from ..elementwise import TV, Expr, emit_map, map_tiling
