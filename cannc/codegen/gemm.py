@@ -67,6 +67,7 @@ import numpy as np
 from llvmlite import ir
 
 from ..native.emit import F32, I8, I64, PTR, i64
+from ..native.target import host
 from ..schedule.split import cdiv as _cdiv
 from ..schedule.split import gemm_groups as _groups
 from ..schedule.split import rup as _rup
@@ -229,8 +230,6 @@ def _nv_for(rows: int, N: int, b_mode: str, isa: str = "avx512") -> int:
 def host_isa() -> str:
     """The vector ISA the kernels are planned for: 'avx512' or 'avx2' (the host target's
     features, see native.target.host and CANNC_ISA)."""
-    from ..native.target import host
-
     return "avx512" if host().has("avx512f") else "avx2"
 
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import llvmlite.ir as ir
 import numpy as np
 
-from ..artifact import Kernel, Tiling  # noqa: F401  (lowerings return Tiling)
+from ..artifact import Tiling
 from ..ir.graph import Node
 from ..ir.registry import OpDef
 from ..ir.types import TensorType

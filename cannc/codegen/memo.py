@@ -40,6 +40,8 @@ from .. import config
 from ..ir.graph import Node
 from ..ir.types import TensorType
 from ..native.target import host, read_checksummed, write_checksummed
+from ..schedule import tuning
+from . import conv, winograd
 
 _MAGIC = b"CNCMEMO1\n"
 # attributes that name where a node came from and never change its code
@@ -252,8 +254,6 @@ def salt() -> str:
     """Everything global the generated code depends on: the host target, cannc's
     sources, the tuning cache in effect and the codegen switches (environment
     and the FORCE_TUNING overrides tests and experiments set)."""
-    from ..schedule import tuning
-    from . import conv, winograd
     switches = (f"wino={config.WINOGRAD}|conv={sorted(conv.FORCE_TUNING.items())!r}|"
                 f"wg={sorted(winograd.FORCE_TUNING.items())!r}")
     return f"{host().fingerprint}|{source_digest()}|{tuning.fingerprint()}|{switches}"

@@ -39,6 +39,8 @@ import numpy as np
 from ..native import emit
 from .elementwise import collapse
 from ..native.emit import I64, for_range, i64
+from ..artifact import Tiling
+from .kernel import LowerCtx
 
 UNIT_ELEMS = 16384        # elements per tile for big copies
 MIN_UNIT_ELEMS = 2048
@@ -149,7 +151,7 @@ def decode(b: ir.IRBuilder, u: ir.Value, radices: Sequence[int]) -> list[ir.Valu
 
 
 @contextmanager
-def unit_range(ctx: Any, b: ir.IRBuilder, start: int, units: int,
+def unit_range(ctx: LowerCtx, b: ir.IRBuilder, start: int, units: int,
                name: str = "u") -> Iterator[ir.Value]:
     """Loop over the kernel's tiles [start, start+units) that fall in this call's range;
     yields the unit index relative to start."""
@@ -427,7 +429,7 @@ class _Plan:
                 scalar_block(pcount, 0)
 
 
-def emit_pieces(ctx: Any, pieces: Sequence[Piece], itemsize: int,
+def emit_pieces(ctx: LowerCtx, pieces: Sequence[Piece], itemsize: int,
                 begin: tuple[ir.Function, ir.IRBuilder] | None = None) -> None:
     """The whole kernel: every piece, cut into units that are the kernel's tiles.
     With ``ctx.tiling`` (made by ``pieces_tiling`` from the same pieces) the extents,
@@ -482,8 +484,6 @@ def _stride_kind(x: int) -> int | str:
 def pieces_tiling(pieces: Sequence[Piece], itemsize: int) -> Any:
     """The host tiling of a list of copy pieces, or None (fills, block transposes,
     empty outputs: the static kernel)."""
-    from .kernel import Tiling
-
     live = [p for p in pieces if p.numel > 0]
     if not live or any(p.src is None for p in live):
         return None
@@ -505,7 +505,7 @@ def pieces_tiling(pieces: Sequence[Piece], itemsize: int) -> Any:
                   notes={"pieces": f"{len(live)} runtime"})
 
 
-def _emit_pieces_runtime(ctx: Any, pieces: Sequence[Piece], itemsize: int,
+def _emit_pieces_runtime(ctx: LowerCtx, pieces: Sequence[Piece], itemsize: int,
                          begin: tuple[ir.Function, ir.IRBuilder] | None) -> None:
     live = [p for p in pieces if p.numel > 0]
     fn, b = begin if begin is not None else ctx.begin()
@@ -615,7 +615,7 @@ def affine_runs(table: Sequence[int]) -> list[tuple[int, int, int, int]]:
 RowBody = Callable[[ir.IRBuilder, list[ir.Value], ir.Value, ir.Value, ir.Value], None]
 
 
-def emit_rows(ctx: Any, b: ir.IRBuilder, outer: Sequence[int], inner: int, body: RowBody,
+def emit_rows(ctx: LowerCtx, b: ir.IRBuilder, outer: Sequence[int], inner: int, body: RowBody,
               start: int = 0, target: int | None = None, itemsize: int = 4) -> int:
     """Walk an output seen as rows (`outer` dims, flattened) of `inner` elements, in the
     tiles of this call: units are groups of rows (or column chunks of long rows).
@@ -667,7 +667,7 @@ def table_load(b: ir.IRBuilder, g: ir.GlobalVariable, i: ir.Value, ty: ir.Type) 
     return b.load(b.gep(g, [i64(0), i], source_etype=g.value_type), typ=ty)
 
 
-def emit_table_rows(ctx: Any, in_shape: Sequence[int], tables: Sequence[np.ndarray],
+def emit_table_rows(ctx: LowerCtx, in_shape: Sequence[int], tables: Sequence[np.ndarray],
                     itemsize: int, fill: FillFn | None = None, src: int = 0, dst: int = 0) -> None:
     """The whole kernel for out[o] = in[t_0[o_0], ..., t_{r-1}[o_{r-1}]] (any t_d[o_d] < 0:
     the fill value), written row by row in output order: the outer dims' tables give the

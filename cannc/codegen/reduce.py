@@ -41,7 +41,9 @@ import numpy as np
 from ..native import emit
 from .elementwise import TV, Expr, bf16_bits_to_f32, f32_to_bf16_bits, is_bf16
 from ..native.emit import I1, I32, PTR, for_range, i64, llvm_type
-from .kernel import Tiling
+from ..artifact import Tiling
+from .kernel import LowerCtx
+from . import vmath
 
 BOOL = np.dtype(np.bool_)
 I32DT = np.dtype(np.int32)
@@ -522,7 +524,7 @@ RowValsFn = Callable[[Expr, ir.Value, "Engine"], list]
 class Engine:
     """Emits the whole kernel for a layout and a list of passes into a LowerCtx."""
 
-    def __init__(self, ctx: Any, layout: Layout, x_dtype: np.dtype, cdt: np.dtype,
+    def __init__(self, ctx: LowerCtx, layout: Layout, x_dtype: np.dtype, cdt: np.dtype,
                  x_slot: int = 0, lanes: int | None = None) -> None:
         self.ctx = ctx
         self.layout = layout
@@ -843,7 +845,7 @@ def vloop(b: ir.IRBuilder, n: int | ir.Value, lanes: int, nslots: int,
         body(i64(pos), k % nslots, const_mask(lanes, rem))
 
 
-def out_type(ctx: Any, j: int) -> Any:
+def out_type(ctx: LowerCtx, j: int) -> Any:
     """The TensorType of the node's output j (ctx.out_types skips absent outputs)."""
     k = sum(1 for v in ctx.node.outputs[:j] if v)
     return ctx.out_types[k]
@@ -944,8 +946,6 @@ def reduce_passes(kind: str, cdt: np.dtype, n: int | RtDim,
                   eng: Engine | None = None) -> list[Pass]:
     """The passes of Reduce<kind> over n elements (a runtime n: a dim of `eng`); the
     last pass's stat is the result."""
-    from . import vmath
-
     cdt = np.dtype(cdt)
     is_f = cdt.kind == "f"
 
@@ -1000,7 +1000,7 @@ def reduce_wide(kind: str, dtype: np.dtype, n: int, row: bool) -> bool:
     return False
 
 
-def emit_reduce(ctx: Any, kind: str, axes: Sequence[int]) -> None:
+def emit_reduce(ctx: LowerCtx, kind: str, axes: Sequence[int]) -> None:
     """Reduce<kind> of input 0 over axes into output 0 (its shape fixes keepdims).
     With a Tiling (see `poly_layout`), the extents are runtime dims."""
     xt = ctx.in_types[0]
@@ -1027,7 +1027,7 @@ def emit_reduce(ctx: Any, kind: str, axes: Sequence[int]) -> None:
     eng.emit(passes, finish, flops_per_elem=len(passes) * (10 if kind == "logsumexp" else 1))
 
 
-def emit_argreduce(ctx: Any, axis: int, want_max: bool, last: bool) -> None:
+def emit_argreduce(ctx: LowerCtx, axis: int, want_max: bool, last: bool) -> None:
     xt = ctx.in_types[0]
     xdt = np.dtype(xt.dtype)
     cdt = compute_dtype(xdt)
@@ -1049,10 +1049,8 @@ def emit_argreduce(ctx: Any, axis: int, want_max: bool, last: bool) -> None:
 # softmax family
 # ---------------------------------------------------------------------------
 
-def emit_softmax(ctx: Any, lay: Layout, kind: str) -> None:
+def emit_softmax(ctx: LowerCtx, lay: Layout, kind: str) -> None:
     """kind: 'softmax' | 'logsoftmax' | 'hardmax' over the reduced groups of lay."""
-    from . import vmath
-
     xt = ctx.in_types[0]
     xdt = np.dtype(xt.dtype)
     cdt = compute_dtype(xdt)
@@ -1123,7 +1121,7 @@ class Param:
     seg_div: int = 1
 
 
-def layer_norm(ctx: Any, rows: int, rlen: int, eps: float, scale: Param | None,
+def layer_norm(ctx: LowerCtx, rows: int, rlen: int, eps: float, scale: Param | None,
                bias: Param | None, mean_out: int | None = None, rstd_out: int | None = None,
                rms: bool = False, split: list[tuple[int, int]] | None = None) -> None:
     """Normalise contiguous rows: y = (x - mean) * rstd * scale + bias (rms: x * rstd * scale).
@@ -1202,7 +1200,7 @@ def layer_norm(ctx: Any, rows: int, rlen: int, eps: float, scale: Param | None,
     eng.emit(passes, finish, rowvals=rowvals if nrv else None, flops_per_elem=8)
 
 
-def emit_lp_norm(ctx: Any, axis: int, p: int) -> None:
+def emit_lp_norm(ctx: LowerCtx, axis: int, p: int) -> None:
     xt = ctx.in_types[0]
     xdt = np.dtype(xt.dtype)
     cdt = compute_dtype(xdt)
@@ -1233,7 +1231,7 @@ def emit_lp_norm(ctx: Any, axis: int, p: int) -> None:
     eng.emit([pn, map_pass(out)], flops_per_elem=4)
 
 
-def emit_mvn(ctx: Any, axes: Sequence[int], eps: float = 1e-9) -> None:
+def emit_mvn(ctx: LowerCtx, axes: Sequence[int], eps: float = 1e-9) -> None:
     """MeanVarianceNormalization: (x - mean) / (sqrt(var) + eps) over axes."""
     xt = ctx.in_types[0]
     xdt = np.dtype(xt.dtype)
@@ -1273,7 +1271,7 @@ def _shift_lanes(b: ir.IRBuilder, v: ir.Value, k: int, up: bool) -> ir.Value:
     return b.shuffle_vector(v, zero, ir.Constant(ir.VectorType(I32, n), idx))
 
 
-def emit_cumsum(ctx: Any, axis: int, exclusive: bool, reverse: bool) -> None:
+def emit_cumsum(ctx: LowerCtx, axis: int, exclusive: bool, reverse: bool) -> None:
     xt = ctx.in_types[0]
     shape = [int(d) for d in xt.shape]
     xdt = np.dtype(xt.dtype)

@@ -26,6 +26,10 @@ from typing import Any
 import numpy as np
 
 from .. import config
+import ctypes
+import llvmlite.ir as ir
+from ..native import emit
+from ..native.target import JitLibrary, default_cache, host, new_module
 
 PEAKS_VERSION = 2
 _peaks: dict[str, float] | None = None     # measured (or read) in this process
@@ -149,8 +153,6 @@ def cpu_model() -> CpuModel:
 
 @lru_cache(maxsize=4)
 def _cpu_model(peak: float | None, mem: float | None) -> CpuModel:
-    from ..native.target import host
-
     h = host()
     vbits = h.vector_bytes * 8
     lanes = vbits // 32
@@ -229,13 +231,6 @@ def measure_copy_bandwidth() -> float:
 def measure_fma_peak(iters: int = 2_000_000) -> float:
     """GFLOP/s of one core running independent <16 x float> FMA chains: the
     machine's fp32 peak as generated code can reach it (best of 5)."""
-    import ctypes
-
-    import llvmlite.ir as ir
-
-    from ..native import emit
-    from ..native.target import JitLibrary, default_cache, new_module
-
     m = new_module("fma_peak")
     vt = ir.VectorType(emit.F32, 16)
     fn = ir.Function(m, ir.FunctionType(emit.F32, [emit.I64]), name="cannc_fma_peak")

@@ -32,6 +32,8 @@ from typing import Any
 
 from .. import config
 from . import machine
+from .._version import __version__
+from ..native.target import host
 
 FORMAT = "cannc-tuning"
 FORMAT_VERSION = 1
@@ -56,16 +58,12 @@ __all__ = [
 def cpu_identity() -> dict[str, str]:
     """This CPU as the cache keys it: LLVM's host CPU name, /proc/cpuinfo's model name and a
     hash of the host target's features (what the generated code is compiled for)."""
-    from ..native.target import host
-
     h = host()
     feats = hashlib.sha256(f"{h.triple}|{h.features}".encode()).hexdigest()[:16]
     return {"llvm_cpu": h.cpu, "model": machine.model_name(), "features": feats}
 
 
 def _version() -> str:
-    from .._version import __version__
-
     return __version__
 
 
