@@ -74,7 +74,6 @@ import numpy as np
 from llvmlite import ir
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from cannc.ir.attnspec import AttnSpec
 from cannc.codegen.attention import (
     attention_num_tiles,
     attention_plan,
@@ -82,6 +81,7 @@ from cannc.codegen.attention import (
     attention_workspace_bytes,
     emit_attention,
 )
+from cannc.ir.attnspec import AttnSpec
 from cannc.native.target import jit_kernel
 from tests.helpers import aligned, run_concurrently, tile_ranges
 

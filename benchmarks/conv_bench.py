@@ -36,8 +36,8 @@ import numpy as np
 import onnxruntime as ort
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import cannc  # noqa: E402
-from tests.helpers import single_node_model  # noqa: E402
+import cannc
+from tests.helpers import single_node_model
 
 # name: (op, x shape (batch 1), w shape or None, attrs)
 SHAPES = {

@@ -68,6 +68,8 @@ if "gpt2" in which:
     export(GPT2(), (torch.randint(0, 50000, (1, 128)),), ["input_ids"],
            {"input_ids": {0: "batch", 1: "seq"}, "out": {0: "batch", 1: "seq"}}, f"{out}/gpt2.onnx")
 import torch.nn as nn
+
+
 class Block(nn.Module):
     def __init__(s, cin, cout, stride):
         super().__init__()

@@ -19,7 +19,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import cannc  # noqa: E402
+import cannc
 
 
 def main() -> None:

@@ -29,11 +29,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import onnx  # noqa: E402
+
 import cannc  # noqa: E402
 from cannc.cli import _ort_session, bench  # noqa: E402
 from models import zoo  # noqa: E402
 
-import onnx  # noqa: E402
 
 def gemm_figure(runs: int) -> dict:
     """GFLOP/s of a compiled 1024^3 MatMul with constant weights on one core, next to

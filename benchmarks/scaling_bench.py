@@ -17,9 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import cannc  # noqa: E402
-from cannc.cli import _ort_session, bench  # noqa: E402
-from models import zoo  # noqa: E402
+import cannc
+from cannc.cli import _ort_session, bench
+from models import zoo
 
 
 def cases():

@@ -6,14 +6,20 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ._version import __version__
 from .compiler.pipeline import DEFAULT_PIPELINE
 from .compiler.report import NodeSupport, SupportReport, support_report
 from .compiler.support import supported_ops
 from .errors import (
-    CacheError, CanncError, CompileError, InputError, ModelError, ShapeError,
+    CacheError,
+    CanncError,
+    CompileError,
+    InputError,
+    ModelError,
+    ShapeError,
     UnsupportedOpError,
 )
 from .session import NodeArg, Session, load

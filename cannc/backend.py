@@ -22,7 +22,8 @@ Two things the backend does that a plain `cannc.compile` does not:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -62,7 +63,7 @@ def _upgrade(model: onnx.ModelProto) -> onnx.ModelProto:
     try:
         from onnx import version_converter
         return version_converter.convert_version(model, MIN_FRONTEND_OPSET)
-    except Exception:  # noqa: BLE001 - the frontend then reports the opset itself
+    except Exception:
         return model
 
 

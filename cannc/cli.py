@@ -27,8 +27,9 @@ import tempfile
 import time
 import traceback
 import zipfile
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -39,9 +40,9 @@ from .compiler.pipeline import DEFAULT_PIPELINE, PIPELINES
 from .compiler.report import support_report
 from .compiler.shapes import Shapes, complete_input_shapes, type_string
 from .compiler.support import supported_ops
+from .compiler.tune import tune_gemms
 from .errors import CacheError, CanncError, InputError, ModelError
 from .export import save_fused_graph
-from .compiler.tune import tune_gemms
 from .schedule.machine import cpu_model, usable_cores
 from .session import Session, load
 

@@ -7,24 +7,26 @@ import json
 import threading
 import time
 import zipfile
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
 
 from ._version import __version__
-from .native.target import ObjectCache, default_cache, host
 from .artifact import Specialization
 from .compiler import PIPELINES, CompileOptions, specialize
-from .compiler.inspect import inspect_report, without_fusion as without_fusion_figures
+from .compiler.inspect import inspect_report
+from .compiler.inspect import without_fusion as without_fusion_figures
 from .compiler.shapes import complete_input_shapes
 from .errors import CacheError, CanncError, InputError, ShapeError
 from .frontend import import_model, load_model_proto
 from .ir.types import onnx_type_string
+from .native.target import ObjectCache, default_cache, host
 from .passes.fusion import RULES
 from .runtime.device import shared_device
 from .runtime.profiler import Profile, profile

@@ -35,8 +35,8 @@ import os
 import sys
 import threading
 from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import onnx

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import onnx

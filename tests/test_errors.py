@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto as T, helper, numpy_helper
+from onnx import TensorProto as T
+from onnx import helper, numpy_helper
 
 import cannc
 from cannc.native.target import ObjectCache

@@ -53,7 +53,7 @@ REQUIRED_OPS = {
 # ---------------------------------------------------------------- helpers
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _model_bytes(name: str, **kw) -> bytes:
     return zoo.build(name, **kw).SerializeToString()
 
@@ -62,7 +62,7 @@ def _model(name: str, **kw) -> onnx.ModelProto:
     return onnx.load_from_string(_model_bytes(name, **kw))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _session(name: str, **kw) -> ort.InferenceSession:
     so = ort.SessionOptions()
     # Run the graph as written (no fusions), which is what a compiler consumes.

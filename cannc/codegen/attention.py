@@ -95,9 +95,9 @@ from functools import lru_cache
 import numpy as np
 from llvmlite import ir
 
-from . import vmath
-from ..native.emit import F32, I8, I32, I64, PTR, i32, i64
 from ..ir.attnspec import AttnSpec
+from ..native.emit import F32, I8, I32, I64, PTR, i32, i64
+from . import vmath
 from .vec import VF, VI8, VI32, VI64, VM, VPTR, VecBuilder, abi_function, declare
 
 __all__ = [

@@ -44,8 +44,8 @@ when ``iv % stride == 0``, with the kernel flipped and in/out channels swapped
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
 
 import llvmlite.ir as ir
 import numpy as np
@@ -349,7 +349,7 @@ FORCE_TUNING: dict = {}
 
 
 def plan_conv(geom: ConvGeom, const_weights: bool = True, cores: int = 2,
-              tuning: Optional[dict] = None) -> ConvPlan:
+              tuning: dict | None = None) -> ConvPlan:
     """Choose orientation, blocking and the tile grid (modelled for `cores` cores).
     ``tuning`` overrides decisions: swap, direct, MR, NV, KC, P, unroll."""
     tun = dict(FORCE_TUNING if tuning is None else tuning)
@@ -482,7 +482,7 @@ class Slots:
 class _ConvGen:
     def __init__(self, module, fn, geom: ConvGeom | ConvTGeom, plan: ConvPlan | ConvTPlan,
                  slots: Slots, a_prepacked: bool, transposed_layout: bool,
-                 epilogue: Optional[Epilogue]):
+                 epilogue: Epilogue | None):
         self.v = VB(module, fn)
         self.g = geom
         self.p = plan
@@ -1044,7 +1044,7 @@ def pack_convtranspose_weights(geom: ConvTGeom, plan: ConvTPlan, w: np.ndarray) 
 
 class _ConvTGen(_ConvGen):
     def __init__(self, module, fn, geom: ConvTGeom, plan: ConvTPlan, slots: Slots,
-                 epilogue: Optional[Epilogue]):
+                 epilogue: Epilogue | None):
         # weights packed at compile time (pack_convtranspose_weights)
         super().__init__(module, fn, geom, plan, slots, a_prepacked=True,
                          transposed_layout=False, epilogue=epilogue)
@@ -1182,7 +1182,7 @@ class _ConvTGen(_ConvGen):
 
 
 def emit_convtranspose(module: ir.Module, name: str, geom: ConvTGeom, plan: ConvTPlan,
-                       slots: Slots = Slots(), epilogue: Optional[Epilogue] = None) -> ir.Function:
+                       slots: Slots = Slots(), epilogue: Epilogue | None = None) -> ir.Function:
     """ConvTranspose with packed constant weights (``pack_convtranspose_weights``):
     per tile (image, group, block of output channels) a GEMM Z = W^T X into the
     workspace, then Y = bias + col2im(Z) with masked loads/gathers."""
@@ -1194,7 +1194,7 @@ def emit_convtranspose(module: ir.Module, name: str, geom: ConvTGeom, plan: Conv
 def emit_conv(module: ir.Module, name: str, geom: ConvGeom, plan: ConvPlan,
               slots: Slots = Slots(), a_prepacked: bool = True,
               transposed_layout: bool = False,
-              epilogue: Optional[Epilogue] = None) -> ir.Function:
+              epilogue: Epilogue | None = None) -> ir.Function:
     """Emit the implicit-GEMM convolution as an ABI kernel named ``name``.
 
     ``a_prepacked``: the weight argument holds ``pack_weights(geom, plan, W)``;

@@ -10,8 +10,8 @@ Fusion builds bigger expressions out of the ops' own `expr` functions.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import llvmlite.ir as ir
 import numpy as np
@@ -19,8 +19,8 @@ import numpy as np
 from ..artifact import Tiling
 from ..ir.types import TensorType
 from ..native import emit
-from . import vmath
 from ..native.emit import I64, for_range, i64, llvm_type
+from . import vmath
 
 MAX_TILE_ELEMS = 16384
 
@@ -80,7 +80,7 @@ def f64_to_f16(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
     back = b.fpext(f, v.type)
     inexact = b.fcmp_ordered("!=", back, v)
     bits = b.bitcast(f, i32)
-    fabs = lambda x: emit.intrinsic(b, "llvm.fabs", [x])  # noqa: E731
+    fabs = lambda x: emit.intrinsic(b, "llvm.fabs", [x])
     # rounded away from zero: step the magnitude back toward zero
     away = b.fcmp_ordered(">", fabs(back), fabs(v))
     tz = b.select(away, b.sub(bits, emit.const_like(1, i32)), bits)

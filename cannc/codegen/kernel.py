@@ -10,8 +10,9 @@ workspace and its cost figures.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import llvmlite.ir as ir
 import numpy as np
@@ -35,7 +36,7 @@ class ConstRef:
 class ConstMap:
     """value name -> constant, marking a constant read only when it is looked up."""
 
-    def __init__(self, ctx: "LowerCtx") -> None:
+    def __init__(self, ctx: LowerCtx) -> None:
         self._ctx = ctx
         self._index = {v: i for i, v in enumerate(ctx.node.inputs) if v and ctx.is_const(i)}
 
@@ -167,7 +168,7 @@ class LowerCtx:
         a value read may be folded into the code, so it joins the kernel's key)."""
         return i < len(self.consts) and self.consts[i] is not None
 
-    def const_map(self) -> "ConstMap":
+    def const_map(self) -> ConstMap:
         """The constant inputs by value name, read (and keyed) only when looked up."""
         return ConstMap(self)
 

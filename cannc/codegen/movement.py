@@ -29,17 +29,18 @@ the runtime-index helpers (`load_index`, `safe_index`): an index outside
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import llvmlite.ir as ir
 import numpy as np
 
-from ..native import emit
-from .elementwise import collapse
-from ..native.emit import I64, for_range, i64
 from ..artifact import Tiling
+from ..native import emit
+from ..native.emit import I64, for_range, i64
+from .elementwise import collapse
 from .kernel import LowerCtx
 
 UNIT_ELEMS = 16384        # elements per tile for big copies

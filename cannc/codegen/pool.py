@@ -16,15 +16,15 @@ border special cases are needed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import llvmlite.ir as ir
 import numpy as np
 
+from ..native.emit import F32, i64, intrinsic
 from . import vmath
 from .conv import VB, VI, Epilogue, Slots, cdiv, rup
-from ..native.emit import F32, i64, intrinsic
 from .vec import VF, VM, abi_function
 
 KINDS = ("dw", "max", "avg", "lp")
@@ -105,7 +105,7 @@ def _global_array(module: ir.Module, name: str, values: Sequence[float]) -> ir.G
 
 class _WindowGen:
     def __init__(self, module, fn, spec: WindowSpec, plan: WindowPlan, slots: Slots,
-                 epilogue: Optional[Epilogue]):
+                 epilogue: Epilogue | None):
         self.v = VB(module, fn)
         self.m = module
         self.s = spec
@@ -294,7 +294,7 @@ class _WindowGen:
 
 def emit_window(module: ir.Module, name: str, spec: WindowSpec, plan: WindowPlan,
                 slots: Slots = Slots(x=0, w=-1, b=-1, y=1),
-                epilogue: Optional[Epilogue] = None) -> ir.Function:
+                epilogue: Epilogue | None = None) -> ir.Function:
     """Emit the window kernel as an ABI function named ``name`` (tiles: plan.num_tiles).
     ``epilogue`` (see codegen.conv.Epilogue) maps the final values (e.g. a fused
     activation) before they are stored."""

@@ -31,19 +31,20 @@ column mode a tile is a block of COL_BLOCK inner elements of one outer index.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import llvmlite.ir as ir
 import numpy as np
 
-from ..native import emit
-from .elementwise import TV, Expr, bf16_bits_to_f32, f32_to_bf16_bits, is_bf16
-from ..native.emit import I1, I32, PTR, for_range, i64, llvm_type
 from ..artifact import Tiling
-from .kernel import LowerCtx
+from ..native import emit
+from ..native.emit import I1, I32, PTR, for_range, i64, llvm_type
 from . import vmath
+from .elementwise import TV, Expr, bf16_bits_to_f32, f32_to_bf16_bits, is_bf16
+from .kernel import LowerCtx
 
 BOOL = np.dtype(np.bool_)
 I32DT = np.dtype(np.int32)
@@ -430,7 +431,7 @@ class Pass:
     """
 
     init: Callable[[Expr], Acc] | None
-    step: Callable[[Expr, Acc, "Body"], Acc]
+    step: Callable[[Expr, Acc, Body], Acc]
     merge: Callable[[Expr, Acc, Acc], Acc] | None = None
     post: Callable[[Expr, Acc, list], TV] | None = None
     src: int = -1
@@ -440,7 +441,7 @@ class Pass:
 class Body:
     """What a pass step sees for one vector of the reduction domain."""
 
-    def __init__(self, eng: "Engine", E: Expr, x: TV, mask: ir.Value | None, off: ir.Value,
+    def __init__(self, eng: Engine, E: Expr, x: TV, mask: ir.Value | None, off: ir.Value,
                  pos: ir.Value, jpos: ir.Value, ridx: list[ir.Value], row: ir.Value,
                  stats: list[TV], slot: int) -> None:
         self.eng = eng
@@ -501,7 +502,7 @@ class Body:
 class Finish:
     """What the finish hook sees: where the reduced outputs of this row/vector go."""
 
-    def __init__(self, eng: "Engine", E: Expr, out_off: ir.Value, mask: ir.Value | None,
+    def __init__(self, eng: Engine, E: Expr, out_off: ir.Value, mask: ir.Value | None,
                  row: ir.Value, stats: list[TV]) -> None:
         self.eng = eng
         self.E = E

@@ -51,7 +51,7 @@ from collections.abc import Callable, Sequence
 
 from llvmlite import ir
 
-from ..native.emit import call_intrinsic, mangle  # noqa: F401  (part of this module's API)
+from ..native.emit import call_intrinsic, mangle
 
 __all__ = [
     "call_intrinsic",

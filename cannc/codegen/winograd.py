@@ -46,8 +46,8 @@ from functools import cache
 import llvmlite.ir as ir
 import numpy as np
 
-from .conv import VB, VI, ConvGeom, Epilogue, Slots, cdiv, dispatch_time, distinct_splits, rup
 from ..native.emit import F32, I8, i64
+from .conv import VB, VI, ConvGeom, Epilogue, Slots, cdiv, dispatch_time, distinct_splits, rup
 from .vec import VF, VPTR, abi_function
 
 # interpolation points of F(m, 3) (plus the point at infinity)

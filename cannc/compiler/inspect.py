@@ -7,7 +7,8 @@ next to measured kernel times (`cannc profile`). Nothing here prints.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from ..artifact import Kernel, Tiling
-from ..codegen.lower import Lowering, lowering_for
 from ..codegen.kernel import ConstRef, LowerCtx, apply_recipe, finish
+from ..codegen.lower import Lowering, lowering_for
 from ..codegen.memo import LoweringMemo, MemoEntry, baked_key, default_memo, node_key
 from ..codegen.memo import salt as memo_salt
 from ..errors import CanncError, CompileError

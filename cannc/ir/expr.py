@@ -14,7 +14,8 @@ them, so it must build its values only through ``E``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -33,8 +34,8 @@ class Value(Protocol):
 class NodeView(Protocol):
     """The node an expression computes, as the expression may read it."""
 
-    in_types: Sequence["TensorType | None"]
-    out_types: Sequence["TensorType"]
+    in_types: Sequence[TensorType | None]
+    out_types: Sequence[TensorType]
 
     @property
     def opset(self) -> int: ...

@@ -10,8 +10,9 @@ lists, ndarrays) read once at import.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import networkx as nx
 import numpy as np
@@ -30,7 +31,7 @@ class Node:
     opset: int = 0                 # the opset version of the node's domain
     proto: Any = field(default=None, hash=False, compare=False, repr=False)  # onnx.NodeProto
 
-    def replace(self, **kw: Any) -> "Node":
+    def replace(self, **kw: Any) -> Node:
         return dataclasses.replace(self, **kw)
 
     def attr(self, name: str, default: Any = None) -> Any:
@@ -131,7 +132,7 @@ class Graph:
     def type(self, value: str) -> TensorType:
         return self.values[value]
 
-    def copy(self) -> "Graph":
+    def copy(self) -> Graph:
         g = Graph(self.name)
         g.g = self.g.copy()
         g.values = dict(self.values)

@@ -15,9 +15,10 @@ This module imports nothing from codegen, runtime, passes or the compiler.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -88,13 +89,13 @@ class OpDef:
     value_inputs: tuple[int, ...] = ()        # inputs whose *value* decides output shapes
     tiling_attrs: tuple[str, ...] = ()        # attributes a tiling key depends on (memo key)
     inplace: bool = False                     # an output may overwrite a same-shaped input
-    forwards_input: Callable[["Node"], bool] | None = None  # node is an identity on input 0
+    forwards_input: Callable[[Node], bool] | None = None  # node is an identity on input 0
     deterministic: bool = True                # False: never constant-folded (random ops)
     epilogue: Fusion | None = None            # contraction taking an elementwise epilogue
     prologue: Fusion | None = None            # row op computing its producers inside it
 
-    def schema_reason(self, node: "Node", ins: list["TensorType"],
-                      outs: list["TensorType"]) -> str | None:
+    def schema_reason(self, node: Node, ins: list[TensorType],
+                      outs: list[TensorType]) -> str | None:
         """Why this op's definition rejects the node (dtypes, attributes), or None. The
         opset is checked by the caller; whether a native lowering exists is codegen's to
         say (`cannc.codegen.lower.lowering_for`)."""

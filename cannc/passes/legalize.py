@@ -7,8 +7,16 @@ from onnx import TensorProto
 
 from ..ir.epilogue import matmul_dims
 from ..ir.graph import Graph, Node
-from ..ir.ops.attention_op import (K_IN, MASK_IN, NONPAD_IN, PAST_K_IN, PAST_LEN_ATTR,
-                                   PAST_V_IN, V_IN, feature_problem)
+from ..ir.ops.attention_op import (
+    K_IN,
+    MASK_IN,
+    NONPAD_IN,
+    PAST_K_IN,
+    PAST_LEN_ATTR,
+    PAST_V_IN,
+    V_IN,
+    feature_problem,
+)
 from ..ir.types import NP_TO_ONNX, TensorType
 from .manager import PassContext, graph_pass
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from .. import config
 from ..errors import CanncError, CompileError

@@ -9,8 +9,9 @@ log, so "why didn't this fuse?" is answered by the rules' own reasons.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from ..ir.graph import Graph, Node
 from .manager import PassContext

@@ -158,7 +158,7 @@ def profile(session: Any, feeds: dict[str, np.ndarray], runs: int = 20, warmup: 
         for n in k["nodes"]:
             nodes[n] = {"kernel": k["index"], "kernel_ms": k["time_ms"],
                         "fused_with": len(k["nodes"]) - 1}
-    med_of = lambda f: float(np.median([f(rt) for rt in records])) * 1e3  # noqa: E731
+    med_of = lambda f: float(np.median([f(rt) for rt in records])) * 1e3
     prof = Profile(
         model=session.graph.name, cores=ncores, runs=len(records),
         run_ms=med_of(lambda rt: rt.t_end - rt.t_start),

@@ -13,8 +13,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -74,7 +75,7 @@ class Event:
         self.time = time.perf_counter()
         self._done.set()
 
-    def record(self, stream: "Stream") -> "Event":
+    def record(self, stream: Stream) -> Event:
         self._done.clear()
         stream.enqueue(self._fire)
         return self
@@ -85,7 +86,7 @@ class Event:
     def query(self) -> bool:
         return self._done.is_set()
 
-    def elapsed_ms(self, later: "Event") -> float:
+    def elapsed_ms(self, later: Event) -> float:
         assert self.time is not None and later.time is not None, "events not recorded"
         return (later.time - self.time) * 1e3
 

@@ -14,6 +14,7 @@ in the file), never measuring. The cost model and the profiler read them here.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -23,11 +24,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import llvmlite.ir as ir
 import numpy as np
 
 from .. import config
-import ctypes
-import llvmlite.ir as ir
 from ..native import emit
 from ..native.target import JitLibrary, default_cache, host, new_module
 

@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import config
-from . import machine
 from .._version import __version__
 from ..native.target import host
+from . import machine
 
 FORMAT = "cannc-tuning"
 FORMAT_VERSION = 1
@@ -125,7 +125,7 @@ class TuningCache:
                                  f"expected {FORMAT_VERSION}")
             raw = data.get("entries")
             if not isinstance(raw, dict):
-                raise ValueError("no 'entries' object")  # noqa: TRY004 - caught below
+                raise ValueError("no 'entries' object")
         except (OSError, ValueError, UnicodeDecodeError) as e:
             if stamp not in self._warned:
                 self._warned.add(stamp)

@@ -22,7 +22,6 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 from llvmlite import ir
 
-from cannc.native import emit
 from cannc.codegen.gemm import (
     GEMM_DIMS,
     GemmSpec,
@@ -36,8 +35,9 @@ from cannc.codegen.gemm import (
     prepack_b,
     prepacked_b_size,
 )
-from cannc.native.target import KernelFunction, jit_kernel, jit_library
 from cannc.codegen.vec import declare
+from cannc.native import emit
+from cannc.native.target import KernelFunction, jit_kernel, jit_library
 from tests.helpers import aligned, run_splits
 
 # ---------------------------------------------------------------------------

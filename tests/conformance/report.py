@@ -138,7 +138,7 @@ def run_one(case) -> tuple[str, str]:
     try:
         T.run_case(case)
         return "pass", ""
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:
         tb = traceback.format_exception_only(type(e), e)
         return "fail", "".join(tb).strip()[:2000]
 

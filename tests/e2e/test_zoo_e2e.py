@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import ort_run
 
 import cannc
-from helpers import ort_run
 from models import zoo
 
 CASES = [

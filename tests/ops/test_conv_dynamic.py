@@ -17,8 +17,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import cannc
 from cannc import config
-from cannc.ir.graph import Node
 from cannc.codegen.lower.conv import conv_geom_of, conv_tiling, pool_tiling
+from cannc.ir.graph import Node
 from cannc.ir.types import TensorType
 
 R = np.random.default_rng(7)

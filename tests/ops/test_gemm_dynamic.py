@@ -11,9 +11,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 import cannc
 from cannc.codegen.gemm import GEMM_DIMS
+from cannc.codegen.lower.contraction import gemm_tiling
 from cannc.compiler import codegen_counts
 from cannc.ir.graph import Node
-from cannc.codegen.lower.contraction import gemm_tiling
 from cannc.ir.types import TensorType
 
 R = np.random.default_rng(11)

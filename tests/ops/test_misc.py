@@ -7,10 +7,10 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import check_op, single_node_model
 from onnx.reference import ReferenceEvaluator
 
 import cannc
-from helpers import check_op, single_node_model
 
 R = np.random.default_rng(5)
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.helpers import check_op, single_node_model
-
 import cannc
+from tests.helpers import check_op, single_node_model
 
 RNG = np.random.default_rng(0)
 

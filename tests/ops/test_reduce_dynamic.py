@@ -12,7 +12,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from cannc.codegen.lower import base as lowerings, lowering_for
+from cannc.codegen.lower import base as lowerings
+from cannc.codegen.lower import lowering_for
 from cannc.ir.ops import lookup
 from tests.helpers import (
     assert_matches_ort,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from helpers import check_op
 
 R = np.random.default_rng(11)
@@ -37,10 +36,10 @@ def test_gru_linear_before_reset():
 @pytest.mark.parametrize("op", ["RNN", "GRU", "LSTM"])
 def test_batchwise_layout(op):
     """layout=1 (onnxruntime has no kernel for it): against onnx.reference."""
+    from helpers import single_node_model
     from onnx.reference import ReferenceEvaluator
 
     import cannc
-    from helpers import single_node_model
     S, B, I, H = 4, 3, 5, 6
     G = {"RNN": 1, "GRU": 3, "LSTM": 4}[op]
     ins = [f32(B, S, I), f32(1, G * H, I), f32(1, G * H, H), f32(1, 2 * G * H)]

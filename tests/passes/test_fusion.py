@@ -8,10 +8,10 @@ import json
 import numpy as np
 import onnx
 import pytest
+from helpers import ort_run
 from onnx import TensorProto, helper, numpy_helper
 
 import cannc
-from helpers import ort_run
 
 R = np.random.default_rng(0)
 F = TensorProto.FLOAT

@@ -7,13 +7,13 @@ import dataclasses
 import numpy as np
 import onnx
 import pytest
+from helpers import model_of, pass_graph, run_pass
 from onnx import helper
 
 from cannc.backend import shape_deciding_inputs
 from cannc.errors import CompileError
 from cannc.ir.graph import Node
 from cannc.passes.manager import PassContext, PassManager, graph_pass, registered_passes
-from helpers import model_of, pass_graph, run_pass
 
 F32 = np.float32
 

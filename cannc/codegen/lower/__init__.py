@@ -11,20 +11,22 @@ else the shared map lowering for any elementwise op that defines an `expr`
 from __future__ import annotations
 
 from ...ir.registry import OpDef
-from .base import Lowering, register_lowering, registered_lowering
 
 # every lowering module, one per op family (importing one registers its lowerings)
 # (families move here from cannc/ir/ops one at a time: issue 10)
-from . import elementwise  # noqa: F401
-from . import reduce  # noqa: F401
-from . import misc  # noqa: F401
-from . import rnn  # noqa: F401
-from . import movement  # noqa: F401
-from . import contraction  # noqa: F401
-from . import conv  # noqa: F401
-from . import fused  # noqa: F401
-from . import attention  # noqa: F401
-from . import quant  # noqa: F401
+from . import (
+    attention,  # noqa: F401
+    contraction,  # noqa: F401
+    conv,  # noqa: F401
+    elementwise,  # noqa: F401
+    fused,  # noqa: F401
+    misc,  # noqa: F401
+    movement,  # noqa: F401
+    quant,  # noqa: F401
+    reduce,  # noqa: F401
+    rnn,  # noqa: F401
+)
+from .base import Lowering, register_lowering, registered_lowering
 
 
 def lowering_for(op: OpDef) -> Lowering | None:

@@ -30,18 +30,16 @@ mask selects -inf there (``where``) where the reference adds -inf (NaN).
 
 from __future__ import annotations
 
-
 import llvmlite.ir as ir
 import numpy as np
 
-from ...ir.ops.attention_op import K_IN, MASK_IN, NONPAD_IN, Q_IN, V_IN, Plan, analyse
 from ...ir.attnspec import AttnSpec
+from ...ir.ops.attention_op import K_IN, MASK_IN, NONPAD_IN, Q_IN, V_IN, Plan, analyse
 from ...native import emit
 from ...native.emit import F32, I8, I64, PTR, for_range, i64
 from ..attention import attention_num_tiles, attention_workspace_bytes, emit_attention
 from ..kernel import LowerCtx
 from .base import register_lowering
-
 
 NEG_INF = float("-inf")
 BIAS_CHUNK_BYTES = 1 << 20           # per-core bias buffer of the general path (rows chunked)

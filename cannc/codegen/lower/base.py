@@ -12,8 +12,9 @@ first) is how the compiler and the support report find it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ...artifact import Tiling
@@ -60,7 +61,7 @@ def register_map_lowering(fn: LowerFn, tiling: TilingFn | None = None) -> None:
     _MAP_LOWERING.append(Lowering(fn, tiling))
 
 
-def registered_lowering(op: "OpDef") -> Lowering | None:
+def registered_lowering(op: OpDef) -> Lowering | None:
     """As registered so far (use `cannc.codegen.lower.lowering_for`)."""
     found = _LOWERINGS.get((op.domain, op.name))
     if found is None and op.expr is not None and _MAP_LOWERING:

@@ -24,11 +24,21 @@ from ...ir.types import TensorType
 from ...native import emit
 from ...native.emit import for_range, i64
 from ...schedule.tuning import gemm_signature
-from ..plans import gemm_notes, gemm_tuning
 from ..elementwise import bf16_bits_to_f32, f32_to_bf16_bits, is_bf16
-from ..gemm import (GEMM_DIMS, GemmSpec, dynamic_able, dynamic_spec, emit_gemm, gemm_dims,
-                    gemm_num_tiles, gemm_plan, gemm_workspace_bytes, prepack_b)
+from ..gemm import (
+    GEMM_DIMS,
+    GemmSpec,
+    dynamic_able,
+    dynamic_spec,
+    emit_gemm,
+    gemm_dims,
+    gemm_num_tiles,
+    gemm_plan,
+    gemm_workspace_bytes,
+    prepack_b,
+)
 from ..kernel import ConstRef, LowerCtx
+from ..plans import gemm_notes, gemm_tuning
 from .base import register_lowering
 
 

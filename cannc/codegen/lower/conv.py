@@ -32,9 +32,20 @@ from ...artifact import Tiling
 from ...ir.ops.conv import _auto_pad, _ints, _to3, window_pads
 from ...native.emit import i64
 from .. import winograd
-from ..conv import (VB, ConvGeom, ConvTGeom, Slots, abi_function, emit_conv,
-                    emit_convtranspose, pack_convtranspose_weights, pack_weights, plan_conv,
-                    plan_convtranspose, plan_workspace)
+from ..conv import (
+    VB,
+    ConvGeom,
+    ConvTGeom,
+    Slots,
+    abi_function,
+    emit_conv,
+    emit_convtranspose,
+    pack_convtranspose_weights,
+    pack_weights,
+    plan_conv,
+    plan_convtranspose,
+    plan_workspace,
+)
 from ..kernel import ConstRef, LowerCtx
 from ..pool import WindowSpec, avg_counts_1d, emit_window, plan_window
 from .base import register_lowering

@@ -8,7 +8,7 @@ kernel shape-polymorphic (the broadcast pattern is the key, extents runtime dims
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from ...artifact import Tiling
 from ...ir.graph import Node

@@ -10,26 +10,33 @@ FusedSoftmax runs the Softmax/LogSoftmax lowering reading its prologue.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import llvmlite.ir as ir
 import numpy as np
 
 from ...artifact import Tiling
+from ...ir.epilogue import conv_operand_pattern, operand_pattern
 from ...ir.graph import Node
 from ...ir.ops import lookup
-from ...ir.epilogue import conv_operand_pattern, operand_pattern
 from ...ir.ops.fused import DOMAIN
 from ...ir.registry import OpDef
 from ...ir.types import TensorType
 from ...native import emit
 from ...schedule.costmodel import describe
-from ..plans import attention_notes, attention_record, gemm_tuning
-from ..attention import (RT_DIMS, attention_num_tiles, attention_plan, attention_tiling,
-                         attention_workspace_bytes, emit_attention)
+from ..attention import (
+    RT_DIMS,
+    attention_num_tiles,
+    attention_plan,
+    attention_tiling,
+    attention_workspace_bytes,
+    emit_attention,
+)
 from ..elementwise import TV, Expr, emit_map, map_tiling
 from ..gemm import GEMM_DIMS, emit_gemm
 from ..kernel import LowerCtx
+from ..plans import attention_notes, attention_record, gemm_tuning
 from ..reduce import load_raw
 from .base import Lowering, register_lowering, registered_lowering
 from .contraction import finish_contraction, gemm_tiling, plan_contraction, plan_dynamic

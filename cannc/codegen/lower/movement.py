@@ -10,7 +10,8 @@ indices (or k) at run time, every index checked in native code. Resize
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import llvmlite.ir as ir
 import numpy as np
@@ -23,13 +24,37 @@ from ...native import emit
 from ...native.emit import I64, for_range, i64
 from ..kernel import LowerCtx
 from ..movement import (
-    SMALL_ELEMS, UNIT_ELEMS, Piece, add, as_val, bits_of, broadcast_strides, cdiv, const_fill,
-    const_table, contiguous_strides, copy_row, decode, emit_pieces, emit_rows, emit_table_rows,
-    fill_row, imax, imin, itype, lanes_for, load_index, normalize_index, pieces_tiling, prod,
-    safe_index, table_load, transpose_piece, unit_target,
+    SMALL_ELEMS,
+    UNIT_ELEMS,
+    Piece,
+    add,
+    as_val,
+    bits_of,
+    broadcast_strides,
+    cdiv,
+    const_fill,
+    const_table,
+    contiguous_strides,
+    copy_row,
+    decode,
+    emit_pieces,
+    emit_rows,
+    emit_table_rows,
+    fill_row,
+    imax,
+    imin,
+    itype,
+    lanes_for,
+    load_index,
+    normalize_index,
+    pieces_tiling,
+    prod,
+    safe_index,
+    table_load,
+    transpose_piece,
+    unit_target,
 )
 from .base import register_lowering
-
 
 # ---------------------------------------------------------------------------
 # common

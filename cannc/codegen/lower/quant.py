@@ -10,7 +10,8 @@ requantising epilogue.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import llvmlite.ir as ir
 import numpy as np

@@ -10,15 +10,21 @@ spatial size and channels) are in the Tiling key.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from ...artifact import Tiling
 from ...errors import UnsupportedOpError
 from ...ir.graph import Node
-from ...ir.ops.reduce import (REDUCES, bn_param_shape, ln_params, node_reduce_axes, norm_axis,
-                              softmax_axes)
+from ...ir.ops.reduce import (
+    REDUCES,
+    bn_param_shape,
+    ln_params,
+    node_reduce_axes,
+    norm_axis,
+    softmax_axes,
+)
 from ...ir.types import TensorType
 from .. import reduce as R
 from ..elementwise import TV, Expr, emit_map, map_tiling

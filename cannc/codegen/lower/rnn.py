@@ -10,7 +10,7 @@ the state as it was (the ONNX semantics).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import llvmlite.ir as ir
 import numpy as np

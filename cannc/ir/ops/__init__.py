@@ -7,17 +7,19 @@ from `cannc.ir`. Lowerings are registered separately, by `cannc.codegen.lower`.
 from __future__ import annotations
 
 from ..registry import OpDef, registered, registered_ops
-from . import elementwise  # noqa: F401
-from . import shape_ops  # noqa: F401
-from . import movement  # noqa: F401
-from . import reduce  # noqa: F401
-from . import contraction  # noqa: F401
-from . import conv  # noqa: F401
-from . import fused  # noqa: F401
-from . import quant  # noqa: F401
-from . import misc  # noqa: F401
-from . import rnn  # noqa: F401
-from . import attention_op  # noqa: F401
+from . import (
+    attention_op,  # noqa: F401
+    contraction,  # noqa: F401
+    conv,  # noqa: F401
+    elementwise,  # noqa: F401
+    fused,  # noqa: F401
+    misc,  # noqa: F401
+    movement,  # noqa: F401
+    quant,  # noqa: F401
+    reduce,  # noqa: F401
+    rnn,  # noqa: F401
+    shape_ops,  # noqa: F401
+)
 
 
 def lookup(op_type: str, domain: str = "") -> OpDef | None:

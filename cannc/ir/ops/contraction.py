@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from ..epilogue import gemm_operand, matmul_fit, matmul_operand
+from ..epilogue import matmul_dims as _matmul_dims
 from ..graph import Node
-from ..epilogue import gemm_operand, matmul_dims as _matmul_dims, matmul_fit, matmul_operand
 from ..registry import Category, Fusion, OpDef, register
 from ..types import TensorType
 

@@ -11,7 +11,8 @@ bigger kernels. Adding an op is one `defmap` or `unary` line here.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 

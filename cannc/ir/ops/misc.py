@@ -6,7 +6,7 @@ codegen/lower/misc.py.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

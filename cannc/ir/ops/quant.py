@@ -13,7 +13,7 @@ rejects them before any op is asked.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

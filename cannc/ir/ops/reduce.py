@@ -9,7 +9,8 @@ emitters in codegen/reduce.py.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
