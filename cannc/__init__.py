@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,8 +31,16 @@ def compile(model: Any, **options: Any) -> Session:
 
     Options: cores (number of AI Cores, default: usable CPU cores), shapes
     ({input: shape} to specialise eagerly; symbolic dims default to 1),
-    pipeline ('O0' | 'O1'), dump_after (pass names).
+    pipeline ('O0' | 'O1'), dump_after (pass names), fusion (False, per-rule
+    switches or a JSON switch file), pass_options ({pass name: {option: value}}),
+    inflight, cache, eager. An unknown option is a CanncError naming the known ones.
     """
+    known = [p for p in inspect.signature(Session.__init__).parameters if p not in ("self",
+                                                                                    "model")]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise CanncError(f"unknown option{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(unknown)}; cannc.compile takes {', '.join(known)}")
     return Session(model, **options)
 
 

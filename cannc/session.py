@@ -53,7 +53,8 @@ class Session:
                  shapes: dict[str, Sequence[int]] | None = None, pipeline: str = "O1",
                  dump_after: Iterable[str] = (), eager: bool = True,
                  cache: ObjectCache | None = None,
-                 fusion: bool | dict[str, bool] | str = True, inflight: int = 2) -> None:
+                 fusion: bool | dict[str, bool] | str = True, inflight: int = 2,
+                 pass_options: dict[str, dict[str, Any]] | None = None) -> None:
         if cores is not None and (not isinstance(cores, int) or cores < 1):
             raise CanncError(f"cores must be a positive integer, got {cores!r}")
         if not isinstance(inflight, int) or inflight < 1:
@@ -68,7 +69,9 @@ class Session:
         self.source: str | None = str(model) if isinstance(model, (str, PathLike)) else None
         self.graph, _ = import_model(proto)
         self.options = CompileOptions(pipeline=pipeline,
-                                      dump_after=set(dump_after), cache=cache, fusion=fusion)
+                                      dump_after=set(dump_after), cache=cache, fusion=fusion,
+                                      pass_options=dict(pass_options or {}))
+        self.options.pass_manager()   # a misspelt pass, option or dump name fails here
         self.device = shared_device(cores)
         self._programs: dict[tuple, Program] = {}
         self._weights = WeightPool(self.device)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -54,6 +55,15 @@ class CompileOptions:
     dump_after: set[str] = field(default_factory=set)
     cache: ObjectCache | None = None
     fusion: bool | dict[str, bool] = True     # False, or per-rule switches
+    pass_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # by pass name
+
+    def pass_manager(self) -> PassManager:
+        """The pipeline's passes with these options (resolving it checks every name)."""
+        if self.pipeline not in PIPELINES:
+            raise CompileError(f"unknown pipeline {self.pipeline!r}; "
+                               f"choose one of {', '.join(PIPELINES)}")
+        ctx = PassContext(fusion=self.fusion, pass_options=self.pass_options)
+        return PassManager(PIPELINES[self.pipeline], ctx, dump_after=set(self.dump_after))
 
 
 def specialize(base: Graph, shapes: dict[str, tuple[int, ...]],
@@ -62,14 +72,10 @@ def specialize(base: Graph, shapes: dict[str, tuple[int, ...]],
     """Compile `base` for concrete input shapes; inputs in `values` become constants
     (value specialisation, for inputs that decide shapes)."""
     t0 = time.perf_counter()
-    if options.pipeline not in PIPELINES:
-        raise CompileError(f"unknown pipeline {options.pipeline!r}; "
-                           f"choose one of {', '.join(PIPELINES)}")
+    pm = options.pass_manager()
     unknown = unknown_ops(base)
     if unknown:
         raise UnsupportedOpError(unknown)
-    ctx = PassContext(fusion=options.fusion)
-    pm = PassManager(PIPELINES[options.pipeline], ctx, dump_after=set(options.dump_after))
     g = base.copy()
     fold.bind_input_shapes(g, shapes)
     for name, value in (values or {}).items():

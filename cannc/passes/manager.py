@@ -136,6 +136,11 @@ class PassManager:
         for name in self.ctx.pass_options:
             if name not in _PASSES:
                 get_pass(name)
+        unknown = sorted(set(self.dump_after) - set(self.passes) - {"all"})
+        if unknown:
+            raise CompileError(f"dump_after names {', '.join(map(repr, unknown))}, which "
+                               f"the pipeline does not run; its passes: "
+                               f"{', '.join(self.passes)} (or 'all')")
         self._contexts = [dataclasses.replace(
             self.ctx, options=p.make_options(self.ctx.pass_options.get(p.name, {})))
             for p in self._resolved]

@@ -157,3 +157,45 @@ def test_value_deciding_inputs_come_from_the_registry():
                   helper.make_node("TopK", ["x", "k"], ["vals", "idx"]),
                   helper.make_node("Relu", ["x"], ["r"])], vis, out)
     assert shape_deciding_inputs(m) == ["shape", "k"]
+
+
+# -- the public API: options reach the passes, and misspelt ones fail at compile() -----
+
+def _add_mul_model() -> onnx.ModelProto:
+    nodes = [helper.make_node("Add", ["c1", "c2"], ["c3"], name="add"),
+             helper.make_node("Mul", ["x", "c3"], ["y"], name="mul")]
+    g = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [6])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [6])],
+        [onnx.numpy_helper.from_array(np.arange(6, dtype=F32), "c1"),
+         onnx.numpy_helper.from_array(np.ones(6, F32), "c2")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_compile_hands_pass_options_to_the_pass():
+    import cannc
+
+    x = np.arange(6, dtype=F32)
+    folded = cannc.compile(_add_mul_model(), cores=1)
+    kept = cannc.compile(_add_mul_model(), cores=1,
+                         pass_options={"infer_and_fold": {"limit_elems": 4}})
+    want = x * (np.arange(6) + 1)
+    np.testing.assert_allclose(folded.run(None, {"x": x})[0], want)
+    np.testing.assert_allclose(kept.run(None, {"x": x})[0], want)
+    # the Add stayed a kernel of its own (folded: only the Mul, fused or not, is left)
+    ops = lambda s: [op for k in s.inspect(without_fusion=False)["kernels"] for op in k["op_types"]]
+    assert "Add" in ops(kept) and "Add" not in ops(folded)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"pass_options": {"infer_and_fold": {"limit": 4}}}, "its options: limit_elems"),
+    ({"pass_options": {"fold_everything": {}}}, "unknown pass 'fold_everything'"),
+    ({"dump_after": ["fusoin"]}, "'fusoin', which the pipeline does not run"),
+    ({"fusoin": False}, "unknown option fusoin; cannc.compile takes"),
+])
+def test_compile_rejects_misspelt_options(kw, message):
+    import cannc
+    from cannc.errors import CanncError
+
+    with pytest.raises(CanncError, match=message):
+        cannc.compile(_add_mul_model(), cores=1, eager=False, **kw)
