@@ -6,6 +6,7 @@ it indexed?) use. Pure shape logic: imports nothing above `ir`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -27,9 +28,24 @@ def matmul_dims(a: tuple[int, ...], b: tuple[int, ...]):
     return out, M, K, N, ab, bb
 
 
-def matmul_batch(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int | None, str | None]:
-    """The GEMM batch count of a MatMul (1 when a [.., M, K] @ [K, N] batch folds into M),
-    or (None, why) when one operand mixes broadcast and non-broadcast batch dims."""
+@dataclass(frozen=True)
+class MatmulShape:
+    """A MatMul as one (batched) GEMM: C[M,N] = A[M,K] @ B[K,N] per batch item, the
+    operands' batch strides in elements (0: the same matrix for every item)."""
+
+    M: int
+    N: int
+    K: int
+    batch: int = 1
+    a_batch_stride: int = 0
+    b_batch_stride: int = 0
+    c_batch_stride: int = 0
+
+
+def matmul_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[MatmulShape | None, str | None]:
+    """The GEMM shape of `a @ b` (operand shapes), or None and the reason it is not one
+    batched GEMM. When B has no batch (the weight of a Linear layer) A's batch dims fold
+    into M, which gives the GEMM the large M it wants."""
     batch, M, K, N, ab, bb = matmul_dims(tuple(a), tuple(b))
     nb = 1
     for d in batch:
@@ -40,8 +56,19 @@ def matmul_batch(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int | None, st
         return None, (f"batch broadcasting {list(a)} @ {list(b)} mixes broadcast "
                       "and non-broadcast batch dims within one operand")
     if b_one and a_full and nb > 1:
-        return 1, None
-    return nb, None
+        # [.., M, K] @ [K, N]: fold the batch into M
+        return MatmulShape(M=nb * M, N=N, K=K), None
+    return MatmulShape(M=M, N=N, K=K, batch=nb,
+                       a_batch_stride=0 if a_one else M * K,
+                       b_batch_stride=0 if b_one else K * N,
+                       c_batch_stride=M * N), None
+
+
+def matmul_batch(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int | None, str | None]:
+    """The GEMM batch count of a MatMul (1 when a [.., M, K] @ [K, N] batch folds into M),
+    or (None, why) when one operand mixes broadcast and non-broadcast batch dims."""
+    shape, why = matmul_shape(a, b)
+    return (shape.batch if shape is not None else None), why
 
 
 def operand_pattern(t: TensorType, out_shape: tuple[int, ...], batched: bool) -> str | None:

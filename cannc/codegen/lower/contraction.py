@@ -17,9 +17,9 @@ import llvmlite.ir as ir
 import numpy as np
 
 from ...artifact import Tiling
+from ...ir.epilogue import matmul_dims as _matmul_dims
+from ...ir.epilogue import matmul_shape
 from ...ir.graph import Node
-from ...ir.ops.contraction import _matmul_dims
-from ...ir.ops.contraction import _matmul_spec as _matmul_shape
 from ...ir.types import TensorType
 from ...native import emit
 from ...native.emit import for_range, i64
@@ -43,8 +43,8 @@ from .base import register_lowering
 
 
 def _matmul_spec(a: TensorType, b: TensorType) -> tuple[GemmSpec | None, str | None]:
-    """The GemmSpec of `a @ b` (ir's MatmulShape), or None and the reason."""
-    shape, why = _matmul_shape(a, b)
+    """The GemmSpec of `a @ b` (ir.epilogue.MatmulShape), or None and the reason."""
+    shape, why = matmul_shape(tuple(a.shape), tuple(b.shape))
     if shape is None:
         return None, why
     return GemmSpec(**dataclasses.asdict(shape)), None

@@ -17,8 +17,8 @@ import llvmlite.ir as ir
 import numpy as np
 
 from ...errors import UnsupportedOpError
+from ...ir.epilogue import matmul_dims as _matmul_dims
 from ...ir.graph import Node
-from ...ir.ops.contraction import _matmul_dims
 from ...ir.ops.quant import _layout
 from ...ir.types import TensorType, np_dtype
 from ...native import emit
