@@ -46,8 +46,10 @@ SHAPES = {
     "resnet maxpool 3x3/2 @112": ("MaxPool", (1, 64, 112, 112), None,
                                   dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
     "resnet 3x3 64->64 @56": ("Conv", (1, 64, 56, 56), (64, 64, 3, 3), dict(pads=[1, 1, 1, 1])),
-    "resnet 3x3 128->128 @28": ("Conv", (1, 128, 28, 28), (128, 128, 3, 3), dict(pads=[1, 1, 1, 1])),
-    "resnet 3x3 256->256 @14": ("Conv", (1, 256, 14, 14), (256, 256, 3, 3), dict(pads=[1, 1, 1, 1])),
+    "resnet 3x3 128->128 @28": ("Conv", (1, 128, 28, 28), (128, 128, 3, 3),
+                                dict(pads=[1, 1, 1, 1])),
+    "resnet 3x3 256->256 @14": ("Conv", (1, 256, 14, 14), (256, 256, 3, 3),
+                                dict(pads=[1, 1, 1, 1])),
     "resnet 3x3 512->512 @7": ("Conv", (1, 512, 7, 7), (512, 512, 3, 3), dict(pads=[1, 1, 1, 1])),
     "resnet 3x3/2 128->128 @56": ("Conv", (1, 128, 56, 56), (128, 128, 3, 3),
                                   dict(strides=[2, 2], pads=[1, 1, 1, 1])),
@@ -212,12 +214,13 @@ def main_winograd(args) -> None:
     print(f"cores={args.cores}; kernel medians of interleaved runs (ort: session.run); "
           f"x ~ {args.act}, He-init weights; err = max |d| / (1e-5 + 1e-4 |ort|) (<= 1 passes)")
     hdr = (f"{'layer':26s} {'N':>2s} {'wino ms':>8s} {'gemm ms':>8s} {'ort ms':>8s} "
-           f"{'gemm/wino':>9s} {'ort/wino':>8s} {'best g/w':>8s} {'best o/w':>8s} {'wino GF/s':>9s} "
+           f"{'gemm/wino':>9s} {'ort/wino':>8s} {'best g/w':>8s} {'best o/w':>8s} "
+           f"{'wino GF/s':>9s} "
            f"{'err':>5s} {'auto':>11s}  plan")
     print(hdr)
     print("-" * len(hdr))
     for batch in args.batch:
-        for name, (op, xs, ws, attrs) in WINOGRAD_SHAPES.items():
+        for name, (_op, xs, ws, attrs) in WINOGRAD_SHAPES.items():
             if args.only and not any(s in name for s in args.only):
                 continue
             r = bench_winograd(name, xs, ws, attrs, batch, args.cores, args.reps,
@@ -231,7 +234,8 @@ def main_winograd(args) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--cores", type=int, default=1)
     ap.add_argument("--reps", type=int, default=15, help="minimum timed calls per session")
@@ -245,7 +249,8 @@ def main() -> None:
     if args.winograd:
         return main_winograd(args)
 
-    print(f"cores={args.cores}  (ort intra_op_num_threads={args.cores}); medians of interleaved calls;"
+    print(f"cores={args.cores}  (ort intra_op_num_threads={args.cores}); "
+          f"medians of interleaved calls;"
           f" ratio = ort / cannc (> 1: cannc faster)")
     hdr = f"{'shape':32s} {'N':>2s} {'cannc ms':>9s} {'ort ms':>9s} {'cannc GF/s':>10s} " \
           f"{'ort GF/s':>9s} {'ratio':>6s} {'best-ratio':>10s} {'kernel ms':>9s}"
@@ -261,7 +266,8 @@ def main() -> None:
             ratios.append(ratio)
             gf_c = f"{r['flops'] / r['cannc'] / 1e9:10.1f}" if r["flops"] else f"{'':10s}"
             gf_o = f"{r['flops'] / r['ort'] / 1e9:9.1f}" if r["flops"] else f"{'':9s}"
-            print(f"{name:32s} {batch:2d} {r['cannc'] * 1e3:9.3f} {r['ort'] * 1e3:9.3f} {gf_c} {gf_o} "
+            print(f"{name:32s} {batch:2d} {r['cannc'] * 1e3:9.3f} {r['ort'] * 1e3:9.3f} "
+                  f"{gf_c} {gf_o} "
                   f"{ratio:6.2f} {r['best_ort'] / r['best_cannc']:10.2f} {r['kernel'] * 1e3:9.3f}"
                   f"{'' if r['ok'] else '  MISMATCH'}", flush=True)
     if ratios:

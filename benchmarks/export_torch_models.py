@@ -17,6 +17,7 @@ import sys
 import warnings
 
 import torch
+import torch.nn as nn
 
 warnings.filterwarnings("ignore")
 torch.manual_seed(0)
@@ -32,21 +33,30 @@ def export(model, args, names, dyn, path, opset=17, dynamo=False):
 
 if "bert" in which:
     from transformers import BertConfig, BertModel
-    cfg = BertConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
-                     attn_implementation="eager")
+    cfg = BertConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                     intermediate_size=3072, attn_implementation="eager")
     m = BertModel(cfg)
     class W(torch.nn.Module):
-        def __init__(s, m): super().__init__(); s.m = m
+        def __init__(s, m):
+            super().__init__()
+            s.m = m
         def forward(s, ids, mask): return s.m(input_ids=ids, attention_mask=mask).last_hidden_state
-    ids = torch.randint(0, 30000, (1, 128)); mask = torch.ones(1, 128, dtype=torch.int64)
+    ids = torch.randint(0, 30000, (1, 128))
+    mask = torch.ones(1, 128, dtype=torch.int64)
     export(W(m), (ids, mask), ["input_ids", "attention_mask"],
-           {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}, "out": {0: "batch", 1: "seq"}},
+           {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"},
+            "out": {0: "batch", 1: "seq"}},
            f"{out}/bert_base.onnx")
 class GPTBlock(torch.nn.Module):
     def __init__(s, d, h):
-        super().__init__(); s.h = h
-        s.ln1 = torch.nn.LayerNorm(d); s.qkv = torch.nn.Linear(d, 3 * d); s.proj = torch.nn.Linear(d, d)
-        s.ln2 = torch.nn.LayerNorm(d); s.fc = torch.nn.Linear(d, 4 * d); s.out = torch.nn.Linear(4 * d, d)
+        super().__init__()
+        s.h = h
+        s.ln1 = torch.nn.LayerNorm(d)
+        s.qkv = torch.nn.Linear(d, 3 * d)
+        s.proj = torch.nn.Linear(d, d)
+        s.ln2 = torch.nn.LayerNorm(d)
+        s.fc = torch.nn.Linear(d, 4 * d)
+        s.out = torch.nn.Linear(4 * d, d)
     def forward(s, x):
         B, T, C = x.shape
         q, k, v = s.qkv(s.ln1(x)).split(C, dim=2)
@@ -57,28 +67,31 @@ class GPTBlock(torch.nn.Module):
 class GPT2(torch.nn.Module):
     def __init__(s, V=50257, P=1024, d=768, L=12, h=12):
         super().__init__()
-        s.wte = torch.nn.Embedding(V, d); s.wpe = torch.nn.Embedding(P, d)
-        s.blocks = torch.nn.ModuleList(GPTBlock(d, h) for _ in range(L)); s.ln = torch.nn.LayerNorm(d)
+        s.wte = torch.nn.Embedding(V, d)
+        s.wpe = torch.nn.Embedding(P, d)
+        s.blocks = torch.nn.ModuleList(GPTBlock(d, h) for _ in range(L))
+        s.ln = torch.nn.LayerNorm(d)
     def forward(s, ids):
         pos = torch.arange(ids.shape[1], device=ids.device)
         x = s.wte(ids) + s.wpe(pos)
-        for b in s.blocks: x = b(x)
+        for b in s.blocks:
+            x = b(x)
         return s.ln(x)
 if "gpt2" in which:
     export(GPT2(), (torch.randint(0, 50000, (1, 128)),), ["input_ids"],
            {"input_ids": {0: "batch", 1: "seq"}, "out": {0: "batch", 1: "seq"}}, f"{out}/gpt2.onnx")
-import torch.nn as nn
-
-
 class Block(nn.Module):
     def __init__(s, cin, cout, stride):
         super().__init__()
-        s.c1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False); s.b1 = nn.BatchNorm2d(cout)
-        s.c2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False); s.b2 = nn.BatchNorm2d(cout)
+        s.c1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        s.b1 = nn.BatchNorm2d(cout)
+        s.c2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        s.b2 = nn.BatchNorm2d(cout)
         s.down = None if stride == 1 and cin == cout else nn.Sequential(
             nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
     def forward(s, x):
-        y = torch.relu(s.b1(s.c1(x))); y = s.b2(s.c2(y))
+        y = torch.relu(s.b1(s.c1(x)))
+        y = s.b2(s.c2(y))
         return torch.relu(y + (x if s.down is None else s.down(x)))
 class ResNet18(nn.Module):
     def __init__(s):
@@ -87,13 +100,16 @@ class ResNet18(nn.Module):
                                nn.MaxPool2d(3, 2, 1))
         layers, cin = [], 64
         for cout, st in [(64, 1), (128, 2), (256, 2), (512, 2)]:
-            layers += [Block(cin, cout, st), Block(cout, cout, 1)]; cin = cout
-        s.layers = nn.Sequential(*layers); s.fc = nn.Linear(512, 1000)
+            layers += [Block(cin, cout, st), Block(cout, cout, 1)]
+            cin = cout
+        s.layers = nn.Sequential(*layers)
+        s.fc = nn.Linear(512, 1000)
     def forward(s, x):
         return s.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(s.layers(s.stem(x)), 1), 1))
 class IR(nn.Module):
     def __init__(s, cin, cout, stride, t):
-        super().__init__(); h = cin * t
+        super().__init__()
+        h = cin * t
         s.res = stride == 1 and cin == cout
         L = [] if t == 1 else [nn.Conv2d(cin, h, 1, bias=False), nn.BatchNorm2d(h), nn.ReLU6()]
         L += [nn.Conv2d(h, h, 3, stride, 1, groups=h, bias=False), nn.BatchNorm2d(h), nn.ReLU6(),
@@ -103,17 +119,24 @@ class IR(nn.Module):
 class MobileNetV2(nn.Module):
     def __init__(s):
         super().__init__()
-        L = [nn.Conv2d(3, 32, 3, 2, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU6()]; cin = 32
-        for t, c, n, st in [(1,16,1,1),(6,24,2,2),(6,32,3,2),(6,64,4,2),(6,96,3,1),(6,160,3,2),(6,320,1,1)]:
-            for i in range(n): L.append(IR(cin, c, st if i == 0 else 1, t)); cin = c
+        L = [nn.Conv2d(3, 32, 3, 2, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU6()]
+        cin = 32
+        for t, c, n, st in [(1,16,1,1),(6,24,2,2),(6,32,3,2),(6,64,4,2),(6,96,3,1),(6,160,3,2),
+                            (6,320,1,1)]:
+            for i in range(n):
+                L.append(IR(cin, c, st if i == 0 else 1, t))
+                cin = c
         L += [nn.Conv2d(cin, 1280, 1, bias=False), nn.BatchNorm2d(1280), nn.ReLU6()]
-        s.f = nn.Sequential(*L); s.fc = nn.Linear(1280, 1000)
+        s.f = nn.Sequential(*L)
+        s.fc = nn.Linear(1280, 1000)
     def forward(s, x): return s.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(s.f(x), 1), 1))
 def _randbn(m):
     for mod in m.modules():
         if isinstance(mod, nn.BatchNorm2d):
-            mod.running_mean.uniform_(-0.1, 0.1); mod.running_var.uniform_(0.5, 1.5)
-            mod.weight.data.uniform_(0.5, 1.5); mod.bias.data.uniform_(-0.1, 0.1)
+            mod.running_mean.uniform_(-0.1, 0.1)
+            mod.running_var.uniform_(0.5, 1.5)
+            mod.weight.data.uniform_(0.5, 1.5)
+            mod.bias.data.uniform_(-0.1, 0.1)
     return m
 if "resnet18" in which:
     export(_randbn(ResNet18()), (torch.randn(1, 3, 224, 224),), ["x"],

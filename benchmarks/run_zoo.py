@@ -29,11 +29,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import onnx  # noqa: E402
+import onnx
 
-import cannc  # noqa: E402
-from cannc.cli import _ort_session, bench  # noqa: E402
-from models import zoo  # noqa: E402
+import cannc
+from cannc.cli import _ort_session, bench
+from models import zoo
 
 
 def gemm_figure(runs: int) -> dict:

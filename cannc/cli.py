@@ -483,7 +483,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for k in rep["kernels"]:
         nodes = ", ".join(k["nodes"])
         rows.append([k["index"], k["symbol"], _clip(nodes, 44), "+".join(k["op_types"]),
-                     _clip(", ".join(type_string(o["dtype"], o["shape"]) for o in k["outputs"]), 32),
+                     _clip(", ".join(type_string(o["dtype"], o["shape"])
+                                     for o in k["outputs"]), 32),
                      _fmt_count(k["flops"]), _fmt_bytes(k["bytes_read"]),
                      _fmt_bytes(k["bytes_written"]), k["tiles"],
                      "1" if k["single_core"] else "all",
@@ -509,11 +510,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     fu = rep["fusion"]
     if "without_fusion" in fu:
         wf = fu["without_fusion"]
+        saved = 1 - rep['intermediate_bytes_written'] / max(wf['intermediate_bytes_written'], 1)
         print(f"fusion: {rep['num_kernels']} kernel(s) vs {wf['num_kernels']} without "
               f"(x{wf['num_kernels'] / max(rep['num_kernels'], 1):.2f} fewer); intermediates "
               f"written {_fmt_bytes(rep['intermediate_bytes_written'])} vs "
               f"{_fmt_bytes(wf['intermediate_bytes_written'])} without "
-              f"(-{100 * (1 - rep['intermediate_bytes_written'] / max(wf['intermediate_bytes_written'], 1)):.0f}%)")
+              f"(-{100 * saved:.0f}%)")
     if fu["not_fused"]:
         print(f"not fused ({len(fu['not_fused'])} neighbouring pair(s)):")
         for d in fu["not_fused"][:args.why_limit]:

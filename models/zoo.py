@@ -207,7 +207,8 @@ class _GraphBuilder:
                bias_first: bool = True, bias_std: float = 0.02) -> str:
         """nn.Linear on an N-d input as torch exports it: MatMul(x, W^T) + Add."""
         with self.scope(scope):
-            w = self.anon_param("MatMul", self.normal((fin, fout), std if std is not None else fin ** -0.5))
+            w = self.anon_param("MatMul", self.normal((fin, fout),
+                                                      std if std is not None else fin ** -0.5))
             b = self.param(self.pname("bias"), self.normal((fout,), bias_std))
             y = self.op("MatMul", [x, w])
             return self.op("Add", [b, y] if bias_first else [y, b])
@@ -251,7 +252,8 @@ class _GraphBuilder:
     def conv(self, x: str, cin: int, cout: int, k: int, stride: int = 1, pad: int = 0,
              group: int = 1, bias: bool = False) -> str:
         fan_in = (cin // group) * k * k
-        w = self.param(self.pname("weight"), self.normal((cout, cin // group, k, k), math.sqrt(2.0 / fan_in)))
+        w = self.param(self.pname("weight"),
+                       self.normal((cout, cin // group, k, k), math.sqrt(2.0 / fan_in)))
         ins = [x, w]
         if bias:
             ins.append(self.param(self.pname("bias"), self.normal((cout,), 0.05)))
@@ -298,7 +300,8 @@ class _GraphBuilder:
                 var = ins[0].var(axis=(0, 2, 3), dtype=np.float64)
                 mean_name, var_name = self._bn_stats[out]
                 c = mu.shape[0]
-                self.params[mean_name] = (mu + 0.05 * np.sqrt(var) * self.rng.standard_normal(c)).astype(np.float32)
+                self.params[mean_name] = (
+                    mu + 0.05 * np.sqrt(var) * self.rng.standard_normal(c)).astype(np.float32)
                 self.params[var_name] = (var * self.rng.uniform(0.85, 1.15, c)).astype(np.float32)
                 ins[3], ins[4] = self.params[mean_name], self.params[var_name]
                 y = _NP_OPS[node.op_type](ins, attrs)
@@ -394,7 +397,8 @@ def _check_decomposed(value) -> str:
         return {True: "all", False: "none"}.get(value, value)  # type: ignore[arg-type]
     if value in ("all", "none"):
         return value
-    raise ValueError(f"decomposed_layernorm must be True, False, 'mixed', 'all' or 'none', got {value!r}")
+    raise ValueError("decomposed_layernorm must be True, False, 'mixed', 'all' or 'none', "
+                     f"got {value!r}")
 
 
 # --------------------------------------------------------------------------
@@ -451,7 +455,8 @@ def _basic_block(g: _GraphBuilder, x: str, cin: int, cout: int, stride: int) -> 
 
 
 def resnet(seed: int = 0, *, opset: int = DEFAULT_OPSET, channels: Sequence[int] = (32, 64),
-           blocks_per_stage: int = 1, num_classes: int = 10, image_size: int = 64) -> onnx.ModelProto:
+           blocks_per_stage: int = 1, num_classes: int = 10,
+           image_size: int = 64) -> onnx.ModelProto:
     """ResNet-18-style CNN (torchvision layout, unfused BN)."""
     g = _GraphBuilder(seed, opset, min_opset=13, model="resnet")
     x = g.input("input", TensorProto.FLOAT, ["batch", 3, image_size, image_size])
@@ -512,9 +517,11 @@ def _conv_bn(g: _GraphBuilder, x: str, cin: int, cout: int, k: int, stride: int 
 
 def mobilenet(seed: int = 0, *, opset: int = DEFAULT_OPSET, num_classes: int = 10,
               image_size: int = 64, stem_channels: int = 16, last_channels: int = 128,
-              setting: Sequence[tuple[int, int, int, int]] = ((1, 16, 1, 1), (4, 24, 2, 2), (4, 32, 2, 2)),
+              setting: Sequence[tuple[int, int, int, int]] = ((1, 16, 1, 1), (4, 24, 2, 2),
+                                                              (4, 32, 2, 2)),
               ) -> onnx.ModelProto:
-    """MobileNetV2-style net. ``setting`` rows are (expand t, out channels c, repeats n, stride s)."""
+    """MobileNetV2-style net. ``setting`` rows are (expand t, out channels c, repeats n,
+    stride s)."""
     g = _GraphBuilder(seed, opset, min_opset=14, model="mobilenet")  # HardSwish needs 14
     x = g.input("input", TensorProto.FLOAT, ["batch", 3, image_size, image_size])
     idx = 0
@@ -555,14 +562,16 @@ def mobilenet(seed: int = 0, *, opset: int = DEFAULT_OPSET, num_classes: int = 1
     shape = g.op("Concat", [bsz, g.i64([-1])], axis=0)
     h = g.op("Reshape", [h, shape])
     with g.scope("classifier", "classifier.1"):
-        w = g.param("classifier.1.weight", g.normal((num_classes, last_channels), last_channels ** -0.5))
+        w = g.param("classifier.1.weight",
+                    g.normal((num_classes, last_channels), last_channels ** -0.5))
         b = g.param("classifier.1.bias", g.normal((num_classes,), 0.05))
         h = g.op("Gemm", [h, w, b], alpha=1.0, beta=1.0, transB=1)
     g.output(h, "logits", TensorProto.FLOAT, ["batch", num_classes])
     g.calibrate({x: g.normal((_CALIB_BATCH, 3, image_size, image_size), 1.0)},
                 classifier=(feats, w, b))
     return g.model("mobilenet", "MobileNetV2-style net: inverted residuals (1x1 expand, 3x3 "
-                   "depthwise, 1x1 project), BN, ReLU6 as Clip, HardSwish head, GAP, Reshape, Gemm.",
+                   "depthwise, 1x1 project), BN, ReLU6 as Clip, HardSwish head, GAP, Reshape, "
+                   "Gemm.",
                    {"image_size": image_size, "num_classes": num_classes})
 
 
@@ -620,7 +629,8 @@ def bert(seed: int = 0, *, opset: int = DEFAULT_OPSET, vocab_size: int = 1000, h
 
     # ---- embeddings ---------------------------------------------------------
     with g.scope("embeddings"):
-        pos_buf = g.param("embeddings.position_ids", np.arange(max_position, dtype=np.int64)[None, :])
+        pos_buf = g.param("embeddings.position_ids",
+                          np.arange(max_position, dtype=np.int64)[None, :])
         tt_buf = g.param("embeddings.token_type_ids", np.zeros((1, max_position), np.int64))
         seq = g.unsqueeze(g.shape_dim(ids, 1), [0])
         # self.token_type_ids[:, :seq_length].expand(batch, seq_length)
@@ -632,11 +642,13 @@ def bert(seed: int = 0, *, opset: int = DEFAULT_OPSET, vocab_size: int = 1000, h
             wte = g.param("embeddings.word_embeddings.weight", g.normal((vocab_size, hidden), 0.5))
             e = g.op("Gather", [wte, ids])
         with g.scope("token_type_embeddings"):
-            tte = g.param("embeddings.token_type_embeddings.weight", g.normal((type_vocab_size, hidden), 0.2))
+            tte = g.param("embeddings.token_type_embeddings.weight",
+                          g.normal((type_vocab_size, hidden), 0.2))
             t = g.op("Gather", [tte, tt])
         e = g.op("Add", [e, t])
         with g.scope("position_embeddings"):
-            wpe = g.param("embeddings.position_embeddings.weight", g.normal((max_position, hidden), 0.3))
+            wpe = g.param("embeddings.position_embeddings.weight",
+                          g.normal((max_position, hidden), 0.3))
             p = g.op("Gather", [wpe, pos])
         e = g.op("Add", [e, p])
         with g.scope("LayerNorm"):
@@ -702,7 +714,8 @@ def bert(seed: int = 0, *, opset: int = DEFAULT_OPSET, vocab_size: int = 1000, h
 
     g.output(last_hidden, "last_hidden_state", TensorProto.FLOAT, ["batch", "seq", hidden])
     g.output(pooled, "pooler_output", TensorProto.FLOAT, ["batch", hidden])
-    return g.model("bert", f"BERT-style encoder: {num_layers} layers, hidden {hidden}, {num_heads} heads, "
+    return g.model("bert", f"BERT-style encoder: {num_layers} layers, hidden {hidden}, "
+                   f"{num_heads} heads, "
                    f"FFN {intermediate}, erf GELU, mask_mode={mask_mode}, layernorm={ln_mode}.",
                    {"vocab_size": vocab_size, "max_position": max_position, "hidden": hidden})
 
@@ -747,7 +760,8 @@ def gpt(seed: int = 0, *, opset: int = DEFAULT_OPSET, vocab_size: int = 512, hid
             wte = g.param("transformer.wte.weight", wte_w)
             te = g.op("Gather", [wte, ids2])
         with g.scope("wpe"):
-            wpe = g.param("transformer.wpe.weight", g.normal((max_position, hidden), 0.5 * hidden ** -0.5))
+            wpe = g.param("transformer.wpe.weight",
+                          g.normal((max_position, hidden), 0.5 * hidden ** -0.5))
             pe = g.op("Gather", [wpe, pos])
         h = g.op("Add", [te, pe])
         for i in range(num_layers):
@@ -764,13 +778,15 @@ def gpt(seed: int = 0, *, opset: int = DEFAULT_OPSET, vocab_size: int = 512, hid
                     kt = g.op("Transpose", [k], perm=[0, 1, 3, 2])  # key.transpose(-1, -2)
                     w = g.op("MatMul", [q, kt])
                     w = g.op("Div", [w, g.const(math.sqrt(head_dim))])
-                    # causal_mask = self.bias[:, :, key_length - query_length:key_length, :key_length]
+                    # causal_mask = self.bias[:, :, key_length - query_length:key_length,
+                    #                         :key_length]
                     bias = g.param(g.pname("bias"), tril)
                     q_len = g.shape_dim(q, 2)
                     k_len = g.shape_dim(k, 2)
                     start = g.op("Sub", [k_len, q_len])
                     k_len_u = g.unsqueeze(k_len, [0])
-                    cm = g.op("Slice", [bias, g.unsqueeze(start, [0]), k_len_u, g.i64([2]), g.i64([1])])
+                    cm = g.op("Slice",
+                              [bias, g.unsqueeze(start, [0]), k_len_u, g.i64([2]), g.i64([1])])
                     cm = g.op("Slice", [cm, g.i64([0]), k_len_u, g.i64([3]), g.i64([1])])
                     if mask_dtype == "uint8":
                         cm = g.op("Cast", [cm], to=TensorProto.BOOL)
@@ -796,7 +812,8 @@ def gpt(seed: int = 0, *, opset: int = DEFAULT_OPSET, vocab_size: int = 512, hid
         lm_w = g.anon_param("MatMul", np.ascontiguousarray(wte_w.T))
         logits = g.op("MatMul", [h, lm_w])
     g.output(logits, "logits", TensorProto.FLOAT, ["batch", "seq", vocab_size])
-    return g.model("gpt", f"GPT-2-style LM: {num_layers} blocks, hidden {hidden}, {num_heads} heads, "
+    return g.model("gpt", f"GPT-2-style LM: {num_layers} blocks, hidden {hidden}, "
+                   f"{num_heads} heads, "
                    f"fused qkv + Split, causal {mask_dtype} buffer sliced + Where, tanh GELU, "
                    f"layernorm={ln_mode}, tied lm head to vocab {vocab_size}.",
                    {"vocab_size": vocab_size, "max_position": max_position, "hidden": hidden})

@@ -107,9 +107,11 @@ def single_node_model(op_type: str, inputs: Sequence[np.ndarray | None], n_outpu
     node = helper.make_node(op_type, names, outs, domain=domain or None, **attrs)
     out_vi = []
     for j, o in enumerate(outs):
-        et = TensorProto.UNDEFINED if output_dtypes is None else NP_TO_ONNX[np.dtype(output_dtypes[j])]
+        et = (TensorProto.UNDEFINED if output_dtypes is None
+              else NP_TO_ONNX[np.dtype(output_dtypes[j])])
         out_vi.append(helper.make_tensor_value_info(o, et, None))
-    g = helper.make_graph([node], f"{op_type.lower()}_test", graph_inputs, out_vi, initializer=inits)
+    g = helper.make_graph([node], f"{op_type.lower()}_test", graph_inputs, out_vi,
+                          initializer=inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
     m.ir_version = min(m.ir_version, 9)
     # let ONNX fill in the output types so the checker is satisfied

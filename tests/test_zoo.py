@@ -78,12 +78,14 @@ def _run(name: str, feeds: dict[str, np.ndarray], **kw) -> dict[str, np.ndarray]
 
 def _shapes(name, batch, seq):
     dims = {"batch": batch, "seq": seq}
-    return {k: tuple(dims.get(d, d) for d in shape) for k, (_, shape) in EXPECTED_IO[name][1].items()}
+    return {k: tuple(dims.get(d, d) for d in shape)
+            for k, (_, shape) in EXPECTED_IO[name][1].items()}
 
 
 def _io(vis):
     return {v.name: (v.type.tensor_type.elem_type,
-                     [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]) for v in vis}
+                     [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim])
+            for v in vis}
 
 
 # ---------------------------------------------------------------- structure
@@ -124,7 +126,8 @@ def test_structural_details():
     r = _model("resnet")
     convs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
              for n in r.graph.node if n.op_type == "Conv"]
-    assert convs[0]["kernel_shape"] == [7, 7] and convs[0]["strides"] == [2, 2] and convs[0]["pads"] == [3] * 4
+    assert (convs[0]["kernel_shape"] == [7, 7] and convs[0]["strides"] == [2, 2]
+            and convs[0]["pads"] == [3] * 4)
     assert any(c["kernel_shape"] == [1, 1] and c["strides"] == [2, 2] for c in convs)
     gemm = next(n for n in r.graph.node if n.op_type == "Gemm")
     assert {a.name: onnx.helper.get_attribute_value(a) for a in gemm.attribute}["transB"] == 1
@@ -272,7 +275,8 @@ def test_size_options():
     assert feeds["input_ids"].max() < 50
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    y = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)
+    y = ort.InferenceSession(m.SerializeToString(), so,
+                             providers=["CPUExecutionProvider"]).run(None, feeds)
     assert y[0].shape == (2, 4, 64) and y[1].shape == (2, 64)
     r = zoo.build("resnet", channels=(16, 32, 48), blocks_per_stage=2)
     onnx.checker.check_model(r, full_check=True)

@@ -1042,8 +1042,8 @@ class _Gen(VecBuilder):
                     return new
 
                 def make_body(nstep, step=step):
-                    def body(j, a, ptrs):
-                        vp, pps = ptrs[0], ptrs[1:]
+                    def body(j, a, streams):
+                        vp, pps = streams[0], streams[1:]
                         for u in range(nstep):
                             a = step(a, vp, pps, u)
                         return a, [self.gep(vp, self.imul(nstep, ldv))] + [
@@ -1060,12 +1060,13 @@ class _Gen(VecBuilder):
                 else:
                     _, accs, _ = self.grid_loop(0, kbl, 1, accs, ptrs, make_body(1), "vj")
 
-                def partial():
+                # finish_block calls these at once; the defaults pin this chunk's values
+                def partial(accs=accs, o_ptrs=o_ptrs, nv=nv):
                     for k in range(MR):
                         for v in range(nv):
                             self.store_v(accs[k][v], self.gep(o_ptrs[k], 16 * v))
 
-                def final():
+                def final(accs=accs, rows=rows, cv0=cv0, nv=nv, omask=omask):
                     for k in range(MR):
                         inv = b.fdiv(
                             ir.Constant(F32, 1.0), self.load_f(self.gep(self.ws_l, rows[k]))

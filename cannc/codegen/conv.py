@@ -329,11 +329,12 @@ def _grid(geom: ConvGeom, K: int, pu: int, cu: int, pmax: int, cores: int,
                 px = min(OHW, (pb + 1) * P) - pb * P
                 pre.append(pre[-1] + tile_cost(ch, px))
 
-            def upto(t):
+            def upto(t, per=per, pre=pre):
                 return (t // per) * pre[per] + pre[t % per]
 
             worst = dispatch_time(T, cores, lambda t0, t1: upto(t1) - upto(t0))
-            if best is None or worst < best[0] * 0.995 or (worst <= best[0] * 1.005 and T < best[5]):
+            if (best is None or worst < best[0] * 0.995
+                    or (worst <= best[0] * 1.005 and T < best[5])):
                 best = (worst, PB, P, MB, CH, T)
     return best
 
@@ -424,7 +425,8 @@ def plan_workspace(plan: ConvPlan, const_weights: bool) -> ConvPlan:
 # weights
 # ---------------------------------------------------------------------------
 
-def conv_weight_matrix(geom: ConvGeom, w: np.ndarray, transposed_layout: bool = False) -> np.ndarray:
+def conv_weight_matrix(geom: ConvGeom, w: np.ndarray,
+                       transposed_layout: bool = False) -> np.ndarray:
     """The weights as [G, Mg, K] (K in (ci, kd, kh, kw) order).
 
     ``transposed_layout``: ``w`` is a ConvTranspose weight [C, Mg, KD, KH, KW]
@@ -791,7 +793,8 @@ class _ConvGen:
                     m = b.select(okr, m, m_lo)
                     if self.tl:
                         # W_T[(g*Cg + ci)][m][KK-1-tap]
-                        idx = b.add(b.mul(b.add(b.mul(b.add(b.mul(gi, i64(g.Cg)), ci), i64(g.Mg)), m),
+                        idx = b.add(b.mul(b.add(b.mul(b.add(b.mul(gi, i64(g.Cg)), ci),
+                                                          i64(g.Mg)), m),
                                           i64(g.KK)), sp)
                     else:
                         idx = b.add(b.mul(b.add(b.mul(gi, i64(g.Mg)), m), i64(g.K)), k)
@@ -1017,8 +1020,10 @@ def plan_convtranspose(geom: ConvTGeom, cores: int = 2) -> ConvTPlan:
         per = [0.0] * MB
         for mb in range(MB):
             ch = min(Mg, (mb + 1) * chb) - mb * chb
-            per[mb] = 2.0 * rup(ch * KK, MR) * geom.Cg * rup(HW, 32) + 4.0 * ch * geom.OHW * KK + 5000
-        worst = dispatch_time(T, cores, lambda t0, t1: sum(per[t % MB] for t in range(t0, t1)))
+            per[mb] = (2.0 * rup(ch * KK, MR) * geom.Cg * rup(HW, 32)
+                       + 4.0 * ch * geom.OHW * KK + 5000)
+        worst = dispatch_time(
+            T, cores, lambda t0, t1, per=per, MB=MB: sum(per[t % MB] for t in range(t0, t1)))
         if best is None or worst < best[0] * 0.995:
             best = (worst, MB, chb, rows, T)
     _, MB, CHB, rows, T = best

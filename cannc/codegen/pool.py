@@ -189,7 +189,8 @@ class _WindowGen:
                     rr, act, od, oh = rows[i]
                     idd = b.add(b.mul(od, i64(sd)), i64(kd * dd - pd))
                     ihh = b.add(b.mul(oh, i64(sh)), i64(kh * dh - ph))
-                    ok = b.and_(b.icmp_unsigned("<", idd, i64(D)), b.icmp_unsigned("<", ihh, i64(H)))
+                    ok = b.and_(b.icmp_unsigned("<", idd, i64(D)),
+                                b.icmp_unsigned("<", ihh, i64(H)))
                     if act is not None:
                         ok = b.and_(ok, act)
                     rowidx = b.select(ok, b.add(b.mul(idd, i64(H)), ihh), i64(0))
@@ -292,8 +293,11 @@ class _WindowGen:
         raise ValueError(k)
 
 
+_WINDOW_SLOTS = Slots(x=0, w=-1, b=-1, y=1)  # x and y; no weights, no bias
+
+
 def emit_window(module: ir.Module, name: str, spec: WindowSpec, plan: WindowPlan,
-                slots: Slots = Slots(x=0, w=-1, b=-1, y=1),
+                slots: Slots = _WINDOW_SLOTS,
                 epilogue: Epilogue | None = None) -> ir.Function:
     """Emit the window kernel as an ABI function named ``name`` (tiles: plan.num_tiles).
     ``epilogue`` (see codegen.conv.Epilogue) maps the final values (e.g. a fused

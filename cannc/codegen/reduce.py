@@ -1355,7 +1355,8 @@ def emit_cumsum(ctx: LowerCtx, axis: int, exclusive: bool, reverse: bool) -> Non
     nblk = max(1, -(-inner // blk_elems))
     if outer * nblk < MIN_TILES and inner > lanes * UNROLL:
         nblk = min(-(-inner // (lanes * UNROLL)), -(-MIN_TILES // outer))
-    blk = -(-(-(-inner // nblk)) // lanes) * lanes
+    per_blk = -(-inner // nblk)
+    blk = -(-per_blk // lanes) * lanes
     nblk = -(-inner // blk)
     last = inner - (nblk - 1) * blk
     ctx.num_tiles = max(1, outer * nblk)

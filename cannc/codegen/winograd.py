@@ -560,8 +560,11 @@ class _WinoGen:
                         v.scatter(val, ptrs, mask)
 
 
+_DEFAULT_SLOTS = Slots()
+
+
 def emit_winograd(module: ir.Module, name: str, geom: ConvGeom, plan: WinoPlan,
-                  slots: Slots = Slots(), epilogue: Epilogue | None = None) -> ir.Function:
+                  slots: Slots = _DEFAULT_SLOTS, epilogue: Epilogue | None = None) -> ir.Function:
     """Emit the Winograd convolution as an ABI kernel ``name``; the weight argument holds
     ``pack_winograd_weights(geom, plan, W)``. Tiles: ``plan.num_tiles``; workspace:
     ``plan.ws_bytes`` per core."""

@@ -36,7 +36,8 @@ def load_model_proto(model: Any) -> tuple[onnx.ModelProto, str | None]:
                 from onnx.external_data_helper import load_external_data_for_model
                 load_external_data_for_model(proto, base_dir)
         else:
-            raise ModelError(f"expected a path, bytes or onnx.ModelProto, got {type(model).__name__}")
+            raise ModelError("expected a path, bytes or onnx.ModelProto, "
+                             f"got {type(model).__name__}")
     except ModelError:
         raise
     except Exception as e:  # protobuf DecodeError, OSError, ...

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 import numpy as np
 import onnx
 
-Dim = Union[int, str]
+Dim = int | str
 
 try:  # bfloat16 / float8 dtypes for numpy
     import ml_dtypes as _mld

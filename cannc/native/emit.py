@@ -95,7 +95,8 @@ def splat(b: ir.IRBuilder, scalar: ir.Value, n: int) -> ir.Value:
     if isinstance(scalar, ir.Constant):
         return ir.Constant(vt, [scalar.constant] * n)
     v = b.insert_element(ir.Constant(vt, ir.Undefined), scalar, ir.Constant(I32, 0))
-    return b.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(I32, n), [0] * n))
+    return b.shuffle_vector(v, ir.Constant(vt, ir.Undefined),
+                            ir.Constant(ir.VectorType(I32, n), [0] * n))
 
 
 def const_like(value: float | int, ty: ir.Type) -> ir.Constant:

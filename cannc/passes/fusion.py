@@ -350,7 +350,7 @@ def fusion(graph: Graph, ctx: PassContext) -> bool:
     # contraction epilogues first: they take whole groups
     for rule in (EPILOGUE, PROLOGUE):
         changed |= rule.run(graph, groups, ctx)
-    for gid, names in groups.members.items():
+    for _gid, names in groups.members.items():
         if len(names) < 2:
             continue
         ins, outs = group_io(graph, names)

@@ -90,7 +90,8 @@ class Profile:
                          for i, b in enumerate(self.core_busy_ms))
         lines.append(f"run {self.run_ms:.3f} ms = copy-in {self.h2d_ms:.3f} + compute "
                      f"{self.compute_ms:.3f} + copy-out {self.d2h_ms:.3f}; kernels sum to "
-                     f"{self.kernel_ms:.3f} ms ({100 * self.kernel_ms / max(self.compute_ms, 1e-12):.0f}% "
+                     f"{self.kernel_ms:.3f} ms "
+                     f"({100 * self.kernel_ms / max(self.compute_ms, 1e-12):.0f}% "
                      "of compute)")
         lines.append(f"AI cores busy: {busy}")
         m = self.memory

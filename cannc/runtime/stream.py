@@ -119,7 +119,8 @@ class Stream:
         """Copy src to dst in stream order. From pinned memory the call returns at once;
         from pageable memory it returns when the copy is done."""
         if dst.shape != src.shape or dst.dtype != src.dtype:
-            raise ValueError(f"memcpy: {src.dtype}{list(src.shape)} -> {dst.dtype}{list(dst.shape)}")
+            raise ValueError(f"memcpy: {src.dtype}{list(src.shape)} -> "
+                             f"{dst.dtype}{list(dst.shape)}")
         if is_pinned(src) or kind == "d2h":
             self.enqueue(lambda: self.copy_engine.submit(kind, dst, src).result())
         else:

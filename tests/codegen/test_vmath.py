@@ -49,7 +49,8 @@ DENORM_MIN = 2.0 ** -149
 # kernel construction and JIT
 # ---------------------------------------------------------------------------
 
-def _emit_kernel(module: ir.Module, name: str, body, elem: ir.Type, nin: int, width: int = W) -> None:
+def _emit_kernel(module: ir.Module, name: str, body, elem: ir.Type, nin: int,
+                 width: int = W) -> None:
     """void name(ptr in0, ..., ptr out, i64 n): out[i] = body(b, in0[i], ...)."""
     fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [PTR] * (nin + 1) + [I64]), name)
     ins, out, n = list(fn.args[:nin]), fn.args[nin], fn.args[nin + 1]
@@ -192,10 +193,12 @@ def errors(got: np.ndarray, ref64: np.ndarray, x=None):
         ref32 = ref64.astype(np.float32).astype(np.float64)
     gn, rn = np.isnan(got), np.isnan(ref64)
     bad = np.flatnonzero(gn != rn)
-    assert bad.size == 0, f"NaN mismatch at x={x[bad[:5]] if x is not None else bad[:5]}: got {got[bad[:5]]} ref {ref64[bad[:5]]}"
+    assert bad.size == 0, (f"NaN mismatch at x={x[bad[:5]] if x is not None else bad[:5]}: "
+                           f"got {got[bad[:5]]} ref {ref64[bad[:5]]}")
     ginf, rinf = np.isinf(got), np.isinf(ref32)
     bad = np.flatnonzero((ginf | rinf) & (got != ref32))
-    assert bad.size == 0, f"inf mismatch at x={x[bad[:5]] if x is not None else bad[:5]}: got {got[bad[:5]]} ref {ref64[bad[:5]]}"
+    assert bad.size == 0, (f"inf mismatch at x={x[bad[:5]] if x is not None else bad[:5]}: "
+                           f"got {got[bad[:5]]} ref {ref64[bad[:5]]}")
     fin = ~(gn | rn | ginf | rinf)
     g, r = got[fin], ref64[fin]
     err = np.abs(g - r)
@@ -325,7 +328,8 @@ def test_bounded(jit, name):
         assert np.all(np.abs(g2 - r2) <= 1e-6 * np.abs(r2)), (g2, r2)
         assert np.signbit(g2[-1])
     sat = jit.run(f"{name}_f32", np.float32([np.inf, -np.inf, 50.0, -50.0]))
-    want = {"erf": [1, -1, 1, -1], "tanh": [1, -1, 1, -1], "sigmoid": [1, 0, 1, 1.9287498e-22]}[name]
+    want = {"erf": [1, -1, 1, -1], "tanh": [1, -1, 1, -1],
+            "sigmoid": [1, 0, 1, 1.9287498e-22]}[name]
     np.testing.assert_allclose(sat, want, rtol=1e-6)
 
 
@@ -408,7 +412,8 @@ def _pow_inputs():
     y2 = rng.uniform(-3, 3, n).astype(np.float32)
     # negative bases with integer and non-integer exponents
     x3 = -rng.uniform(0, 10, n).astype(np.float32)
-    y3 = np.where(rng.random(n) < 0.7, rng.integers(-20, 20, n), rng.uniform(-5, 5, n)).astype(np.float32)
+    y3 = np.where(rng.random(n) < 0.7, rng.integers(-20, 20, n),
+                  rng.uniform(-5, 5, n)).astype(np.float32)
     sp = np.float32([0.0, -0.0, 1.0, -1.0, 2.0, -2.0, 0.5, np.inf, -np.inf, np.nan, 3.0, -3.0,
                      DENORM_MIN, 1e-40, 1e30, -1e30, 1e-30, 2.5, -2.5, 16777216.0, 1e10])
     xs, ys = np.meshgrid(sp, sp)
@@ -483,9 +488,11 @@ def test_half(jit):
     got = jit.run("exp_f16", x)
     np.testing.assert_allclose(got.astype(np.float64), np.exp(x.astype(np.float64)), rtol=1e-3)
     got = jit.run("tanh_f16", x)
-    np.testing.assert_allclose(got.astype(np.float64), np.tanh(x.astype(np.float64)), rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(got.astype(np.float64), np.tanh(x.astype(np.float64)),
+                               rtol=1e-3, atol=1e-4)
     got = jit.run("pow_f16", x, np.full_like(x, 3))
-    np.testing.assert_allclose(got.astype(np.float64), x.astype(np.float64) ** 3, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(got.astype(np.float64), x.astype(np.float64) ** 3,
+                               rtol=1e-3, atol=1e-4)
 
 
 # ---------------------------------------------------------------------------
@@ -541,7 +548,8 @@ def main() -> None:
         ax = aligned(n)
         ax[:] = np.abs(x)
         oa = out.ctypes.data
-        for name in ("exp", "log", "tanh", "sigmoid", "erf", "gelu_erf", "gelu_tanh", "softplus", "sin"):
+        for name in ("exp", "log", "tanh", "sigmoid", "erf", "gelu_erf", "gelu_tanh", "softplus",
+                     "sin"):
             f = j.func(f"{name}_f32", 1)
             src = ax if name == "log" else x
             sa = src.ctypes.data

@@ -69,7 +69,8 @@ _ALIASES = {"batchnorm": "BatchNormalization", "instancenorm": "InstanceNormaliz
             "simple_rnn": "RNN", "rnn_seq": "RNN", "gru": "GRU", "lstm": "LSTM",
             "cast_e8m0": "Cast", "cast_no_saturate": "Cast", "tfidfvectorizer": "TfIdfVectorizer",
             "ai_onnx_ml": None, "mvn": "MeanVarianceNormalization", "shape": "Shape",
-            "sequence_model": None, "strnorm": "StringNormalizer", "strnormalizer": "StringNormalizer",
+            "sequence_model": None, "strnorm": "StringNormalizer",
+            "strnormalizer": "StringNormalizer",
             "reduce_log_sum_exp": "ReduceLogSumExp", "logsoftmax": "LogSoftmax",
             "log_softmax": "LogSoftmax", "convtranspose": "ConvTranspose"}
 _NAMES: dict[str, str] | None = None

@@ -59,7 +59,8 @@ def test_value_specialisation_of_shape_inputs():
     from onnx import TensorProto, helper
 
     g = helper.make_graph(
-        [helper.make_node("Reshape", ["x", "shape"], ["r"]), helper.make_node("Relu", ["r"], ["y"])],
+        [helper.make_node("Reshape", ["x", "shape"], ["r"]),
+         helper.make_node("Relu", ["r"], ["y"])],
         "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6]),
               helper.make_tensor_value_info("shape", TensorProto.INT64, [2])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])

@@ -189,7 +189,8 @@ CT_CASES = [
     ((1, 4, 5, 6), (4, 3, 3, 3), dict(strides=[3, 2], dilations=[2, 1])),
     ((1, 40, 7, 7), (40, 24, 2, 2), dict(strides=[2, 2])),
     ((1, 6, 5, 7), (6, 5, 4, 5), dict(strides=[4, 4], pads=[1, 2, 0, 1])),
-    ((2, 64, 9, 10), (64, 20, 3, 3), dict(strides=[2, 2], pads=[1, 1, 1, 1], output_padding=[1, 1])),
+    ((2, 64, 9, 10), (64, 20, 3, 3),
+     dict(strides=[2, 2], pads=[1, 1, 1, 1], output_padding=[1, 1])),
     ((1, 4, 9), (4, 3, 3), dict(strides=[2])),
     ((1, 3, 4, 5, 3), (3, 2, 3, 3, 3), dict(strides=[2, 2, 1], pads=[1, 1, 0, 0, 1, 1])),
 ]
@@ -245,7 +246,8 @@ POOL_CASES = [
 
 
 @pytest.mark.parametrize("op,xs,attrs", POOL_CASES,
-                         ids=[f"{o}-{'x'.join(map(str, s))}-" + ",".join(f"{k}={v}" for k, v in a.items())
+                         ids=[f"{o}-{'x'.join(map(str, s))}-"
+                              + ",".join(f"{k}={v}" for k, v in a.items())
                               for o, s, a in POOL_CASES])
 def test_pool(op, xs, attrs):
     check_op(op, [rnd(*xs)], **TOL, **attrs)
@@ -335,7 +337,8 @@ def _index_epilogue(b, val, offset, stride, mask):
     return b.fadd(val, b.sitofp(idx, VF))
 
 
-@pytest.mark.parametrize("tuning", [dict(swap=False), dict(swap=True), dict(swap=False, direct=False)],
+@pytest.mark.parametrize("tuning",
+                         [dict(swap=False), dict(swap=True), dict(swap=False, direct=False)],
                          ids=["normal", "swapped", "im2col"])
 def test_conv_epilogue_offsets(tuning):
     x, w, bias = conv_inputs((2, 12, 9, 10), (40, 12, 3, 3))

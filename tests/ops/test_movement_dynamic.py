@@ -105,7 +105,8 @@ def test_gather_long_rows_are_chunked():
 def test_element_gather_is_shape_polymorphic():
     """An element gather (one column per index: [N, 1] data, indices [B, 1, 1, S], as a
     padding-mask lookup exports) runs at every size with the code of the first."""
-    m, _ = single_node_model("Gather", [np.zeros((9, 1), np.bool_), np.zeros((2, 1, 1, 3), np.int64)],
+    m, _ = single_node_model("Gather",
+                             [np.zeros((9, 1), np.bool_), np.zeros((2, 1, 1, 3), np.int64)],
                              axis=0)
     m = dynamic(m, {"in0": {0: "n"}, "in1": {0: "batch", 3: "seq"}})
     feeds = []

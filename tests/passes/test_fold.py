@@ -25,7 +25,8 @@ def _reshape_chain_model():
              helper.make_tensor("minus1", TensorProto.INT64, [1], [-1])]
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
                                                                      ["batch", 3, 4])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", "m"])], inits)
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", "m"])],
+                          inits)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 

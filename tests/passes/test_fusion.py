@@ -87,18 +87,23 @@ def test_matmul_bias_activation_epilogue(act):
              helper.make_node("Add", ["mm", "b"], ["h"])]
     inits = [("w", R.standard_normal((K, N)) / 8), ("b", R.standard_normal(N))]
     if act == "gelu_erf":
-        nodes += [helper.make_node("Div", ["h", "sq2"], ["d"]), helper.make_node("Erf", ["d"], ["e"]),
+        nodes += [helper.make_node("Div", ["h", "sq2"], ["d"]),
+                  helper.make_node("Erf", ["d"], ["e"]),
                   helper.make_node("Add", ["e", "one"], ["e1"]),
                   helper.make_node("Mul", ["h", "e1"], ["g"]),
                   helper.make_node("Mul", ["g", "half"], ["y"])]
         inits += [("sq2", np.float32(1.4142135)), ("one", np.float32(1)), ("half", np.float32(.5))]
     elif act == "gelu_tanh":
         nodes += [helper.make_node("Pow", ["h", "three"], ["p"]),
-                  helper.make_node("Mul", ["p", "c"], ["pc"]), helper.make_node("Add", ["h", "pc"], ["s"]),
-                  helper.make_node("Mul", ["s", "k"], ["sk"]), helper.make_node("Tanh", ["sk"], ["t"]),
-                  helper.make_node("Add", ["t", "one"], ["t1"]), helper.make_node("Mul", ["h", "t1"], ["g"]),
+                  helper.make_node("Mul", ["p", "c"], ["pc"]),
+                  helper.make_node("Add", ["h", "pc"], ["s"]),
+                  helper.make_node("Mul", ["s", "k"], ["sk"]),
+                  helper.make_node("Tanh", ["sk"], ["t"]),
+                  helper.make_node("Add", ["t", "one"], ["t1"]),
+                  helper.make_node("Mul", ["h", "t1"], ["g"]),
                   helper.make_node("Mul", ["g", "half"], ["y"])]
-        inits += [("three", np.float32(3)), ("c", np.float32(0.044715)), ("k", np.float32(0.7978846)),
+        inits += [("three", np.float32(3)), ("c", np.float32(0.044715)),
+                  ("k", np.float32(0.7978846)),
                   ("one", np.float32(1)), ("half", np.float32(.5))]
     elif act == "relu":
         nodes += [helper.make_node("Relu", ["h"], ["y"])]
@@ -147,7 +152,8 @@ def _decomposed_layernorm(gamma=True):
              helper.make_node("Div", ["d", "s"], ["n" if gamma else "y"])]
     inits = [("two", np.float32(2)), ("eps", np.float32(1e-12))]
     if gamma:
-        nodes += [helper.make_node("Mul", ["n", "g"], ["ng"]), helper.make_node("Add", ["ng", "b"], ["y"])]
+        nodes += [helper.make_node("Mul", ["n", "g"], ["ng"]),
+                  helper.make_node("Add", ["ng", "b"], ["y"])]
         inits += [("g", R.standard_normal(48)), ("b", R.standard_normal(48))]
     return _model(nodes, [("x", [2, 7, 48])], [("y", [2, 7, 48])], inits, opset=13)
 

@@ -128,7 +128,8 @@ def test_in_place_reuse_keeps_results_right():
     nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Exp", ["a"], ["b"]),
              helper.make_node("ReduceSum", ["b"], ["s"], keepdims=1),
              helper.make_node("Div", ["b", "s"], ["y"])]
-    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 64])],
+    g = helper.make_graph(nodes, "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 64])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64, 64])])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
     sess = cannc.compile(m, cores=2, fusion=False)

@@ -287,7 +287,7 @@ def _lower_attention(ctx: LowerCtx) -> None:
         specs.append((_spec(p, tail, bias=True), 1, nfull * R))
     inners = []
     ws_inner = 0
-    for k, (spec, count, start) in enumerate(specs):
+    for k, (spec, _count, _start) in enumerate(specs):
         inners.append(emit_attention(ctx.module, f"attention_rows{k}", spec))
         ws_inner = max(ws_inner, attention_workspace_bytes(spec))
     bias_off = _rup(ws_inner, 64)

@@ -312,7 +312,8 @@ def _lower_convtranspose(ctx: LowerCtx) -> None:
         ctx.workspace_bytes = tplan.ws_bytes
         ctx.flops = tg.flops
         ctx.single_core = tg.flops < SINGLE_CORE_FLOPS
-        ctx.notes["path"] = f"gemm+col2im MR{tplan.MR} CH{tplan.CHB}x{tplan.MB} CB{tplan.CB}x{tplan.nkb}"
+        ctx.notes["path"] = (f"gemm+col2im MR{tplan.MR} CH{tplan.CHB}x{tplan.MB} "
+                             f"CB{tplan.CB}x{tplan.nkb}")
         return
     plan = plan_conv(geom, const_weights=False)
     if w is not None:

@@ -756,7 +756,8 @@ def _lower_eyelike(ctx: LowerCtx) -> None:
 # row walk that reads the tables from constant globals.
 # ---------------------------------------------------------------------------
 
-def _resize_scales(ctx: LowerCtx, shp: list[int], out: list[int]) -> tuple[list[float], list[float]]:
+def _resize_scales(ctx: LowerCtx, shp: list[int],
+                   out: list[int]) -> tuple[list[float], list[float]]:
     """(scale per dim, roi as [starts..., ends...] per dim) as ORT computes them (float32)."""
     r = len(shp)
     n = ctx.node
@@ -934,7 +935,7 @@ def _lower_resize(ctx: LowerCtx) -> None:
 
     def dim_taps(b: ir.IRBuilder, d: int, i: ir.Value) -> list[tuple[ir.Value, ir.Value | None]]:
         res = []
-        for t, (it, wt) in enumerate(tabs[d]):
+        for _t, (it, wt) in enumerate(tabs[d]):
             off = b.mul(i, i64(ist[d])) if it is None else table_load(b, it, i, I64)
             w = None if wt is None else table_load(b, wt, i, fty)
             res.append((off, w))

@@ -229,7 +229,8 @@ def _lower_qlinear_matmul(ctx: LowerCtx) -> None:
     if b_scale_cols and ctx.in_types[4].numel != N:
         raise _unsupported(n, "b_scale must be per-tensor or per-column")
     for s in (2, 5, 7):
-        if _present(n, s) and ctx.in_types[s].numel != 1 and not (s == 5 and ctx.in_types[s].numel == N):
+        if (_present(n, s) and ctx.in_types[s].numel != 1
+                and not (s == 5 and ctx.in_types[s].numel == N)):
             raise _unsupported(n, f"input {s} must be a per-tensor zero point")
     sdt = [np.dtype(ctx.in_types[s].dtype) for s in (1, 4, 6)]
     # the reference computes a_scale * b_scale / y_scale in the scales' dtype, then

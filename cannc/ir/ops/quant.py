@@ -70,7 +70,8 @@ def _check_common(n: Node, ins: list, outs: list, xtypes: frozenset[str]) -> str
 
 def _check_quantize(n: Node, ins: list, outs: list) -> str | None:
     if outs and np.dtype(outs[0].dtype).name not in QINTS:
-        return f"output dtype {np.dtype(outs[0].dtype).name} (supported: {', '.join(sorted(QINTS))})"
+        return (f"output dtype {np.dtype(outs[0].dtype).name} "
+                f"(supported: {', '.join(sorted(QINTS))})")
     return _check_common(n, ins, outs, QFLOATS)
 
 
