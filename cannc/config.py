@@ -1,7 +1,7 @@
 """Typed observability and behaviour flags, read once from the environment.
 
 CANNC_DEBUG=1      log pass timings and fusion decisions to stderr
-CANNC_VERIFY=1     verify the IR after every pass (always on in tests)
+CANNC_VERIFY=1     verify the IR before the first pass and after every pass (on in tests)
 CANNC_DUMP_DIR=D   write each kernel's LLVM IR and assembly, and the IR after passes, to D
 CANNC_CACHE_DIR=D  where compiled objects are cached (default ~/.cache/cannc); 'off' disables
 CANNC_TUNING_CACHE=F  the tuning cache written by `cannc tune` (default <cache dir>/tuning.json)
