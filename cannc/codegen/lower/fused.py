@@ -10,7 +10,7 @@ FusedSoftmax runs the Softmax/LogSoftmax lowering reading its prologue.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import llvmlite.ir as ir
@@ -38,24 +38,13 @@ from ..gemm import GEMM_DIMS, emit_gemm
 from ..kernel import LowerCtx
 from ..plans import attention_notes, attention_record, gemm_tuning
 from ..reduce import load_raw
-from .base import Lowering, register_lowering, registered_lowering
+from .base import register_lowering, registered_lowering
 from .contraction import finish_contraction, gemm_tiling, plan_contraction, plan_dynamic
 from .conv import _lower_conv, conv_tiling
 
 
-def _expr_of(op: OpDef) -> Callable[..., Any] | None:
-    """A body op's elementwise semantics."""
-    return op.expr
-
-
 def _flops_per_elem(op: OpDef | None) -> int:
     return op.flops_per_elem if op is not None else 1
-
-
-def _lowering_of(op: OpDef) -> Lowering | None:
-    """The lowering of a body op (all families are registered by the time a kernel is
-    lowered: the compiler imports cannc.codegen.lower)."""
-    return registered_lowering(op)
 
 
 
@@ -86,7 +75,7 @@ def eval_body(E: Expr, body: Sequence[Node], env: dict[str, TV], types: dict[str
     """Evaluate the body's expressions in order; env maps value names to typed values."""
     for n in body:
         op = lookup(n.op_type, n.domain)
-        expr = _expr_of(op) if op is not None else None
+        expr = op.expr if op is not None else None
         assert expr is not None, n.op_type
         args = [env[v] if v else None for v in n.inputs]
         outs = expr(E, SubCtx(n, types, consts), args)
@@ -449,7 +438,7 @@ def _fused_softmax_tiling(n: Node, ins: list, outs: list) -> Any:
     sm = n.attrs["body"][-1]
     xt = n.attrs["types"][sm.inputs[0]]
     smdef = lookup(sm.op_type, sm.domain)
-    low = _lowering_of(smdef) if smdef is not None else None
+    low = registered_lowering(smdef) if smdef is not None else None
     t = low.tiling(sm, [xt], outs) if low is not None and low.tiling else None
     if t is None:
         return None
@@ -549,7 +538,7 @@ def _lower_fused_softmax(ctx: LowerCtx) -> None:
         ctx.reduce_x_source = x_source
     view = _ReductionView(ctx, sm, types[sm.outputs[0]])
     object.__setattr__(view, "in_types", [xt])
-    low = _lowering_of(lookup(sm.op_type))
+    low = registered_lowering(lookup(sm.op_type))
     assert low is not None, sm.op_type
     low.lower(view)
     ctx.flops += sum(int(np.prod(shape)) * _flops_per_elem(lookup(n.op_type))
