@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 import onnx
 
 import cannc
-from cannc.cli import _ort_session, bench
+from cannc.sidebyside import bench, ort_session
 from models import zoo
 
 
@@ -55,7 +55,7 @@ def gemm_figure(runs: int) -> dict:
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     feeds = {"a": rng.standard_normal((n, n)).astype(np.float32)}
     sess = cannc.compile(model, cores=1)
-    r = bench(sess, _ort_session(model.SerializeToString(), 1, spinning=False), feeds, 3, runs)
+    r = bench(sess, ort_session(model.SerializeToString(), 1, spinning=False), feeds, 3, runs)
     flop = 2.0 * n ** 3
     peak = measure_fma_peak()
     out = {"shape": [n, n, n], "peak_gflops": peak,
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, model in models:
         data = model.SerializeToString()
         for cores in args.cores:
-            ort_sess = _ort_session(data, cores, spinning=False)
+            ort_sess = ort_session(data, cores, spinning=False)
             t0 = time.perf_counter()
             sess = cannc.compile(data, cores=cores)
             compile_s = time.perf_counter() - t0

@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cannc
-from cannc.cli import _ort_session, bench
+from cannc.sidebyside import bench, ort_session
 from models import zoo
 
 
@@ -38,7 +38,7 @@ def main() -> None:
         res = {}
         for cores in (1, 2):
             sess = cannc.compile(model, cores=cores, shapes={k: v.shape for k, v in feeds.items()})
-            ort = _ort_session(model.SerializeToString(), cores, spinning=False)
+            ort = ort_session(model.SerializeToString(), cores, spinning=False)
             res[cores] = bench(sess, ort, feeds, 3, args.runs)
         c1, c2 = (res[c]["cannc"]["median_ms"] for c in (1, 2))
         o1, o2 = (res[c]["ort"]["median_ms"] for c in (1, 2))
