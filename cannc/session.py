@@ -23,11 +23,11 @@ from .compiler import PIPELINES, CompileOptions, specialize
 from .compiler.inspect import inspect_report
 from .compiler.inspect import without_fusion as without_fusion_figures
 from .compiler.shapes import complete_input_shapes
-from .config import check_budget, fmt_bytes
-from .errors import CacheError, CanncError, InputError, ShapeError
+from .config import check_budget, check_size, fmt_bytes
+from .errors import CacheError, CanncError, CompileError, InputError, ShapeError
 from .frontend import import_model, load_model_proto
 from .ir.types import onnx_type_string
-from .native.target import ObjectCache, default_cache, host
+from .native.target import ObjectCache, default_cache, elf_symbols, host
 from .passes.fusion import RULES
 from .runtime.device import shared_device
 from .runtime.profiler import Profile, profile
@@ -345,6 +345,9 @@ class Session:
             if arr.dtype != np.dtype(t.dtype):
                 raise InputError(f"input '{name}' has dtype {arr.dtype}, expected "
                                  f"{np.dtype(t.dtype)} ({onnx_type_string(t.dtype)})")
+            # multiplied out first: a strided view declaring 2^40 elements is refused
+            # before anything reads it (the value key, the copy in)
+            check_size(f"input '{name}'", arr.shape, arr.dtype.itemsize)
             if arr.ndim != len(t.shape):
                 raise InputError(f"input '{name}' has rank {arr.ndim} (shape {arr.shape}), "
                                  f"expected rank {len(t.shape)} {_fmt_shape(t.shape)}")
@@ -390,7 +393,9 @@ class Session:
 
     def _write_artifact(self, path: str | Path, manifest: dict[str, Any]) -> None:
         with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
-            z.writestr("model.onnx", self._proto.SerializeToString())
+            model = self._proto.SerializeToString()
+            manifest["model_sha256"] = hashlib.sha256(model).hexdigest()
+            z.writestr("model.onnx", model)
             for prog in self._programs.values():
                 for k in prog.spec.kernels:
                     key = k.object_key
@@ -476,10 +481,17 @@ def load(path: str | Path, *, cores: int | None = None) -> Session:
             if not isinstance(keys, list) or not isinstance(sums, dict):
                 raise CacheError(f"{path}: damaged manifest")
             objs = {}
+            model_sum = manifest.get("model_sha256")
+            if model_sum is not None and hashlib.sha256(model).hexdigest() != model_sum:
+                raise CacheError(f"{path}: the embedded model is damaged (checksum mismatch)")
             for k in keys:
                 data = z.read(f"objects/{k}.o")
                 if hashlib.sha256(data).hexdigest() != sums.get(k):
                     raise CacheError(f"{path}: object {k} is damaged (checksum mismatch)")
+                try:
+                    elf_symbols(data)     # a malformed object never reaches the JIT
+                except CompileError as e:
+                    raise CacheError(f"{path}: object {k} is damaged: {e}") from e
                 objs[k] = data
             specs = manifest.get("specializations", [])
             if not isinstance(specs, list) or not all(
@@ -487,6 +499,8 @@ def load(path: str | Path, *, cores: int | None = None) -> Session:
                         isinstance(x, int) and x >= 0 for x in d) for d in s) for s in specs):
                 raise CacheError(f"{path}: damaged manifest (specializations)")
             pipeline = manifest.get("pipeline", "O1")
+            if pipeline not in PIPELINES:
+                raise CacheError(f"{path}: damaged manifest (pipeline {pipeline!r})")
     except CacheError:
         raise
     except Exception as e:  # zipfile, zlib, json, OSError, KeyError, ...

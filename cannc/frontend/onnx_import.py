@@ -140,8 +140,9 @@ def _tensor_type(vi: onnx.ValueInfoProto, where: str) -> TensorType | None:
     tt = t.tensor_type
     try:
         dt = np_dtype(tt.elem_type)
-    except KeyError as e:
-        raise ModelError(f"{where} {vi.name!r} has unsupported element type {e}") from e
+    except (KeyError, ValueError) as e:
+        raise ModelError(f"{where} {vi.name!r} has unsupported element type "
+                         f"{tt.elem_type}") from e
     if not tt.HasField("shape"):
         return TensorType(dt, ())  if where == "never" else TensorType(dt, ("?",))
     dims: list[Dim] = []

@@ -200,7 +200,7 @@ def infer_and_fold(graph: Graph, ctx: PassContext) -> bool:
                 changed = True
                 continue
         types = infer_node(graph, n)
-        _check_types(n, types)
+        _check_types(graph, n, types)
         for v, t in zip(n.outputs, types):
             if v and t is not None:
                 graph.values[v] = t
@@ -208,13 +208,23 @@ def infer_and_fold(graph: Graph, ctx: PassContext) -> bool:
     return changed
 
 
-def _check_types(n: Node, types: list[TensorType | None]) -> None:
+def _check_types(graph: Graph, n: Node, types: list[TensorType | None]) -> None:
     """The size guard on a node's inferred outputs (a Reshape/Expand/Tile/ConstantOfShape
-    to a huge shape fails here, naming the value and node, before any code exists)."""
+    to a huge shape fails here, naming the value and node, before any code exists); a
+    VIEW op's output shares its input's buffer, so it must hold as many elements (ONNX's
+    inference does not check a Reshape's element count: a wrong one would let native code
+    read past the buffer)."""
     for v, t in zip(n.outputs, types):
         if v and t is not None:
             check_size(f"value '{v}'", t.shape, np.dtype(t.dtype).itemsize,
                        f" (produced by {n.op_type} at node '{n.name}')")
+    op = lookup(n.op_type, n.domain)
+    if op is not None and op.category == Category.VIEW and n.inputs and n.inputs[0] \
+            and types and types[0] is not None:
+        src, out = graph.values.get(n.inputs[0]), types[0]
+        if src is not None and src.is_static and out.is_static and src.numel != out.numel:
+            raise ShapeError(f"{n.op_type} at node '{n.name}' turns {src} "
+                             f"({src.numel} elements) into {out} ({out.numel} elements)")
 
 
 def _guarded_types(graph: Graph, n: Node) -> list[TensorType | None] | None:
@@ -224,7 +234,7 @@ def _guarded_types(graph: Graph, n: Node) -> list[TensorType | None] | None:
         types = infer_node(graph, n)
     except Exception:   # (inference needs data it was not given, ...)
         return None
-    _check_types(n, types)
+    _check_types(graph, n, types)
     return types
 
 
