@@ -244,6 +244,7 @@ class Session:
         return self.device.cores
 
     def specialize(self, shapes: dict[str, Sequence[int]]) -> Program:
+        shapes = self._default_shapes(shapes)   # checked against the declared shapes
         key = tuple(tuple(int(d) for d in shapes[n]) for n in self.graph.inputs)
         return self._program(key)
 
@@ -517,7 +518,10 @@ def load(path: str | Path, *, cores: int | None = None) -> Session:
     for shp in specs:
         if len(shp) != len(sess.graph.inputs):
             raise CacheError(f"{path}: damaged manifest (specialization {shp})")
-        sess.specialize(dict(zip(sess.graph.inputs, [tuple(s) for s in shp])))
+        try:
+            sess.specialize(dict(zip(sess.graph.inputs, [tuple(s) for s in shp])))
+        except InputError as e:
+            raise CacheError(f"{path}: damaged manifest (specialization {shp}: {e})") from e
     return sess
 
 

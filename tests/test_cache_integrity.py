@@ -206,13 +206,14 @@ def test_artifact_with_consistent_but_malformed_objects_is_rejected(tmp_path, ar
 
 
 @pytest.mark.parametrize("edit", [{"pipeline": "O9"}, {"specializations": [[[2, 16, 3]]]},
-                                  {"specializations": [[[-2, 16]]]}, {"objects": {"a": 1}}])
+                                  {"specializations": [[[-2, 16]]]}, {"objects": {"a": 1}},
+                                  {"specializations": [[[2, 17]]]}])
 def test_artifact_with_a_bad_manifest_field(tmp_path, artifact, edit):
     man = json.loads(zipfile.ZipFile(io.BytesIO(artifact)).read("manifest.json"))
     man.update(edit)
     p = tmp_path / "bad.cnc"
     p.write_bytes(_rezip(artifact, {"manifest.json": json.dumps(man).encode()}))
-    with pytest.raises(cannc.CanncError):
+    with pytest.raises(cannc.CacheError):
         cannc.load(p)
 
 
