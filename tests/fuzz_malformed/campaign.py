@@ -81,6 +81,11 @@ def campaign(seed: int, seconds: float, timeout: float = 30.0, max_cases: int | 
                 line = "TIMEOUT"
             if line is None or line == "TIMEOUT":
                 # the worker died (a crash) or hung on `current`
+                if line is None:
+                    try:
+                        proc.wait(timeout=10)      # its exit status (a signal: negative)
+                    except subprocess.TimeoutExpired:
+                        pass
                 outcome = "timeout" if line == "TIMEOUT" else f"crash (exit {proc.poll()})"
                 if current is not None:
                     detail = make_case(seed, current).describe()
