@@ -23,7 +23,7 @@ from .errors import (
     ShapeError,
     UnsupportedOpError,
 )
-from .session import NodeArg, Session, load
+from .session import NodeArg, Session, given_shapes, load
 
 
 def compile(model: Any, **options: Any) -> Session:
@@ -50,7 +50,7 @@ def check(model: Any, shapes: dict[str, Sequence[int]] | None = None,
     ir.Graph), supported or not, with op, domain, opset, input dtypes and the reason.
     `.supported` says whether the whole model compiles; `.to_dict()` is what
     `cannc check --json` prints. Shapes not given: symbolic dims are 1."""
-    given = {n: tuple(int(d) for d in s) for n, s in (shapes or {}).items()}
+    given = given_shapes(shapes)
     return support_report(model, given, pipeline)
 
 

@@ -30,6 +30,8 @@ import onnx
 from onnx import numpy_helper
 from onnx.backend.base import Backend, BackendRep, Device, DeviceType
 
+from .config import check_size
+from .errors import InputError, ModelError
 from .ir.ops import lookup
 from .ir.types import NP_TO_ONNX
 from .session import Session
@@ -83,6 +85,12 @@ class CanncRep(BackendRep):
     def _session_for(self, feeds: dict[str, np.ndarray]) -> Session:
         if self.session is not None:
             return self.session
+        missing = [n for n in self.value_inputs if n not in feeds]
+        if missing:
+            raise InputError(f"missing input(s) {missing}; the model's inputs are "
+                             f"{self._names}")
+        for n in self.value_inputs:   # multiplied out before anything reads the values
+            check_size(f"input '{n}'", feeds[n].shape, feeds[n].dtype.itemsize)
         key = tuple((n, feeds[n].dtype.str, feeds[n].shape, feeds[n].tobytes())
                     for n in self.value_inputs)
         s = self._sessions.get(key)
@@ -133,6 +141,10 @@ class CanncBackend(Backend):
     def run_node(cls, node: onnx.NodeProto, inputs: Sequence[np.ndarray], device: str = "CPU",
                  outputs_info: Any = None, **kwargs: Any) -> tuple[np.ndarray, ...]:
         arrays = [np.asarray(x) for x in inputs]
+        bad = [f"{n}: {a.dtype}" for n, a in zip(node.input, arrays) if a.dtype not in NP_TO_ONNX]
+        if bad:
+            raise InputError(f"inputs of node '{node.name}' ({node.op_type}) have dtypes "
+                             f"ONNX has no tensor type for: {', '.join(bad)}")
         vis = [onnx.helper.make_tensor_value_info(n, NP_TO_ONNX[a.dtype], a.shape)
                for n, a in zip(node.input, arrays) if n]
         outs = [onnx.helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None)
@@ -141,7 +153,11 @@ class CanncBackend(Backend):
         opset = kwargs.pop("opset_version", onnx.defs.onnx_opset_version())
         model = onnx.helper.make_model(
             graph, opset_imports=[onnx.helper.make_opsetid(node.domain or "", opset)])
-        model = onnx.shape_inference.infer_shapes(model)
+        try:
+            model = onnx.shape_inference.infer_shapes(model)
+        except Exception as e:
+            raise ModelError(f"node '{node.name}' ({node.op_type}) fails ONNX shape "
+                             f"inference: {e}") from e
         for vi in model.graph.output:
             for v in model.graph.value_info:
                 if v.name == vi.name:

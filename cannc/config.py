@@ -9,14 +9,21 @@ CANNC_TUNING=0     ignore the tuning cache (every kernel gets its modelled defau
 CANNC_ISA=avx2     generate code for an AVX2 machine (no AVX-512) even on an AVX-512 host
 CANNC_WINOGRAD=0   never use the Winograd Conv path (default: where its cost model wins;
                    'force': every eligible 3x3 stride-1 Conv, for tests and experiments)
+CANNC_DEVICE_MEMORY=N  the device memory budget in bytes (suffixes K, M, G, T: 8G); default
+                   the host's physical memory. No tensor, and no specialisation's arena +
+                   weights + workspace, may exceed it: such shapes are a ShapeError at
+                   compile time (see `check_size`), before anything is allocated
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
-from .errors import CanncError
+import numpy as np
+
+from .errors import CanncError, ShapeError
 
 
 def _flag(name: str) -> bool:
@@ -65,3 +72,81 @@ def tuning_cache_path() -> Path | None:
         return Path(v)
     d = cache_dir()
     return d / "tuning.json" if d is not None else None
+
+
+# -- the size guard: shapes are multiplied out before anything allocates or generates code --
+
+INT64_MAX = (1 << 63) - 1
+_SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _physical_memory() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 1 << 36     # (no sysconf: 64 GiB)
+
+
+def device_memory_bytes() -> int:
+    """The device memory budget (CANNC_DEVICE_MEMORY, read at every call so tests can set
+    it; default the host's physical memory)."""
+    v = os.environ.get("CANNC_DEVICE_MEMORY", "").strip().lower().removesuffix("b")
+    if not v:
+        return _physical_memory()
+    num, suf = (v[:-1], v[-1]) if v[-1] in _SUFFIX else (v, "")
+    try:
+        n = int(float(num) * _SUFFIX[suf])
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise CanncError(f"CANNC_DEVICE_MEMORY={os.environ['CANNC_DEVICE_MEMORY']!r}: expected "
+                         "a positive number of bytes (suffixes K, M, G, T)")
+    return n
+
+
+def fmt_bytes(n: int) -> str:
+    for unit, f in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= f:
+            return f"{n / f:.1f} {unit}"
+    return f"{n} B"
+
+
+def check_size(what: str, shape: Sequence[object], itemsize: int = 1,
+               where: str = "") -> int:
+    """The number of elements of `shape`, or a ShapeError naming `what` (e.g. "input 'x'")
+    and the figure when a dimension is negative or not an integer, when the element count
+    or byte size overflows int64, or when the tensor alone exceeds the device memory
+    budget. Symbolic (str) dims are skipped. Python integers: exact, and microseconds."""
+    n = 1
+    dims = []
+    for d in shape:
+        if isinstance(d, str):
+            continue
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
+            raise ShapeError(f"{what}{where}: dimension {d!r} is not an integer "
+                             f"(shape {list(shape)})")
+        d = int(d)
+        if d < 0:
+            raise ShapeError(f"{what}{where}: negative dimension {d} in shape {list(shape)}")
+        dims.append(d)
+    for d in dims:
+        n *= d
+    nbytes = n * max(int(itemsize), 1)
+    if n > INT64_MAX or nbytes > INT64_MAX:
+        raise ShapeError(f"{what}{where} has shape {list(shape)}: {n} elements "
+                         f"({nbytes} bytes) overflow int64")
+    budget = device_memory_bytes()
+    if nbytes > budget:
+        raise ShapeError(f"{what}{where} has shape {list(shape)}: {n} elements = "
+                         f"{fmt_bytes(nbytes)}, more than the device memory budget of "
+                         f"{fmt_bytes(budget)} (CANNC_DEVICE_MEMORY)")
+    return n
+
+
+def check_budget(what: str, nbytes: int) -> None:
+    """A ShapeError when `nbytes` (e.g. a specialisation's arena + weights + workspace)
+    exceeds the device memory budget."""
+    budget = device_memory_bytes()
+    if nbytes > budget:
+        raise ShapeError(f"{what} needs {fmt_bytes(nbytes)} of device memory, more than "
+                         f"the budget of {fmt_bytes(budget)} (CANNC_DEVICE_MEMORY)")

@@ -23,10 +23,11 @@ from .compiler import PIPELINES, CompileOptions, specialize
 from .compiler.inspect import inspect_report
 from .compiler.inspect import without_fusion as without_fusion_figures
 from .compiler.shapes import complete_input_shapes
-from .errors import CacheError, CanncError, InputError, ShapeError
+from .config import check_budget, check_size, fmt_bytes
+from .errors import CacheError, CanncError, CompileError, InputError, ShapeError
 from .frontend import import_model, load_model_proto
 from .ir.types import onnx_type_string
-from .native.target import ObjectCache, default_cache, host
+from .native.target import ObjectCache, default_cache, elf_symbols, host
 from .passes.fusion import RULES
 from .runtime.device import shared_device
 from .runtime.profiler import Profile, profile
@@ -219,7 +220,7 @@ class Session:
         did not fuse and why. `without_fusion`: also compile the model without fusion and
         report its kernel count and traffic (`["fusion"]["without_fusion"]`; skipped when
         this session does not fuse)."""
-        given = {n: tuple(int(d) for d in s) for n, s in (shapes or {}).items()}
+        given = given_shapes(shapes)
         full = complete_input_shapes(self.graph, given, list(self._programs))
         prog = self.specialize(full)
         rep = inspect_report(prog, cores=self.cores, pipeline=self.options.pipeline,
@@ -243,6 +244,7 @@ class Session:
         return self.device.cores
 
     def specialize(self, shapes: dict[str, Sequence[int]]) -> Program:
+        shapes = self._default_shapes(shapes)   # checked against the declared shapes
         key = tuple(tuple(int(d) for d in shapes[n]) for n in self.graph.inputs)
         return self._program(key)
 
@@ -262,6 +264,7 @@ class Session:
                 self._value_inputs = cands
                 full = key + self._value_key(feeds)
                 spec = self._specialize(shapes, feeds)
+            _check_memory_budget(spec, self.device.cores)
             prog = Program(spec, self.device, dispatcher_object(), pool=self._weights)
             self._programs[full] = prog
             return prog
@@ -297,15 +300,16 @@ class Session:
     def programs(self) -> dict[tuple, Program]:
         return dict(self._programs)
 
-    def _default_shapes(self, given: dict[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
+    def _default_shapes(self, shapes: Any) -> dict[str, tuple[int, ...]]:
+        given = given_shapes(shapes)
         unknown = set(given) - set(self.graph.inputs)
         if unknown:
-            raise InputError(f"shapes given for unknown inputs {sorted(unknown)}; "
+            raise InputError(f"shapes given for unknown inputs {sorted(unknown, key=str)}; "
                              f"model inputs: {self.graph.inputs}")
         out = {}
         for n in self.graph.inputs:
             if n in given:
-                shape = tuple(int(d) for d in given[n])
+                shape = given[n]
                 decl = self.graph.values[n].shape
                 if len(shape) != len(decl) or any(d < 0 for d in shape) or any(
                         isinstance(e, int) and e != d for d, e in zip(shape, decl)):
@@ -342,6 +346,9 @@ class Session:
             if arr.dtype != np.dtype(t.dtype):
                 raise InputError(f"input '{name}' has dtype {arr.dtype}, expected "
                                  f"{np.dtype(t.dtype)} ({onnx_type_string(t.dtype)})")
+            # multiplied out first: a strided view declaring 2^40 elements is refused
+            # before anything reads it (the value key, the copy in)
+            check_size(f"input '{name}'", arr.shape, arr.dtype.itemsize)
             if arr.ndim != len(t.shape):
                 raise InputError(f"input '{name}' has rank {arr.ndim} (shape {arr.shape}), "
                                  f"expected rank {len(t.shape)} {_fmt_shape(t.shape)}")
@@ -380,8 +387,16 @@ class Session:
                                 if not self._value_inputs],
             "objects": [],
         }
+        try:
+            self._write_artifact(path, manifest)
+        except OSError as e:
+            raise CacheError(f"cannot write the artifact {path}: {e}") from e
+
+    def _write_artifact(self, path: str | Path, manifest: dict[str, Any]) -> None:
         with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
-            z.writestr("model.onnx", self._proto.SerializeToString())
+            model = self._proto.SerializeToString()
+            manifest["model_sha256"] = hashlib.sha256(model).hexdigest()
+            z.writestr("model.onnx", model)
             for prog in self._programs.values():
                 for k in prog.spec.kernels:
                     key = k.object_key
@@ -413,6 +428,43 @@ def _fusion_switches(fusion: Any) -> bool | dict[str, bool]:
     return {k: bool(v) for k, v in fusion.items()}
 
 
+def given_shapes(shapes: Any) -> dict[str, tuple[int, ...]]:
+    """`shapes=` as a caller gives it ({input: sequence of ints}), checked: anything else
+    is an InputError saying what was expected."""
+    if shapes is None:
+        return {}
+    if not isinstance(shapes, dict):
+        raise InputError(f"shapes must be a dict input name -> shape, got "
+                         f"{type(shapes).__name__}")
+    out = {}
+    for n, shp in shapes.items():
+        if isinstance(shp, (str, bytes)) or not isinstance(shp, (Sequence, np.ndarray)):
+            raise InputError(f"the shape given for input {n!r} must be a sequence of "
+                             f"integers, got {shp!r}")
+        dims = []
+        for d in shp:
+            if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
+                raise InputError(f"the shape given for input {n!r} must be a sequence of "
+                                 f"integers, got {list(shp)!r}")
+            if d < 0:
+                raise InputError(f"the shape given for input {n!r} has a negative "
+                                 f"dimension: {list(shp)!r}")
+            dims.append(int(d))
+        out[n] = tuple(dims)
+    return out
+
+
+def _check_memory_budget(spec: Specialization, cores: int) -> None:
+    """Before a program allocates anything: its arena, weights and per-core workspace
+    against the device memory budget (config.check_budget)."""
+    weights = sum(int(c.nbytes) for c in spec.constants.values())
+    ws = max((int(k.workspace_bytes) for k in spec.kernels), default=0) * cores
+    shapes = ", ".join(f"{n}{list(spec.graph.values[n].shape)}" for n in spec.graph.inputs)
+    check_budget(f"the specialisation for {shapes or 'its inputs'} (arena "
+                 f"{fmt_bytes(spec.memory.arena_bytes)}, weights {fmt_bytes(weights)}, "
+                 f"workspace {fmt_bytes(ws)})", spec.memory.arena_bytes + weights + ws)
+
+
 def _fmt_shape(shape: Sequence[Any]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
@@ -430,10 +482,17 @@ def load(path: str | Path, *, cores: int | None = None) -> Session:
             if not isinstance(keys, list) or not isinstance(sums, dict):
                 raise CacheError(f"{path}: damaged manifest")
             objs = {}
+            model_sum = manifest.get("model_sha256")
+            if model_sum is not None and hashlib.sha256(model).hexdigest() != model_sum:
+                raise CacheError(f"{path}: the embedded model is damaged (checksum mismatch)")
             for k in keys:
                 data = z.read(f"objects/{k}.o")
                 if hashlib.sha256(data).hexdigest() != sums.get(k):
                     raise CacheError(f"{path}: object {k} is damaged (checksum mismatch)")
+                try:
+                    elf_symbols(data)     # a malformed object never reaches the JIT
+                except CompileError as e:
+                    raise CacheError(f"{path}: object {k} is damaged: {e}") from e
                 objs[k] = data
             specs = manifest.get("specializations", [])
             if not isinstance(specs, list) or not all(
@@ -441,6 +500,8 @@ def load(path: str | Path, *, cores: int | None = None) -> Session:
                         isinstance(x, int) and x >= 0 for x in d) for d in s) for s in specs):
                 raise CacheError(f"{path}: damaged manifest (specializations)")
             pipeline = manifest.get("pipeline", "O1")
+            if pipeline not in PIPELINES:
+                raise CacheError(f"{path}: damaged manifest (pipeline {pipeline!r})")
     except CacheError:
         raise
     except Exception as e:  # zipfile, zlib, json, OSError, KeyError, ...
@@ -457,7 +518,10 @@ def load(path: str | Path, *, cores: int | None = None) -> Session:
     for shp in specs:
         if len(shp) != len(sess.graph.inputs):
             raise CacheError(f"{path}: damaged manifest (specialization {shp})")
-        sess.specialize(dict(zip(sess.graph.inputs, [tuple(s) for s in shp])))
+        try:
+            sess.specialize(dict(zip(sess.graph.inputs, [tuple(s) for s in shp])))
+        except InputError as e:
+            raise CacheError(f"{path}: damaged manifest (specialization {shp}: {e})") from e
     return sess
 
 

@@ -217,10 +217,9 @@ class LoweringMemo:
             return None     # missing, or damaged: lower again (and overwrite)
         try:
             e = pickle.loads(payload)
-        except (pickle.UnpicklingError, AttributeError, ImportError, EOFError, TypeError,
-                ValueError):   # an entry written by another cannc: lower again
+        except Exception:   # an entry written by another cannc, or damaged: lower again
             return None
-        if not isinstance(e, MemoEntry):
+        if not _well_formed(e):
             return None
         with self.lock:
             self.memory[key] = e
@@ -237,6 +236,23 @@ class LoweringMemo:
             # an unpicklable note or recipe: keep it in memory only
             return
         write_checksummed(self._path(key), _MAGIC, payload)
+
+
+def _well_formed(e: Any) -> bool:
+    """Whether an entry read back has the types the lowering relies on (one that does not
+    is treated as missing: lowered again and overwritten)."""
+    if not isinstance(e, MemoEntry):
+        return False
+    try:
+        return (isinstance(e.symbol, str) and isinstance(e.object_key, str)
+                and isinstance(e.dropped, tuple) and all(isinstance(i, int) for i in e.dropped)
+                and isinstance(e.recipes, dict) and isinstance(e.notes, dict)
+                and isinstance(e.baked, tuple) and all(isinstance(i, int) for i in e.baked)
+                and all(isinstance(getattr(e, f), int) and getattr(e, f) >= 0
+                        for f in ("num_tiles", "workspace_bytes", "flops"))
+                and isinstance(e.single_core, bool))
+    except AttributeError:      # (a MemoEntry pickled before a field was added)
+        return False
 
 
 _memos: dict[str, LoweringMemo] = {}

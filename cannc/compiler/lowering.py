@@ -56,7 +56,13 @@ def lower_graph(g: Graph, cache: ObjectCache | None = None, memo: LoweringMemo |
             for o in n.outputs[:1]:
                 aliases[o] = src
             continue
-        kernels.append(lw.lower_node(g, n, op, root, constants))
+        try:
+            kernels.append(lw.lower_node(g, n, op, root, constants))
+        except CanncError:
+            raise
+        except Exception as e:   # (tiling, memo keys, ...: anything around the lowering)
+            raise CompileError(f"lowering {n.op_type} at node '{n.name}' failed: "
+                               f"{type(e).__name__}: {e}") from e
     return kernels, aliases, constants, lw.modules, lw.objects
 
 

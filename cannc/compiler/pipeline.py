@@ -9,14 +9,16 @@ shapes, so a model with dynamic batch and sequence compiles once per size.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..artifact import Specialization
-from ..errors import CompileError, UnsupportedOpError
+from ..errors import CanncError, CompileError, UnsupportedOpError
 from ..ir.graph import Graph
 from ..native.target import ObjectCache, default_cache
 from ..passes import fold, fusion, legalize, patterns  # noqa: F401  (registers passes)
@@ -66,6 +68,18 @@ class CompileOptions:
         return PassManager(PIPELINES[self.pipeline], ctx, dump_after=set(self.dump_after))
 
 
+@contextlib.contextmanager
+def _stage(name: str) -> Iterator[None]:
+    """The stages after the passes, like the passes themselves (PassManager.run): an
+    internal failure leaves as a CompileError naming the stage."""
+    try:
+        yield
+    except CanncError:
+        raise
+    except Exception as e:
+        raise CompileError(f"{name} failed: {type(e).__name__}: {e}") from e
+
+
 def specialize(base: Graph, shapes: dict[str, tuple[int, ...]],
                options: CompileOptions,
                values: dict[str, np.ndarray] | None = None) -> Specialization:
@@ -87,10 +101,14 @@ def specialize(base: Graph, shapes: dict[str, tuple[int, ...]],
         raise UnsupportedOpError(problems)
     cache = options.cache or default_cache()
     h0, m0 = cache.hits, cache.misses
-    kernels, aliases, constants, modules, objects = lower_graph(g, cache)
-    objects.update(compile_modules(modules, cache))
-    costmodel.annotate(kernels)  # notes['predicted_us'], notes['tiling'] (usable cores)
-    memory = plan_memory(g, kernels, aliases, constants)  # liveness, in-place reuse, offsets
+    with _stage("lowering"):
+        kernels, aliases, constants, modules, objects = lower_graph(g, cache)
+    with _stage("code generation"):
+        objects.update(compile_modules(modules, cache))
+    with _stage("cost model"):
+        costmodel.annotate(kernels)  # notes['predicted_us'], notes['tiling'] (usable cores)
+    with _stage("memory planning"):
+        memory = plan_memory(g, kernels, aliases, constants)  # liveness, reuse, offsets
     return Specialization(g, kernels, aliases, constants, objects, pm.records, pm.dumps,
                           time.perf_counter() - t0, cache.hits - h0, cache.misses - m0, memory)
 

@@ -11,7 +11,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..errors import ModelError
+from ..config import check_size
+from ..errors import CanncError, ModelError
 from ..ir.graph import Graph, Node
 from ..ir.types import Dim, TensorType, np_dtype
 
@@ -139,13 +140,17 @@ def _tensor_type(vi: onnx.ValueInfoProto, where: str) -> TensorType | None:
     tt = t.tensor_type
     try:
         dt = np_dtype(tt.elem_type)
-    except KeyError as e:
-        raise ModelError(f"{where} {vi.name!r} has unsupported element type {e}") from e
+    except (KeyError, ValueError) as e:
+        raise ModelError(f"{where} {vi.name!r} has unsupported element type "
+                         f"{tt.elem_type}") from e
     if not tt.HasField("shape"):
         return TensorType(dt, ())  if where == "never" else TensorType(dt, ("?",))
     dims: list[Dim] = []
     for i, d in enumerate(tt.shape.dim):
         if d.HasField("dim_value"):
+            if d.dim_value < 0:
+                raise ModelError(f"{where} {vi.name!r} declares a negative dimension "
+                                 f"{d.dim_value} (dimension {i})")
             dims.append(int(d.dim_value))
         elif d.HasField("dim_param") and d.dim_param:
             dims.append(d.dim_param)
@@ -154,9 +159,23 @@ def _tensor_type(vi: onnx.ValueInfoProto, where: str) -> TensorType | None:
     return TensorType(dt, tuple(dims))
 
 
-def attr_value(a: onnx.AttributeProto) -> Any:
+def _tensor_array(t: onnx.TensorProto, what: str) -> np.ndarray:
+    """A TensorProto's value, its dims checked against the size guard before any data is
+    read (a tensor declaring 2^40 elements is a ShapeError, not a huge allocation)."""
+    try:
+        item = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+    except Exception:
+        item = 1
+    check_size(what, list(t.dims), item)
+    try:
+        return numpy_helper.to_array(t)
+    except Exception as e:
+        raise ModelError(f"cannot read {what}: {type(e).__name__}: {e}") from e
+
+
+def attr_value(a: onnx.AttributeProto, where: str = "") -> Any:
     if a.type == onnx.AttributeProto.TENSOR:
-        return numpy_helper.to_array(a.t)
+        return _tensor_array(a.t, f"tensor attribute '{a.name}'{where}")
     if a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS):
         return a  # kept as proto; ops that take subgraphs are not lowered
     v = helper.get_attribute_value(a)
@@ -177,16 +196,15 @@ def import_model(model: Any) -> tuple[Graph, onnx.ModelProto]:
         g.opsets[o.domain or ""] = o.version
     init_names = set()
     for t in proto.graph.initializer:
-        try:
-            arr = numpy_helper.to_array(t)
-        except Exception as e:
-            raise ModelError(f"cannot read initializer {t.name!r}: {e}") from e
+        arr = _tensor_array(t, f"initializer '{t.name}'")
         g.set_constant(t.name, arr)
         init_names.add(t.name)
     for vi in proto.graph.input:
         if vi.name in init_names:
             continue  # old exporters list initializers as inputs too
         tt = _tensor_type(vi, "graph input")
+        check_size(f"graph input '{vi.name}'", tt.shape, np.dtype(tt.dtype).itemsize,
+                   " (as declared)")
         g.values[vi.name] = tt
         g.inputs.append(vi.name)
     for vi in list(inferred.graph.value_info) + list(inferred.graph.output):
@@ -201,7 +219,14 @@ def import_model(model: Any) -> tuple[Graph, onnx.ModelProto]:
         while name in seen:
             name = f"{name}_{i}"
         seen.add(name)
-        attrs = {a.name: attr_value(a) for a in n.attribute}
+        try:
+            attrs = {a.name: attr_value(a, f" of node '{name}' ({n.op_type})")
+                     for a in n.attribute}
+        except CanncError:
+            raise
+        except Exception as e:
+            raise ModelError(f"node '{name}' ({n.op_type}) has an unreadable attribute: "
+                             f"{type(e).__name__}: {e}") from e
         g.add_node(Node(name=name, op_type=n.op_type, inputs=tuple(n.input),
                         outputs=tuple(n.output), attrs=attrs, domain=n.domain,
                         opset=g.opsets.get(n.domain or "", 1), proto=n))

@@ -267,14 +267,32 @@ def _resolvable(name: str) -> bool:
         return False
 
 
+class MalformedObject(CompileError):
+    """An object file that is not a well-formed ELF64 object (damaged, or not ours)."""
+
+
 def elf_symbols(obj: bytes) -> tuple[set[str], set[str]]:
-    """(defined, undefined) global symbol names of an ELF64 little-endian object file."""
+    """(defined, undefined) global symbol names of an ELF64 little-endian object file;
+    MalformedObject (a CompileError) when it is not one: a damaged object never reaches
+    MCJIT, which would crash on it."""
     import struct
 
-    if obj[:4] != b"\x7fELF" or obj[4] != 2 or obj[5] != 1:
-        return set(), set()
+    if len(obj) < 64 or obj[:4] != b"\x7fELF" or obj[4] != 2 or obj[5] != 1:
+        raise MalformedObject(f"not an ELF64 little-endian object ({len(obj)} bytes)")
+    try:
+        return _elf_symbols(obj, struct)
+    except (struct.error, IndexError, ValueError, OverflowError, UnicodeDecodeError) as e:
+        raise MalformedObject(f"malformed ELF object ({len(obj)} bytes): "
+                              f"{type(e).__name__}: {e}") from e
+
+
+def _elf_symbols(obj: bytes, struct) -> tuple[set[str], set[str]]:
+    if struct.unpack_from("<H", obj, 0x10)[0] != 1:      # ET_REL: a relocatable object
+        raise ValueError("not a relocatable object")
     shoff, = struct.unpack_from("<Q", obj, 0x28)
     shentsize, shnum = struct.unpack_from("<HH", obj, 0x3A)
+    if shentsize < 64 or shoff + shentsize * shnum > len(obj):
+        raise ValueError(f"section headers ({shnum} x {shentsize} at {shoff}) out of range")
     sections = [struct.unpack_from("<IIQQQQIIQQ", obj, shoff + i * shentsize)
                 for i in range(shnum)]
     defined, undefined = set(), set()
@@ -283,7 +301,9 @@ def elf_symbols(obj: bytes) -> tuple[set[str], set[str]]:
             continue
         strtab = sections[sh[6]]
         str_off = strtab[4]
-        for off in range(sh[4], sh[4] + sh[5], sh[9] or 24):
+        if sh[4] + sh[5] > len(obj) or str_off + strtab[5] > len(obj):
+            raise ValueError("symbol or string table out of range")
+        for off in range(sh[4], sh[4] + sh[5], max(sh[9], 24)):
             name_i, info, _, shndx, _, _ = struct.unpack_from("<IBBHQQ", obj, off)
             if info >> 4 == 0 or name_i == 0:   # local or unnamed
                 continue

@@ -15,7 +15,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..errors import ModelError, ShapeError
+from ..config import check_size
+from ..errors import CanncError, ModelError, ShapeError
 from ..ir.graph import Graph, Node
 from ..ir.ops import lookup
 from ..ir.registry import Category, FoldFn, OpDef
@@ -171,12 +172,27 @@ def infer_and_fold(graph: Graph, ctx: PassContext) -> bool:
             if fold_types is not None:
                 outs = fold_types(n, [graph.values[v] if v else None for v in n.inputs])
             else:
-                try:
-                    outs = reference_eval(graph, n, ins)
-                except Exception as e:
-                    raise ModelError(f"cannot evaluate constant node '{n.name}' "
-                                     f"({n.op_type}): {type(e).__name__}: {e}") from e
-            if all(o.size <= ctx.options.limit_elems for o in outs):
+                # the result's size first (from the constant inputs): a ConstantOfShape,
+                # Expand or Tile to a huge shape is a ShapeError, and a result above the
+                # fold limit is computed at run time, before NumPy allocates it
+                types = _guarded_types(graph, n)
+                if types is not None and any(
+                        t is not None and t.numel > ctx.options.limit_elems for t in types):
+                    outs = None
+                else:
+                    try:
+                        outs = reference_eval(graph, n, ins)
+                    except CanncError:
+                        raise
+                    except Exception as e:
+                        raise ModelError(f"cannot evaluate constant node '{n.name}' "
+                                         f"({n.op_type}): {type(e).__name__}: {e}") from e
+            if outs is not None:
+                for v, o in zip(n.outputs, outs):
+                    if v:
+                        check_size(f"value '{v}'", o.shape, o.dtype.itemsize,
+                                   f" (folded at node '{n.name}', {n.op_type})")
+            if outs is not None and all(o.size <= ctx.options.limit_elems for o in outs):
                 graph.remove_node(n.name)
                 for v, o in zip(n.outputs, outs):
                     if v:
@@ -184,11 +200,42 @@ def infer_and_fold(graph: Graph, ctx: PassContext) -> bool:
                 changed = True
                 continue
         types = infer_node(graph, n)
+        _check_types(graph, n, types)
         for v, t in zip(n.outputs, types):
             if v and t is not None:
                 graph.values[v] = t
         changed |= _fold_empty(graph, n, types)
     return changed
+
+
+def _check_types(graph: Graph, n: Node, types: list[TensorType | None]) -> None:
+    """The size guard on a node's inferred outputs (a Reshape/Expand/Tile/ConstantOfShape
+    to a huge shape fails here, naming the value and node, before any code exists); a
+    VIEW op's output shares its input's buffer, so it must hold as many elements (ONNX's
+    inference does not check a Reshape's element count: a wrong one would let native code
+    read past the buffer)."""
+    for v, t in zip(n.outputs, types):
+        if v and t is not None:
+            check_size(f"value '{v}'", t.shape, np.dtype(t.dtype).itemsize,
+                       f" (produced by {n.op_type} at node '{n.name}')")
+    op = lookup(n.op_type, n.domain)
+    if op is not None and op.category == Category.VIEW and n.inputs and n.inputs[0] \
+            and types and types[0] is not None:
+        src, out = graph.values.get(n.inputs[0]), types[0]
+        if src is not None and src.is_static and out.is_static and src.numel != out.numel:
+            raise ShapeError(f"{n.op_type} at node '{n.name}' turns {src} "
+                             f"({src.numel} elements) into {out} ({out.numel} elements)")
+
+
+def _guarded_types(graph: Graph, n: Node) -> list[TensorType | None] | None:
+    """The inferred output types of a node about to be folded, checked by the size guard;
+    None when inference cannot say (the fold then decides)."""
+    try:
+        types = infer_node(graph, n)
+    except Exception:   # (inference needs data it was not given, ...)
+        return None
+    _check_types(graph, n, types)
+    return types
 
 
 def _fold_empty(graph: Graph, n: Node, types: list[TensorType | None]) -> bool:
@@ -222,9 +269,12 @@ def dead_code_elimination(graph: Graph, ctx: PassContext) -> bool:
 
 
 def bind_input_shapes(graph: Graph, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Concrete input shapes, each checked by the size guard (negative, overflowing or
+    over-budget shapes are a ShapeError naming the input)."""
     for name in graph.inputs:
         t = graph.values[name]
-        graph.values[name] = TensorType(t.dtype, tuple(shapes[name]))
+        check_size(f"input '{name}'", shapes[name], np.dtype(t.dtype).itemsize)
+        graph.values[name] = TensorType(t.dtype, tuple(int(d) for d in shapes[name]))
 
 
 
