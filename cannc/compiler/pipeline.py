@@ -92,6 +92,7 @@ def specialize(base: Graph, shapes: dict[str, tuple[int, ...]],
     costmodel.annotate(kernels)  # notes['predicted_us'], notes['tiling'] (usable cores)
     memory = plan_memory(g, kernels, aliases, constants)  # liveness, in-place reuse, offsets
     return Specialization(g, kernels, aliases, constants, objects, pm.records, pm.dumps,
-                          time.perf_counter() - t0, cache.hits - h0, cache.misses - m0, memory)
+                          time.perf_counter() - t0, cache.hits - h0, cache.misses - m0, memory,
+                          values=dict(values or {}))
 
 

@@ -1,5 +1,6 @@
 """Concrete input shapes from the few a caller gives (`--shape`, `Session.inspect`,
-`cannc.check`), and the one-line type string the reports print."""
+`cannc.check`), the graph inputs whose *values* decide shapes (value specialisation),
+and the one-line type string the reports print."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..ir.graph import Graph
+from ..ir.ops import lookup
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -49,6 +51,45 @@ def complete_input_shapes(graph: Graph, given: Shapes, known: Sequence[tuple] = 
         out[name] = tuple(d if isinstance(d, int) else bound.get(d, (fallback[j],))[0]
                           for j, d in enumerate(dims))
     return out
+
+
+# A value-deciding input is specialised on values of at most this many elements (the
+# limit up to which the shape inference reads a constant's data, passes/fold.py).
+VALUE_SPECIALISATION_ELEMS = 1 << 16
+
+
+def value_deciding_inputs(graph: Graph) -> tuple[str, ...]:
+    """The graph inputs whose values decide a shape or a kernel parameter: those that
+    reach a value slot of some node (the op's `value_inputs`: a Reshape target, Resize
+    scales or sizes, Slice starts, a TopK k, Range bounds...), directly or through any
+    chain of nodes that computes that slot from them (Cast, Identity, Concat, Mul...).
+    Nodes whose outputs follow from their inputs' *types* alone (Shape, Size: the op's
+    `fold`) end the chain: their inputs' values decide nothing. In graph-input order."""
+    stack: list[str] = []
+    for n in graph.nodes():
+        op = lookup(n.op_type, n.domain)
+        for pos in op.value_inputs if op is not None else ():
+            if pos < len(n.inputs) and n.inputs[pos]:
+                stack.append(n.inputs[pos])
+    inputs = set(graph.inputs)
+    seen: set[str] = set()
+    found: set[str] = set()
+    while stack:
+        v = stack.pop()
+        if v in seen or v in graph.constants:
+            continue
+        seen.add(v)
+        if v in inputs:
+            found.add(v)
+            continue
+        p = graph.producer(v)
+        if p is None:
+            continue
+        op = lookup(p.op_type, p.domain)
+        if op is not None and op.fold is not None:
+            continue
+        stack.extend(i for i in p.inputs if i)
+    return tuple(n for n in graph.inputs if n in found)
 
 
 def type_string(dtype: Any, shape: Sequence[Any]) -> str:
