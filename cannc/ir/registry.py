@@ -51,6 +51,9 @@ FoldFn = Callable[["Node", list["TensorType | None"]], list[np.ndarray]]
 # Epilogue operand check: (operand type, node, its input types, its output type) -> why the
 # operand cannot be read inside the fused kernel ("is not a ... of the GEMM's output"), or None.
 OperandCheck = Callable[["TensorType", "Node", list["TensorType"], "TensorType"], "str | None"]
+# Control flow: the attribute naming the subgraph a node becomes once its inputs' values
+# are known (node, input values, None where not constant) -> attribute name, or None.
+BranchFn = Callable[["Node", list["np.ndarray | None"]], "str | None"]
 # Whether the node itself can take an epilogue: (node, input types, output type) -> reason.
 NodeCheck = Callable[["Node", list["TensorType"], "TensorType"], "str | None"]
 
@@ -93,6 +96,8 @@ class OpDef:
     deterministic: bool = True                # False: never constant-folded (random ops)
     epilogue: Fusion | None = None            # contraction taking an elementwise epilogue
     prologue: Fusion | None = None            # row op computing its producers inside it
+    subgraphs: tuple[str, ...] = ()           # attributes holding subgraphs (ir.Graph)
+    branch: BranchFn | None = None            # control flow: the subgraph taken, if known
 
     def schema_reason(self, node: Node, ins: list[TensorType],
                       outs: list[TensorType]) -> str | None:

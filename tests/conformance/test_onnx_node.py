@@ -268,6 +268,8 @@ _R14 = ("non-tensor type: sequence/optional values are not supported (cannc/fron
 KNOWN_FAILURES.update(dict.fromkeys([
     "test_identity_opt",
     "test_identity_sequence",
+    "test_if_opt",
+    "test_if_seq",
 ], _R14))
 
 _R15 = ("non-tensor type: string tensors are not supported (cannc/frontend rejects the graph inpu"

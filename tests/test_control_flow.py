@@ -1,0 +1,150 @@
+"""Control flow (issue 15 item 5): subgraphs are imported (outer-scope values included)
+and an If whose condition is known at compile time becomes its branch; compared with
+onnxruntime on models built with onnx.helper."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto as T
+from onnx import helper as h
+from onnx import numpy_helper as nh
+
+import cannc
+from cannc.errors import UnsupportedOpError
+from cannc.frontend import import_model
+from tests.helpers import model_of, ort_run
+
+F32, I64 = np.float32, np.int64
+RNG = np.random.default_rng(5)
+
+
+def _vi(name, dtype, shape):
+    return h.make_tensor_value_info(name, dtype, shape)
+
+
+def _check(sess, model, feeds):
+    got = sess.run(None, feeds)
+    want = ort_run(model, feeds)
+    assert len(got) == len(want)
+    for g, e in zip(got, want):
+        assert g.shape == e.shape and g.dtype == e.dtype
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
+
+
+def _branches(prefix=""):
+    """then: Relu(x) + c (an initializer of the branch), else: -x; both read the outer x."""
+    then = h.make_graph([h.make_node("Relu", ["x"], ["t"]), h.make_node("Add", ["t", "c"],
+                                                                        ["out"])],
+                        "then", [], [_vi("out", T.FLOAT, None)],
+                        [nh.from_array(np.array(1.5, F32), "c")])
+    els = h.make_graph([h.make_node("Neg", ["x"], ["out"])], "else", [],
+                       [_vi("out", T.FLOAT, None)])
+    return then, els
+
+
+def _torch_style_if():
+    """`y = relu(x) + 1.5 if x.size(0) > 1 else -x; z = y * y` as torch.onnx exports it."""
+    then, els = _branches()
+    nodes = [h.make_node("Shape", ["x"], ["s"]),
+             h.make_node("Gather", ["s", "zero"], ["d0"], axis=0),
+             h.make_node("Greater", ["d0", "one"], ["cond"]),
+             h.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=els),
+             h.make_node("Mul", ["y", "y"], ["z"])]
+    inits = [nh.from_array(np.array(0, I64), "zero"), nh.from_array(np.array(1, I64), "one")]
+    return model_of(nodes, [_vi("x", T.FLOAT, ["n", 3])], [_vi("z", T.FLOAT, ["n", 3])], inits)
+
+
+def test_frontend_imports_subgraphs_with_their_captures():
+    g, _ = import_model(_torch_style_if())
+    node = next(n for n in g.nodes() if n.op_type == "If")
+    assert node.inputs == ("cond", "x")                  # the outer x is a capture
+    then = node.attrs["then_branch"]
+    assert then.meta["captures"] == ["x"] and "c" in then.constants
+    assert [n.op_type for n in then.nodes()] == ["Relu", "Add"]
+
+
+def test_if_on_a_shape_condition_becomes_its_branch():
+    m = _torch_style_if()
+    s = cannc.compile(m, cores=2)
+    for n in (1, 4):                                     # else, then
+        _check(s, m, {"x": RNG.standard_normal((n, 3)).astype(F32)})
+    ops = [[t for k in p.kernels for t in k.op_types] for p in s.specializations]
+    assert all("If" not in o for o in ops)
+    assert any("Neg" in o for o in ops) and any("Relu" in o for o in ops)
+
+
+def test_nested_and_repeated_ifs_with_clashing_inner_names():
+    """Two Ifs whose branches use the same inner names; the second's then-branch holds a
+    nested If reading a value of the enclosing branch and the outer graph."""
+    then1, else1 = _branches()
+    inner_then = h.make_graph([h.make_node("Mul", ["t", "x"], ["out"])], "it", [],
+                              [_vi("out", T.FLOAT, None)])
+    inner_else = h.make_graph([h.make_node("Sub", ["t", "x"], ["out"])], "ie", [],
+                              [_vi("out", T.FLOAT, None)])
+    then2 = h.make_graph([h.make_node("Sigmoid", ["y1"], ["t"]),
+                          h.make_node("If", ["f"], ["out"], then_branch=inner_then,
+                                      else_branch=inner_else)],
+                         "then2", [], [_vi("out", T.FLOAT, None)])
+    _, else2 = _branches()
+    nodes = [h.make_node("If", ["tr"], ["y1"], then_branch=then1, else_branch=else1),
+             h.make_node("If", ["tr"], ["y2"], then_branch=then2, else_branch=else2)]
+    inits = [nh.from_array(np.array(True), "tr"), nh.from_array(np.array(False), "f")]
+    m = model_of(nodes, [_vi("x", T.FLOAT, [2, 5])],
+                 [_vi("y1", T.FLOAT, [2, 5]), _vi("y2", T.FLOAT, [2, 5])], inits)
+    s = cannc.compile(m, cores=2)
+    _check(s, m, {"x": RNG.standard_normal((2, 5)).astype(F32)})
+
+
+def test_branch_output_that_is_a_capture_or_an_initializer():
+    then = h.make_graph([h.make_node("Identity", ["x"], ["o"])], "then", [],
+                        [_vi("o", T.FLOAT, None)])
+    els = h.make_graph([], "else", [], [_vi("k", T.FLOAT, None)],
+                       [nh.from_array(np.zeros((2, 2), F32), "k")])
+    for cond in (True, False):
+        m = model_of([h.make_node("If", ["c"], ["y"], then_branch=then, else_branch=els),
+                      h.make_node("Add", ["y", "x"], ["z"])],
+                     [_vi("x", T.FLOAT, [2, 2])], [_vi("z", T.FLOAT, [2, 2])],
+                     [nh.from_array(np.array([cond]), "c")])
+        _check(cannc.compile(m, cores=1), m, {"x": RNG.standard_normal((2, 2)).astype(F32)})
+
+
+def test_a_value_slot_inside_a_branch_is_value_specialised():
+    """A Reshape target read inside a branch from a graph input: specialised on its value."""
+    then = h.make_graph([h.make_node("Reshape", ["x", "shape"], ["out"])], "then", [],
+                        [_vi("out", T.FLOAT, None)])
+    els = h.make_graph([h.make_node("Identity", ["x"], ["out"])], "else", [],
+                       [_vi("out", T.FLOAT, None)])
+    m = model_of([h.make_node("If", ["c"], ["y"], then_branch=then, else_branch=els)],
+                 [_vi("x", T.FLOAT, [2, 6]), _vi("shape", T.INT64, [2])],
+                 [_vi("y", T.FLOAT, [None, None])], [nh.from_array(np.array(True), "c")])
+    s = cannc.compile(m, cores=1)
+    assert s.value_inputs == ("shape",)
+    x = RNG.standard_normal((2, 6)).astype(F32)
+    for shape in ([3, 4], [12, 1]):
+        _check(s, m, {"x": x, "shape": np.array(shape, I64)})
+
+
+def test_a_runtime_condition_is_reported_by_node():
+    then, els = _branches()
+    nodes = [h.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
+             h.make_node("Greater", ["s", "zero"], ["cond"]),
+             h.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=els, name="pick")]
+    m = model_of(nodes, [_vi("x", T.FLOAT, [2, 3])], [_vi("y", T.FLOAT, [2, 3])],
+                 [nh.from_array(np.array(0, F32), "zero")])
+    with pytest.raises(UnsupportedOpError, match="node 'pick': If .*condition depends on "
+                                                 "runtime data"):
+        cannc.compile(m, cores=1)
+
+
+def test_loop_and_scan_are_unsupported_ops():
+    body = h.make_graph([h.make_node("Identity", ["cond_in"], ["cond_out"]),
+                         h.make_node("Add", ["v_in", "x"], ["v_out"])], "body",
+                        [_vi("i", T.INT64, []), _vi("cond_in", T.BOOL, []),
+                         _vi("v_in", T.FLOAT, [2])],
+                        [_vi("cond_out", T.BOOL, []), _vi("v_out", T.FLOAT, [2])])
+    m = model_of([h.make_node("Loop", ["n", "", "v0"], ["v"], body=body, name="loop")],
+                 [_vi("x", T.FLOAT, [2]), _vi("v0", T.FLOAT, [2])], [_vi("v", T.FLOAT, [2])],
+                 [nh.from_array(np.array(3, I64), "n")])
+    with pytest.raises(UnsupportedOpError, match="node 'loop': Loop"):
+        cannc.compile(m, cores=1)
