@@ -20,7 +20,8 @@ import onnx
 
 from ._version import __version__
 from .artifact import Specialization
-from .compiler import PIPELINES, CompileOptions, specialize
+from .compiler import PIPELINES, CompileOptions
+from .compiler.control import ControlProgram, compile_program
 from .compiler.inspect import inspect_report
 from .compiler.inspect import without_fusion as without_fusion_figures
 from .compiler.shapes import (
@@ -35,7 +36,7 @@ from .native.target import ObjectCache, default_cache, host
 from .passes.fusion import RULES
 from .runtime.device import shared_device
 from .runtime.profiler import Profile, profile
-from .runtime.program import Program, WeightPool, dispatcher_object
+from .runtime.program import Program, WeightPool
 from .runtime.stream import Event, is_pinned
 
 # Compiled specialisations kept per session for models with value-deciding inputs (one per
@@ -137,6 +138,8 @@ class Session:
         feeds, key = self._check_inputs(input_feed)
         names = self._check_output_names(output_names)
         prog = self._program(key, feeds)
+        if isinstance(prog, ControlProgram):
+            return self._run_host_program_async(prog, feeds, names)
         staged = {}
         for k, a in feeds.items():
             if k not in prog.input_names:
@@ -204,6 +207,23 @@ class Session:
         pipe["d2h"].enqueue(copy_out)
         return fut
 
+    def _run_host_program_async(self, prog: ControlProgram, feeds: dict[str, np.ndarray],
+                                names: list[str]) -> Future:
+        """Runtime control flow: the host program runs on the compute stream as a whole
+        (its programs copy in and out themselves)."""
+        fut: Future = Future()
+        feeds = {k: np.array(v, copy=True) for k, v in feeds.items() if k in prog.input_names}
+
+        def job() -> None:
+            try:
+                by_name = dict(zip(self.graph.outputs, prog.execute(feeds)))
+                fut.set_result([by_name[n] for n in names])
+            except BaseException as e:
+                fut.set_exception(e)
+
+        self._pipeline()["compute"].enqueue(job)
+        return fut
+
     def _pipeline(self) -> dict[str, Any]:
         with self._lock:
             if self._pipe is None:
@@ -241,6 +261,10 @@ class Session:
                 if n not in given:
                     full[n] = tuple(v.shape)
         prog = self.specialize(full, values=values)
+        if isinstance(prog, ControlProgram):
+            raise CanncError("inspect: this model's control flow is chosen at run time (an "
+                             "If on runtime data), so it has no single kernel list; its "
+                             "segments and branches are compiled on first use")
         rep = inspect_report(prog, cores=self.cores, pipeline=self.options.pipeline,
                              input_shapes=full, onnx_nodes=self.graph.num_nodes(),
                              fusion=self.options.fusion)
@@ -304,9 +328,11 @@ class Session:
                     raise ShapeError(
                         f"input '{n}' decides shapes by its values, but has {v.size} elements "
                         f"(at most {VALUE_SPECIALISATION_ELEMS} are specialised on)")
-            spec = specialize(self.graph, shapes, self.options,
-                              values={n: np.array(v, copy=True) for n, v in values.items()})
-            prog = Program(spec, self.device, dispatcher_object(), pool=self._weights)
+            # one program, or a host program over compiled ones (runtime control flow)
+            prog = compile_program(self.graph, shapes, self.options, self.device,
+                                   self._weights,
+                                   {n: np.array(v, copy=True) for n, v in values.items()})
+            spec = prog.spec
             if values:
                 while len(self._programs) >= MAX_VALUE_PROGRAMS:
                     self._programs.popitem(last=False)   # least recently used

@@ -11,6 +11,7 @@ from onnx import helper as h
 from onnx import numpy_helper as nh
 
 import cannc
+from cannc.compiler.control import ControlProgram
 from cannc.errors import UnsupportedOpError
 from cannc.frontend import import_model
 from tests.helpers import model_of, ort_run
@@ -125,16 +126,13 @@ def test_a_value_slot_inside_a_branch_is_value_specialised():
         _check(s, m, {"x": x, "shape": np.array(shape, I64)})
 
 
-def test_a_runtime_condition_is_reported_by_node():
-    then, els = _branches()
-    nodes = [h.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
-             h.make_node("Greater", ["s", "zero"], ["cond"]),
-             h.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=els, name="pick")]
-    m = model_of(nodes, [_vi("x", T.FLOAT, [2, 3])], [_vi("y", T.FLOAT, [2, 3])],
-                 [nh.from_array(np.array(0, F32), "zero")])
+def test_one_program_pipeline_reports_a_runtime_condition_by_node():
+    """`compiler.specialize` makes one program: an If on runtime data cannot be one."""
+    from cannc.compiler import CompileOptions, specialize
+    g, _ = import_model(_runtime_if_model())
     with pytest.raises(UnsupportedOpError, match="node 'pick': If .*condition depends on "
                                                  "runtime data"):
-        cannc.compile(m, cores=1)
+        specialize(g, {"x": (2, 3), "w": (3,)}, CompileOptions())
 
 
 def test_loop_and_scan_are_unsupported_ops():
@@ -148,3 +146,59 @@ def test_loop_and_scan_are_unsupported_ops():
                  [nh.from_array(np.array(3, I64), "n")])
     with pytest.raises(UnsupportedOpError, match="node 'loop': Loop"):
         cannc.compile(m, cores=1)
+
+
+def _runtime_if_model():
+    """`y = relu(x) + 1.5 if x.sum() > 0 else -x`, then `z = y * w`: the condition is data."""
+    then, els = _branches()
+    nodes = [h.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
+             h.make_node("Greater", ["s", "zero"], ["cond"]),
+             h.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=els, name="pick"),
+             h.make_node("Mul", ["y", "w"], ["z"])]
+    return model_of(nodes, [_vi("x", T.FLOAT, ["n", 3]), _vi("w", T.FLOAT, [3])],
+                    [_vi("z", T.FLOAT, ["n", 3])], [nh.from_array(np.array(0, F32), "zero")])
+
+
+def test_runtime_if_picks_its_compiled_branch_per_run():
+    m = _runtime_if_model()
+    s = cannc.compile(m, cores=2)
+    w = RNG.standard_normal(3).astype(F32)
+    x = np.abs(RNG.standard_normal((4, 3)).astype(F32))
+    _check(s, m, {"x": x, "w": w})           # then
+    assert isinstance(next(iter(s.programs.values())), ControlProgram)
+    _check(s, m, {"x": -x, "w": w})          # else
+    before = cannc.compiler.codegen_counts()
+    _check(s, m, {"x": 2 * x, "w": w})       # both branches compiled: nothing new
+    _check(s, m, {"x": -2 * x, "w": w})
+    assert cannc.compiler.codegen_counts() == before
+    _check(s, m, {"x": np.ones((2, 3), F32), "w": w})      # a new shape
+    fut = s.run_async(None, {"x": -x, "w": w})
+    np.testing.assert_allclose(fut.result()[0], ort_run(m, {"x": -x, "w": w})[0],
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_runtime_if_with_branches_of_different_shapes_and_a_nested_runtime_if():
+    """then: x[:, :2] then an inner If on max(x) > 1 choosing exp or 2*; else: x.T"""
+    it = h.make_graph([h.make_node("Exp", ["sl"], ["out"])], "it", [], [_vi("out", T.FLOAT, None)])
+    ie = h.make_graph([h.make_node("Add", ["sl", "sl"], ["out"])], "ie", [],
+                      [_vi("out", T.FLOAT, None)])
+    then = h.make_graph([h.make_node("Slice", ["x", "st", "en", "ax"], ["sl"]),
+                         h.make_node("ReduceMax", ["x"], ["mx"], keepdims=0),
+                         h.make_node("Greater", ["mx", "one"], ["c2"]),
+                         h.make_node("If", ["c2"], ["out"], then_branch=it, else_branch=ie)],
+                        "then", [], [_vi("out", T.FLOAT, None)],
+                        [nh.from_array(np.array([0], I64), "st"),
+                         nh.from_array(np.array([2], I64), "en"),
+                         nh.from_array(np.array([1], I64), "ax")])
+    els = h.make_graph([h.make_node("Transpose", ["x"], ["out"])], "else", [],
+                       [_vi("out", T.FLOAT, None)])
+    nodes = [h.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
+             h.make_node("Greater", ["s", "zero"], ["cond"]),
+             h.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=els),
+             h.make_node("Neg", ["y"], ["z"])]
+    m = model_of(nodes, [_vi("x", T.FLOAT, [3, 3])], [_vi("z", T.FLOAT, [None, None])],
+                 [nh.from_array(np.array(0, F32), "zero"), nh.from_array(np.array(1, F32), "one")])
+    s = cannc.compile(m, cores=1)
+    base = np.arange(9, dtype=F32).reshape(3, 3) / 10
+    for x in (base, base + 1, -base):        # then/else-inner, then/then-inner, else
+        _check(s, m, {"x": x})

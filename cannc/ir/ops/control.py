@@ -5,7 +5,8 @@ The frontend imports each subgraph attribute as an `ir.Graph` (its own inputs, o
 nodes and initializers) and appends the outer-scope values the subgraphs read to the
 node's inputs (the *captures*: `If(cond, *captures)`), so that every pass sees those
 dependencies. An If whose condition is known at compile time becomes its branch
-(`passes/control.py`, asking `branch`)."""
+(`passes/control.py`, asking `branch`); one chosen by runtime data makes the compiled
+model a host program whose branches are compiled programs (`compiler/control.py`)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ def _if_branch(n: Node, ins: list[np.ndarray | None]) -> str | None:
 
 
 def _if_check(n: Node, ins: list[Any], outs: list[Any]) -> str | None:
-    return ("the condition depends on runtime data: an If is compiled only when its "
-            "condition is known at compile time (from shapes or constants)")
+    return ("the condition depends on runtime data: one program holds an If only when its "
+            "condition is known at compile time (Session compiles a host program instead: "
+            "cannc.compiler.control)")
 
 
 register(OpDef(name="If", category=Category.OPAQUE, check=_if_check,

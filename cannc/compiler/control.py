@@ -1,0 +1,223 @@
+"""Runtime control flow: a host program over compiled cannc programs.
+
+A graph whose If conditions all fold becomes one specialisation (passes/control.py
+inlines the branches). When a condition depends on runtime data, the graph is cut at
+those Ifs into *segments* (the nodes between two such Ifs, in topological order) and
+the specialisation becomes a host program: each segment and each branch is compiled
+as a cannc program of its own (a sub-specialisation, compiled on first use for the
+shapes (and value-deciding values) it meets, then cached); a run executes the segments
+in order on the device, and at an If the host reads the condition back (it was copied
+out after the kernels that produce it) and runs the program of the branch it names.
+Everything still runs as native code; the host only moves values between programs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import ShapeError
+from ..ir.graph import Graph, Node
+from ..ir.ops import lookup
+from ..ir.types import TensorType
+from ..passes.control import has_subgraphs
+from ..passes.fold import bind_input_shapes
+from ..passes.manager import PassContext, PassManager
+from ..runtime.device import Device
+from ..runtime.program import Program, WeightPool, dispatcher_object
+from .pipeline import CompileOptions, specialize
+from .shapes import value_deciding_inputs
+
+# sub-specialisations kept per segment or branch (one per input shapes and values)
+MAX_SUB_PROGRAMS = 16
+
+
+@dataclass
+class Step:
+    """A segment (`graph`: nodes between two runtime choices) or a runtime If (`node`)."""
+
+    graph: Graph | None = None
+    node: Node | None = None
+    nodes: list[Node] = field(default_factory=list)             # a segment's, in order
+    programs: dict[tuple, Any] = field(default_factory=dict)   # for a segment
+    branches: dict[str, Graph] = field(default_factory=dict)   # for an If: attr -> graph
+
+
+@dataclass
+class ControlSpec:
+    """A specialisation with runtime choices: the steps of its host program."""
+
+    graph: Graph
+    steps: list[Step]
+    values: dict[str, np.ndarray] = field(default_factory=dict)
+    kernels: list = field(default_factory=list)      # (its programs hold the kernels)
+
+
+def runtime_choices(base: Graph, shapes: dict[str, tuple[int, ...]], options: CompileOptions,
+                    values: dict[str, np.ndarray] | None = None) -> ControlSpec | None:
+    """The host program of `base` at these shapes, or None when every choice folds (then
+    `specialize` compiles it as one program)."""
+    if not has_subgraphs(base):
+        return None
+    g = base.copy()
+    bind_input_shapes(g, shapes)
+    for name, value in (values or {}).items():
+        g.inputs.remove(name)
+        g.set_constant(name, np.asarray(value))
+    ctx = PassContext(fusion=options.fusion,
+                      pass_options={"inline_branches": {"runtime_choice": True}})
+    PassManager(["inline_branches"], ctx).run(g)
+    if not has_subgraphs(g):
+        return None
+    return ControlSpec(g, _steps(g), dict(values or {}))
+
+
+def _steps(g: Graph) -> list[Step]:
+    steps: list[Step] = []
+    current: list[Node] = []
+    for n in g.nodes():
+        op = lookup(n.op_type, n.domain)
+        if op is not None and op.branch is not None:
+            if current:
+                steps.append(Step(nodes=current))
+            current = []
+            steps.append(Step(node=n, branches={a: _branch_graph(n.attrs[a], g)
+                                                 for a in op.subgraphs}))
+        else:
+            current.append(n)
+    if current:
+        steps.append(Step(nodes=current))
+    # a segment's outputs: what later steps or the graph's outputs read
+    for i, st in enumerate(steps):
+        if st.node is not None:
+            continue
+        later: set[str] = set(g.outputs)
+        for s2 in steps[i + 1:]:
+            nodes = [s2.node] if s2.node is not None else s2.nodes
+            later.update(v for m in nodes for v in m.inputs if v)
+        st.graph = _segment_graph(g, st.nodes, later)
+    return steps
+
+
+def _segment_graph(g: Graph, nodes: list[Node], later: set[str]) -> Graph:
+    seg = Graph(f"{g.name}.segment")
+    seg.opsets = dict(g.opsets)
+    defined = {o for n in nodes for o in n.outputs if o}
+    for n in nodes:
+        for v in n.inputs:
+            if not v or v in defined or v in seg.values:
+                continue
+            if v in g.constants:
+                seg.set_constant(v, g.constants[v])
+            else:
+                # (typed from the run's arrays when compiled)
+                seg.values[v] = g.values.get(v, TensorType(np.dtype("float32"), ()))
+                seg.inputs.append(v)
+        for o in n.outputs:
+            if o:
+                seg.values[o] = g.values.get(o, TensorType(np.dtype("float32"), ()))
+        seg.add_node(n)
+    seg.outputs = [o for n in nodes for o in n.outputs if o and o in later]
+    return seg
+
+
+def _branch_graph(sub: Graph, outer: Graph) -> Graph:
+    """A branch with the outer values it reads as its inputs (outer constants stay
+    constants)."""
+    b = sub.copy()
+    for c in sub.meta.get("captures", []):
+        if c in outer.constants:
+            b.set_constant(c, outer.constants[c])
+        else:
+            b.values[c] = outer.values.get(c) or sub.values.get(c) or TensorType(
+                np.dtype("float32"), ())       # (typed from the run's arrays when compiled)
+            b.inputs.append(c)
+    return b
+
+
+class ControlProgram:
+    """Runs a ControlSpec: segments and branches as compiled programs, chosen per run."""
+
+    def __init__(self, spec: ControlSpec, options: CompileOptions, device: Device,
+                 pool: WeightPool) -> None:
+        self.spec = spec
+        self.options, self.device, self.pool = options, device, pool
+        self.input_names = list(spec.graph.inputs)
+        self._lock = threading.Lock()
+
+    def execute(self, feeds: dict[str, np.ndarray], times: Any = None) -> list[np.ndarray]:
+        g = self.spec.graph
+        env: dict[str, np.ndarray] = dict(g.constants)
+        env.update(feeds)
+        for st in self.spec.steps:
+            if st.graph is not None:
+                outs = self._run(st.graph, st.programs, env)
+                env.update(zip(st.graph.outputs, outs))
+                continue
+            n = st.node
+            op = lookup(n.op_type, n.domain)
+            own = len(n.proto.input) if n.proto is not None else len(n.inputs)
+            attr = op.branch(n, [env.get(v) if v else None for v in n.inputs[:own]])
+            if attr is None:
+                raise ShapeError(f"{n.op_type} at node '{n.name}': its condition "
+                                 f"{n.inputs[0]!r} must have a single element")
+            sub = st.branches[attr]
+            outs = self._run(sub, st.programs.setdefault(attr, {}), env)
+            if len(outs) < len([o for o in n.outputs if o]):
+                raise ShapeError(f"{n.op_type} at node '{n.name}': branch {attr} has "
+                                 f"{len(outs)} outputs for {len(n.outputs)}")
+            env.update((o, v) for o, v in zip(n.outputs, outs) if o)
+        return [np.array(env[o], copy=True) for o in g.outputs]
+
+    def _run(self, graph: Graph, cache: dict[tuple, Any], env: dict[str, np.ndarray]
+             ) -> list[np.ndarray]:
+        """The outputs of `graph` (a segment or branch) on the values in `env`."""
+        feeds = {v: np.ascontiguousarray(env[v]) for v in graph.inputs}
+        produced = [o for o in graph.outputs if o not in graph.constants and o not in feeds]
+        if not produced:
+            return [graph.constants[o] if o in graph.constants else feeds[o]
+                    for o in graph.outputs]
+        vin = value_deciding_inputs(graph)
+        key = tuple((v, feeds[v].dtype.str, feeds[v].shape) for v in graph.inputs) + tuple(
+            feeds[v].tobytes() for v in vin)
+        with self._lock:
+            prog = cache.get(key)
+            if prog is None:
+                prog = self._compile(graph, feeds, vin, produced)
+                if len(cache) >= MAX_SUB_PROGRAMS:
+                    cache.pop(next(iter(cache)))
+                cache[key] = prog
+        got = dict(zip(produced, prog.execute(
+            {v: a for v, a in feeds.items() if v in prog.input_names})))
+        return [got[o] if o in got else graph.constants[o] if o in graph.constants
+                else feeds[o] for o in graph.outputs]
+
+    def _compile(self, graph: Graph, feeds: dict[str, np.ndarray], vin: Sequence[str],
+                 produced: list[str]) -> Any:
+        g = graph.copy()
+        for v, a in feeds.items():
+            g.values[v] = TensorType(a.dtype, tuple(a.shape))
+        g.outputs = produced
+        shapes = {v: tuple(a.shape) for v, a in feeds.items()}
+        return compile_program(g, shapes, self.options, self.device, self.pool,
+                               {v: feeds[v] for v in vin})
+
+    @property
+    def kernels(self) -> list:
+        return []
+
+
+def compile_program(graph: Graph, shapes: dict[str, tuple[int, ...]], options: CompileOptions,
+                    device: Device, pool: WeightPool,
+                    values: dict[str, np.ndarray] | None = None) -> Program | ControlProgram:
+    """`graph` compiled for these input shapes (and values of value-deciding inputs): one
+    program, or a host program over compiled ones when a runtime value picks a branch."""
+    cspec = runtime_choices(graph, shapes, options, values)
+    if cspec is not None:
+        return ControlProgram(cspec, options, device, pool)
+    spec = specialize(graph, shapes, options, values=values)
+    return Program(spec, device, dispatcher_object(), pool=pool)
