@@ -135,17 +135,56 @@ def test_one_program_pipeline_reports_a_runtime_condition_by_node():
         specialize(g, {"x": (2, 3), "w": (3,)}, CompileOptions())
 
 
-def test_loop_and_scan_are_unsupported_ops():
-    body = h.make_graph([h.make_node("Identity", ["cond_in"], ["cond_out"]),
-                         h.make_node("Add", ["v_in", "x"], ["v_out"])], "body",
-                        [_vi("i", T.INT64, []), _vi("cond_in", T.BOOL, []),
-                         _vi("v_in", T.FLOAT, [2])],
-                        [_vi("cond_out", T.BOOL, []), _vi("v_out", T.FLOAT, [2])])
-    m = model_of([h.make_node("Loop", ["n", "", "v0"], ["v"], body=body, name="loop")],
-                 [_vi("x", T.FLOAT, [2]), _vi("v0", T.FLOAT, [2])], [_vi("v", T.FLOAT, [2])],
-                 [nh.from_array(np.array(3, I64), "n")])
-    with pytest.raises(UnsupportedOpError, match="node 'loop': Loop"):
-        cannc.compile(m, cores=1)
+def _loop_model(with_cond: bool):
+    """v = v0; for i < n (and while sum(v) < limit): v = v * 0.5 + x + i; collect v."""
+    body = h.make_graph(
+        [h.make_node("Cast", ["i"], ["fi"], to=T.FLOAT),
+         h.make_node("Mul", ["v_in", "half"], ["h"]),
+         h.make_node("Add", ["h", "x"], ["hx"]),
+         h.make_node("Add", ["hx", "fi"], ["v_out"]),
+         h.make_node("ReduceSum", ["v_out"], ["s"], keepdims=0),
+         h.make_node("Less", ["s", "limit"], ["cond_out"]),
+         h.make_node("Identity", ["v_out"], ["scan_out"])],
+        "body", [_vi("i", T.INT64, []), _vi("cond_in", T.BOOL, []), _vi("v_in", T.FLOAT, [3])],
+        [_vi("cond_out", T.BOOL, []), _vi("v_out", T.FLOAT, [3]), _vi("scan_out", T.FLOAT, [3])],
+        [nh.from_array(np.array(0.5, F32), "half")])
+    ins = ["n", "c0", "v0"] if with_cond else ["n", "", "v0"]
+    graph_ins = [_vi("x", T.FLOAT, [3]), _vi("v0", T.FLOAT, [3]), _vi("n", T.INT64, []),
+                 _vi("limit", T.FLOAT, [])]
+    inits = [nh.from_array(np.array(True), "c0")] if with_cond else []
+    return model_of([h.make_node("Loop", ins, ["v", "vs"], body=body, name="loop"),
+                     h.make_node("Neg", ["v"], ["nv"])],
+                    graph_ins, [_vi("nv", T.FLOAT, [3]), _vi("vs", T.FLOAT, [None, 3])], inits)
+
+
+@pytest.mark.parametrize("with_cond", [True, False])
+def test_loop_runs_its_compiled_body_on_the_host(with_cond):
+    m = _loop_model(with_cond)
+    s = cannc.compile(m, cores=1)
+    x = RNG.standard_normal(3).astype(F32)
+    v0 = RNG.standard_normal(3).astype(F32)
+    for n, limit in ((4, 100.0), (6, 5.0), (1, 100.0)):
+        _check(s, m, {"x": x, "v0": v0, "n": np.array(n, I64), "limit": np.array(limit, F32)})
+    before = cannc.compiler.codegen_counts()
+    _check(s, m, {"x": -x, "v0": v0, "n": np.array(5, I64), "limit": np.array(9.0, F32)})
+    assert cannc.compiler.codegen_counts() == before   # the body is compiled once
+
+
+def test_scan_cumulative_sum_both_directions_and_axes():
+    body = h.make_graph([h.make_node("Add", ["s_in", "x_t"], ["s_out"]),
+                         h.make_node("Mul", ["s_out", "x_t"], ["y_t"])], "body",
+                        [_vi("s_in", T.FLOAT, [2]), _vi("x_t", T.FLOAT, [2])],
+                        [_vi("s_out", T.FLOAT, [2]), _vi("y_t", T.FLOAT, [2])])
+    for dirs, in_axis, out_axis in (([0], 0, 0), ([1], 1, 1), ([1], 0, -1)):
+        shape = [5, 2] if in_axis == 0 else [2, 5]
+        node = h.make_node("Scan", ["s0", "xs"], ["s", "ys"], body=body, num_scan_inputs=1,
+                           scan_input_directions=dirs, scan_output_directions=dirs,
+                           scan_input_axes=[in_axis], scan_output_axes=[out_axis])
+        m = model_of([node], [_vi("s0", T.FLOAT, [2]), _vi("xs", T.FLOAT, shape)],
+                     [_vi("s", T.FLOAT, [2]), _vi("ys", T.FLOAT, [None, None])])
+        s = cannc.compile(m, cores=1)
+        _check(s, m, {"s0": RNG.standard_normal(2).astype(F32),
+                      "xs": RNG.standard_normal(shape).astype(F32)})
 
 
 def _runtime_if_model():

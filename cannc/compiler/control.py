@@ -1,14 +1,17 @@
 """Runtime control flow: a host program over compiled cannc programs.
 
 A graph whose If conditions all fold becomes one specialisation (passes/control.py
-inlines the branches). When a condition depends on runtime data, the graph is cut at
-those Ifs into *segments* (the nodes between two such Ifs, in topological order) and
-the specialisation becomes a host program: each segment and each branch is compiled
-as a cannc program of its own (a sub-specialisation, compiled on first use for the
-shapes (and value-deciding values) it meets, then cached); a run executes the segments
-in order on the device, and at an If the host reads the condition back (it was copied
-out after the kernels that produce it) and runs the program of the branch it names.
-Everything still runs as native code; the host only moves values between programs.
+inlines the branches). When a condition depends on runtime data, or the graph has a
+Loop or a Scan, the graph is cut at those nodes into *segments* (the nodes between two
+of them, in topological order) and the specialisation becomes a host program: each
+segment and each subgraph is compiled as a cannc program of its own (a
+sub-specialisation, compiled on first use for the shapes (and value-deciding values) it
+meets, then cached); a run executes the segments in order on the device, and at a
+control-flow node the host does what the op's `control` says: an If reads its condition
+back (copied out after the kernels that produce it) and runs the branch it names; a
+Loop runs its body while the trip count and the condition allow, feeding the carried
+values back; a Scan runs its body once per slice of its scan inputs. Everything still
+runs as native code; the host only moves values between programs (slices, stacking).
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ShapeError
+from ..errors import ShapeError, UnsupportedOpError
 from ..ir.graph import Graph, Node
 from ..ir.ops import lookup
+from ..ir.ops.control import scan_layout
+from ..ir.registry import Control
 from ..ir.types import TensorType
 from ..passes.control import has_subgraphs
 from ..passes.fold import bind_input_shapes
@@ -81,7 +86,11 @@ def _steps(g: Graph) -> list[Step]:
     current: list[Node] = []
     for n in g.nodes():
         op = lookup(n.op_type, n.domain)
-        if op is not None and op.branch is not None:
+        if op is not None and op.control is not None:
+            if n.opset < op.min_opset:
+                raise UnsupportedOpError([(n.name, n.op_type, n.domain, n.opset,
+                                           f"opset {n.opset} is older than supported "
+                                           f"({op.min_opset})")])
             if current:
                 steps.append(Step(nodes=current))
             current = []
@@ -161,22 +170,97 @@ class ControlProgram:
             n = st.node
             op = lookup(n.op_type, n.domain)
             own = len(n.proto.input) if n.proto is not None else len(n.inputs)
-            attr = op.branch(n, [env.get(v) if v else None for v in n.inputs[:own]])
-            if attr is None:
-                raise ShapeError(f"{n.op_type} at node '{n.name}': its condition "
-                                 f"{n.inputs[0]!r} must have a single element")
-            sub = st.branches[attr]
-            outs = self._run(sub, st.programs.setdefault(attr, {}), env)
-            if len(outs) < len([o for o in n.outputs if o]):
-                raise ShapeError(f"{n.op_type} at node '{n.name}': branch {attr} has "
-                                 f"{len(outs)} outputs for {len(n.outputs)}")
+            ins = list(n.inputs[:own])
+            run = {Control.BRANCH: self._branch, Control.LOOP: self._loop,
+                   Control.SCAN: self._scan}[op.control]
+            outs = run(n, op, st, ins, env)
             env.update((o, v) for o, v in zip(n.outputs, outs) if o)
         return [np.array(env[o], copy=True) for o in g.outputs]
+
+    # -- the control-flow steps (by the op's `control`) ----------------------------------
+    def _branch(self, n: Node, op: Any, st: Step, ins: list[str],
+                env: dict[str, np.ndarray]) -> list[np.ndarray]:
+        attr = op.branch(n, [env.get(v) if v else None for v in ins])
+        if attr is None:
+            raise ShapeError(f"{n.op_type} at node '{n.name}': its condition {ins[0]!r} "
+                             "must have a single element")
+        return self._run(st.branches[attr], st.programs.setdefault(attr, {}), env)
+
+    def _loop(self, n: Node, op: Any, st: Step, ins: list[str],
+              env: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """ONNX Loop: M (trip count) and cond optional; body(i, cond, carried..., captures)
+        -> (cond, carried..., scan outputs...)."""
+        body, cache = st.branches["body"], st.programs.setdefault("body", {})
+        trip = int(env[ins[0]].reshape(-1)[0]) if ins and ins[0] else None
+        use_cond = len(ins) > 1 and bool(ins[1])
+        cond = bool(env[ins[1]].reshape(-1)[0]) if use_cond else True
+        carried = [env[v] for v in ins[2:]]
+        formal = body.inputs[:2 + len(carried)]
+        k = len(body.outputs) - 1 - len(carried)
+        scans: list[list[np.ndarray]] = [[] for _ in range(k)]
+        i = 0
+        while (trip is None or i < trip) and cond:
+            local = dict(env)
+            local.update(zip(formal, [np.array(i, np.int64), np.array(cond)] + carried))
+            outs = self._run(body, cache, local)
+            # (the body's condition ends the loop also without a cond input: what
+            # onnxruntime and the ONNX reference do)
+            cond = bool(np.asarray(outs[0]).reshape(-1)[0])
+            carried = outs[1:1 + len(carried)]
+            for j in range(k):
+                scans[j].append(outs[1 + len(carried) + j])
+            i += 1
+        return carried + [self._stack(s, 0, n.outputs[len(carried) + j])
+                          for j, s in enumerate(scans)]
+
+    def _scan(self, n: Node, op: Any, st: Step, ins: list[str],
+              env: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """ONNX Scan (opset 9+): body(states..., one slice of each scan input...)
+        -> (states..., one slice of each scan output...)."""
+        body, cache = st.branches["body"], st.programs.setdefault("body", {})
+        ns, in_axes, in_dirs, out_axes, out_dirs = scan_layout(n, len(ins))
+        states = [env[v] for v in ins[:ns]]
+        xs = [env[v] for v in ins[ns:]]
+        axes = [a + x.ndim if a < 0 else a for a, x in zip(in_axes, xs)]
+        steps = {x.shape[a] for x, a in zip(xs, axes)}
+        if len(steps) != 1:
+            raise ShapeError(f"Scan at node '{n.name}': its scan inputs have different "
+                             f"lengths {sorted(steps)} along their scan axes")
+        length = steps.pop()
+        formal = body.inputs[:len(ins)]
+        ys: list[list[np.ndarray]] = [[] for _ in range(len(n.outputs) - ns)]
+        for t in range(length):
+            slices = [np.take(x, length - 1 - t if d else t, axis=a)
+                      for x, a, d in zip(xs, axes, in_dirs)]
+            local = dict(env)
+            local.update(zip(formal, states + slices))
+            outs = self._run(body, cache, local)
+            states = outs[:ns]
+            for j, y in enumerate(outs[ns:]):
+                ys[j].append(y)
+        out = list(states)
+        for j, y in enumerate(ys):
+            if out_dirs[j]:
+                y = y[::-1]
+            rank = y[0].ndim + 1 if y else 1
+            ax = out_axes[j] + rank if out_axes[j] < 0 else out_axes[j]
+            out.append(self._stack(y, ax, n.outputs[ns + j]))
+        return out
+
+    def _stack(self, parts: list[np.ndarray], axis: int, name: str) -> np.ndarray:
+        """Scan outputs of every iteration along a new axis (data movement on the host);
+        no iteration: an empty tensor of the output's declared type."""
+        if parts:
+            return _contiguous(np.stack(parts, axis=axis))
+        t = self.spec.graph.values.get(name)
+        dtype = t.dtype if t is not None else np.float32
+        rest = tuple(d if isinstance(d, int) else 0 for d in (t.shape[1:] if t else ()))
+        return np.zeros((0,) + rest, dtype)
 
     def _run(self, graph: Graph, cache: dict[tuple, Any], env: dict[str, np.ndarray]
              ) -> list[np.ndarray]:
         """The outputs of `graph` (a segment or branch) on the values in `env`."""
-        feeds = {v: np.ascontiguousarray(env[v]) for v in graph.inputs}
+        feeds = {v: _contiguous(env[v]) for v in graph.inputs}
         produced = [o for o in graph.outputs if o not in graph.constants and o not in feeds]
         if not produced:
             return [graph.constants[o] if o in graph.constants else feeds[o]
@@ -209,6 +293,12 @@ class ControlProgram:
     @property
     def kernels(self) -> list:
         return []
+
+
+def _contiguous(a: np.ndarray) -> np.ndarray:
+    """C-contiguous, 0-d kept 0-d (np.ascontiguousarray makes it 1-d)."""
+    a = np.asarray(a)
+    return a if a.flags.c_contiguous else a.copy(order="C")
 
 
 def compile_program(graph: Graph, shapes: dict[str, tuple[int, ...]], options: CompileOptions,

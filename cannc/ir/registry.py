@@ -42,6 +42,14 @@ class Category(str, Enum):
 
 MAP_CATEGORIES = (Category.ELEMENTWISE, Category.BROADCAST)
 
+
+class Control(str, Enum):
+    """How a control-flow op runs its subgraphs (the host program, compiler/control.py)."""
+
+    BRANCH = "branch"   # one of its subgraphs, picked by a value (If; see `branch`)
+    LOOP = "loop"       # its body while a trip count and a condition allow (Loop)
+    SCAN = "scan"       # its body once per slice of its scan inputs (Scan)
+
 CheckFn = Callable[["Node", list["TensorType"], list["TensorType"]], "str | None"]
 FlopsFn = Callable[["Node", list["TensorType"], list["TensorType"]], int]
 # Type/shape inference where ONNX has none: (node, input types) -> output types.
@@ -97,6 +105,7 @@ class OpDef:
     epilogue: Fusion | None = None            # contraction taking an elementwise epilogue
     prologue: Fusion | None = None            # row op computing its producers inside it
     subgraphs: tuple[str, ...] = ()           # attributes holding subgraphs (ir.Graph)
+    control: Control | None = None            # how a control-flow op runs them
     branch: BranchFn | None = None            # control flow: the subgraph taken, if known
 
     def schema_reason(self, node: Node, ins: list[TensorType],

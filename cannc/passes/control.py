@@ -106,7 +106,8 @@ def inline_subgraph(graph: Graph, n: Node, sub: Graph) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class InlineOptions:
-    runtime_choice: bool = False   # leave Ifs chosen by runtime data (for a host program)
+    runtime_choice: bool = False   # leave runtime control flow (If on data, Loop, Scan) to
+                                   # a host program
 
 
 def has_subgraphs(graph: Graph) -> bool:
@@ -122,9 +123,8 @@ def has_subgraphs(graph: Graph) -> bool:
 def inline_branches(graph: Graph, ctx: PassContext) -> bool:
     """Every node whose subgraph is known at compile time (the op's `branch`: an If whose
     condition folds) becomes that subgraph; one whose choice depends on runtime data is
-    reported (UnsupportedOpError naming it), as is an op with subgraphs and no branch,
-    unless `runtime_choice` (the compiler then makes a host program of the graph:
-    cannc.compiler.control)."""
+    reported (UnsupportedOpError naming it), as are Loop and Scan, unless `runtime_choice`
+    (the compiler then makes a host program of the graph: cannc.compiler.control)."""
     changed = False
     while True:
         for n in graph.nodes():
@@ -146,7 +146,7 @@ def inline_branches(graph: Graph, ctx: PassContext) -> bool:
     for n in graph.nodes():
         op = lookup(n.op_type, n.domain)
         if op is not None and op.subgraphs:
-            if ctx.options.runtime_choice and op.branch is not None:
+            if ctx.options.runtime_choice and op.control is not None:
                 continue
             reason = op.check(n, [], []) if op.check is not None else None
             left.append((n.name, n.op_type, n.domain, n.opset,
