@@ -237,6 +237,11 @@ class Session:
                 pipeline_requests: int = 0) -> Profile:
         """Per-kernel times, GFLOP/s and GB/s against this machine's peak, per-core busy
         time, copy and compute time, memory; `.write_chrome_trace(path)`."""
+        feeds, key = self._check_inputs(input_feed)
+        if isinstance(self._program(key, feeds), ControlProgram):
+            raise CanncError("profile: this model's control flow is chosen at run time (an "
+                             "If on runtime data, a Loop or a Scan): it runs as a host "
+                             "program over several compiled programs, not one kernel list")
         return profile(self, input_feed, runs=runs, warmup=warmup,
                        pipeline_requests=pipeline_requests)
 
@@ -263,8 +268,9 @@ class Session:
         prog = self.specialize(full, values=values)
         if isinstance(prog, ControlProgram):
             raise CanncError("inspect: this model's control flow is chosen at run time (an "
-                             "If on runtime data), so it has no single kernel list; its "
-                             "segments and branches are compiled on first use")
+                             "If on runtime data, a Loop or a Scan), so it has no single "
+                             "kernel list; its segments and subgraphs are compiled on first "
+                             "use")
         rep = inspect_report(prog, cores=self.cores, pipeline=self.options.pipeline,
                              input_shapes=full, onnx_nodes=self.graph.num_nodes(),
                              fusion=self.options.fusion)

@@ -241,3 +241,29 @@ def test_runtime_if_with_branches_of_different_shapes_and_a_nested_runtime_if():
     base = np.arange(9, dtype=F32).reshape(3, 3) / 10
     for x in (base, base + 1, -base):        # then/else-inner, then/then-inner, else
         _check(s, m, {"x": x})
+
+
+def test_a_boolean_graph_input_condition_is_value_specialised():
+    """An If on a boolean graph input (a flag) compiles one program per flag value, the
+    branch inlined; a host program is not needed."""
+    then, els = _branches()
+    m = model_of([h.make_node("If", ["flag"], ["y"], then_branch=then, else_branch=els)],
+                 [_vi("flag", T.BOOL, []), _vi("x", T.FLOAT, [2, 3])],
+                 [_vi("y", T.FLOAT, [2, 3])])
+    s = cannc.compile(m, cores=1)
+    assert s.value_inputs == ("flag",)
+    x = RNG.standard_normal((2, 3)).astype(F32)
+    for flag in (True, False, True):
+        _check(s, m, {"flag": np.array(flag), "x": x})
+    assert len(s.programs) == 2
+    assert not any(isinstance(p, ControlProgram) for p in s.programs.values())
+
+
+def test_inspect_and_profile_of_a_host_program_say_why_not():
+    s = cannc.compile(_runtime_if_model(), cores=1)
+    feeds = {"x": np.ones((2, 3), F32), "w": np.ones(3, F32)}
+    s.run(None, feeds)
+    with pytest.raises(cannc.errors.CanncError, match="chosen at run time"):
+        s.profile(feeds, runs=1, warmup=0)
+    with pytest.raises(cannc.errors.CanncError, match="chosen at run time"):
+        s.inspect({"x": (2, 3), "w": (3,)}, without_fusion=False)
