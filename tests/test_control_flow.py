@@ -35,10 +35,11 @@ def _check(sess, model, feeds):
 
 def _branches(prefix=""):
     """then: Relu(x) + c (an initializer of the branch), else: -x; both read the outer x."""
-    then = h.make_graph([h.make_node("Relu", ["x"], ["t"]), h.make_node("Add", ["t", "c"],
-                                                                        ["out"])],
-                        "then", [], [_vi("out", T.FLOAT, None)],
-                        [nh.from_array(np.array(1.5, F32), "c")])
+    then = h.make_graph([h.make_node("Relu", ["x"], ["t"]),
+                         h.make_node("Constant", [], ["c"],
+                                     value=nh.from_array(np.array(1.5, F32))),
+                         h.make_node("Add", ["t", "c"], ["out"])],
+                        "then", [], [_vi("out", T.FLOAT, None)])
     els = h.make_graph([h.make_node("Neg", ["x"], ["out"])], "else", [],
                        [_vi("out", T.FLOAT, None)])
     return then, els
@@ -49,7 +50,8 @@ def _torch_style_if():
     then, els = _branches()
     nodes = [h.make_node("Shape", ["x"], ["s"]),
              h.make_node("Gather", ["s", "zero"], ["d0"], axis=0),
-             h.make_node("Greater", ["d0", "one"], ["cond"]),
+             h.make_node("Greater", ["d0", "one"], ["gt"]),
+             h.make_node("Cast", ["gt"], ["cond"], to=T.BOOL),
              h.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=els),
              h.make_node("Mul", ["y", "y"], ["z"])]
     inits = [nh.from_array(np.array(0, I64), "zero"), nh.from_array(np.array(1, I64), "one")]
@@ -61,8 +63,8 @@ def test_frontend_imports_subgraphs_with_their_captures():
     node = next(n for n in g.nodes() if n.op_type == "If")
     assert node.inputs == ("cond", "x")                  # the outer x is a capture
     then = node.attrs["then_branch"]
-    assert then.meta["captures"] == ["x"] and "c" in then.constants
-    assert [n.op_type for n in then.nodes()] == ["Relu", "Add"]
+    assert then.meta["captures"] == ["x"]
+    assert [n.op_type for n in then.nodes()] == ["Relu", "Constant", "Add"]
 
 
 def test_if_on_a_shape_condition_becomes_its_branch():

@@ -157,6 +157,7 @@ class ControlProgram:
         self.options, self.device, self.pool = options, device, pool
         self.input_names = list(spec.graph.inputs)
         self._lock = threading.Lock()
+        self._vin: dict[int, tuple[str, ...]] = {}   # per segment/subgraph (they live on)
 
     def execute(self, feeds: dict[str, np.ndarray], times: Any = None) -> list[np.ndarray]:
         g = self.spec.graph
@@ -265,7 +266,9 @@ class ControlProgram:
         if not produced:
             return [graph.constants[o] if o in graph.constants else feeds[o]
                     for o in graph.outputs]
-        vin = value_deciding_inputs(graph)
+        vin = self._vin.get(id(graph))
+        if vin is None:
+            vin = self._vin[id(graph)] = value_deciding_inputs(graph)
         key = tuple((v, feeds[v].dtype.str, feeds[v].shape) for v in graph.inputs) + tuple(
             feeds[v].tobytes() for v in vin)
         with self._lock:
