@@ -99,3 +99,5 @@ class Specialization:
     cache_hits: int
     cache_misses: int
     memory: MemoryPlan
+    # inputs specialised on their values (value-deciding inputs, now constants of `graph`)
+    values: dict[str, np.ndarray] = field(default_factory=dict)

@@ -4,20 +4,18 @@ suite (onnx.backend.test.BackendTest) runs against cannc:
     import cannc.backend
     backend_test = onnx.backend.test.BackendTest(cannc.backend, __name__)
 
-Two things the backend does that a plain `cannc.compile` does not:
+One thing the backend does that a plain `cannc.compile` does not: models older than
+the oldest opset the frontend reads (7) are converted with onnx.version_converter
+first (the frontend's own advice).
 
-* Models older than the oldest opset the frontend reads (7) are converted with
-  onnx.version_converter first (the frontend's own advice).
-* Value specialisation by position. The backend test cases feed every tensor as
-  a graph input, also those that real models carry as initializers and that
-  decide an output shape or a kernel's parameters: Resize scales/sizes/roi,
-  Range bounds, OneHot depth, Reshape/Expand/Tile shapes, Slice/Pad/Reduce axes,
-  a CumSum axis, a TopK k... A graph input that feeds such a slot (the op's
-  `value_inputs` in the registry) becomes an initializer holding the fed value, and the
-  model is compiled once per distinct value (cached). Every other input stays a
-  runtime input, so the computation itself still runs as native code. (The
-  Session does the same for small integer inputs after a ShapeError; this
-  covers float scales and parameters that are not shapes.)
+Value specialisation needs nothing here. The backend test cases feed every tensor
+as a graph input, also those that real models carry as initializers and that decide
+an output shape or a kernel's parameters (Resize scales/sizes/roi, Range bounds,
+OneHot depth, Reshape/Expand/Tile shapes, Slice/Pad/Reduce axes, a TopK k...); the
+Session specialises on the values of such inputs itself (`Session.value_inputs`,
+found from the ops' `value_inputs` in the registry), compiling once per distinct
+value (cached). Every other input stays a runtime input, so the computation runs as
+native code.
 """
 
 from __future__ import annotations
@@ -27,34 +25,21 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 from onnx.backend.base import Backend, BackendRep, Device, DeviceType
 
-from .config import check_size
+from .compiler.shapes import value_deciding_inputs
 from .errors import InputError, ModelError
-from .ir.ops import lookup
+from .frontend import import_model
 from .ir.types import NP_TO_ONNX
 from .session import Session
 
 MIN_FRONTEND_OPSET = 7
-_MAX_SPECIALISATIONS = 16
 
 
 def shape_deciding_inputs(model: onnx.ModelProto) -> list[str]:
-    """Graph inputs that feed a value-deciding slot of some node (the op's `value_inputs`).
-    Ops cannc does not define have none: such a model fails to compile anyway, naming
-    the op (UnsupportedOpError), whatever the inputs are."""
-    inputs = {i.name for i in model.graph.input}
-    inits = {i.name for i in model.graph.initializer}
-    out: list[str] = []
-    for n in model.graph.node:
-        op = lookup(n.op_type, n.domain)
-        for pos in op.value_inputs if op is not None else ():
-            if pos < len(n.input):
-                v = n.input[pos]
-                if v and v in inputs and v not in inits and v not in out:
-                    out.append(v)
-    return out
+    """Graph inputs whose values decide a shape or kernel parameter (what the Session
+    specialises on: `cannc.compiler.shapes.value_deciding_inputs`)."""
+    return list(value_deciding_inputs(import_model(model)[0]))
 
 
 def _upgrade(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -72,41 +57,9 @@ def _upgrade(model: onnx.ModelProto) -> onnx.ModelProto:
 class CanncRep(BackendRep):
     def __init__(self, model: onnx.ModelProto, **kwargs: Any) -> None:
         self.model = model
-        self.kwargs = kwargs
-        self._names = [i.name for i in model.graph.input
-                       if i.name not in {t.name for t in model.graph.initializer}]
-        self.value_inputs = shape_deciding_inputs(model)
-        self._sessions: dict[tuple, Session] = {}
-        self.session: Session | None = None
-        if not self.value_inputs:
-            self.session = Session(model, **kwargs)
-            self._names = [i.name for i in self.session.get_inputs()]
-
-    def _session_for(self, feeds: dict[str, np.ndarray]) -> Session:
-        if self.session is not None:
-            return self.session
-        missing = [n for n in self.value_inputs if n not in feeds]
-        if missing:
-            raise InputError(f"missing input(s) {missing}; the model's inputs are "
-                             f"{self._names}")
-        for n in self.value_inputs:   # multiplied out before anything reads the values
-            check_size(f"input '{n}'", feeds[n].shape, feeds[n].dtype.itemsize)
-        key = tuple((n, feeds[n].dtype.str, feeds[n].shape, feeds[n].tobytes())
-                    for n in self.value_inputs)
-        s = self._sessions.get(key)
-        if s is None:
-            m = onnx.ModelProto()
-            m.CopyFrom(self.model)
-            keep = [i for i in m.graph.input if i.name not in self.value_inputs]
-            del m.graph.input[:]
-            m.graph.input.extend(keep)
-            for n in self.value_inputs:
-                m.graph.initializer.append(numpy_helper.from_array(feeds[n], n))
-            s = Session(m, **self.kwargs)
-            if len(self._sessions) >= _MAX_SPECIALISATIONS:
-                self._sessions.pop(next(iter(self._sessions)))
-            self._sessions[key] = s
-        return s
+        self.session = Session(model, **kwargs)
+        self._names = [i.name for i in self.session.get_inputs()]
+        self.value_inputs = list(self.session.value_inputs)
 
     def run(self, inputs: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
         if isinstance(inputs, dict):
@@ -116,9 +69,8 @@ class CanncRep(BackendRep):
                 inputs = [inputs]
             feeds = dict(zip(self._names, inputs))
         feeds = {k: np.asarray(v) for k, v in feeds.items()}
-        s = self._session_for(feeds)
-        names = {i.name for i in s.get_inputs()}
-        return tuple(s.run(None, {k: v for k, v in feeds.items() if k in names}))
+        names = set(self._names)
+        return tuple(self.session.run(None, {k: v for k, v in feeds.items() if k in names}))
 
 
 class CanncBackend(Backend):

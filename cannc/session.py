@@ -7,6 +7,7 @@ import json
 import threading
 import time
 import zipfile
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -19,11 +20,16 @@ import onnx
 
 from ._version import __version__
 from .artifact import Specialization
-from .compiler import PIPELINES, CompileOptions, specialize
+from .compiler import PIPELINES, CompileOptions
+from .compiler.control import ControlProgram, compile_program
 from .compiler.inspect import inspect_report
 from .compiler.inspect import without_fusion as without_fusion_figures
-from .compiler.shapes import complete_input_shapes
-from .config import check_budget, check_size, fmt_bytes
+from .compiler.shapes import (
+    VALUE_SPECIALISATION_ELEMS,
+    complete_input_shapes,
+    value_deciding_inputs,
+)
+from .config import check_size
 from .errors import CacheError, CanncError, CompileError, InputError, ShapeError
 from .frontend import import_model, load_model_proto
 from .ir.types import onnx_type_string
@@ -31,8 +37,12 @@ from .native.target import ObjectCache, default_cache, elf_symbols, host
 from .passes.fusion import RULES
 from .runtime.device import shared_device
 from .runtime.profiler import Profile, profile
-from .runtime.program import Program, WeightPool, dispatcher_object
+from .runtime.program import Program, WeightPool
 from .runtime.stream import Event, is_pinned
+
+# Compiled specialisations kept per session for models with value-deciding inputs (one per
+# distinct value; the least recently used goes beyond this).
+MAX_VALUE_PROGRAMS = 32
 
 
 @dataclass(frozen=True)
@@ -74,11 +84,16 @@ class Session:
                                       pass_options=dict(pass_options or {}))
         self.options.pass_manager()   # a misspelt pass, option or dump name fails here
         self.device = shared_device(cores)
-        self._programs: dict[tuple, Program] = {}
+        # compiled programs by input shapes (+ the values of the value-deciding inputs),
+        # least recently used first
+        self._programs: OrderedDict[tuple, Program] = OrderedDict()
         self._weights = WeightPool(self.device)
-        # inputs whose *values* decide shapes (e.g. a Reshape target fed at run time):
-        # found on the first specialisation that needs them, then part of the key
-        self._value_inputs: tuple[str, ...] = ()
+        # inputs whose *values* decide shapes or kernel parameters (a Reshape target, Resize
+        # scales, Slice starts... fed at run time): their values are part of the program key
+        # and they become constants of the specialisation; every other input stays a
+        # runtime input of native code (cannc.compiler.shapes.value_deciding_inputs)
+        self._value_inputs: tuple[str, ...] = value_deciding_inputs(self.graph)
+        self._last_values: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
         self._pipe: dict[str, Any] | None = None
         self._compute_log: list[tuple[float, float]] | None = None
@@ -91,13 +106,9 @@ class Session:
             t = self.graph.values.get(n)
             self._outputs.append(NodeArg(n, list(t.shape) if t else [],
                                          onnx_type_string(t.dtype) if t else "tensor(float)"))
-        if eager:
-            try:
-                self.specialize(self._default_shapes(shapes or {}))
-            except ShapeError:
-                if not self._value_candidates():
-                    raise
-                # shapes depend on input values: specialise at the first run instead
+        if eager and not self._value_inputs:
+            # (with value-deciding inputs, each run's values pick the specialisation)
+            self.specialize(self._default_shapes(shapes or {}))
 
     # -- onnxruntime-compatible API ------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:
@@ -128,6 +139,8 @@ class Session:
         feeds, key = self._check_inputs(input_feed)
         names = self._check_output_names(output_names)
         prog = self._program(key, feeds)
+        if isinstance(prog, ControlProgram):
+            return self._run_host_program_async(prog, feeds, names)
         staged = {}
         for k, a in feeds.items():
             if k not in prog.input_names:
@@ -195,6 +208,23 @@ class Session:
         pipe["d2h"].enqueue(copy_out)
         return fut
 
+    def _run_host_program_async(self, prog: ControlProgram, feeds: dict[str, np.ndarray],
+                                names: list[str]) -> Future:
+        """Runtime control flow: the host program runs on the compute stream as a whole
+        (its programs copy in and out themselves)."""
+        fut: Future = Future()
+        feeds = {k: np.array(v, copy=True) for k, v in feeds.items() if k in prog.input_names}
+
+        def job() -> None:
+            try:
+                by_name = dict(zip(self.graph.outputs, prog.execute(feeds)))
+                fut.set_result([by_name[n] for n in names])
+            except BaseException as e:
+                fut.set_exception(e)
+
+        self._pipeline()["compute"].enqueue(job)
+        return fut
+
     def _pipeline(self) -> dict[str, Any]:
         with self._lock:
             if self._pipe is None:
@@ -208,10 +238,16 @@ class Session:
                 pipeline_requests: int = 0) -> Profile:
         """Per-kernel times, GFLOP/s and GB/s against this machine's peak, per-core busy
         time, copy and compute time, memory; `.write_chrome_trace(path)`."""
+        feeds, key = self._check_inputs(input_feed)
+        if isinstance(self._program(key, feeds), ControlProgram):
+            raise CanncError("profile: this model's control flow is chosen at run time (an "
+                             "If on runtime data, a Loop or a Scan): it runs as a host "
+                             "program over several compiled programs, not one kernel list")
         return profile(self, input_feed, runs=runs, warmup=warmup,
                        pipeline_requests=pipeline_requests)
 
     def inspect(self, shapes: dict[str, Sequence[int]] | None = None, *,
+                values: dict[str, Any] | None = None,
                 without_fusion: bool = True) -> dict[str, Any]:
         """What `cannc inspect --json` prints: the kernels of the specialisation for
         `shapes` (compiled if need be; inputs not given take their symbolic dims from the
@@ -219,19 +255,41 @@ class Session:
         bytes, tiling, predicted time and runtime dims; totals, memory plan, passes, what
         did not fuse and why. `without_fusion`: also compile the model without fusion and
         report its kernel count and traffic (`["fusion"]["without_fusion"]`; skipped when
-        this session does not fuse)."""
+        this session does not fuse). A model whose shapes depend on input values is
+        inspected for `values` ({input: array}), else for the values of the last run;
+        `["value_specialisation"]` says which inputs these are and how many values are
+        compiled."""
         given = given_shapes(shapes)
         full = complete_input_shapes(self.graph, given, list(self._programs))
-        prog = self.specialize(full)
+        if values is None and self._value_inputs:
+            values = self._last_values
+            for n, v in values.items():
+                if n not in given:
+                    full[n] = tuple(v.shape)
+        prog = self.specialize(full, values=values)
+        if isinstance(prog, ControlProgram):
+            raise CanncError("inspect: this model's control flow is chosen at run time (an "
+                             "If on runtime data, a Loop or a Scan), so it has no single "
+                             "kernel list; its segments and subgraphs are compiled on first "
+                             "use")
         rep = inspect_report(prog, cores=self.cores, pipeline=self.options.pipeline,
                              input_shapes=full, onnx_nodes=self.graph.num_nodes(),
                              fusion=self.options.fusion)
         rep["model"] = self.source
+        if self._value_inputs:
+            rep["value_specialisation"] = {
+                "inputs": list(self._value_inputs),
+                "values": {n: np.asarray(v).tolist() for n, v in prog.spec.values.items()},
+                "programs": len(self._programs), "limit": MAX_VALUE_PROGRAMS,
+                "note": "the values of these inputs decide shapes or kernel parameters: the "
+                        "model is compiled once per distinct value (least recently used "
+                        f"evicted beyond {MAX_VALUE_PROGRAMS}); every other input is a "
+                        "runtime input"}
         if without_fusion and self.options.fusion is not False:
             base = Session(self._proto, cores=self.cores, pipeline=self.options.pipeline,
                            eager=False, cache=self.options.cache, fusion=False)
             rep["fusion"]["without_fusion"] = without_fusion_figures(base.inspect(
-                full, without_fusion=False))
+                full, values=prog.spec.values or None, without_fusion=False))
         return rep
 
     def mem_info(self) -> dict[str, int]:
@@ -243,54 +301,62 @@ class Session:
     def cores(self) -> int:
         return self.device.cores
 
-    def specialize(self, shapes: dict[str, Sequence[int]]) -> Program:
+    def specialize(self, shapes: dict[str, Sequence[int]],
+                   values: dict[str, Any] | None = None) -> Program:
+        """The program for these input shapes (compiled if need be). A model with
+        value-deciding inputs (`value_inputs` of inspect's report) needs their `values`."""
         shapes = self._default_shapes(shapes)   # checked against the declared shapes
         key = tuple(tuple(int(d) for d in shapes[n]) for n in self.graph.inputs)
+        if self._value_inputs:
+            missing = [n for n in self._value_inputs if n not in (values or {})]
+            if missing:
+                raise ShapeError(f"the values of inputs {missing} decide this model's shapes "
+                                 "or kernel parameters: it is specialised on them at run "
+                                 "time (or give values=)")
+            vals = {}
+            for n in self._value_inputs:
+                t = self.graph.values[n]
+                vals[n] = np.asarray(values[n], dtype=t.dtype)
+            return self._program(key, vals)
         return self._program(key)
 
     def _program(self, key: tuple, feeds: dict[str, np.ndarray] | None = None) -> Program:
+        values = {n: feeds[n] for n in self._value_inputs} if feeds is not None else {}
+        full = key + self._value_key(values)
         with self._lock:
-            full = key + self._value_key(feeds)
             prog = self._programs.get(full)
             if prog is not None:
+                if values:
+                    self._programs.move_to_end(full)
+                    self._last_values = prog.spec.values
                 return prog
             shapes = dict(zip(self.graph.inputs, key))
-            try:
-                spec = self._specialize(shapes, feeds)
-            except ShapeError:
-                cands = self._value_candidates()
-                if self._value_inputs or feeds is None or not cands:
-                    raise
-                self._value_inputs = cands
-                full = key + self._value_key(feeds)
-                spec = self._specialize(shapes, feeds)
-            _check_memory_budget(spec, self.device.cores)
-            prog = Program(spec, self.device, dispatcher_object(), pool=self._weights)
+            for n, v in values.items():
+                if v.size > VALUE_SPECIALISATION_ELEMS:
+                    raise ShapeError(
+                        f"input '{n}' decides shapes by its values, but has {v.size} elements "
+                        f"(at most {VALUE_SPECIALISATION_ELEMS} are specialised on)")
+            # one program, or a host program over compiled ones (runtime control flow)
+            prog = compile_program(self.graph, shapes, self.options, self.device,
+                                   self._weights,
+                                   {n: np.array(v, copy=True) for n, v in values.items()})
+            spec = prog.spec
+            if values:
+                while len(self._programs) >= MAX_VALUE_PROGRAMS:
+                    self._programs.popitem(last=False)   # least recently used
+                self._last_values = spec.values
             self._programs[full] = prog
             return prog
 
-    def _specialize(self, shapes: dict[str, tuple[int, ...]],
-                    feeds: dict[str, np.ndarray] | None) -> Specialization:
-        values = {n: feeds[n] for n in self._value_inputs} if feeds is not None else {}
-        if self._value_inputs and feeds is None:
-            raise ShapeError("this model's shapes depend on the values of inputs "
-                             f"{list(self._value_inputs)}: it is specialised at run time")
-        return specialize(self.graph, shapes, self.options, values=values)
+    def _value_key(self, values: dict[str, np.ndarray]) -> tuple:
+        return tuple(("value", n, values[n].tobytes()) for n in self._value_inputs
+                     if n in values)
 
-    def _value_key(self, feeds: dict[str, np.ndarray] | None) -> tuple:
-        if not self._value_inputs or feeds is None:
-            return ()
-        return tuple(("value", n, feeds[n].tobytes()) for n in self._value_inputs)
-
-    def _value_candidates(self) -> tuple[str, ...]:
-        """Small integer inputs: the ones whose values may decide shapes."""
-        out = []
-        for n in self.graph.inputs:
-            t = self.graph.values[n]
-            if np.dtype(t.dtype).kind in "iu" and len(t.shape) <= 1 and all(
-                    not isinstance(d, int) or d <= 64 for d in t.shape):
-                out.append(n)
-        return tuple(out)
+    @property
+    def value_inputs(self) -> tuple[str, ...]:
+        """Inputs whose values decide shapes or kernel parameters: a run compiles (once,
+        cached) a specialisation per distinct value of these."""
+        return self._value_inputs
 
     @property
     def specializations(self) -> list[Specialization]:
@@ -452,17 +518,6 @@ def given_shapes(shapes: Any) -> dict[str, tuple[int, ...]]:
             dims.append(int(d))
         out[n] = tuple(dims)
     return out
-
-
-def _check_memory_budget(spec: Specialization, cores: int) -> None:
-    """Before a program allocates anything: its arena, weights and per-core workspace
-    against the device memory budget (config.check_budget)."""
-    weights = sum(int(c.nbytes) for c in spec.constants.values())
-    ws = max((int(k.workspace_bytes) for k in spec.kernels), default=0) * cores
-    shapes = ", ".join(f"{n}{list(spec.graph.values[n].shape)}" for n in spec.graph.inputs)
-    check_budget(f"the specialisation for {shapes or 'its inputs'} (arena "
-                 f"{fmt_bytes(spec.memory.arena_bytes)}, weights {fmt_bytes(weights)}, "
-                 f"workspace {fmt_bytes(ws)})", spec.memory.arena_bytes + weights + ws)
 
 
 def _fmt_shape(shape: Sequence[Any]) -> str:

@@ -21,7 +21,7 @@ from ..artifact import Specialization
 from ..errors import CanncError, CompileError, UnsupportedOpError
 from ..ir.graph import Graph
 from ..native.target import ObjectCache, default_cache
-from ..passes import fold, fusion, legalize, patterns  # noqa: F401  (registers passes)
+from ..passes import control, fold, fusion, legalize, patterns  # noqa: F401  (registers passes)
 from ..passes.manager import PassContext, PassManager
 from ..schedule import costmodel
 from .lowering import compile_modules, lower_graph
@@ -31,12 +31,14 @@ from .support import support_problems, unknown_ops
 # The optimisation pipelines, by name. Each entry is one named pass.
 PIPELINES: dict[str, list[str]] = {
     "O0": [
+        "inline_branches",            # If with a condition known at compile time -> its branch
         "infer_and_fold",             # bind shapes: every value gets a concrete type; fold
         "dce",                        # drop what no output needs (e.g. folded shape chains)
         "legalize_matmul_broadcast",  # partial batch broadcasts -> Expand + batched GEMM
         "legalize_attention",         # Attention: KV cache -> Concat, float16/bfloat16 -> float32
     ],
     "O1": [
+        "inline_branches",
         "infer_and_fold",
         "dce",
         "remove_identities",          # Identity / inference Dropout: read the source directly
@@ -110,6 +112,7 @@ def specialize(base: Graph, shapes: dict[str, tuple[int, ...]],
     with _stage("memory planning"):
         memory = plan_memory(g, kernels, aliases, constants)  # liveness, reuse, offsets
     return Specialization(g, kernels, aliases, constants, objects, pm.records, pm.dumps,
-                          time.perf_counter() - t0, cache.hits - h0, cache.misses - m0, memory)
+                          time.perf_counter() - t0, cache.hits - h0, cache.misses - m0, memory,
+                          values=dict(values or {}))
 
 

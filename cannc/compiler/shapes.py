@@ -1,5 +1,6 @@
 """Concrete input shapes from the few a caller gives (`--shape`, `Session.inspect`,
-`cannc.check`), and the one-line type string the reports print."""
+`cannc.check`), the graph inputs whose *values* decide shapes (value specialisation),
+and the one-line type string the reports print."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
-from ..ir.graph import Graph
+from ..ir.graph import Graph, Node
+from ..ir.ops import lookup
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -49,6 +51,94 @@ def complete_input_shapes(graph: Graph, given: Shapes, known: Sequence[tuple] = 
         out[name] = tuple(d if isinstance(d, int) else bound.get(d, (fallback[j],))[0]
                           for j, d in enumerate(dims))
     return out
+
+
+# A value-deciding input is specialised on values of at most this many elements (the
+# limit up to which the shape inference reads a constant's data, passes/fold.py).
+VALUE_SPECIALISATION_ELEMS = 1 << 16
+
+
+def value_deciding_inputs(graph: Graph) -> tuple[str, ...]:
+    """The graph inputs whose values decide a shape or a kernel parameter: those that
+    reach a value slot of some node (the op's `value_inputs`: a Reshape target, Resize
+    scales or sizes, Slice starts, a TopK k, Range bounds...), directly or through any
+    chain of nodes that computes that slot from them (Cast, Identity, Concat, Mul...),
+    also from inside subgraphs (If branches read outer values). Nodes whose outputs
+    follow from their inputs' *types* alone (Shape, Size: the op's `fold`) end the
+    chain: their inputs' values decide nothing. In graph-input order."""
+    found = _value_sources(graph)
+    return tuple(n for n in graph.inputs if n in found)
+
+
+def _value_sources(graph: Graph, seeds: list[str] | None = None) -> set[str]:
+    """Inputs of `graph`, and outer values it reads, whose values reach a value slot (or,
+    given `seeds`, decide the values of those)."""
+    stack: list[str] = list(seeds or [])
+    found: set[str] = set()
+    if seeds is None:
+        for n in graph.nodes():
+            op = lookup(n.op_type, n.domain)
+            for pos in op.value_inputs if op is not None else ():
+                if pos < len(n.inputs) and n.inputs[pos]:
+                    stack.append(n.inputs[pos])
+            for a in n.attrs.values():
+                if isinstance(a, Graph):
+                    stack.extend(_value_sources(a) & set(a.meta.get("captures", ())))
+            if op is not None and op.branch is not None:
+                found |= _choice_sources(graph, n)
+    seen: set[str] = set()
+    while stack:
+        v = stack.pop()
+        if v in seen or v in graph.constants:
+            continue
+        seen.add(v)
+        p = graph.producer(v)
+        if p is None:
+            found.add(v)                  # an input of this graph, or an outer value
+            continue
+        op = lookup(p.op_type, p.domain)
+        if op is not None and op.fold is not None:
+            continue
+        subs = [a for a in p.attrs.values() if isinstance(a, Graph)]
+        if not subs:
+            stack.extend(i for i in p.inputs if i)
+            continue
+        # control flow: its own inputs, and the captures its subgraphs compute `v` from
+        own = len(p.proto.input) if p.proto is not None else len(p.inputs)
+        stack.extend(i for i in p.inputs[:own] if i)
+        i = p.outputs.index(v)
+        for sub in subs:
+            if i < len(sub.outputs):
+                stack.extend(_value_sources(sub, [sub.outputs[i]])
+                             & set(sub.meta.get("captures", ())))
+    return found
+
+
+def _choice_sources(graph: Graph, n: Node) -> set[str]:
+    """The inputs that pick a control-flow node's subgraph (an If condition), when the
+    choice is made of single elements all the way from graph inputs (a boolean input,
+    a Not or a comparison of scalars): specialising on those costs a compile per
+    distinct choice. A choice computed from larger data stays a runtime choice."""
+    own = len(n.proto.input) if n.proto is not None else len(n.inputs)
+    stack, seen, found = [v for v in n.inputs[:own] if v], set(), set()
+    while stack:
+        v = stack.pop()
+        if v in seen or v in graph.constants:
+            continue
+        seen.add(v)
+        t = graph.values.get(v)
+        if t is None or not t.is_static or t.numel != 1:
+            return set()
+        p = graph.producer(v)
+        if p is None:
+            found.add(v)
+            continue
+        op = lookup(p.op_type, p.domain)
+        if op is None or op.subgraphs:
+            return set()
+        if op.fold is None:
+            stack.extend(i for i in p.inputs if i)
+    return found
 
 
 def type_string(dtype: Any, shape: Sequence[Any]) -> str:

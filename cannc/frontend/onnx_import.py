@@ -177,13 +177,86 @@ def attr_value(a: onnx.AttributeProto, where: str = "") -> Any:
     if a.type == onnx.AttributeProto.TENSOR:
         return _tensor_array(a.t, f"tensor attribute '{a.name}'{where}")
     if a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS):
-        return a  # kept as proto; ops that take subgraphs are not lowered
+        return a  # kept as proto here; the import makes GRAPH attributes ir.Graphs
     v = helper.get_attribute_value(a)
     if isinstance(v, bytes):
         return v.decode("utf-8", "replace")
     if isinstance(v, list) and v and isinstance(v[0], bytes):
         return [x.decode("utf-8", "replace") for x in v]
     return v
+
+
+def _with_subgraphs(n: onnx.NodeProto, attrs: dict[str, Any], opsets: dict[str, int],
+                    scope: dict[str, TensorType], where: str,
+                    types: dict[str, TensorType]) -> tuple[str, ...]:
+    """Import the node's GRAPH attributes into `attrs` as ir.Graphs and return its inputs
+    followed by the outer-scope values its subgraphs read (the captures), so that every
+    pass sees those dependencies. Outputs ONNX could not type (an If whose branches
+    differ in shape) take the type of a subgraph's output (into `types`)."""
+    inputs = list(n.input)
+    subs = []
+    for a in n.attribute:
+        if a.type != onnx.AttributeProto.GRAPH:
+            continue
+        sub = import_subgraph(a.g, opsets, scope, f"{where}.{a.name}")
+        attrs[a.name] = sub
+        subs.append(sub)
+        inputs.extend(v for v in sub.meta["captures"] if v not in inputs)
+    for i, o in enumerate(n.output):
+        if o and o not in types:
+            t = next((s.values[s.outputs[i]] for s in subs
+                      if i < len(s.outputs) and s.outputs[i] in s.values), None)
+            if t is not None:
+                types[o] = t
+    return tuple(inputs)
+
+
+def import_subgraph(gp: onnx.GraphProto, opsets: dict[str, int],
+                    outer: dict[str, TensorType], where: str) -> Graph:
+    """A subgraph attribute (If branch, Loop body) as an ir.Graph: its formal inputs,
+    initializers, nodes (nested subgraphs too) and outputs; `meta["captures"]` lists the
+    outer-scope values it reads (in first-use order), typed from `outer`."""
+    sub = Graph(gp.name or where)
+    sub.opsets = dict(opsets)
+    for t in gp.initializer:
+        try:
+            sub.set_constant(t.name, numpy_helper.to_array(t))
+        except Exception as e:
+            raise ModelError(f"cannot read initializer {t.name!r} of subgraph {where}: "
+                             f"{e}") from e
+    for vi in gp.input:
+        sub.values[vi.name] = _tensor_type(vi, f"input of subgraph {where}")
+        sub.inputs.append(vi.name)
+    for vi in gp.output:
+        _tensor_type(vi, f"output of subgraph {where}")   # sequences, optionals: ModelError
+    for vi in list(gp.value_info) + list(gp.output):
+        if vi.name not in sub.values and vi.type.HasField("tensor_type"):
+            try:
+                sub.values[vi.name] = _tensor_type(vi, "value")
+            except ModelError:
+                pass
+    scope = {**outer, **sub.values}
+    seen: set[str] = set()
+    for i, n in enumerate(gp.node):
+        name = n.name or f"{n.op_type}_{i}"
+        while name in seen:
+            name = f"{name}_{i}"
+        seen.add(name)
+        attrs = {a.name: attr_value(a) for a in n.attribute}
+        inputs = _with_subgraphs(n, attrs, opsets, scope, f"{where}/{name}", sub.values)
+        sub.add_node(Node(name=name, op_type=n.op_type, inputs=inputs,
+                          outputs=tuple(n.output), attrs=attrs, domain=n.domain,
+                          opset=opsets.get(n.domain or "", 1), proto=n))
+    sub.outputs = [o.name for o in gp.output]
+    defined = set(sub.inputs) | set(sub.constants) | {o for n in sub.nodes() for o in n.outputs}
+    captures: list[str] = []
+    for v in [v for n in sub.nodes() for v in n.inputs] + sub.outputs:
+        if v and v not in defined and v not in captures:
+            captures.append(v)         # (the ONNX checker saw that an enclosing graph has it)
+            if v in outer:
+                sub.values[v] = outer[v]
+    sub.meta["captures"] = captures
+    return sub
 
 
 def import_model(model: Any) -> tuple[Graph, onnx.ModelProto]:
@@ -227,7 +300,10 @@ def import_model(model: Any) -> tuple[Graph, onnx.ModelProto]:
         except Exception as e:
             raise ModelError(f"node '{name}' ({n.op_type}) has an unreadable attribute: "
                              f"{type(e).__name__}: {e}") from e
-        g.add_node(Node(name=name, op_type=n.op_type, inputs=tuple(n.input),
+        inf = inferred.graph.node[i] if i < len(inferred.graph.node) else n
+        inputs = _with_subgraphs(inf if inf.op_type == n.op_type else n, attrs, g.opsets,
+                                 g.values, name, g.values)
+        g.add_node(Node(name=name, op_type=n.op_type, inputs=inputs,
                         outputs=tuple(n.output), attrs=attrs, domain=n.domain,
                         opset=g.opsets.get(n.domain or "", 1), proto=n))
     g.outputs = [o.name for o in proto.graph.output]

@@ -42,6 +42,14 @@ class Category(str, Enum):
 
 MAP_CATEGORIES = (Category.ELEMENTWISE, Category.BROADCAST)
 
+
+class Control(str, Enum):
+    """How a control-flow op runs its subgraphs (the host program, compiler/control.py)."""
+
+    BRANCH = "branch"   # one of its subgraphs, picked by a value (If; see `branch`)
+    LOOP = "loop"       # its body while a trip count and a condition allow (Loop)
+    SCAN = "scan"       # its body once per slice of its scan inputs (Scan)
+
 CheckFn = Callable[["Node", list["TensorType"], list["TensorType"]], "str | None"]
 FlopsFn = Callable[["Node", list["TensorType"], list["TensorType"]], int]
 # Type/shape inference where ONNX has none: (node, input types) -> output types.
@@ -51,6 +59,9 @@ FoldFn = Callable[["Node", list["TensorType | None"]], list[np.ndarray]]
 # Epilogue operand check: (operand type, node, its input types, its output type) -> why the
 # operand cannot be read inside the fused kernel ("is not a ... of the GEMM's output"), or None.
 OperandCheck = Callable[["TensorType", "Node", list["TensorType"], "TensorType"], "str | None"]
+# Control flow: the attribute naming the subgraph a node becomes once its inputs' values
+# are known (node, input values, None where not constant) -> attribute name, or None.
+BranchFn = Callable[["Node", list["np.ndarray | None"]], "str | None"]
 # Whether the node itself can take an epilogue: (node, input types, output type) -> reason.
 NodeCheck = Callable[["Node", list["TensorType"], "TensorType"], "str | None"]
 
@@ -93,6 +104,9 @@ class OpDef:
     deterministic: bool = True                # False: never constant-folded (random ops)
     epilogue: Fusion | None = None            # contraction taking an elementwise epilogue
     prologue: Fusion | None = None            # row op computing its producers inside it
+    subgraphs: tuple[str, ...] = ()           # attributes holding subgraphs (ir.Graph)
+    control: Control | None = None            # how a control-flow op runs them
+    branch: BranchFn | None = None            # control flow: the subgraph taken, if known
 
     def schema_reason(self, node: Node, ins: list[TensorType],
                       outs: list[TensorType]) -> str | None:

@@ -268,7 +268,23 @@ _R14 = ("non-tensor type: sequence/optional values are not supported (cannc/fron
 KNOWN_FAILURES.update(dict.fromkeys([
     "test_identity_opt",
     "test_identity_sequence",
+    "test_if_opt",
+    "test_if_seq",
+    "test_loop13_seq",
+    "test_loop16_seq_none",
 ], _R14))
+
+_R14b = ("old-opset semantics: Unsqueeze-11's axes attribute fails in constant folding (the body "
+         "of this Loop folds an Unsqueeze of the value-specialised iteration number)")
+KNOWN_FAILURES.update(dict.fromkeys([
+    "test_loop11",
+], _R14b))
+
+_R14c = ("old-opset semantics: Scan-8 (batch axis and sequence_lens); cannc/ir/ops/control.py "
+         "defines Scan from opset 9")
+KNOWN_FAILURES.update(dict.fromkeys([
+    "test_scan_sum",
+], _R14c))
 
 _R15 = ("non-tensor type: string tensors are not supported (cannc/frontend rejects the graph inpu"
        "t)")

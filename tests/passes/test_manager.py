@@ -151,8 +151,9 @@ def test_value_deciding_inputs_come_from_the_registry():
     vis = [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3]),
            helper.make_tensor_value_info("shape", onnx.TensorProto.INT64, [1]),
            helper.make_tensor_value_info("k", onnx.TensorProto.INT64, [1])]
-    out = [helper.make_tensor_value_info(v, onnx.TensorProto.UNDEFINED, None)
-           for v in ("y", "vals", "idx")]
+    out = [helper.make_tensor_value_info(v, t, [None, None]) for v, t in
+           (("y", onnx.TensorProto.FLOAT), ("vals", onnx.TensorProto.FLOAT),
+            ("idx", onnx.TensorProto.INT64))]
     m = model_of([helper.make_node("Reshape", ["x", "shape"], ["y"]),
                   helper.make_node("TopK", ["x", "k"], ["vals", "idx"]),
                   helper.make_node("Relu", ["x"], ["r"])], vis, out)

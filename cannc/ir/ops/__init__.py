@@ -10,6 +10,7 @@ from ..registry import OpDef, registered, registered_ops
 from . import (
     attention_op,  # noqa: F401
     contraction,  # noqa: F401
+    control,  # noqa: F401
     conv,  # noqa: F401
     elementwise,  # noqa: F401
     fused,  # noqa: F401
