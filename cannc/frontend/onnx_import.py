@@ -132,7 +132,11 @@ def opset_of(proto: onnx.ModelProto) -> int:
     return 1
 
 
-def _tensor_type(vi: onnx.ValueInfoProto, where: str) -> TensorType | None:
+def _tensor_type(vi: onnx.ValueInfoProto, where: str,
+                 negative_is_unknown: bool = False) -> TensorType | None:
+    """The declared type. A negative dimension is a ModelError, except where exporters
+    write -1 for "unknown" and onnxruntime reads it so (`negative_is_unknown`: the outputs
+    of subgraphs, e.g. ONNX's own expanded AffineGrid)."""
     t = vi.type
     if not t.HasField("tensor_type"):
         raise ModelError(f"{where} {vi.name!r} is not a tensor (sequence/map/optional types "
@@ -144,10 +148,13 @@ def _tensor_type(vi: onnx.ValueInfoProto, where: str) -> TensorType | None:
         raise ModelError(f"{where} {vi.name!r} has unsupported element type "
                          f"{tt.elem_type}") from e
     if not tt.HasField("shape"):
-        return TensorType(dt, ())  if where == "never" else TensorType(dt, ("?",))
+        return TensorType(dt, ("?",))
     dims: list[Dim] = []
     for i, d in enumerate(tt.shape.dim):
         if d.HasField("dim_value"):
+            if d.dim_value < 0 and negative_is_unknown:
+                dims.append(f"{vi.name}_dim{i}")
+                continue
             if d.dim_value < 0:
                 raise ModelError(f"{where} {vi.name!r} declares a negative dimension "
                                  f"{d.dim_value} (dimension {i})")
@@ -228,7 +235,8 @@ def import_subgraph(gp: onnx.GraphProto, opsets: dict[str, int],
         sub.values[vi.name] = _tensor_type(vi, f"input of subgraph {where}")
         sub.inputs.append(vi.name)
     for vi in gp.output:
-        _tensor_type(vi, f"output of subgraph {where}")   # sequences, optionals: ModelError
+        # sequences, optionals: ModelError
+        _tensor_type(vi, f"output of subgraph {where}", negative_is_unknown=True)
     for vi in list(gp.value_info) + list(gp.output):
         if vi.name not in sub.values and vi.type.HasField("tensor_type"):
             try:
