@@ -311,13 +311,6 @@ KNOWN_FAILURES.update(dict.fromkeys([
     "test_training_dropout_zero_ratio_mask",
 ], _R19))
 
-_R20 = ("training: Dropout's mask output (cannc treats Dropout as an inference-time view with no "
-       "mask)")
-KNOWN_FAILURES.update(dict.fromkeys([
-    "test_dropout_default_mask",
-    "test_dropout_default_mask_ratio",
-], _R20))
-
 _R21 = ("unsupported variant: Resize antialias=1 (downscaling with a widened filter; cannc/ir/ops"
        "/movement.py builds fixed 1/2/4-tap tables)")
 KNOWN_FAILURES.update(dict.fromkeys([
