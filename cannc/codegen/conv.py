@@ -44,6 +44,7 @@ when ``iv % stride == 0``, with the kernel flipped and in/out channels swapped
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -354,6 +355,17 @@ def plan_conv(geom: ConvGeom, const_weights: bool = True, cores: int = 2,
     """Choose orientation, blocking and the tile grid (modelled for `cores` cores).
     ``tuning`` overrides decisions: swap, direct, MR, NV, KC, P, unroll."""
     tun = dict(FORCE_TUNING if tuning is None else tuning)
+    if not tun:     # a pure function of the geometry: zoo nets repeat their convolutions
+        return _plan_conv_default(geom, const_weights, cores)
+    return _plan_conv(geom, const_weights, cores, tun)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_conv_default(geom: ConvGeom, const_weights: bool, cores: int) -> ConvPlan:
+    return _plan_conv(geom, const_weights, cores, {})
+
+
+def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict) -> ConvPlan:
     Mg, K, OHW = geom.Mg, geom.K, geom.OHW
     pmax = tun.get("P", P_MAX)
     cands = []

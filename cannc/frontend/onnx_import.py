@@ -14,6 +14,7 @@ from onnx import helper, numpy_helper
 from ..config import check_size
 from ..errors import CanncError, ModelError
 from ..ir.graph import Graph, Node
+from ..ir.ops import lookup
 from ..ir.types import Dim, TensorType, np_dtype
 
 MIN_OPSET = 7
@@ -267,6 +268,25 @@ def import_subgraph(gp: onnx.GraphProto, opsets: dict[str, int],
     return sub
 
 
+def _infer_untyped(g: Graph) -> None:
+    """Outputs ONNX's inference leaves untyped (Dropout-7's mask) typed by the op's own
+    `infer`, on the symbolic shapes, where it has one."""
+    for n in g.nodes():
+        if all(v in g.values for v in n.outputs if v):
+            continue
+        op = lookup(n.op_type, n.domain)
+        ins = [g.values.get(v) if v else None for v in n.inputs]
+        if op is None or op.infer is None or any(v and t is None for v, t in zip(n.inputs, ins)):
+            continue
+        try:
+            types = op.infer(n, ins)
+        except Exception:      # (an op's inference may need concrete shapes: later, then)
+            continue
+        for v, t in zip(n.outputs, types):
+            if v and v not in g.values and t is not None:
+                g.values[v] = t
+
+
 def import_model(model: Any) -> tuple[Graph, onnx.ModelProto]:
     """Read, check and import a model. Returns the IR graph (symbolic shapes kept)
     and the checked ModelProto (with inferred shapes)."""
@@ -314,6 +334,7 @@ def import_model(model: Any) -> tuple[Graph, onnx.ModelProto]:
         g.add_node(Node(name=name, op_type=n.op_type, inputs=inputs,
                         outputs=tuple(n.output), attrs=attrs, domain=n.domain,
                         opset=g.opsets.get(n.domain or "", 1), proto=n))
+    _infer_untyped(g)
     g.outputs = [o.name for o in proto.graph.output]
     defined = set(g.inputs) | set(g.constants) | {o for n in g.nodes() for o in n.outputs}
     for o in g.outputs:

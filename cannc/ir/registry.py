@@ -56,6 +56,10 @@ FlopsFn = Callable[["Node", list["TensorType"], list["TensorType"]], int]
 InferFn = Callable[["Node", list["TensorType | None"]], list["TensorType"]]
 # Shape ops: outputs computed from input *types* alone, once shapes are known.
 FoldFn = Callable[["Node", list["TensorType | None"]], list[np.ndarray]]
+# Outputs whose value the op fixes from the types alone while the others are computed
+# (inference-mode Dropout's mask): (node, input types, output types) -> {output index: value}.
+ConstOutputsFn = Callable[["Node", list["TensorType | None"], list["TensorType | None"]],
+                          dict[int, np.ndarray]]
 # Epilogue operand check: (operand type, node, its input types, its output type) -> why the
 # operand cannot be read inside the fused kernel ("is not a ... of the GEMM's output"), or None.
 OperandCheck = Callable[["TensorType", "Node", list["TensorType"], "TensorType"], "str | None"]
@@ -97,6 +101,7 @@ class OpDef:
     flops_per_elem: int = 1                   # of `expr`, per output element
     infer: InferFn | None = None              # inference where ONNX's own has none
     fold: FoldFn | None = None                # SHAPE ops: outputs from input types
+    const_outputs: ConstOutputsFn | None = None  # some outputs known from types alone
     value_inputs: tuple[int, ...] = ()        # inputs whose *value* decides output shapes
     tiling_attrs: tuple[str, ...] = ()        # attributes a tiling key depends on (memo key)
     inplace: bool = False                     # an output may overwrite a same-shaped input

@@ -44,8 +44,10 @@ def node_proto(n: Node) -> onnx.NodeProto:
     return p
 
 
-def reference_eval(graph: Graph, n: Node, inputs: list[np.ndarray | None]) -> list[np.ndarray]:
-    """Run one node with the ONNX reference implementation (NumPy)."""
+def reference_eval(graph: Graph, n: Node,
+                   inputs: list[np.ndarray | None]) -> list[np.ndarray | None]:
+    """Run one node with the ONNX reference implementation (NumPy), read at the node's
+    opset; one array per output (None for an absent optional output)."""
     op = lookup(n.op_type, n.domain)
     if op is not None and op.reference is not None:
         return op.reference(n, inputs)
@@ -53,12 +55,20 @@ def reference_eval(graph: Graph, n: Node, inputs: list[np.ndarray | None]) -> li
         return [n.attrs["value"]]    # (the evaluator would round-trip it through a proto)
     from onnx.reference import ReferenceEvaluator
 
+    # A bare NodeProto would be evaluated at the newest opset (Unsqueeze-1's `axes`
+    # attribute read as Unsqueeze-13's): wrap it in a graph that carries the model's opsets.
     p = node_proto(n)
+    def vi(v: str) -> onnx.ValueInfoProto:
+        return helper.make_value_info(v, onnx.TypeProto())
+
+    g = helper.make_graph([p], "fold", [vi(v) for v in dict.fromkeys(n.inputs) if v],
+                          [vi(v) for v in n.outputs if v])
     opsets = {d: v for d, v in graph.opsets.items()}
-    ev = ReferenceEvaluator(p, opsets=opsets)
+    opsets.setdefault(n.domain or "", n.opset or 1)
+    ev = ReferenceEvaluator(g, opsets=opsets)
     feeds = {name: arr for name, arr in zip(n.inputs, inputs) if name}
-    outs = ev.run(None, feeds)
-    return [np.asarray(o) for o in outs]
+    outs = dict(zip([v for v in n.outputs if v], ev.run(None, feeds)))
+    return [np.asarray(outs[v]) if v else None for v in n.outputs]
 
 
 def _type_proto(t: TensorType) -> onnx.TypeProto:
@@ -189,13 +199,14 @@ def infer_and_fold(graph: Graph, ctx: PassContext) -> bool:
                                          f"({n.op_type}): {type(e).__name__}: {e}") from e
             if outs is not None:
                 for v, o in zip(n.outputs, outs):
-                    if v:
+                    if v and o is not None:
                         check_size(f"value '{v}'", o.shape, o.dtype.itemsize,
                                    f" (folded at node '{n.name}', {n.op_type})")
-            if outs is not None and all(o.size <= ctx.options.limit_elems for o in outs):
+            if outs is not None and all(o is None or o.size <= ctx.options.limit_elems
+                                        for o in outs):
                 graph.remove_node(n.name)
                 for v, o in zip(n.outputs, outs):
-                    if v:
+                    if v and o is not None:
                         graph.set_constant(v, o)
                 changed = True
                 continue
@@ -204,7 +215,10 @@ def infer_and_fold(graph: Graph, ctx: PassContext) -> bool:
         for v, t in zip(n.outputs, types):
             if v and t is not None:
                 graph.values[v] = t
-        changed |= _fold_empty(graph, n, types)
+        if _fold_empty(graph, n, types):
+            changed = True
+            continue
+        changed |= _fold_const_outputs(graph, n, types)
     return changed
 
 
@@ -236,6 +250,23 @@ def _guarded_types(graph: Graph, n: Node) -> list[TensorType | None] | None:
         return None
     _check_types(graph, n, types)
     return types
+
+
+def _fold_const_outputs(graph: Graph, n: Node, types: list[TensorType | None]) -> bool:
+    """Outputs the op fixes from the types alone (its `const_outputs`, e.g. inference-mode
+    Dropout's mask) become constants; the node keeps computing the others."""
+    op = lookup(n.op_type, n.domain)
+    if op is None or op.const_outputs is None:
+        return False
+    known = op.const_outputs(n, [graph.values[v] if v else None for v in n.inputs], types)
+    known = {i: a for i, a in known.items() if i < len(n.outputs) and n.outputs[i]}
+    if not known:
+        return False
+    for i, a in known.items():
+        graph.set_constant(n.outputs[i], a)
+    outs = tuple("" if i in known else v for i, v in enumerate(n.outputs))
+    graph.replace_node(n.name, n.replace(outputs=outs))
+    return True
 
 
 def _fold_empty(graph: Graph, n: Node, types: list[TensorType | None]) -> bool:

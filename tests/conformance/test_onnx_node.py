@@ -274,12 +274,6 @@ KNOWN_FAILURES.update(dict.fromkeys([
     "test_loop16_seq_none",
 ], _R14))
 
-_R14b = ("old-opset semantics: Unsqueeze-11's axes attribute fails in constant folding (the body "
-         "of this Loop folds an Unsqueeze of the value-specialised iteration number)")
-KNOWN_FAILURES.update(dict.fromkeys([
-    "test_loop11",
-], _R14b))
-
 _R14c = ("old-opset semantics: Scan-8 (batch axis and sequence_lens); cannc/ir/ops/control.py "
          "defines Scan from opset 9")
 KNOWN_FAILURES.update(dict.fromkeys([
@@ -326,13 +320,6 @@ KNOWN_FAILURES.update(dict.fromkeys([
     "test_training_dropout_zero_ratio",
     "test_training_dropout_zero_ratio_mask",
 ], _R19))
-
-_R20 = ("training: Dropout's mask output (cannc treats Dropout as an inference-time view with no "
-       "mask)")
-KNOWN_FAILURES.update(dict.fromkeys([
-    "test_dropout_default_mask",
-    "test_dropout_default_mask_ratio",
-], _R20))
 
 _R21 = ("unsupported variant: Resize antialias=1 (downscaling with a widened filter; cannc/ir/ops"
        "/movement.py builds fixed 1/2/4-tap tables)")

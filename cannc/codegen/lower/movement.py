@@ -750,6 +750,27 @@ def _lower_eyelike(ctx: LowerCtx) -> None:
     _finish_rows(ctx, b, units, prod(out))
 
 
+def _lower_constant_of_shape(ctx: LowerCtx) -> None:
+    """A result too large to fold (the constant folder's limit): filled at run time."""
+    out = _shape(ctx.out_types[0])
+    dt = np.dtype(ctx.out_types[0].dtype)
+    total = prod(out)
+    if total == 0:
+        return _empty_kernel(ctx)
+    v = ctx.attr("value")
+    value = np.asarray(v).reshape(-1)[0] if v is not None else 0.0
+    fill = const_fill(value, dt)
+    ctx.drop_input(0)  # the shape is the output's
+    fn, b = ctx.begin()
+    dst = ctx.out_ptr(b, 0)
+
+    def body(b: ir.IRBuilder, dg: list, r: ir.Value, c0: Any, nc: Any) -> None:
+        fill_row(b, fill(b), dst, add(b, b.mul(r, i64(total)), c0), 1, nc)
+
+    units = emit_rows(ctx, b, [1], total, body, itemsize=dt.itemsize)
+    _finish_rows(ctx, b, units, total)
+
+
 # ---------------------------------------------------------------------------
 # Resize / Upsample: separable per-dim source tables built at compile time
 # (nearest: one tap per dim; linear: two weighted taps per scaled dim), then a
@@ -1002,6 +1023,7 @@ register_lowering("ScatterND")(_lower_scatter_nd)
 register_lowering("OneHot")(_lower_onehot)
 register_lowering("BitCast")(_lower_bitcast)
 register_lowering("EyeLike")(_lower_eyelike)
+register_lowering("ConstantOfShape")(_lower_constant_of_shape)
 register_lowering("Trilu")(_lower_trilu)
 register_lowering("Resize")(_lower_resize)
 register_lowering("Upsample")(_lower_resize)

@@ -7,6 +7,7 @@ codegen/lower/misc.py.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -113,7 +114,30 @@ def _lrn_check(n: Node, ins: list, outs: list) -> str | None:
     return None
 
 
-register(OpDef(name="LRN", category=Category.OPAQUE, check=_lrn_check,
+def lrn_window(size: int) -> tuple[int, int]:
+    """Channels below and above c in LRN's window: [c - floor((size-1)/2), c + ceil(...)]."""
+    return (size - 1) // 2, size - 1 - (size - 1) // 2
+
+
+def _lrn_reference(n: Node, inputs: list[Any]) -> list[np.ndarray]:
+    """y = x / (bias + alpha/size * sum of x^2 over the window) ^ beta, as onnxruntime."""
+    x = np.asarray(inputs[0])
+    size = int(n.attrs["size"])
+    alpha, beta = float(n.attrs.get("alpha", 1e-4)), float(n.attrs.get("beta", 0.75))
+    bias = float(n.attrs.get("bias", 1.0))
+    ct = np.float32 if x.dtype.itemsize < 4 else x.dtype.type
+    xc = x.astype(ct)
+    sq = xc * xc
+    lo, hi = lrn_window(size)
+    C = x.shape[1]
+    acc = np.zeros_like(sq)
+    for c in range(C):
+        acc[:, c] = sq[:, max(0, c - lo):min(C, c + hi + 1)].sum(axis=1)
+    den = (acc * ct(alpha / size) + ct(bias)) ** ct(beta)
+    return [(xc / den).astype(x.dtype)]
+
+
+register(OpDef(name="LRN", category=Category.OPAQUE, check=_lrn_check, reference=_lrn_reference,
                doc="window of channels; one (n, c) plane per tile"))
 
 

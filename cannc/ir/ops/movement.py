@@ -186,5 +186,28 @@ def _resize_check(n: Node, ins: list[Any], outs: list[Any]) -> str | None:
 _reg("Resize", check=_resize_check, min_opset=10,
      doc="nearest and (multi)linear; coordinate tables built at compile time",
      value_inputs=(1, 2, 3))
-_reg("Upsample", check=_resize_check, min_opset=7,
+def _upsample_reference(n: Node, inputs: list[Any]) -> list[np.ndarray]:
+    """Upsample (7: `scales` attribute; 9: input), asymmetric coordinates, nearest (floor)
+    or (multi)linear, separably per dim (onnx.reference has no Upsample-7)."""
+    x = np.asarray(inputs[0])
+    scales = n.attrs["scales"] if n.opset < 9 else np.asarray(inputs[1]).reshape(-1)
+    mode = n.attrs.get("mode", "nearest")
+    ct = np.float32 if x.dtype.itemsize < 4 or x.dtype.kind != "f" else x.dtype
+    y = x.astype(ct) if mode != "nearest" else x
+    for d, sc in enumerate(float(v) for v in scales):
+        size = x.shape[d]
+        out = int(np.floor(size * sc))
+        pos = np.arange(out, dtype=np.float64) / sc
+        if mode == "nearest":
+            y = np.take(y, np.minimum(np.floor(pos).astype(np.int64), size - 1), axis=d)
+            continue
+        pos = np.clip(pos, 0, size - 1)
+        i0 = np.floor(pos).astype(np.int64)
+        i1 = np.minimum(i0 + 1, size - 1)
+        w = (pos - i0).astype(ct).reshape((-1,) + (1,) * (x.ndim - d - 1))
+        y = np.take(y, i0, axis=d) * (1 - w) + np.take(y, i1, axis=d) * w
+    return [np.ascontiguousarray(y).astype(x.dtype)]
+
+
+_reg("Upsample", check=_resize_check, min_opset=7, reference=_upsample_reference,
      doc="deprecated: Resize with asymmetric coordinates", value_inputs=(1,))

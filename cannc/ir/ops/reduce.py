@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ...errors import UnsupportedOpError
 from ..graph import Node
 from ..registry import Category, Fusion, OpDef, register
 from ..types import TensorType
@@ -109,8 +110,35 @@ def softmax_axes(n: Node, rank: int) -> list[int]:
     return [norm_axis(int(n.attrs.get("axis", -1)), rank)]
 
 
+def _softmax_reference(n: Node, inputs: list[Any]) -> list[np.ndarray]:
+    """NumPy reference (the constant folder's) read at the node's opset: before 13 the
+    input is coerced to 2-D at `axis` (onnx.reference reads every opset as 13's)."""
+    x = np.asarray(inputs[0])
+    r = x.ndim
+    axes = softmax_axes(n, r) if r else []
+    rest = [a for a in range(r) if a not in axes]
+    xt = np.transpose(x, rest + axes)
+    lead = xt.shape[:len(rest)]
+    ct = np.float32 if x.dtype.itemsize < 4 else x.dtype
+    v = xt.reshape(lead + (-1,)).astype(ct)
+    if n.op_type == "Hardmax":
+        y = np.zeros_like(v)
+        if v.shape[-1]:
+            np.put_along_axis(y, np.argmax(v, axis=-1)[..., None], 1, axis=-1)
+    else:
+        m = v - v.max(axis=-1, keepdims=True) if v.shape[-1] else v
+        if n.op_type == "Softmax":
+            e = np.exp(m)
+            y = e / e.sum(axis=-1, keepdims=True)
+        else:
+            y = m - np.log(np.exp(m).sum(axis=-1, keepdims=True))
+    y = y.reshape(xt.shape).astype(x.dtype)
+    return [np.ascontiguousarray(np.transpose(y, np.argsort(rest + axes)))]
+
+
 for _name in ("Softmax", "LogSoftmax", "Hardmax"):
     register(OpDef(name=_name, category=Category.REDUCTION, dtypes=FLOATS,
+                   reference=_softmax_reference,
                    prologue=None if _name == "Hardmax" else Fusion(
                        rule="softmax_prologue", fused_op="FusedSoftmax")))
 
@@ -236,8 +264,23 @@ def bn_param_shape(n: Node, shape: Sequence[int]) -> tuple[int, ...]:
     return (shape[1],) + (1,) * (len(shape) - 2) if spatial else shape[1:]
 
 
+def _bn_reference(n: Node, inputs: list[Any]) -> list[np.ndarray | None]:
+    """Inference BatchNormalization at the node's opset (7/8: `spatial`); onnx.reference's
+    opset-7 version returns a tuple and cannot fold."""
+    x, scale, b, mean, var = (np.asarray(a) for a in inputs[:5])
+    if _bn_check(n, [TensorType(x.dtype, x.shape)], []):
+        raise UnsupportedOpError([(n.name, n.op_type, n.domain, n.opset,
+                                   _bn_check(n, [TensorType(x.dtype, x.shape)], []) or "")])
+    ps = bn_param_shape(n, x.shape)
+    eps = float(n.attrs.get("epsilon", 1e-5))
+    ct = np.float32 if x.dtype.itemsize < 4 else x.dtype.type
+    k = (scale.astype(ct) / np.sqrt(var.astype(ct) + ct(eps))).reshape(ps)
+    y = (x.astype(ct) - mean.astype(ct).reshape(ps)) * k + b.astype(ct).reshape(ps)
+    return [y.astype(x.dtype)] + [None] * (len(n.outputs) - 1)
+
+
 register(OpDef(name="BatchNormalization", dtypes=FLOATS, category=Category.OPAQUE,
-               min_opset=7, check=_bn_check,
+               min_opset=7, check=_bn_check, reference=_bn_reference,
                doc="inference: per-channel scale/shift folded at compile time"))
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ...errors import UnsupportedOpError
 from ..graph import Node
 from ..registry import Category, OpDef, register
 from ..types import TensorType
@@ -51,9 +52,58 @@ def _dropout_check(n: Node, ins: list[Any], outs: list[Any]) -> str | None:
     return None
 
 
+def dropout_mask_dtype(n: Node, x: np.dtype) -> np.dtype:
+    """Dropout-7/9's mask has the input's type; from Dropout-10 on it is bool."""
+    return np.dtype(x) if n.opset < 10 else np.dtype(bool)
+
+
+def dropout_mask(n: Node, shape: tuple[int, ...], x: np.dtype) -> np.ndarray:
+    """The mask at inference, where nothing is dropped. Dropout-12+ defines it as all
+    ones (true); before that the spec leaves it unfilled and onnxruntime (the reference
+    cannc matches) writes zeros, so that is what cannc gives at those opsets."""
+    fill = 1 if n.opset >= 12 else 0
+    return np.full(shape, fill, dtype=dropout_mask_dtype(n, x))
+
+
+def _dropout_infer(n: Node, ins: list[TensorType | None]) -> list[TensorType]:
+    """ONNX infers no mask type for Dropout-7/9: the mask has the data's shape."""
+    x = ins[0]
+    assert x is not None
+    outs = [x]
+    if len(n.outputs) > 1:
+        outs.append(TensorType(dropout_mask_dtype(n, x.dtype), x.shape))
+    return outs
+
+
+def _dropout_const_outputs(n: Node, ins: list[TensorType | None],
+                           outs: list[TensorType | None]) -> dict[int, np.ndarray]:
+    """At inference the mask depends on the data's shape only: it becomes a constant and
+    the node is left an identity on its data (removed by `remove_identities`)."""
+    if len(n.outputs) < 2 or not n.outputs[1] or len(n.inputs) > 2 and n.inputs[2]:
+        return {}       # no mask, or a training_mode input: not known to be inference
+    x = ins[0]
+    if x is None or not x.is_static:
+        return {}
+    return {1: dropout_mask(n, tuple(int(d) for d in x.shape), x.dtype)}
+
+
+def _dropout_reference(n: Node, inputs: list[Any]) -> list[np.ndarray | None]:
+    training = len(inputs) > 2 and inputs[2] is not None and bool(np.asarray(inputs[2]))
+    ratio = float(np.asarray(inputs[1])) if len(inputs) > 1 and inputs[1] is not None \
+        else float(n.attrs.get("ratio", 0.5))
+    if training and ratio != 0:
+        raise UnsupportedOpError([(n.name, n.op_type, n.domain, n.opset,
+                                   "training_mode is true (only inference is supported)")])
+    x = np.asarray(inputs[0])
+    mask = dropout_mask(n, x.shape, x.dtype) if len(n.outputs) > 1 and n.outputs[1] else None
+    return [x, mask] if len(n.outputs) > 1 else [x]
+
+
 register(OpDef(name="Dropout", category=Category.VIEW, check=_dropout_check,
                forwards_input=lambda n: _dropout_check(n, [], []) is None,
-               doc="inference: the identity"))
+               infer=_dropout_infer, const_outputs=_dropout_const_outputs,
+               reference=_dropout_reference,
+               doc="inference: the identity (the mask, when declared, a constant)"))
 
 
 def _needs_constant(what: str):
@@ -63,8 +113,13 @@ def _needs_constant(what: str):
 
 
 # Folded by the constant folder; reaching the compiler means a runtime input decides a shape.
-for _name, _what in (("Constant", "value"), ("ConstantOfShape", "the shape input"),
-                     ("Range", "start/limit/delta"), ("NonZero", "the input")):
+for _name, _what in (("Constant", "value"), ("Range", "start/limit/delta"),
+                     ("NonZero", "the input")):
     register(OpDef(name=_name, category=Category.SHAPE, check=_needs_constant(_what),
-                   value_inputs={"ConstantOfShape": (0,), "Range": (0, 1, 2)}.get(_name, ()),
+                   value_inputs={"Range": (0, 1, 2)}.get(_name, ()),
                    doc="folded at compile time"))
+
+# Folded when its shape input is constant and the result small enough; a result larger than
+# the folder's limit (a zoo graph's 4096 x 18432 weight) is filled by a kernel instead.
+register(OpDef(name="ConstantOfShape", category=Category.OPAQUE, value_inputs=(0,),
+               doc="folded at compile time; a fill kernel when too large to fold"))
