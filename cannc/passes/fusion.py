@@ -318,6 +318,8 @@ def _prologue_reason(graph: Graph, groups: Groups, m: Match) -> str | None:
         return f"{sm.op_type} is not over the last axis"
     if groups.shape[m.gid] != tuple(t.shape):
         return "the prologue's shape differs from the Softmax input"
+    if x in graph.outputs:      # the fused kernel stores only the Softmax's result
+        return f"'{x}' is a graph output"
     _, outs = group_io(graph, groups.members[m.gid])
     if outs != [x] or graph.consumers(x) != [sm.name]:
         return f"the prologue also writes values used elsewhere ({', '.join(outs)})"
