@@ -114,3 +114,36 @@ def test_memo_shared_between_sessions_stays_correct():
         x = _rand(nb, 3, 2)
         w = numpy_helper.to_array(model(nb).graph.initializer[0])
         np.testing.assert_allclose(s.run(None, {"x": x})[0], x @ w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("a,b,c", [((5, 6, 1), (1,), (5, 1)),      # N dropped: [5, 6] out
+                                   ((3, 4, 2), (2,), (1, 4)),
+                                   ((5, 6, 3), (3,), (5, 6)),      # full operand: fuses
+                                   ((3,), (2, 3, 4), (4,)),        # M dropped: [2, 4] out
+                                   ((3,), (3, 4), (4,))])
+def test_matmul_vector_epilogue_operand(a, b, c):
+    """A MatMul with a 1-D operand drops a GEMM dim from its output; an epilogue operand
+    broadcast against that output was indexed as if it were the GEMM's (a [5, 1] operand of
+    a [5, 6] = [5, 6, 1] @ [1] output read as one value per GEMM row: off by up to 2.5)."""
+    m = model_of([helper.make_node("MatMul", ["x", "w"], ["p"]),
+                  helper.make_node("Max", ["p", "c"], ["y"])],
+                 [_vi("x", a)], [_vi("y", (np.zeros(a) @ np.zeros(b) + np.zeros(c)).shape)],
+                 [numpy_helper.from_array(_rand(*b, seed=3), "w"),
+                  numpy_helper.from_array(_rand(*c, seed=4), "c")])
+    assert_matches_ort(m, {"x": _rand(*a)})
+
+
+def test_elementwise_groups_that_would_wait_for_each_other():
+    """Abs -> Add -> Pow in one elementwise group, Tanh -> Max in another, with Tanh
+    feeding Pow and Abs feeding Max: each group would depend on the other (a cycle of
+    kernels: NetworkXUnfeasible in the topological sort)."""
+    m = model_of([helper.make_node("ReduceMax", ["x"], ["r"], axes=[0, 1], keepdims=1),
+                  helper.make_node("Abs", ["z"], ["a"]),
+                  helper.make_node("Add", ["a", "one"], ["b"]),
+                  helper.make_node("Tanh", ["r"], ["t"]),
+                  helper.make_node("Pow", ["b", "t"], ["p"]),
+                  helper.make_node("Max", ["t", "a"], ["q"])],
+                 [_vi("x", [2, 4]), _vi("z", [1, 1])], [_vi("p", [1, 1]), _vi("q", [1, 1])],
+                 [numpy_helper.from_array(np.array(0.5, np.float32), "one")])
+    assert_matches_ort(m, {"x": _rand(2, 4), "z": _rand(1, 1, seed=5)})
+
