@@ -471,6 +471,29 @@ def op_where(b: Builder) -> str | None:
     return b.one("Where", [cond, x, y])
 
 
+INT_OPS = ["Add", "Sub", "Mul", "Max", "Min", "Abs", "Neg"]
+
+
+def op_int_chain(b: Builder) -> str | None:
+    """Integer arithmetic: Floor(4x) cast to int32/int64 (exact), a few integer ops with
+    broadcasting constants, then back to float32 (or left as an integer graph output)."""
+    x = b.pick(_rank(0, 4))
+    if x is None or not b.allows("Cast"):
+        return None
+    s = b.shapes[x]
+    to, dt = [(TensorProto.INT32, np.int32), (TensorProto.INT64, np.int64)][b.rng.integers(2)]
+    q = b.one("Cast", [b.one("Floor", [b.one("Mul", [x, b.const(np.float32(4))])])], to=to)
+    for _ in range(int(b.rng.integers(1, 4))):
+        op = b.choose(INT_OPS) or "Add"
+        if op in ("Abs", "Neg"):
+            q = b.one(op, [q])
+        else:
+            q = b.one(op, [q, b.const(b.rng.integers(-5, 6, size=_bshape(b, s)).astype(dt))])
+    if b.rng.random() < 0.8:
+        return b.one("Cast", [q], to=F32)
+    return None
+
+
 def _spatial(b: Builder) -> str:
     """A rank-4 (N, C, H, W) value: from the pool, or a new input."""
     x = b.pick(lambda s: len(s) == 4 and s[2] >= 3 and s[3] >= 3 and np.prod(s) <= 4096)
@@ -566,7 +589,7 @@ OPS: list[tuple[Callable[[Builder], str | None], float, tuple[str, ...]]] = [
     (op_conv, 0.6, ("Conv",)), (op_pool, 0.5, ("MaxPool", "AveragePool", "GlobalAveragePool",
                                                "GlobalMaxPool")),
     (op_norm, 0.5, ("LayerNormalization", "BatchNormalization")),
-    (op_const_chain, 0.4, ("Constant",)),
+    (op_const_chain, 0.4, ("Constant",)), (op_int_chain, 0.4, ("Cast",)),
 ]
 
 

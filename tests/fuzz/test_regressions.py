@@ -147,3 +147,35 @@ def test_elementwise_groups_that_would_wait_for_each_other():
                  [numpy_helper.from_array(np.array(0.5, np.float32), "one")])
     assert_matches_ort(m, {"x": _rand(2, 4), "z": _rand(1, 1, seed=5)})
 
+
+
+@pytest.mark.parametrize("op", ["Softsign", "Softplus", "HardSwish"])
+def test_constant_scalar_elementwise_folds(op):
+    """A map op over a 0-d constant (a ReduceSum with keepdims=0 of an initializer) failed
+    in constant folding: onnx.reference's Softsign writes into a numpy scalar."""
+    m = model_of([helper.make_node("ReduceSum", ["c", "ax"], ["s"], keepdims=0),
+                  helper.make_node(op, ["s"], ["t"]),
+                  helper.make_node("Add", ["t", "x"], ["y"])],
+                 [_vi("x", [3])], [_vi("y", [3])],
+                 [numpy_helper.from_array(_rand(2), "c"),
+                  numpy_helper.from_array(np.array([-1], np.int64), "ax")])
+    assert_matches_ort(m, {"x": _rand(3)})
+
+
+def test_fuzz_check_tells_an_onnxruntime_optimizer_bug_from_a_mismatch():
+    """Reshape -> Transpose -> MatMul with a 1-D B: onnxruntime's optimised graph (its
+    Transpose+MatMul fusion) gives a different answer from its unoptimised graph, the ONNX
+    reference and cannc. The fuzzer's check reports it as such, not as cannc's mismatch."""
+    from tests.fuzz.gen import Case
+    from tests.fuzz.run import check
+    m = model_of([helper.make_node("Reshape", ["x", "s"], ["r"]),
+                  helper.make_node("Transpose", ["r"], ["t"], perm=[1, 0]),
+                  helper.make_node("MatMul", ["t", "w"], ["y"])],
+                 [_vi("x", [6]), _vi("w", [2])], [_vi("y", [3])],
+                 [numpy_helper.from_array(np.array([-1, 3], np.int64), "s")])
+    feeds = {"x": np.arange(6, dtype=np.float32), "w": np.array([1, 10], np.float32)}
+    r = check(Case(0, m, feeds, []))
+    assert r.kind in ("ok", "ort_bug"), r.detail
+    got = cannc.compile(m, cores=1).run(None, feeds)[0]
+    np.testing.assert_array_equal(got, np.arange(6, dtype=np.float32).reshape(2, 3).T @
+                                  feeds["w"])
