@@ -125,9 +125,11 @@ class Builder:
 
     # -- picking values ---------------------------------------------------------------------
     def pick(self, ok: Callable[[tuple[int, ...]], bool] = lambda s: True,
-             fresh: bool = True) -> str | None:
-        """A pool value whose shape satisfies `ok`; recent values are likelier."""
-        cands = [v for v, s in self.shapes.items() if ok(s) and np.prod(s) > 0]
+             fresh: bool = True, among: set[str] | None = None) -> str | None:
+        """A pool value (of `among`) whose shape satisfies `ok`; recent values are
+        likelier."""
+        cands = [v for v, s in self.shapes.items() if ok(s) and np.prod(s) > 0
+                 and (among is None or v in among)]
         if not cands:
             return None
         if fresh:
@@ -161,6 +163,7 @@ def _positive(b: Builder, x: str, c: float = 0.5) -> str:
     return b.one("Add", [b.one("Abs", [x]), b.const(np.float32(c))])
 
 
+STEPS = {"Floor", "Ceil", "Sign", "Round"}
 UNARY = ["Abs", "Neg", "Relu", "Sigmoid", "Tanh", "HardSwish", "HardSigmoid", "LeakyRelu",
          "Elu", "Softplus", "Erf", "Floor", "Ceil", "Sign", "Selu", "Softsign", "Celu",
          "Sin", "Cos", "Round"]
@@ -173,6 +176,13 @@ def op_unary(b: Builder) -> str | None:
     op = b.choose(UNARY)
     if op is None:
         return None
+    if op in STEPS:
+        # a step function of a computed value is ill-conditioned where the value is
+        # mathematically on a step (Ceil of a sum of softmax rows, Sign of x - x): it
+        # reads a graph input, whose random values are never on one
+        x = b.pick(lambda s: True, among=set(b.feeds))
+        if x is None:
+            return None
     attrs = {}
     if op == "LeakyRelu":
         attrs["alpha"] = float(b.rng.choice([0.01, 0.2, 1.5]))
@@ -221,8 +231,12 @@ def op_binary(b: Builder) -> str | None:
     if op == "Div":
         return b.one("Div", [x, _positive(b, y)])
     if op == "Pow":
-        if b.rng.random() < 0.5:    # positive base, any (moderate) exponent
+        r = b.rng.random()
+        if r < 0.4:    # positive base, any (moderate) exponent
             return b.one("Pow", [_positive(b, x), b.one("Tanh", [y])])
+        if r < 0.6:    # any base, an integer-valued exponent computed at run time
+            e = b.one("Round", [b.one("Mul", [b.one("Tanh", [y]), b.const(np.float32(3))])])
+            return b.one("Pow", [x, e])
         # any base, an integer exponent (constant: a real-valued one would give NaN)
         e = b.rng.integers(-1, 4, size=_bshape(b, s) if b.rng.random() < 0.5 else ())
         e = np.where(e == -1, 2, e).astype(np.float32)
@@ -477,10 +491,9 @@ INT_OPS = ["Add", "Sub", "Mul", "Max", "Min", "Abs", "Neg"]
 def op_int_chain(b: Builder) -> str | None:
     """Integer arithmetic: Floor(4x) cast to int32/int64 (exact), a few integer ops with
     broadcasting constants, then back to float32 (or left as an integer graph output)."""
-    x = b.pick(_rank(0, 4))
+    x = b.pick(_rank(0, 4), among=set(b.feeds))     # (Floor: a step, see op_unary)
     if x is None or not b.allows("Cast"):
         return None
-    s = b.shapes[x]
     to, dt = [(TensorProto.INT32, np.int32), (TensorProto.INT64, np.int64)][b.rng.integers(2)]
     q = b.one("Cast", [b.one("Floor", [b.one("Mul", [x, b.const(np.float32(4))])])], to=to)
     for _ in range(int(b.rng.integers(1, 4))):
@@ -488,7 +501,8 @@ def op_int_chain(b: Builder) -> str | None:
         if op in ("Abs", "Neg"):
             q = b.one(op, [q])
         else:
-            q = b.one(op, [q, b.const(b.rng.integers(-5, 6, size=_bshape(b, s)).astype(dt))])
+            sq = b.other[q]     # (a broadcasting constant may have grown it)
+            q = b.one(op, [q, b.const(b.rng.integers(-5, 6, size=_bshape(b, sq)).astype(dt))])
     if b.rng.random() < 0.8:
         return b.one("Cast", [q], to=F32)
     return None
