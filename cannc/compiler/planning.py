@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..artifact import Kernel, MemoryPlan, align_up
+from ..errors import CompileError
 from ..ir.graph import Graph
 
 
@@ -30,8 +31,27 @@ def plan_memory(g: Graph, kernels: Sequence[Kernel], aliases: dict[str, str],
     """The memory plan of a lowered graph: kernels in launch order, the views' aliases
     and the constants (which live outside the arena)."""
     intervals, storage, naive = liveness(g, kernels, aliases, constants)
+    check_outputs(g, kernels, aliases, constants)
     # naive: every intermediate in its own buffer (in-place sharing counted as two)
     return replace(place(intervals), storage=storage, naive_bytes=naive)
+
+
+def check_outputs(g: Graph, kernels: Sequence[Kernel], aliases: dict[str, str],
+                  constants: dict[str, np.ndarray]) -> None:
+    """Every graph output must live somewhere the runtime can read it: a graph input, a
+    constant, or a buffer a kernel writes (directly, or through a chain of views). A
+    value no kernel writes would have no place in the arena."""
+    written = {v for k in kernels for v in k.outputs if v}
+    for o in g.outputs:
+        r = o
+        while r in aliases:
+            r = aliases[r]
+        if r in g.inputs or r in constants or r in written:
+            continue
+        via = f" (a view of '{r}')" if r != o else ""
+        raise CompileError(f"graph output '{o}'{via} is not computed by any kernel, nor "
+                           f"is it an input or a constant: an optimisation dropped it "
+                           f"(internal error; compile with pipeline='O0' to avoid it)")
 
 
 def liveness(g: Graph, kernels: Sequence[Kernel], aliases: dict[str, str],

@@ -97,6 +97,36 @@ def operand_pattern(t: TensorType, out_shape: tuple[int, ...], batched: bool) ->
     return None
 
 
+def gemm_view(operand: tuple[int, ...], out_shape: tuple[int, ...], a: tuple[int, ...],
+              b: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """An epilogue operand's shape and the output's in the GEMM's own coordinates: a
+    MatMul with a 1-D operand drops a GEMM dim from its output ([.., M, K] @ [K] is
+    [.., M], the GEMM's N = 1), so the operand (broadcast against that output) and the
+    output get the dropped dim back as 1; otherwise both are returned as they are."""
+    out = tuple(out_shape)
+    op = (1,) * (len(out) - len(operand)) + tuple(operand) if len(operand) < len(out) \
+        else tuple(operand)
+    if len(b) == 1:       # N dropped: the last dim
+        out, op = out + (1,), op + (1,)
+    if len(a) == 1:       # M dropped: before the last dim
+        out, op = out[:-1] + (1,) + out[-1:], op[:-1] + (1,) + op[-1:]
+    return op, out
+
+
+@dataclass(frozen=True)
+class _Shaped:
+    shape: tuple[int, ...]
+
+
+def matmul_operand_pattern(t: TensorType, out_shape: tuple[int, ...], a: tuple[int, ...],
+                           b: tuple[int, ...], batched: bool) -> str | None:
+    """operand_pattern of a MatMul epilogue operand, in the GEMM's coordinates (gemm_view)."""
+    if len(a) > 1 and len(b) > 1:
+        return operand_pattern(t, out_shape, batched)
+    op, out = gemm_view(tuple(t.shape), tuple(out_shape), a, b)
+    return operand_pattern(_Shaped(op), out, batched)
+
+
 def conv_operand_pattern(t: TensorType, out_shape: tuple[int, ...]) -> str | None:
     """How an epilogue operand of a Conv output [N, M, *spatial] is indexed: 'scalar',
     'channel' (one value per output channel) or 'full'; None otherwise."""
@@ -135,9 +165,13 @@ def gemm_operand(t: TensorType, node: Node, ins: list[TensorType],
 
 def matmul_operand(t: TensorType, node: Node, ins: list[TensorType],
                    out: TensorType) -> str | None:
-    """As Gemm's; a batched GEMM's epilogue reads a scalar or a row only."""
-    nb, _ = matmul_batch(tuple(ins[0].shape), tuple(ins[1].shape))
-    return _gemm_operand(t, out, nb is not None and nb > 1)
+    """As Gemm's (in the GEMM's coordinates when an operand is 1-D); a batched GEMM's
+    epilogue reads a scalar or a row only."""
+    a, b = tuple(ins[0].shape), tuple(ins[1].shape)
+    nb, _ = matmul_batch(a, b)
+    if matmul_operand_pattern(t, tuple(out.shape), a, b, nb is not None and nb > 1) is None:
+        return "is not a scalar, row, column or full tensor of the GEMM's output"
+    return None
 
 
 def conv_operand(t: TensorType, node: Node, ins: list[TensorType],

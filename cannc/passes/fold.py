@@ -19,7 +19,7 @@ from ..config import check_size
 from ..errors import CanncError, ModelError, ShapeError
 from ..ir.graph import Graph, Node
 from ..ir.ops import lookup
-from ..ir.registry import Category, FoldFn, OpDef
+from ..ir.registry import MAP_CATEGORIES, Category, FoldFn, OpDef
 from ..ir.types import NP_TO_ONNX, TensorType, np_dtype
 from .manager import PassContext, graph_pass
 
@@ -51,6 +51,13 @@ def reference_eval(graph: Graph, n: Node,
     op = lookup(n.op_type, n.domain)
     if op is not None and op.reference is not None:
         return op.reference(n, inputs)
+    if op is not None and op.category in MAP_CATEGORIES and inputs and all(
+            a is None or np.ndim(a) == 0 for a in inputs):
+        # elementwise over scalars: as 1-element arrays (some onnx.reference kernels,
+        # e.g. Softsign's np.divide(out=...), fail on the numpy scalars 0-d math gives)
+        outs = reference_eval(graph, n, [None if a is None else np.reshape(a, (1,))
+                                         for a in inputs])
+        return [np.reshape(o, ()) for o in outs]
     if n.op_type == "Constant" and not n.domain and isinstance(n.attrs.get("value"), np.ndarray):
         return [n.attrs["value"]]    # (the evaluator would round-trip it through a proto)
     from onnx.reference import ReferenceEvaluator

@@ -66,42 +66,66 @@ class Groups:
         self.group_of: dict[str, int] = {}
         self.members: dict[int, list[str]] = {}
         self.shape: dict[int, tuple[int, ...]] = {}
+        self.last = 0       # the latest position of a node ever grouped
 
     def new(self, n: Node, shape: tuple[int, ...]) -> int:
         gid = len(self.members)
         self.members[gid] = [n.name]
         self.group_of[n.name] = gid
         self.shape[gid] = shape
+        self.last = max(self.last, self.order.get(n.name, 0))
         return gid
 
     def add(self, gid: int, n: Node) -> None:
         self.members[gid].append(n.name)
         self.group_of[n.name] = gid
+        self.last = max(self.last, self.order.get(n.name, 0))
 
     def creates_cycle(self, gid: int, n: Node) -> str | None:
-        """Joining n to the group is illegal if n reads (through nodes outside the group) a
-        value that depends on the group: the fused kernel would depend on itself."""
+        """Joining n to the group is illegal if n reads a value that depends on the group:
+        the fused kernel would depend on itself. The dependence is over kernels, not
+        nodes: a node that joins another group makes that whole group depend on this one
+        (Abs -> Pow in group A, Tanh -> Max in group B, Tanh -> Pow and Abs -> Max: A
+        and B would each wait for the other), so reaching any member of a group reaches
+        all of them."""
         g = self.graph
         members = set(self.members[gid])
-        limit = self.order[n.name]
-        outside_preds = []
+        preds: set[str] = set()
         for v in n.inputs:
             p = g.producer(v) if v else None
             if p is not None and p.name not in members:
-                outside_preds.append(p.name)
-        if not outside_preds:
+                preds.add(p.name)
+        if not preds:
             return None
-        # forward search from the group, through nodes outside it, up to n's position
-        seen, stack = set(), [m for m in members]
+        targets = set(preds)
+        for p in preds:
+            h = self.group_of.get(p)
+            if h is not None and h != gid and h in self.members:
+                targets.update(self.members[h])
+        # nodes after n that are in no group cannot lead back to n's inputs, unless some
+        # group holds nodes after n (the epilogue rules run once all groups are built)
+        limit = max(self.order.get(n.name, 0), self.last)
+        seen, stack = set(members), list(members)
         while stack:
             x = stack.pop()
             for _, y in g.g.out_edges(x):
-                if y in seen or self.order.get(y, 1 << 30) >= limit:
+                if y in seen:
+                    continue
+                h = self.group_of.get(y)
+                live = h is not None and h != gid and h in self.members
+                if not live and y in self.order and self.order[y] > limit:
                     continue
                 seen.add(y)
-                if y in outside_preds and y not in members:
+                if y in targets:
                     return f"would create a cycle through node '{y}'"
                 stack.append(y)
+                if live:
+                    for z in self.members[h]:
+                        if z not in seen:
+                            seen.add(z)
+                            if z in targets:
+                                return f"would create a cycle through node '{z}'"
+                            stack.append(z)
         return None
 
 
@@ -318,6 +342,8 @@ def _prologue_reason(graph: Graph, groups: Groups, m: Match) -> str | None:
         return f"{sm.op_type} is not over the last axis"
     if groups.shape[m.gid] != tuple(t.shape):
         return "the prologue's shape differs from the Softmax input"
+    if x in graph.outputs:      # the fused kernel stores only the Softmax's result
+        return f"'{x}' is a graph output"
     _, outs = group_io(graph, groups.members[m.gid])
     if outs != [x] or graph.consumers(x) != [sm.name]:
         return f"the prologue also writes values used elsewhere ({', '.join(outs)})"

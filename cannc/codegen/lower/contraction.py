@@ -250,9 +250,18 @@ def plan_contraction(ctx: LowerCtx, node: Node | None = None) -> GemmSpec:
 
 
 def _prepack_const_b(spec: GemmSpec, matmul: bool, b: np.ndarray) -> np.ndarray:
+    """The packed constant B. A MatMul's B brings its own batch count: a memoised
+    (shape-polymorphic) kernel is shared by B of one item and B of several, so the
+    recipe replayed on another graph's B must not assume the count it was made for."""
     if matmul:
-        nb = spec.batch if spec.b_batch_stride else 1
-        b = b.reshape(nb, spec.K, spec.N) if spec.b_batch_stride else b.reshape(spec.K, spec.N)
+        kn = spec.K * spec.N
+        nb = b.size // kn if kn else 1
+        if nb > 1:
+            spec = _with(spec, batch=nb, b_batch_stride=kn)
+            b = b.reshape(nb, spec.K, spec.N)
+        else:
+            spec = _with(spec, batch=1, b_batch_stride=0)
+            b = b.reshape(spec.K, spec.N)
     return prepack_b(spec, b)
 
 

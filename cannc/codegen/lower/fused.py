@@ -17,7 +17,7 @@ import llvmlite.ir as ir
 import numpy as np
 
 from ...artifact import Tiling
-from ...ir.epilogue import conv_operand_pattern, operand_pattern
+from ...ir.epilogue import conv_operand_pattern, matmul_operand_pattern, operand_pattern
 from ...ir.graph import Node
 from ...ir.ops import lookup
 from ...ir.ops.fused import DOMAIN
@@ -137,6 +137,16 @@ def _fused_map_tiling(node: Node, in_types: list, out_types: list) -> Any:
     return dataclasses.replace(t, flops=flops)
 
 
+def _operand_pattern(mm: Node, in_types: list, i: int, out_shape: tuple[int, ...],
+                     batched: bool) -> str | None:
+    """How epilogue operand i is indexed from the GEMM's (m, n) (a MatMul's in the GEMM's
+    own coordinates: ir.epilogue.gemm_view)."""
+    if mm.op_type == "MatMul":
+        return matmul_operand_pattern(in_types[i], out_shape, tuple(in_types[0].shape),
+                                      tuple(in_types[1].shape), batched)
+    return operand_pattern(in_types[i], out_shape, batched)
+
+
 def _fused_gemm_tiling(node: Node, in_types: list, out_types: list) -> Any:
     """The GEMM's tiling (M and the batch count at run time) with the indexing pattern
     of every epilogue operand in the key; None where the GEMM or an operand is static."""
@@ -151,7 +161,7 @@ def _fused_gemm_tiling(node: Node, in_types: list, out_types: list) -> Any:
     pats = []
     for i in range(ncon, len(node.inputs)):
         if node.inputs[i]:
-            pat = operand_pattern(in_types[i], out_shape, batched)
+            pat = _operand_pattern(mm, in_types, i, out_shape, batched)
             if pat is None:
                 return None
             pats.append((i, pat))
@@ -178,7 +188,7 @@ def _lower_fused_gemm(ctx: LowerCtx) -> None:
            if ctx.node.inputs[i] and i not in imm]
     gemm_in = [i for i in range(ncon) if ctx.node.inputs[i] and i not in ctx.dropped]
     ngemm = len(gemm_in)
-    patterns = [operand_pattern(ctx.in_types[i], out_shape, spec.batch > 1) for i in ext]
+    patterns = [_operand_pattern(mm, ctx.in_types, i, out_shape, spec.batch > 1) for i in ext]
     assert all(p is not None for p in patterns), patterns
     N = spec.N
     mm_out = mm.outputs[0]

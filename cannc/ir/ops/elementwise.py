@@ -120,7 +120,17 @@ def _fold(f: Callable[[ExprBuilder, Value, Value], Value]) -> ExprFn:
 
 
 defmap("Sum", _sum, NUMERIC)
-defmap("Mean", _mean, FLOATS)
+def _mean_reference(n: Node, inputs: list) -> list[np.ndarray]:
+    """Mean with multidirectional broadcasting (onnx.reference's accumulates in place into
+    its first input, which fails when that one broadcasts)."""
+    xs = [np.asarray(x) for x in inputs]
+    acc = xs[0]
+    for x in xs[1:]:
+        acc = acc + x
+    return [(acc / len(xs)).astype(xs[0].dtype)]
+
+
+defmap("Mean", _mean, FLOATS, reference=_mean_reference)
 defmap("Min", _fold(lambda E, a, b: E.min(a, b)), NUMERIC)
 defmap("Max", _fold(lambda E, a, b: E.max(a, b)), NUMERIC)
 

@@ -80,8 +80,41 @@ def _pad_check(n: Node, ins: list[Any], outs: list[Any]) -> str | None:
     return None
 
 
+def pad_reference(n: Any, inputs: list) -> list[np.ndarray]:
+    """Pad of every opset, negative pads included (they crop, which ONNX allows and
+    np.pad, which onnx.reference uses, refuses): crop first, then pad the rest."""
+    x = np.asarray(inputs[0])
+    r = x.ndim
+    if n.opset < 11:
+        pads = list(n.attrs.get("pads", n.attrs.get("paddings", [0] * 2 * r)))
+        value = float(n.attrs.get("value", 0.0))
+        axes = list(range(r))
+    else:
+        pads = [int(p) for p in np.asarray(inputs[1]).reshape(-1)]
+        cv = inputs[2] if len(inputs) > 2 else None
+        value = np.asarray(cv).reshape(-1)[0] if cv is not None and np.size(cv) else 0
+        ax = inputs[3] if len(inputs) > 3 else None
+        axes = [int(a) % r for a in np.asarray(ax).reshape(-1)] if ax is not None \
+            else list(range(r))
+    k = len(axes)
+    before, after = [0] * r, [0] * r
+    for i, a in enumerate(axes):
+        before[a], after[a] = int(pads[i]), int(pads[i + k])
+    crop = tuple(slice(max(-b, 0), x.shape[d] - max(-e, 0))
+                 for d, (b, e) in enumerate(zip(before, after)))
+    x = x[crop]
+    widths = [(max(b, 0), max(e, 0)) for b, e in zip(before, after)]
+    mode = n.attrs.get("mode", "constant")
+    if isinstance(mode, bytes):
+        mode = mode.decode()
+    if mode == "constant":
+        return [np.pad(x, widths, mode="constant", constant_values=value).astype(x.dtype)]
+    return [np.pad(x, widths, mode={"edge": "edge", "reflect": "reflect",
+                                    "wrap": "wrap"}[mode])]
+
+
 _reg("Pad", check=_pad_check, doc="constant/reflect/edge/wrap; copy + fill pieces",
-     value_inputs=(1, 3))
+     value_inputs=(1, 3), reference=pad_reference)
 
 
 _reg("Gather", doc="runtime indices, checked natively (out of range: zeros)")

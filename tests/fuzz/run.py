@@ -1,0 +1,193 @@
+"""Differential checking of random graphs: cannc against onnxruntime.
+
+`check(case)` compiles a generated model with cannc, runs it on the case's feeds and
+compares every output with onnxruntime (float32: rtol 1e-4, atol 1e-5; ints exact).
+A failing case is written as a reproducer: `<dir>/<kind>-seed<N>/model.onnx`,
+`feeds.npz` and `report.txt` (the error or the worst mismatch, and the op list).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+import cannc
+from cannc.errors import CanncError
+
+from .gen import Case, random_model
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+@dataclass
+class Result:
+    seed: int
+    # ok | mismatch | error (a cannc error) | crash (any other) | invalid (onnxruntime
+    # refuses the model) | ort_bug (cannc matches onnxruntime without its graph
+    # optimisations, which disagree with it: e.g. Transpose -> MatMul with a 1-D B)
+    kind: str
+    detail: str = ""
+    seconds: float = 0.0
+
+    @property
+    def failed(self) -> bool:
+        return self.kind in ("mismatch", "error", "crash")
+
+
+def ort_outputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray],
+                optimize: bool = True) -> list[np.ndarray]:
+    so = ort.SessionOptions()
+    if not optimize:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.intra_op_num_threads = 1
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    s = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return s.run(None, feeds)
+
+
+def compare(got: list[np.ndarray], expected: list[np.ndarray], names: list[str],
+            rtol: float = RTOL, atol: float = ATOL) -> str:
+    """'' when every output matches, else what differs first."""
+    if len(got) != len(expected):
+        return f"{len(got)} outputs, onnxruntime gives {len(expected)}"
+    for g, e, n in zip(got, expected, names):
+        g, e = np.asarray(g), np.asarray(e)
+        if g.dtype != e.dtype or g.shape != e.shape:
+            return f"{n}: {g.dtype}{g.shape} != onnxruntime's {e.dtype}{e.shape}"
+        if e.dtype.kind in "fc":
+            bad = ~np.isclose(g, e, rtol=rtol, atol=atol, equal_nan=True)
+            if bad.any():
+                i = np.unravel_index(int(np.argmax(np.where(bad, np.abs(g - e), -1))), e.shape)
+                return (f"{n}: {int(bad.sum())}/{e.size} elements differ, worst at {i}: "
+                        f"{g[i]!r} vs onnxruntime {e[i]!r} (max abs diff "
+                        f"{float(np.nanmax(np.abs(g - e)[bad])):.3g})")
+        elif not np.array_equal(g, e):
+            return f"{n}: integer values differ"
+    return ""
+
+
+def check(case: Case, cores: int = 2) -> Result:
+    t0 = time.perf_counter()
+    names = [o.name for o in case.model.graph.output]
+    try:
+        onnx.checker.check_model(case.model)
+        expected = ort_outputs(case.model, case.feeds)
+    except Exception as e:     # the generator made something onnxruntime refuses
+        return Result(case.seed, "invalid", f"{type(e).__name__}: {e}",
+                      time.perf_counter() - t0)
+    try:
+        sess = cannc.compile(case.model, cores=cores,
+                             shapes={k: v.shape for k, v in case.feeds.items()})
+        got = sess.run(None, case.feeds)
+    except CanncError as e:
+        return Result(case.seed, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}",
+                      time.perf_counter() - t0)
+    except Exception as e:
+        return Result(case.seed, "crash", f"{type(e).__name__}: {e}\n{traceback.format_exc()}",
+                      time.perf_counter() - t0)
+    diff = compare(got, expected, names)
+    if diff:
+        plain = ort_outputs(case.model, case.feeds, optimize=False)
+        if not compare(got, plain, names) and compare(expected, plain, names):
+            return Result(case.seed, "ort_bug", f"onnxruntime's optimised graph: {diff}",
+                          time.perf_counter() - t0)
+    return Result(case.seed, "mismatch" if diff else "ok", diff, time.perf_counter() - t0)
+
+
+def save_reproducer(case: Case, res: Result, out_dir: str | os.PathLike) -> Path:
+    d = Path(out_dir) / f"{res.kind}-seed{case.seed}"
+    d.mkdir(parents=True, exist_ok=True)
+    onnx.save(case.model, str(d / "model.onnx"))
+    np.savez(d / "feeds.npz", **case.feeds)
+    (d / "report.txt").write_text(
+        f"seed {case.seed}: {res.kind}\nops: {' '.join(case.ops)}\n\n{res.detail}\n\n"
+        f"{onnx.helper.printable_graph(case.model.graph)}\n")
+    return d
+
+
+def load_reproducer(d: str | os.PathLike) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    d = Path(d)
+    with np.load(d / "feeds.npz") as f:
+        feeds = {k: f[k] for k in f.files}
+    return onnx.load(str(d / "model.onnx")), feeds
+
+
+def campaign(seeds, out_dir: str | None = None, deadline: float | None = None,
+             cores: int = 2, log=print, gen=random_model) -> list[Result]:
+    """Check every seed (until `deadline`, a time.monotonic() value); failing cases are
+    saved under `out_dir`."""
+    results = []
+    for seed in seeds:
+        if deadline is not None and time.monotonic() > deadline:
+            break
+        try:
+            case = gen(seed)
+        except Exception as e:
+            results.append(Result(seed, "invalid", f"generator: {type(e).__name__}: {e}"))
+            continue
+        res = check(case, cores)
+        results.append(res)
+        if res.failed or res.kind == "ort_bug":
+            where = save_reproducer(case, res, out_dir) if out_dir else ""
+            log(f"seed {seed}: {res.kind}: {res.detail.splitlines()[0][:300]} {where}")
+    return results
+
+
+def summary(results: list[Result]) -> str:
+    kinds: dict[str, int] = {}
+    for r in results:
+        kinds[r.kind] = kinds.get(r.kind, 0) + 1
+    t = sum(r.seconds for r in results)
+    return (f"{len(results)} graphs in {t:.1f} s: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())))
+
+
+def prune(model: onnx.ModelProto, outputs: list[str]) -> onnx.ModelProto:
+    """`model` with only these outputs, and only the nodes, inputs and initializers they
+    need."""
+    g = model.graph
+    need = set(outputs)
+    keep = []
+    for nd in reversed(list(g.node)):
+        if any(o in need for o in nd.output):
+            keep.append(nd)
+            need.update(v for v in nd.input if v)
+    outs = [o for o in g.output if o.name in outputs]
+    m = onnx.helper.make_model(
+        onnx.helper.make_graph(list(reversed(keep)), g.name,
+                               [i for i in g.input if i.name in need],
+                               sorted(outs, key=lambda o: outputs.index(o.name)),
+                               initializer=[t for t in g.initializer if t.name in need]),
+        opset_imports=list(model.opset_import))
+    m.ir_version = model.ir_version
+    return m
+
+
+def shrink(case: Case, cores: int = 2, kinds: tuple[str, ...] | None = None) -> Case:
+    """A smaller case that fails the same way: graph outputs dropped one at a time (and
+    what only they needed) while the failure stays of the same kind."""
+    first = check(case, cores)
+    kinds = kinds or (first.kind,)
+    cur = case
+    changed = True
+    while changed:
+        changed = False
+        names = [o.name for o in cur.model.graph.output]
+        for o in names:
+            if len(names) == 1:
+                break
+            m = prune(cur.model, [n for n in names if n != o])
+            feeds = {i.name: cur.feeds[i.name] for i in m.graph.input}
+            cand = Case(cur.seed, m, feeds, cur.ops)
+            if check(cand, cores).kind in kinds:
+                cur, changed = cand, True
+                break
+    return cur
