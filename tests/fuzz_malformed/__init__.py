@@ -403,13 +403,30 @@ def _bad_feeds(how: str, good: dict[str, np.ndarray], r: random.Random) -> Any:
     return f
 
 
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
+def _same(a: np.ndarray, b: np.ndarray, nonfinite_weights: bool = False) -> bool:
+    """Equal within 1e-3. With non-finite weights (a bit flip made a NaN or inf), where NaN
+    shows up is engine-defined (ONNX leaves it open; onnxruntime's MaxPool keeps or drops a
+    NaN depending on its place in the window), so elements non-finite on either side are
+    not compared."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.dtype.kind == "f":
-        return bool(np.allclose(a.astype(np.float64), b.astype(np.float64), rtol=1e-3,
-                                atol=1e-3, equal_nan=True))
+        x, y = a.astype(np.float64), b.astype(np.float64)
+        if nonfinite_weights:
+            keep = np.isfinite(x) & np.isfinite(y)
+            x, y = x[keep], y[keep]
+        return bool(np.allclose(x, y, rtol=1e-3, atol=1e-3, equal_nan=True))
     return bool(np.array_equal(a, b))
+
+
+def _nonfinite_weights(model: bytes) -> bool:
+    try:
+        m = onnx.load_from_string(model)
+        return any(not np.all(np.isfinite(a)) for a in
+                   (onnx.numpy_helper.to_array(t) for t in m.graph.initializer)
+                   if a.dtype.kind == "f")
+    except Exception:
+        return False
 
 
 def _ort(model: bytes, feeds: dict[str, np.ndarray]) -> list[np.ndarray] | None:
@@ -454,8 +471,9 @@ def run_case(case: Case) -> tuple[str, str]:
         outs = sess.run(None, good)
         ref = _ort(case.model, good)
         if ref is not None:
+            tainted = _nonfinite_weights(case.model)
             for o, (a, b) in zip(sess.get_outputs(), zip(outs, ref)):
-                if not _same(a, b):
+                if not _same(a, b, tainted):
                     return "mismatch", f"output {o.name}: cannc {a.shape} vs ort {b.shape}"
         return "ok", "compiled and ran"
     except cannc.CanncError as e:

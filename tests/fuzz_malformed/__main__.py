@@ -20,6 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save", default="fuzz_malformed_failures",
                     help="where failing cases are saved as reproducers")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--cases-per-worker", type=int, default=None,
+                    help="a fresh worker process every N cases (0: never; default: "
+                         "campaign.CASES_PER_WORKER)")
     ap.add_argument("-v", action="store_true")
     a = ap.parse_args(argv)
     if a.worker:     # the subprocess: cases from --case on, one line per begin and end
@@ -40,8 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(1 << 30)
     minutes = a.minutes if a.minutes is not None else 1.0
     print(f"seed {seed}, {minutes} min, {a.timeout:.0f} s per case; reproducers -> {a.save}")
+    per = {} if a.cases_per_worker is None else {"cases_per_worker": a.cases_per_worker}
     rep = campaign(seed, minutes * 60, timeout=a.timeout, save_dir=a.save,
-                   log=lambda s: print(s, flush=True))
+                   log=lambda s: print(s, flush=True), **per)
     print(f"{rep.cases} cases: {rep.outcomes}; slowest {rep.slowest[0]:.1f} s "
           f"(case {rep.slowest[1]})")
     return 0 if not rep.failures else 1

@@ -16,6 +16,13 @@ from queue import Empty, Queue
 ROOT = Path(__file__).resolve().parents[2]
 # the worker's device memory budget: legal-but-big shapes are refused, not allocated
 WORKER_MEMORY = "2G"
+# A fresh worker every so many cases. Known, not fixed: a process that has loaded several
+# thousand JIT engines can abort in LLVM (RuntimeDyldELF `isInt<32>(RealOffset)`: a PC-relative
+# relocation between sections MCJIT placed more than 2 GiB apart; measured here: 3 aborts in
+# 22k cases, none before a worker's ~2,500th session, none with the large code model, which
+# costs ~1-2% speed). Recycling keeps the campaign about the models it sends; 0 = never
+# recycle, to hunt that abort.
+CASES_PER_WORKER = 1000
 
 
 @dataclass
@@ -61,8 +68,9 @@ def _start(seed: int, start: int, cache_dir: str | None,
 
 def campaign(seed: int, seconds: float, timeout: float = 30.0, max_cases: int | None = None,
              save_dir: str | None = None, cache_dir: str | None = None,
-             log=None) -> Report:
-    """Run cases seed/0, seed/1, ... for `seconds` (or `max_cases`)."""
+             log=None, cases_per_worker: int = CASES_PER_WORKER) -> Report:
+    """Run cases seed/0, seed/1, ... for `seconds` (or `max_cases`), in a worker process
+    replaced every `cases_per_worker` cases (0: never)."""
     from . import make_case, save_reproducer
     rep = Report()
     t_end = time.monotonic() + seconds
@@ -73,6 +81,7 @@ def campaign(seed: int, seconds: float, timeout: float = 30.0, max_cases: int | 
     proc, q = _start(seed, index, cache_dir, errlog)
     current, t0 = None, time.monotonic()
     started = False
+    done_here = 0          # cases the current worker has finished
     try:
         while time.monotonic() < t_end and (max_cases is None or rep.cases < max_cases):
             try:
@@ -99,7 +108,7 @@ def campaign(seed: int, seconds: float, timeout: float = 30.0, max_cases: int | 
                 proc.kill()
                 proc.wait()
                 proc, q = _start(seed, index, cache_dir, errlog)
-                current, started = None, False
+                current, started, done_here = None, False, 0
                 continue
             started = True
             if line.startswith("BEGIN "):
@@ -115,6 +124,12 @@ def campaign(seed: int, seconds: float, timeout: float = 30.0, max_cases: int | 
                         log(f"case {d['case']}: {d['outcome']}: {d['detail']}")
                 current = None
                 index = d["case"] + 1
+                done_here += 1
+                if cases_per_worker and done_here >= cases_per_worker:
+                    proc.kill()
+                    proc.wait()
+                    proc, q = _start(seed, index, cache_dir, errlog)
+                    started, done_here = False, 0
     finally:
         proc.kill()
         proc.wait()
