@@ -6,6 +6,7 @@ import hashlib
 import json
 import threading
 import time
+import weakref
 import zipfile
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -232,6 +233,9 @@ class Session:
                               "compute": self.device.stream("compute"),
                               "d2h": self.device.stream("d2h"),
                               "slots": threading.Semaphore(self.inflight)}
+                # the streams' threads end with the session (they would outlive it)
+                weakref.finalize(self, _close_streams,
+                                 [self._pipe[k] for k in ("h2d", "compute", "d2h")])
             return self._pipe
 
     def profile(self, input_feed: dict[str, Any], runs: int = 20, warmup: int = 3,
@@ -518,6 +522,11 @@ def given_shapes(shapes: Any) -> dict[str, tuple[int, ...]]:
             dims.append(int(d))
         out[n] = tuple(dims)
     return out
+
+
+def _close_streams(streams: list[Any]) -> None:
+    for s in streams:
+        s.close()
 
 
 def _fmt_shape(shape: Sequence[Any]) -> str:

@@ -111,6 +111,9 @@ class Stream:
                 fn()
             except BaseException as e:
                 self._errors.append(e)
+            # drop the finished job while waiting for the next: its closure may hold the
+            # session, whose finaliser ends this thread
+            fn = None
 
     def enqueue(self, fn: Callable[[], Any]) -> None:
         self._q.put(fn)
@@ -140,4 +143,5 @@ class Stream:
             raise err
 
     def close(self) -> None:
+        """End the stream's thread once the work already queued is done."""
         self._q.put(None)

@@ -139,3 +139,24 @@ def test_in_place_reuse_keeps_results_right():
     (prog,) = sess.programs.values()
     assert prog.storage, "an elementwise output took over its input's buffer"
     assert prog.plan.arena_bytes < prog.plan.naive_bytes
+
+
+def test_run_async_streams_end_with_their_session():
+    """A session's copy-in / compute / copy-out stream threads end when it is collected
+    (they outlived it: three threads per session that ever ran run_async)."""
+    import gc
+
+    m = zoo.build("mlp")
+    x = np.random.default_rng(0).standard_normal((2, 256)).astype(np.float32)
+    gc.collect()
+    before = threading.active_count()
+    for _ in range(4):
+        s = cannc.compile(m, cores=2)
+        s.run_async(None, {s.get_inputs()[0].name: x}).result()
+        del s
+    gc.collect()
+    for _ in range(50):          # the threads see their stop marker and exit
+        if threading.active_count() <= before + 3:   # (+ the shared device's, if new)
+            break
+        threading.Event().wait(0.02)
+    assert threading.active_count() <= before + 3
