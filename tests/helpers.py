@@ -84,6 +84,21 @@ def ort_run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], threads: int =
     return s.run(None, feeds)
 
 
+def check_session(sess: Any, model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list:
+    """One run of a cannc session against onnxruntime on the same model and feeds: every
+    output's shape and dtype equal, floats within rtol 1e-4 / atol 1e-5, the rest exact."""
+    got = sess.run(None, feeds)
+    want = ort_run(model, feeds)
+    assert len(got) == len(want)
+    for g, e in zip(got, want):
+        assert g.shape == e.shape and g.dtype == e.dtype
+        if e.dtype.kind == "f":
+            np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
+        else:
+            np.testing.assert_array_equal(g, e)
+    return got
+
+
 def single_node_model(op_type: str, inputs: Sequence[np.ndarray | None], n_outputs: int = 1,
                       opset: int = 17, const_inputs: Sequence[int] = (), domain: str = "",
                       output_dtypes: Sequence[Any] | None = None, **attrs: Any

@@ -14,7 +14,7 @@ import cannc
 from cannc.compiler.control import ControlProgram
 from cannc.errors import UnsupportedOpError
 from cannc.frontend import import_model
-from tests.helpers import model_of, ort_run
+from tests.helpers import check_session, model_of, ort_run
 
 F32, I64 = np.float32, np.int64
 RNG = np.random.default_rng(5)
@@ -22,15 +22,6 @@ RNG = np.random.default_rng(5)
 
 def _vi(name, dtype, shape):
     return h.make_tensor_value_info(name, dtype, shape)
-
-
-def _check(sess, model, feeds):
-    got = sess.run(None, feeds)
-    want = ort_run(model, feeds)
-    assert len(got) == len(want)
-    for g, e in zip(got, want):
-        assert g.shape == e.shape and g.dtype == e.dtype
-        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
 
 
 def _branches(prefix=""):
@@ -71,7 +62,7 @@ def test_if_on_a_shape_condition_becomes_its_branch():
     m = _torch_style_if()
     s = cannc.compile(m, cores=2)
     for n in (1, 4):                                     # else, then
-        _check(s, m, {"x": RNG.standard_normal((n, 3)).astype(F32)})
+        check_session(s, m, {"x": RNG.standard_normal((n, 3)).astype(F32)})
     ops = [[t for k in p.kernels for t in k.op_types] for p in s.specializations]
     assert all("If" not in o for o in ops)
     assert any("Neg" in o for o in ops) and any("Relu" in o for o in ops)
@@ -96,7 +87,7 @@ def test_nested_and_repeated_ifs_with_clashing_inner_names():
     m = model_of(nodes, [_vi("x", T.FLOAT, [2, 5])],
                  [_vi("y1", T.FLOAT, [2, 5]), _vi("y2", T.FLOAT, [2, 5])], inits)
     s = cannc.compile(m, cores=2)
-    _check(s, m, {"x": RNG.standard_normal((2, 5)).astype(F32)})
+    check_session(s, m, {"x": RNG.standard_normal((2, 5)).astype(F32)})
 
 
 def test_branch_output_that_is_a_capture_or_an_initializer():
@@ -109,7 +100,7 @@ def test_branch_output_that_is_a_capture_or_an_initializer():
                       h.make_node("Add", ["y", "x"], ["z"])],
                      [_vi("x", T.FLOAT, [2, 2])], [_vi("z", T.FLOAT, [2, 2])],
                      [nh.from_array(np.array([cond]), "c")])
-        _check(cannc.compile(m, cores=1), m, {"x": RNG.standard_normal((2, 2)).astype(F32)})
+        check_session(cannc.compile(m, cores=1), m, {"x": RNG.standard_normal((2, 2)).astype(F32)})
 
 
 def test_a_value_slot_inside_a_branch_is_value_specialised():
@@ -125,7 +116,7 @@ def test_a_value_slot_inside_a_branch_is_value_specialised():
     assert s.value_inputs == ("shape",)
     x = RNG.standard_normal((2, 6)).astype(F32)
     for shape in ([3, 4], [12, 1]):
-        _check(s, m, {"x": x, "shape": np.array(shape, I64)})
+        check_session(s, m, {"x": x, "shape": np.array(shape, I64)})
 
 
 def test_one_program_pipeline_reports_a_runtime_condition_by_node():
@@ -166,9 +157,10 @@ def test_loop_runs_its_compiled_body_on_the_host(with_cond):
     x = RNG.standard_normal(3).astype(F32)
     v0 = RNG.standard_normal(3).astype(F32)
     for n, limit in ((4, 100.0), (6, 5.0), (1, 100.0)):
-        _check(s, m, {"x": x, "v0": v0, "n": np.array(n, I64), "limit": np.array(limit, F32)})
+        check_session(s, m, {"x": x, "v0": v0, "n": np.array(n, I64),
+                             "limit": np.array(limit, F32)})
     before = cannc.compiler.codegen_counts()
-    _check(s, m, {"x": -x, "v0": v0, "n": np.array(5, I64), "limit": np.array(9.0, F32)})
+    check_session(s, m, {"x": -x, "v0": v0, "n": np.array(5, I64), "limit": np.array(9.0, F32)})
     assert cannc.compiler.codegen_counts() == before   # the body is compiled once
 
 
@@ -185,7 +177,7 @@ def test_scan_cumulative_sum_both_directions_and_axes():
         m = model_of([node], [_vi("s0", T.FLOAT, [2]), _vi("xs", T.FLOAT, shape)],
                      [_vi("s", T.FLOAT, [2]), _vi("ys", T.FLOAT, [None, None])])
         s = cannc.compile(m, cores=1)
-        _check(s, m, {"s0": RNG.standard_normal(2).astype(F32),
+        check_session(s, m, {"s0": RNG.standard_normal(2).astype(F32),
                       "xs": RNG.standard_normal(shape).astype(F32)})
 
 
@@ -205,14 +197,14 @@ def test_runtime_if_picks_its_compiled_branch_per_run():
     s = cannc.compile(m, cores=2)
     w = RNG.standard_normal(3).astype(F32)
     x = np.abs(RNG.standard_normal((4, 3)).astype(F32))
-    _check(s, m, {"x": x, "w": w})           # then
+    check_session(s, m, {"x": x, "w": w})           # then
     assert isinstance(next(iter(s.programs.values())), ControlProgram)
-    _check(s, m, {"x": -x, "w": w})          # else
+    check_session(s, m, {"x": -x, "w": w})          # else
     before = cannc.compiler.codegen_counts()
-    _check(s, m, {"x": 2 * x, "w": w})       # both branches compiled: nothing new
-    _check(s, m, {"x": -2 * x, "w": w})
+    check_session(s, m, {"x": 2 * x, "w": w})       # both branches compiled: nothing new
+    check_session(s, m, {"x": -2 * x, "w": w})
     assert cannc.compiler.codegen_counts() == before
-    _check(s, m, {"x": np.ones((2, 3), F32), "w": w})      # a new shape
+    check_session(s, m, {"x": np.ones((2, 3), F32), "w": w})      # a new shape
     fut = s.run_async(None, {"x": -x, "w": w})
     np.testing.assert_allclose(fut.result()[0], ort_run(m, {"x": -x, "w": w})[0],
                                rtol=1e-4, atol=1e-5)
@@ -242,7 +234,7 @@ def test_runtime_if_with_branches_of_different_shapes_and_a_nested_runtime_if():
     s = cannc.compile(m, cores=1)
     base = np.arange(9, dtype=F32).reshape(3, 3) / 10
     for x in (base, base + 1, -base):        # then/else-inner, then/then-inner, else
-        _check(s, m, {"x": x})
+        check_session(s, m, {"x": x})
 
 
 def test_a_boolean_graph_input_condition_is_value_specialised():
@@ -256,7 +248,7 @@ def test_a_boolean_graph_input_condition_is_value_specialised():
     assert s.value_inputs == ("flag",)
     x = RNG.standard_normal((2, 3)).astype(F32)
     for flag in (True, False, True):
-        _check(s, m, {"flag": np.array(flag), "x": x})
+        check_session(s, m, {"flag": np.array(flag), "x": x})
     assert len(s.programs) == 2
     assert not any(isinstance(p, ControlProgram) for p in s.programs.values())
 

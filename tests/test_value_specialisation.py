@@ -16,7 +16,7 @@ from cannc.compiler.shapes import value_deciding_inputs
 from cannc.errors import ShapeError
 from cannc.frontend import import_model
 from cannc.session import MAX_VALUE_PROGRAMS
-from tests.helpers import model_of, ort_run
+from tests.helpers import check_session, model_of, ort_run
 
 F32, I64 = np.float32, np.int64
 RNG = np.random.default_rng(15)
@@ -24,18 +24,6 @@ RNG = np.random.default_rng(15)
 
 def _vi(name, dtype, shape):
     return h.make_tensor_value_info(name, dtype, shape)
-
-
-def _check(sess, model, feeds):
-    got = sess.run(None, feeds)
-    want = ort_run(model, feeds)
-    for g, e in zip(got, want):
-        assert g.shape == e.shape and g.dtype == e.dtype
-        if e.dtype.kind == "f":
-            np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
-        else:
-            np.testing.assert_array_equal(g, e)
-    return got
 
 
 def _resize_model(slot: str):
@@ -51,13 +39,13 @@ def test_resize_scales_as_a_graph_input_runs_and_is_cached():
     s = cannc.compile(m, cores=2)
     assert s.value_inputs == ("scales",)
     x = RNG.standard_normal((1, 2, 4, 6)).astype(F32)
-    _check(s, m, {"x": x, "scales": np.array([1, 1, 2, 1.5], F32)})
+    check_session(s, m, {"x": x, "scales": np.array([1, 1, 2, 1.5], F32)})
     before = codegen_counts()
     x2 = RNG.standard_normal((1, 2, 4, 6)).astype(F32)
-    _check(s, m, {"x": x2, "scales": np.array([1, 1, 2, 1.5], F32)})
+    check_session(s, m, {"x": x2, "scales": np.array([1, 1, 2, 1.5], F32)})
     assert codegen_counts() == before          # same values: nothing compiled
     assert len(s.specializations) == 1
-    _check(s, m, {"x": x2, "scales": np.array([1, 1, 0.5, 2], F32)})
+    check_session(s, m, {"x": x2, "scales": np.array([1, 1, 0.5, 2], F32)})
     assert len(s.specializations) == 2         # a new value re-specialises
 
 
@@ -66,7 +54,7 @@ def test_resize_sizes_as_a_graph_input():
     s = cannc.compile(m, cores=2)
     x = RNG.standard_normal((1, 2, 4, 6)).astype(F32)
     for sizes in ([1, 2, 8, 9], [1, 2, 3, 3]):
-        _check(s, m, {"x": x, "sizes": np.array(sizes, I64)})
+        check_session(s, m, {"x": x, "sizes": np.array(sizes, I64)})
 
 
 def test_movement_ops_from_graph_inputs():
@@ -92,11 +80,11 @@ def test_movement_ops_from_graph_inputs():
              "eshape": np.array([2, 3, 5], I64), "reps": np.array([2, 3], I64),
              "starts": np.array([1], I64), "ends": np.array([-1], I64),
              "axes": np.array([1], I64)}
-    _check(s, m, feeds)
+    check_session(s, m, feeds)
     before = codegen_counts()
-    _check(s, m, dict(feeds, x=-x, b=-b))      # new data, same values: nothing compiled
+    check_session(s, m, dict(feeds, x=-x, b=-b))      # new data, same values: nothing compiled
     assert codegen_counts() == before
-    _check(s, m, dict(feeds, shape32=np.array([3, 2, 4], np.int32),
+    check_session(s, m, dict(feeds, shape32=np.array([3, 2, 4], np.int32),
                       reps=np.array([1, 2], I64)))
     assert len(s.specializations) == 2
     # the data inputs are runtime inputs of the program; the value inputs its constants
@@ -115,7 +103,7 @@ def test_range_and_constant_of_shape_from_graph_inputs():
     s = cannc.compile(m, cores=2)
     x = RNG.standard_normal((1, 3)).astype(F32)
     for lim, shape in ((5.0, [2, 3]), (2.0, [4, 3])):
-        _check(s, m, {"start": np.array(0.5, F32), "limit": np.array(lim, F32),
+        check_session(s, m, {"start": np.array(0.5, F32), "limit": np.array(lim, F32),
                       "delta": np.array(0.75, F32), "shape": np.array(shape, I64), "x": x})
 
 
