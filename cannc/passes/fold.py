@@ -179,6 +179,7 @@ def infer_and_fold(graph: Graph, ctx: PassContext) -> bool:
         if t.is_static and t.numel == 0:
             graph.constants[v] = np.zeros(t.shape, t.dtype)
     for n in list(graph.nodes()):
+        types: list[TensorType | None] | None = None   # inferred and size-checked
         if _foldable(graph, n):
             ins = [graph.constants.get(v) if v else None for v in n.inputs]
             if any(a is not None and a.size == 0 for a in ins) and \
@@ -217,8 +218,9 @@ def infer_and_fold(graph: Graph, ctx: PassContext) -> bool:
                         graph.set_constant(v, o)
                 changed = True
                 continue
-        types = infer_node(graph, n)
-        _check_types(graph, n, types)
+        if types is None:       # (a node left unfolded above was inferred there already)
+            types = infer_node(graph, n)
+            _check_types(graph, n, types)
         for v, t in zip(n.outputs, types):
             if v and t is not None:
                 graph.values[v] = t
