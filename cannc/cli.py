@@ -41,6 +41,7 @@ from .compiler.report import support_report
 from .compiler.shapes import Shapes, complete_input_shapes, type_string
 from .compiler.support import supported_ops
 from .compiler.tune import tune_gemms
+from .config import fmt_bytes
 from .errors import CacheError, CanncError, InputError, ModelError
 from .export import save_fused_graph
 from .schedule.machine import cpu_model, usable_cores
@@ -197,14 +198,6 @@ def _make_feeds(sess: Any, files: list[tuple[str, str]], shapes: Shapes, seed: i
 # formatting
 # ---------------------------------------------------------------------------------------
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
-
-
 def _fmt_count(n: float) -> str:
     for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= scale:
@@ -282,8 +275,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
           f"{sess.cores} core(s), pipeline {sess.options.pipeline}, "
           f"in {spec.compile_seconds:.2f} s "
           f"(object cache: {spec.cache_hits} hit(s), {spec.cache_misses} miss(es)); "
-          f"arena {_fmt_bytes(plan.arena_bytes)} (naive {_fmt_bytes(plan.naive_bytes)}), "
-          f"weights {_fmt_bytes(prog.weights_bytes)}; artifact {_fmt_bytes(out.stat().st_size)}.")
+          f"arena {fmt_bytes(plan.arena_bytes)} (naive {fmt_bytes(plan.naive_bytes)}), "
+          f"weights {fmt_bytes(prog.weights_bytes)}; artifact {fmt_bytes(out.stat().st_size)}.")
     if passes and args.dump_dir is not None:
         print(f"IR dumps written to {args.dump_dir}")
     return 0
@@ -424,8 +417,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         rows.append([k["index"], k["symbol"], _clip(nodes, 44), "+".join(k["op_types"]),
                      _clip(", ".join(type_string(o["dtype"], o["shape"])
                                      for o in k["outputs"]), 32),
-                     _fmt_count(k["flops"]), _fmt_bytes(k["bytes_read"]),
-                     _fmt_bytes(k["bytes_written"]), k["tiles"],
+                     _fmt_count(k["flops"]), fmt_bytes(k["bytes_read"]),
+                     fmt_bytes(k["bytes_written"]), k["tiles"],
                      "1" if k["single_core"] else "all",
                      ("any: " if k["shape_polymorphic"] else "static: ") + k["tiling"],
                      f"{k['predicted_us']:.1f}",
@@ -441,19 +434,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
           f"(cost model: {cpu_model().summary()})")
     print(f"totals: {rep['num_kernels']} kernel(s) from {rep['onnx_nodes']} ONNX node(s) "
           f"({rep['views']} view(s)), {_fmt_count(rep['total_flops'])}FLOP, read "
-          f"{_fmt_bytes(rep['bytes_read'])}, written {_fmt_bytes(rep['bytes_written'])} "
-          f"(intermediates {_fmt_bytes(rep['intermediate_bytes_written'])})")
-    print(f"memory: arena {_fmt_bytes(m['arena_bytes'])} (naive {_fmt_bytes(m['naive_bytes'])}, "
-          f"lower bound {_fmt_bytes(m['lower_bound_bytes'])}), "
-          f"weights {_fmt_bytes(m['weights_bytes'])}")
+          f"{fmt_bytes(rep['bytes_read'])}, written {fmt_bytes(rep['bytes_written'])} "
+          f"(intermediates {fmt_bytes(rep['intermediate_bytes_written'])})")
+    print(f"memory: arena {fmt_bytes(m['arena_bytes'])} (naive {fmt_bytes(m['naive_bytes'])}, "
+          f"lower bound {fmt_bytes(m['lower_bound_bytes'])}), "
+          f"weights {fmt_bytes(m['weights_bytes'])}")
     fu = rep["fusion"]
     if "without_fusion" in fu:
         wf = fu["without_fusion"]
         saved = 1 - rep['intermediate_bytes_written'] / max(wf['intermediate_bytes_written'], 1)
         print(f"fusion: {rep['num_kernels']} kernel(s) vs {wf['num_kernels']} without "
               f"(x{wf['num_kernels'] / max(rep['num_kernels'], 1):.2f} fewer); intermediates "
-              f"written {_fmt_bytes(rep['intermediate_bytes_written'])} vs "
-              f"{_fmt_bytes(wf['intermediate_bytes_written'])} without "
+              f"written {fmt_bytes(rep['intermediate_bytes_written'])} vs "
+              f"{fmt_bytes(wf['intermediate_bytes_written'])} without "
               f"(-{100 * saved:.0f}%)")
     if fu["not_fused"]:
         print(f"not fused ({len(fu['not_fused'])} neighbouring pair(s)):")

@@ -104,11 +104,12 @@ def device_memory_bytes() -> int:
     return n
 
 
-def fmt_bytes(n: int) -> str:
+def fmt_bytes(n: float) -> str:
+    """'512 B', '3.1 KiB', ... '1.5 TiB' (what the reports and errors print)."""
     for unit, f in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= f:
+        if abs(n) >= f:
             return f"{n / f:.1f} {unit}"
-    return f"{n} B"
+    return f"{n:.0f} B"
 
 
 def check_size(what: str, shape: Sequence[object], itemsize: int = 1,

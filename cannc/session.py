@@ -28,6 +28,7 @@ from .compiler.inspect import without_fusion as without_fusion_figures
 from .compiler.shapes import (
     VALUE_SPECIALISATION_ELEMS,
     complete_input_shapes,
+    fmt_dims,
     value_deciding_inputs,
 )
 from .config import check_size
@@ -384,7 +385,7 @@ class Session:
                 if len(shape) != len(decl) or any(d < 0 for d in shape) or any(
                         isinstance(e, int) and e != d for d, e in zip(shape, decl)):
                     raise InputError(f"shape {list(shape)} given for input '{n}' does not "
-                                     f"fit its declared shape {_fmt_shape(decl)}")
+                                     f"fit its declared shape {fmt_dims(decl)}")
                 out[n] = shape
             else:
                 out[n] = tuple(d if isinstance(d, int) else 1 for d in self.graph.values[n].shape)
@@ -421,11 +422,11 @@ class Session:
             check_size(f"input '{name}'", arr.shape, arr.dtype.itemsize)
             if arr.ndim != len(t.shape):
                 raise InputError(f"input '{name}' has rank {arr.ndim} (shape {arr.shape}), "
-                                 f"expected rank {len(t.shape)} {_fmt_shape(t.shape)}")
+                                 f"expected rank {len(t.shape)} {fmt_dims(t.shape)}")
             for i, (d, e) in enumerate(zip(arr.shape, t.shape)):
                 if isinstance(e, int) and d != e:
                     raise InputError(f"input '{name}' has shape {arr.shape}, expected "
-                                     f"{_fmt_shape(t.shape)} (dimension {i} must be {e})")
+                                     f"{fmt_dims(t.shape)} (dimension {i} must be {e})")
                 if isinstance(e, str):
                     if e in bound and bound[e][0] != d:
                         raise InputError(
@@ -527,10 +528,6 @@ def given_shapes(shapes: Any) -> dict[str, tuple[int, ...]]:
 def _close_streams(streams: list[Any]) -> None:
     for s in streams:
         s.close()
-
-
-def _fmt_shape(shape: Sequence[Any]) -> str:
-    return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
 def load(path: str | Path, *, cores: int | None = None) -> Session:

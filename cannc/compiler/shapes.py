@@ -31,11 +31,11 @@ def complete_input_shapes(graph: Graph, given: Shapes, known: Sequence[tuple] = 
         decl = graph.values[name].shape
         if len(shp) != len(decl):
             raise InputError(f"shape {list(shp)} given for input '{name}' has rank {len(shp)}, "
-                             f"the model declares rank {len(decl)} {_fmt_dims(decl)}")
+                             f"the model declares rank {len(decl)} {fmt_dims(decl)}")
         for i, (d, v) in enumerate(zip(decl, shp)):
             if isinstance(d, int) and d != v:
                 raise InputError(f"shape {list(shp)} given for input '{name}' does not match "
-                                 f"{_fmt_dims(decl)} (dimension {i} must be {d})")
+                                 f"{fmt_dims(decl)} (dimension {i} must be {d})")
             if isinstance(d, str):
                 if d in bound and bound[d][0] != v:
                     raise InputError(f"dimension '{d}' is {bound[d][0]} in input "
@@ -146,5 +146,6 @@ def type_string(dtype: Any, shape: Sequence[Any]) -> str:
     return f"{np.dtype(dtype).name}[{', '.join(str(d) for d in shape)}]"
 
 
-def _fmt_dims(shape: Sequence[Any]) -> str:
+def fmt_dims(shape: Sequence[Any]) -> str:
+    """'[batch, 64]'."""
     return "[" + ", ".join(str(d) for d in shape) + "]"
