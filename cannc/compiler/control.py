@@ -28,7 +28,7 @@ from ..config import check_budget, fmt_bytes
 from ..errors import ShapeError, UnsupportedOpError
 from ..ir.graph import Graph, Node
 from ..ir.ops import lookup
-from ..ir.ops.control import scan_layout
+from ..ir.ops.control import own_inputs, scan_layout
 from ..ir.registry import Control
 from ..ir.types import TensorType
 from ..passes.control import has_subgraphs
@@ -172,8 +172,7 @@ class ControlProgram:
                 continue
             n = st.node
             op = lookup(n.op_type, n.domain)
-            own = len(n.proto.input) if n.proto is not None else len(n.inputs)
-            ins = list(n.inputs[:own])
+            ins = list(own_inputs(n))
             run = {Control.BRANCH: self._branch, Control.LOOP: self._loop,
                    Control.SCAN: self._scan}[op.control]
             outs = run(n, op, st, ins, env)

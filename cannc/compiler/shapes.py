@@ -12,6 +12,7 @@ import numpy as np
 from ..errors import InputError
 from ..ir.graph import Graph, Node
 from ..ir.ops import lookup
+from ..ir.ops.control import own_inputs
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -104,8 +105,7 @@ def _value_sources(graph: Graph, seeds: list[str] | None = None) -> set[str]:
             stack.extend(i for i in p.inputs if i)
             continue
         # control flow: its own inputs, and the captures its subgraphs compute `v` from
-        own = len(p.proto.input) if p.proto is not None else len(p.inputs)
-        stack.extend(i for i in p.inputs[:own] if i)
+        stack.extend(i for i in own_inputs(p) if i)
         i = p.outputs.index(v)
         for sub in subs:
             if i < len(sub.outputs):
@@ -119,8 +119,7 @@ def _choice_sources(graph: Graph, n: Node) -> set[str]:
     choice is made of single elements all the way from graph inputs (a boolean input,
     a Not or a comparison of scalars): specialising on those costs a compile per
     distinct choice. A choice computed from larger data stays a runtime choice."""
-    own = len(n.proto.input) if n.proto is not None else len(n.inputs)
-    stack, seen, found = [v for v in n.inputs[:own] if v], set(), set()
+    stack, seen, found = [v for v in own_inputs(n) if v], set(), set()
     while stack:
         v = stack.pop()
         if v in seen or v in graph.constants:

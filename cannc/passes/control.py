@@ -14,15 +14,10 @@ import numpy as np
 from ..errors import CanncError, UnsupportedOpError
 from ..ir.graph import Graph, Node
 from ..ir.ops import lookup
+from ..ir.ops.control import own_inputs
 from ..ir.types import TensorType
 from .fold import FoldOptions, infer_and_fold
 from .manager import PassContext, graph_pass
-
-
-def _own_inputs(n: Node) -> list[str]:
-    """The node's ONNX inputs, without the captures the frontend appended."""
-    k = len(n.proto.input) if n.proto is not None else len(n.inputs)
-    return list(n.inputs[:k])
 
 
 def _evaluate(graph: Graph, v: str, ctx: PassContext) -> np.ndarray | None:
@@ -131,7 +126,7 @@ def inline_branches(graph: Graph, ctx: PassContext) -> bool:
             op = lookup(n.op_type, n.domain)
             if op is None or op.branch is None:
                 continue
-            attr = op.branch(n, [_evaluate(graph, v, ctx) for v in _own_inputs(n)])
+            attr = op.branch(n, [_evaluate(graph, v, ctx) for v in own_inputs(n)])
             if attr is None:
                 continue
             sub = n.attrs.get(attr)

@@ -19,6 +19,13 @@ from ..graph import Node
 from ..registry import Category, Control, OpDef, register
 
 
+def own_inputs(n: Node) -> tuple[str, ...]:
+    """A control-flow node's ONNX inputs, without the outer values its subgraphs read,
+    which the frontend appends to its inputs (the captures)."""
+    k = len(n.proto.input) if n.proto is not None else len(n.inputs)
+    return tuple(n.inputs[:k])
+
+
 def _if_branch(n: Node, ins: list[np.ndarray | None]) -> str | None:
     cond = ins[0] if ins else None
     if cond is None:
