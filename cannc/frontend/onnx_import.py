@@ -181,6 +181,17 @@ def _tensor_array(t: onnx.TensorProto, what: str) -> np.ndarray:
         raise ModelError(f"cannot read {what}: {type(e).__name__}: {e}") from e
 
 
+def _node_attrs(n: onnx.NodeProto, name: str) -> dict[str, Any]:
+    """A node's attributes as Python values; an unreadable one is a ModelError naming it."""
+    try:
+        return {a.name: attr_value(a, f" of node '{name}' ({n.op_type})") for a in n.attribute}
+    except CanncError:
+        raise
+    except Exception as e:
+        raise ModelError(f"node '{name}' ({n.op_type}) has an unreadable attribute: "
+                         f"{type(e).__name__}: {e}") from e
+
+
 def attr_value(a: onnx.AttributeProto, where: str = "") -> Any:
     if a.type == onnx.AttributeProto.TENSOR:
         return _tensor_array(a.t, f"tensor attribute '{a.name}'{where}")
@@ -227,11 +238,7 @@ def import_subgraph(gp: onnx.GraphProto, opsets: dict[str, int],
     sub = Graph(gp.name or where)
     sub.opsets = dict(opsets)
     for t in gp.initializer:
-        try:
-            sub.set_constant(t.name, numpy_helper.to_array(t))
-        except Exception as e:
-            raise ModelError(f"cannot read initializer {t.name!r} of subgraph {where}: "
-                             f"{e}") from e
+        sub.set_constant(t.name, _tensor_array(t, f"initializer '{t.name}' of subgraph {where}"))
     for vi in gp.input:
         sub.values[vi.name] = _tensor_type(vi, f"input of subgraph {where}")
         sub.inputs.append(vi.name)
@@ -251,7 +258,7 @@ def import_subgraph(gp: onnx.GraphProto, opsets: dict[str, int],
         while name in seen:
             name = f"{name}_{i}"
         seen.add(name)
-        attrs = {a.name: attr_value(a) for a in n.attribute}
+        attrs = _node_attrs(n, f"{where}/{name}")
         inputs = _with_subgraphs(n, attrs, opsets, scope, f"{where}/{name}", sub.values)
         sub.add_node(Node(name=name, op_type=n.op_type, inputs=inputs,
                           outputs=tuple(n.output), attrs=attrs, domain=n.domain,
@@ -320,14 +327,7 @@ def import_model(model: Any) -> tuple[Graph, onnx.ModelProto]:
         while name in seen:
             name = f"{name}_{i}"
         seen.add(name)
-        try:
-            attrs = {a.name: attr_value(a, f" of node '{name}' ({n.op_type})")
-                     for a in n.attribute}
-        except CanncError:
-            raise
-        except Exception as e:
-            raise ModelError(f"node '{name}' ({n.op_type}) has an unreadable attribute: "
-                             f"{type(e).__name__}: {e}") from e
+        attrs = _node_attrs(n, name)
         inf = inferred.graph.node[i] if i < len(inferred.graph.node) else n
         inputs = _with_subgraphs(inf if inf.op_type == n.op_type else n, attrs, g.opsets,
                                  g.values, name, g.values)
