@@ -261,4 +261,3 @@ def test_inspect_and_profile_of_a_host_program_say_why_not():
         s.profile(feeds, runs=1, warmup=0)
     with pytest.raises(cannc.errors.CanncError, match="chosen at run time"):
         s.inspect({"x": (2, 3), "w": (3,)}, without_fusion=False)
-
