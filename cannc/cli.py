@@ -44,6 +44,7 @@ from .compiler.tune import tune_gemms
 from .config import fmt_bytes
 from .errors import CacheError, CanncError, InputError, ModelError
 from .export import save_fused_graph
+from .passes.precision import PRECISIONS
 from .schedule.machine import cpu_model, usable_cores
 from .session import Session, load
 from .sidebyside import bench, compare, ort_run, ort_session
@@ -133,13 +134,58 @@ def _onnx_source(path: str) -> str | bytes:
 
 
 def _open(path: str, *, cores: int | None, pipeline: str = "O1",
-          dump_after: Sequence[str] = (), fusion: Any = True) -> Any:
-    """A Session for an ONNX model (not yet specialised) or a loaded .cnc artifact."""
+          dump_after: Sequence[str] = (), fusion: Any = True,
+          precision: dict[str, Any] | None = None) -> Any:
+    """A Session for an ONNX model (not yet specialised) or a loaded .cnc artifact (which
+    keeps the precision it was compiled with)."""
     _require_file(path)
     if _is_artifact(path):
+        if precision and precision.get("precision", "fp32") != "fp32":
+            raise CliError(f"{path} is a compiled artifact: its precision was chosen when it "
+                           "was compiled (--precision applies to .onnx models)")
         return load(path, cores=cores)
     return Session(path, cores=cores, pipeline=pipeline, dump_after=list(dump_after),
-                   eager=False, fusion=fusion)
+                   eager=False, fusion=fusion, **(precision or {}))
+
+
+def _precision_opt(args: argparse.Namespace, sess_inputs: bool = False) -> dict[str, Any]:
+    """compile()'s precision options from --precision, --allow/--deny/--follow and
+    --keep-fp32 (and, for compile, the accuracy guard's --accuracy-feeds)."""
+    out: dict[str, Any] = {"precision": getattr(args, "precision", None) or "fp32"}
+    lists = {k: getattr(args, k) for k in ("allow", "deny", "follow") if getattr(args, k, None)}
+    if lists:
+        out["precision_lists"] = lists
+    if getattr(args, "keep_fp32", None):
+        out["keep_fp32"] = list(args.keep_fp32)
+    feeds = getattr(args, "accuracy_feeds", None)
+    if feeds:
+        acc: dict[str, Any] = {"feeds": _read_feeds(feeds)}
+        for key in ("rtol", "atol", "min_cosine"):
+            if getattr(args, key, None) is not None:
+                acc[key] = getattr(args, key)
+        if getattr(args, "min_cosine", None) is not None:
+            acc["metric"] = "cosine"
+        out["accuracy"] = acc
+    return out
+
+
+def _read_feeds(path: str) -> list[dict[str, np.ndarray]]:
+    """An .npz of feeds: arrays named INPUT (one feed) or K/INPUT (feed K = 0, 1, ...)."""
+    _require_file(path)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except Exception as e:
+        raise CliError(f"cannot read the accuracy feeds {path}: {e}") from e
+    if not arrays:
+        raise CliError(f"{path} holds no arrays")
+    if all("/" in k for k in arrays):
+        feeds: dict[str, dict[str, np.ndarray]] = {}
+        for k, v in arrays.items():
+            i, _, name = k.partition("/")
+            feeds.setdefault(i, {})[name] = v
+        return [feeds[i] for i in sorted(feeds, key=lambda x: (len(x), x))]
+    return [arrays]
 
 
 def _fusion_opt(args: argparse.Namespace) -> Any:
@@ -258,7 +304,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
                        f"runs: {', '.join(PIPELINES[args.pipeline])} (or 'all')")
     with _dump_dir(passes, args.dump_dir) as dump_dir:
         sess = _open(args.model, cores=args.cores, pipeline=args.pipeline, dump_after=passes,
-                     fusion=_fusion_opt(args))
+                     fusion=_fusion_opt(args), precision=_precision_opt(args))
         prog = _specialize(sess, dict(args.shape or []))
         if passes and args.dump_dir is None:
             for name in passes if "all" not in passes else PIPELINES[args.pipeline]:
@@ -279,7 +325,34 @@ def cmd_compile(args: argparse.Namespace) -> int:
           f"weights {fmt_bytes(prog.weights_bytes)}; artifact {fmt_bytes(out.stat().st_size)}.")
     if passes and args.dump_dir is not None:
         print(f"IR dumps written to {args.dump_dir}")
+    _print_precision(sess.precision_map(), sess.accuracy_report)
     return 0
+
+
+def _print_precision(pm: dict[str, str], acc: dict[str, Any] | None, width: int = 110) -> None:
+    """The precision of the nodes (when not all float32) and what the accuracy guard did."""
+    if all(p == "fp32" for p in pm.values()):
+        return
+    by: dict[str, list[str]] = {}
+    for n, p in pm.items():
+        by.setdefault(p, []).append(n)
+    print("precision: " + "; ".join(f"{p} {len(ns)} node(s): {_clip(', '.join(ns), width)}"
+                                    for p, ns in sorted(by.items())))
+    if acc is not None:
+        def worst(errs: dict[str, dict[str, float]]) -> str:
+            if not errs:
+                return "-"
+            return (f"max abs {max(e['max_abs'] for e in errs.values()):.3g}, max rel "
+                    f"{max(e['max_rel'] for e in errs.values()):.3g}, min cosine "
+                    f"{min(e['cosine'] for e in errs.values()):.6f}")
+        moved = acc.get("moved_to_fp32", [])
+        print(f"accuracy guard ({acc['metric']}, rtol {acc['rtol']:g}, atol {acc['atol']:g}, "
+              f"{acc['feeds']} feed(s)): before {worst(acc['error_before'])}; "
+              f"moved {len(moved)} node(s) to fp32"
+              + (f" ({_clip(', '.join(moved), width)})" if moved else "")
+              + f"; after {worst(acc['error_after'])}"
+              + ("" if acc.get("within_after", True) else " - STILL OUT OF TOLERANCE")
+              + f"; {acc['trials']} trial(s), {acc['seconds']:.1f} s")
 
 
 @contextlib.contextmanager
@@ -305,7 +378,8 @@ def _dump_dir(passes: list[str], given: str | None) -> Iterator[str | None]:
 # ---------------------------------------------------------------------------------------
 
 def cmd_run(args: argparse.Namespace) -> int:
-    sess = _open(args.model, cores=args.cores, fusion=_fusion_opt(args))
+    sess = _open(args.model, cores=args.cores, fusion=_fusion_opt(args),
+                 precision=_precision_opt(args))
     feeds = _make_feeds(sess, list(args.input or []), dict(args.shape or []), args.seed,
                         args.int_high)
     before = set(sess.programs)
@@ -398,7 +472,8 @@ _MODEL_NOTES = ("plan", "tiling", "predicted_us", "predicted_bound", "path")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    sess = _open(args.model, cores=args.cores, pipeline=args.pipeline, fusion=_fusion_opt(args))
+    sess = _open(args.model, cores=args.cores, pipeline=args.pipeline, fusion=_fusion_opt(args),
+                 precision=_precision_opt(args))
     # a loaded artifact is not recompiled without fusion for the with/without comparison
     rep = sess.inspect(dict(args.shape or []), without_fusion=not _is_artifact(args.model))
     if args.export_fused:
@@ -439,6 +514,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"memory: arena {fmt_bytes(m['arena_bytes'])} (naive {fmt_bytes(m['naive_bytes'])}, "
           f"lower bound {fmt_bytes(m['lower_bound_bytes'])}), "
           f"weights {fmt_bytes(m['weights_bytes'])}")
+    _print_precision(rep.get("precision", {}), rep.get("accuracy"))
     fu = rep["fusion"]
     if "without_fusion" in fu:
         wf = fu["without_fusion"]
@@ -544,7 +620,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import onnxruntime as ort
 
-    sess = _open(args.model, cores=args.cores, fusion=_fusion_opt(args))
+    sess = _open(args.model, cores=args.cores, fusion=_fusion_opt(args),
+                 precision=_precision_opt(args))
     feeds = _make_feeds(sess, [], dict(args.shape or []), args.seed, args.int_high)
     sess.run(None, feeds)  # compile this specialisation outside the timing
     ort_sess = ort_session(_onnx_source(args.model), sess.cores, spinning=args.ort_spin)
@@ -576,7 +653,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    sess = _open(args.model, cores=args.cores, fusion=_fusion_opt(args))
+    sess = _open(args.model, cores=args.cores, fusion=_fusion_opt(args),
+                 precision=_precision_opt(args))
     feeds = _make_feeds(sess, args.input or [], dict(args.shape or []), args.seed, args.int_high)
     prof = sess.profile(feeds, runs=args.runs, warmup=args.warmup,
                         pipeline_requests=args.pipeline_requests)
@@ -676,6 +754,17 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--fusion-switch", metavar="FILE.json", default=None,
                        help="per-rule fusion switches, e.g. {\"gemm_epilogue\": false}")
 
+    def precision_opts(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                       help="compute precision: fp32 (default), or bf16/fp16 mixed precision "
+                            "by policy (contractions narrow with float32 sums)")
+        for kind in ("allow", "deny", "follow"):
+            p.add_argument(f"--{kind}", action="append", metavar="OP",
+                           help=f"put this op type in the '{kind}' precision list "
+                                "(repeatable)")
+        p.add_argument("--keep-fp32", action="append", metavar="NODE",
+                       help="keep this node in float32 (repeatable)")
+
     def inputs_opts(p: argparse.ArgumentParser) -> None:
         p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
         p.add_argument("--int-high", type=_int_at_least(1), default=2, metavar="H",
@@ -685,6 +774,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="ONNX model")
     p.add_argument("-o", "--output", required=True, help="the .cnc file to write")
     fusion_opts(p)
+    precision_opts(p)
+    p.add_argument("--accuracy-feeds", metavar="FEEDS.npz", default=None,
+                   help="accuracy guard: run these feeds (arrays INPUT, or K/INPUT for "
+                        "several) in reduced precision and float32, and move the nodes that "
+                        "put the outputs out of tolerance back to float32")
+    p.add_argument("--rtol", type=float, default=None, help="accuracy guard rtol (1e-2)")
+    p.add_argument("--atol", type=float, default=None, help="accuracy guard atol (1e-3)")
+    p.add_argument("--min-cosine", type=float, default=None, metavar="C",
+                   help="accuracy guard by cosine similarity >= C instead of rtol/atol")
     cores_opt(p)
     shape_opt(p)
     pipeline_opt(p)
@@ -696,6 +794,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = verb("run", cmd_run, "run a model (.onnx or .cnc) on given or random inputs")
     p.add_argument("model", help="ONNX model or .cnc artifact")
+    precision_opts(p)
     p.add_argument("--input", action="append", type=_input_arg, metavar="NAME=FILE.npy",
                    help="read an input from a .npy file (repeatable); others are random")
     shape_opt(p)
@@ -716,6 +815,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = verb("inspect", cmd_inspect, "show the kernels, their costs and the memory plan")
     p.add_argument("model", help="ONNX model or .cnc artifact")
+    precision_opts(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     shape_opt(p)
     cores_opt(p)
@@ -728,6 +828,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = verb("bench", cmd_bench, "benchmark cannc against onnxruntime on the same inputs")
     p.add_argument("model", help="ONNX model or .cnc artifact")
+    precision_opts(p)
     cores_opt(p)
     shape_opt(p)
     inputs_opts(p)
@@ -741,6 +842,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = verb("profile", cmd_profile, "per-kernel time, GFLOP/s, GB/s, core use; Chrome trace")
     p.add_argument("model", help="ONNX model or .cnc artifact")
+    precision_opts(p)
     p.add_argument("--input", action="append", type=_input_arg, metavar="NAME=FILE.npy")
     cores_opt(p)
     shape_opt(p)

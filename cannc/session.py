@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 
 from ._version import __version__
+from .accuracy import accuracy_guard
 from .artifact import Specialization
 from .compiler import PIPELINES, CompileOptions
 from .compiler.control import ControlProgram, compile_program
@@ -34,9 +35,11 @@ from .compiler.shapes import (
 from .config import check_size
 from .errors import CacheError, CanncError, CompileError, InputError, ShapeError
 from .frontend import import_model, load_model_proto
+from .ir.registry import Amp
 from .ir.types import onnx_type_string
 from .native.target import ObjectCache, default_cache, elf_symbols, host
 from .passes.fusion import RULES
+from .passes.precision import LIST_KINDS, PRECISIONS, PrecisionOptions
 from .runtime.device import shared_device
 from .runtime.profiler import Profile, profile
 from .runtime.program import Program, WeightPool
@@ -67,7 +70,11 @@ class Session:
                  dump_after: Iterable[str] = (), eager: bool = True,
                  cache: ObjectCache | None = None,
                  fusion: bool | dict[str, bool] | str = True, inflight: int = 2,
-                 pass_options: dict[str, dict[str, Any]] | None = None) -> None:
+                 pass_options: dict[str, dict[str, Any]] | None = None,
+                 precision: str = "fp32",
+                 precision_lists: dict[str, Sequence[str]] | None = None,
+                 keep_fp32: Iterable[str] = (),
+                 accuracy: dict[str, Any] | None = None) -> None:
         if cores is not None and (not isinstance(cores, int) or cores < 1):
             raise CanncError(f"cores must be a positive integer, got {cores!r}")
         if not isinstance(inflight, int) or inflight < 1:
@@ -81,11 +88,27 @@ class Session:
         # the model's file (or the .cnc's, see load), named by reports
         self.source: str | None = str(model) if isinstance(model, (str, PathLike)) else None
         self.graph, _ = import_model(proto)
+        pass_options = dict(pass_options or {})
+        amp = precision_pass_options(self.graph, precision, precision_lists, keep_fp32)
+        if amp is not None:
+            if "mixed_precision" in pass_options:
+                raise CanncError("give the precision options as precision=, precision_lists= "
+                                 "and keep_fp32=, or as pass_options['mixed_precision'], "
+                                 "not both")
+            pass_options["mixed_precision"] = amp
         self.options = CompileOptions(pipeline=pipeline,
                                       dump_after=set(dump_after), cache=cache, fusion=fusion,
-                                      pass_options=dict(pass_options or {}))
+                                      pass_options=pass_options)
         self.options.pass_manager()   # a misspelt pass, option or dump name fails here
         self.device = shared_device(cores)
+        # what the accuracy guard did (None: no guard ran), see cannc.accuracy
+        self.accuracy_report: dict[str, Any] | None = None
+        if accuracy is not None:
+            guard = accuracy_guard(self, accuracy)
+            self.accuracy_report = guard.report
+            self.options.pass_options["mixed_precision"] = {
+                **self.options.pass_options.get("mixed_precision", {}),
+                "keep_fp32": tuple(guard.keep_fp32)}
         # compiled programs by input shapes (+ the values of the value-deciding inputs),
         # least recently used first
         self._programs: OrderedDict[tuple, Program] = OrderedDict()
@@ -281,6 +304,9 @@ class Session:
                              input_shapes=full, onnx_nodes=self.graph.num_nodes(),
                              fusion=self.options.fusion)
         rep["model"] = self.source
+        rep["precision"] = self._precision_of(prog)
+        if self.accuracy_report is not None:
+            rep["accuracy"] = self.accuracy_report
         if self._value_inputs:
             rep["value_specialisation"] = {
                 "inputs": list(self._value_inputs),
@@ -296,6 +322,25 @@ class Session:
             rep["fusion"]["without_fusion"] = without_fusion_figures(base.inspect(
                 full, values=prog.spec.values or None, without_fusion=False))
         return rep
+
+    def precision_map(self) -> dict[str, str]:
+        """Every ONNX node's precision ("fp32", "bf16" or "fp16") in the programs compiled so
+        far (a node folded away at compile time is "fp32": the folder computes in float32)."""
+        out = {n.name: "fp32" for n in self.graph.nodes()}
+        for prog in list(self._programs.values()):
+            out.update(self._precision_of(prog))
+        return out
+
+    def contraction_nodes(self) -> list[str]:
+        """The ONNX nodes the precision policy treats as contractions (its ALLOW class)."""
+        amp = self.options.pass_options.get("mixed_precision", {})
+        lists = PrecisionOptions(**{k: v for k, v in amp.items() if k in LIST_KINDS})
+        return [n.name for n in self.graph.nodes() if lists.class_of(n) is Amp.ALLOW]
+
+    def _precision_of(self, prog: Any) -> dict[str, str]:
+        spec = getattr(prog, "spec", None)
+        decided = spec.graph.meta.get("precision", {}) if spec is not None else {}
+        return {n.name: decided.get(n.name, "fp32") for n in self.graph.nodes()}
 
     def mem_info(self) -> dict[str, int]:
         """Device memory in use (arena, weights, workspace), its total and peak."""
@@ -454,6 +499,9 @@ class Session:
         manifest = {
             "format": "cannc-artifact", "version": 1, "cannc": __version__,
             "host": host().fingerprint, "cpu": host().cpu, "pipeline": self.options.pipeline,
+            # the precision policy (with the nodes an accuracy guard kept in float32)
+            "precision": {k: list(v) if isinstance(v, tuple) else v for k, v in
+                          self.options.pass_options.get("mixed_precision", {}).items()},
             "specializations": [list(map(list, k)) for k in self._programs
                                 if not self._value_inputs],
             "objects": [],
@@ -478,6 +526,45 @@ class Session:
                     manifest["objects"].append(key)
                     manifest.setdefault("sha256", {})[key] = hashlib.sha256(obj).hexdigest()
             z.writestr("manifest.json", json.dumps(manifest, indent=1))
+
+
+def precision_pass_options(graph: Any, precision: Any, lists: Any,
+                           keep_fp32: Any) -> dict[str, Any] | None:
+    """The mixed-precision pass's options from `compile()`'s precision=, precision_lists=
+    and keep_fp32= (None when all are defaults), checked: an unknown precision, list kind,
+    op type or node name is a CanncError naming it."""
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise CanncError(f"unknown precision {precision!r}; choose one of "
+                         f"{', '.join(PRECISIONS)}")
+    if lists is None:
+        lists = {}
+    if not isinstance(lists, dict):
+        raise CanncError(f"precision_lists must be a dict like {{'allow': [...], 'deny': "
+                         f"[...], 'follow': [...]}}, got {type(lists).__name__}")
+    bad = sorted(set(map(str, lists)) - set(LIST_KINDS))
+    if bad:
+        raise CanncError(f"unknown precision list(s) {', '.join(bad)}; the lists are "
+                         f"{', '.join(LIST_KINDS)}")
+    if isinstance(keep_fp32, str):
+        keep_fp32 = [keep_fp32]
+    try:
+        keep = list(keep_fp32)
+    except TypeError:
+        raise CanncError(f"keep_fp32 must be a list of node names, got {keep_fp32!r}") from None
+    names = {n.name for n in graph.nodes()}
+    unknown = [k for k in keep if k not in names]
+    if unknown:
+        raise CanncError(f"keep_fp32: no node named {', '.join(map(repr, unknown))} in the "
+                         "model")
+    if precision == "fp32" and not lists and not keep:
+        return None
+    opts = {"precision": precision, "keep_fp32": tuple(keep)}
+    for kind, ops in lists.items():
+        if isinstance(ops, str):
+            ops = [ops]
+        opts[kind] = tuple(ops)
+    PrecisionOptions(**opts)      # the op types are checked here
+    return opts
 
 
 def _fusion_switches(fusion: Any) -> bool | dict[str, bool]:
@@ -563,6 +650,10 @@ def load(path: str | Path, *, cores: int | None = None) -> Session:
             pipeline = manifest.get("pipeline", "O1")
             if pipeline not in PIPELINES:
                 raise CacheError(f"{path}: damaged manifest (pipeline {pipeline!r})")
+            amp = manifest.get("precision", {})
+            if not isinstance(amp, dict) or not all(
+                    k in ("precision", "keep_fp32", *LIST_KINDS) for k in amp):
+                raise CacheError(f"{path}: damaged manifest (precision)")
     except CacheError:
         raise
     except Exception as e:  # zipfile, zlib, json, OSError, KeyError, ...
@@ -574,7 +665,13 @@ def load(path: str | Path, *, cores: int | None = None) -> Session:
         proto = onnx.load_from_string(model)
     except Exception as e:
         raise CacheError(f"{path}: the embedded model is damaged: {e}") from e
-    sess = Session(proto, cores=cores, pipeline=pipeline, eager=False, cache=cache)
+    try:
+        sess = Session(proto, cores=cores, pipeline=pipeline, eager=False, cache=cache,
+                       precision=amp.get("precision", "fp32"),
+                       precision_lists={k: amp[k] for k in LIST_KINDS if amp.get(k)},
+                       keep_fp32=amp.get("keep_fp32", ()))
+    except CanncError as e:
+        raise CacheError(f"{path}: damaged manifest (precision: {e})") from e
     sess.source = str(path)
     for shp in specs:
         if len(shp) != len(sess.graph.inputs):

@@ -36,6 +36,7 @@ PIPELINES: dict[str, list[str]] = {
         "dce",                        # drop what no output needs (e.g. folded shape chains)
         "legalize_matmul_broadcast",  # partial batch broadcasts -> Expand + batched GEMM
         "legalize_attention",         # Attention: KV cache -> Concat, float16/bfloat16 -> float32
+        "mixed_precision",            # precision="bf16"/"fp16": narrow nodes by policy
     ],
     "O1": [
         "inline_branches",
@@ -47,6 +48,7 @@ PIPELINES: dict[str, list[str]] = {
         "fold_conv_bn",               # BatchNormalization after Conv folded into its weights
         "fuse_layernorm",             # decomposed LayerNorm (older exporters) -> one op
         "fuse_attention",             # QKᵀ/scale/mask/Softmax/·V (+ head transposes) -> one op
+        "mixed_precision",            # precision="bf16"/"fp16": narrow nodes by policy
         "fusion",                     # one kernel per elementwise chain / GEMM + epilogue
     ],
 }

@@ -43,6 +43,27 @@ class Category(str, Enum):
 MAP_CATEGORIES = (Category.ELEMENTWISE, Category.BROADCAST)
 
 
+class Amp(str, Enum):
+    """How the mixed-precision pass treats an op (CANN's and TVM's lists): ALLOW runs in
+    the reduced type (contractions: the products narrow, the sums float32); DENY stays
+    float32 (range-sensitive: reductions, normalisations, softmax, exp/log/pow); FOLLOW
+    runs in the reduced type when its float inputs already are (elementwise, movement)."""
+
+    ALLOW = "allow"
+    DENY = "deny"
+    FOLLOW = "follow"
+
+
+_AMP_BY_CATEGORY = {"contraction": "allow", "reduction": "deny", "opaque": "deny"}
+
+
+def amp_class(op: OpDef) -> Amp:
+    """The op's default mixed-precision class: its `amp` field, else by category."""
+    if op.amp is not None:
+        return op.amp
+    return Amp(_AMP_BY_CATEGORY.get(op.category.value, "follow"))
+
+
 class Control(str, Enum):
     """How a control-flow op runs its subgraphs (the host program, compiler/control.py)."""
 
@@ -112,6 +133,7 @@ class OpDef:
     subgraphs: tuple[str, ...] = ()           # attributes holding subgraphs (ir.Graph)
     control: Control | None = None            # how a control-flow op runs them
     branch: BranchFn | None = None            # control flow: the subgraph taken, if known
+    amp: Amp | None = None                    # mixed-precision class (None: by category)
 
     def schema_reason(self, node: Node, ins: list[TensorType],
                       outs: list[TensorType]) -> str | None:

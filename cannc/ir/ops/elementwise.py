@@ -18,7 +18,7 @@ import numpy as np
 
 from ..expr import ExprBuilder, ExprFn, NodeView, Value
 from ..graph import Node
-from ..registry import Category, OpDef, register
+from ..registry import Amp, Category, OpDef, register, registered
 
 FLOATS = frozenset({"float32", "float64", "float16", "bfloat16"})
 UINTS = frozenset({"uint8", "uint16", "uint32", "uint64"})
@@ -52,9 +52,11 @@ def defmap(name: str, expr: ExprFn, dtypes: frozenset[str] = FLOATS,
 UnaryFn = Callable[[ExprBuilder, Value, NodeView], Value]     # fn(E, x, n) -> result
 
 
-def unary(name: str, fn: UnaryFn, dtypes: frozenset[str] = FLOATS, flops: int = 1) -> None:
+def unary(name: str, fn: UnaryFn, dtypes: frozenset[str] = FLOATS, flops: int = 1,
+          **kw: Any) -> None:
     """A one-input map: fn(E, x, n) -> result."""
-    defmap(name, lambda E, n, xs: [fn(E, xs[0], n)], dtypes, Category.ELEMENTWISE, flops)
+    defmap(name, lambda E, n, xs: [fn(E, xs[0], n)], dtypes, Category.ELEMENTWISE, flops,
+           **kw)
 
 
 def _vm(name: str) -> UnaryFn:
@@ -95,7 +97,7 @@ def _pow(E: ExprBuilder, n: NodeView, xs: Sequence[Value]) -> list[Value]:
     return [E.math("pow", x, y)]
 
 
-defmap("Pow", _pow, NUMERIC, flops=10)
+defmap("Pow", _pow, NUMERIC, flops=10, amp=Amp.DENY)   # range-sensitive: float32 under AMP
 
 
 def _sum(E: ExprBuilder, n: NodeView, xs: Sequence[Value]) -> list[Value]:
@@ -162,9 +164,9 @@ defmap("Mod", _mod, NUMERIC)
 unary("Neg", lambda E, x, n: E.neg(x), NUMERIC - {"uint8", "uint16", "uint32", "uint64"})
 unary("Abs", lambda E, x, n: E.abs(x), NUMERIC)
 unary("Sqrt", lambda E, x, n: E.call("llvm.sqrt", x))
-unary("Reciprocal", lambda E, x, n: E.div(_c(E, 1.0, x), x))
-unary("Exp", _vm("exp"), flops=10)
-unary("Log", _vm("log"), flops=10)
+unary("Reciprocal", lambda E, x, n: E.div(_c(E, 1.0, x), x), amp=Amp.DENY)
+unary("Exp", _vm("exp"), flops=10, amp=Amp.DENY)
+unary("Log", _vm("log"), flops=10, amp=Amp.DENY)
 unary("Erf", _vm("erf"), flops=15)
 unary("Tanh", _vm("tanh"), flops=15)
 unary("Sigmoid", _vm("sigmoid"), flops=12)
@@ -173,7 +175,7 @@ unary("Cos", _vm("cos"), flops=15)
 unary("Floor", lambda E, x, n: E.call("llvm.floor", x))
 unary("Ceil", lambda E, x, n: E.call("llvm.ceil", x))
 unary("Round", lambda E, x, n: E.call("llvm.roundeven", x))
-unary("Softplus", _vm("softplus"), flops=20)
+unary("Softplus", _vm("softplus"), flops=20, amp=Amp.DENY)
 unary("Relu", lambda E, x, n: E.max(x, E.const(0, x.dtype)),
       NUMERIC - {"uint8", "uint16", "uint32", "uint64"})
 
@@ -429,3 +431,8 @@ defmap("BitwiseAnd", lambda E, n, xs: [E.and_(xs[0], xs[1])], INTS, min_opset=18
 defmap("BitwiseOr", lambda E, n, xs: [E.or_(xs[0], xs[1])], INTS, min_opset=18)
 defmap("BitwiseXor", lambda E, n, xs: [E.xor(xs[0], xs[1])], INTS, min_opset=18)
 defmap("BitwiseNot", lambda E, n, xs: [E.not_(xs[0])], INTS, Category.ELEMENTWISE, min_opset=18)
+
+
+# Under mixed precision a Cast is a boundary: it reads float32 (what it converts is exact)
+for _name in ("Cast", "CastLike"):
+    registered(_name).amp = Amp.DENY  # type: ignore[union-attr]

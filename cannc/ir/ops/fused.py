@@ -18,7 +18,7 @@ How an epilogue operand is indexed is `cannc.ir.epilogue`'s to say; FusedAttenti
 
 from __future__ import annotations
 
-from ..registry import Category, OpDef, register
+from ..registry import Amp, Category, OpDef, register
 
 DOMAIN = "cannc"
 
@@ -45,6 +45,7 @@ register(OpDef(name="FusedConv", domain=DOMAIN, category=Category.CONTRACTION,
 # -- attention ------------------------------------------------------------------------
 
 register(OpDef(name="FusedAttention", domain=DOMAIN, category=Category.OPAQUE,
+               amp=Amp.ALLOW,   # its two products narrow, the online softmax float32
                # the concrete AttnSpec (sizes, strides) is covered by the tiling key
                tiling_attrs=("spec",),
                doc="scaled dot-product attention, tiled with an online softmax"))

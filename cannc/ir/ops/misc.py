@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..graph import Node
-from ..registry import Category, OpDef, register
+from ..registry import Amp, Category, OpDef, register
 
 FLOATS = frozenset({"float32", "float64", "float16", "bfloat16"})
 INTS = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
@@ -97,6 +97,7 @@ def _einsum_check(n: Node, ins: list, outs: list) -> str | None:
 
 
 register(OpDef(name="Einsum", category=Category.CONTRACTION, min_opset=12,
+               amp=Amp.DENY,    # a loop nest: nothing to gain from narrow products
                check=_einsum_check, doc="direct loop nest (diagonals, ellipses, broadcasting)"))
 
 
