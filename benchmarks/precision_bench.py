@@ -198,6 +198,28 @@ def geomeans(rows: list[dict]) -> dict[str, dict[str, float | int]]:
     return out
 
 
+def verdict(rows: list[dict], geo: dict) -> dict[str, dict]:
+    """The issue's bars per reduced-precision cannc row kind that ran: geomean speed-up >= 1.6
+    over cannc fp32, >= 1.0 over OpenVINO bf16, cosine >= COSINE_BAR on every output of
+    every model (None where a figure is missing)."""
+    out = {}
+    for prec in ("bf16", "fp16"):
+        mine = [r for r in rows if r["engine"] == "cannc" and r["precision"] == prec
+                and r.get("status") == "ok"]
+        if not mine:
+            continue
+        g = geo.get(f"cannc_{prec}", {})
+        accs = [r.get("accuracy") for r in mine]
+        out[prec] = {
+            "vs_cannc_fp32_ge_1.6": (g["cannc_fp32"] >= 1.6) if "cannc_fp32" in g else None,
+            "vs_openvino_bf16_ge_1.0": (g["openvino_bf16"] >= 1.0) if "openvino_bf16" in g
+            else None,
+            "cosine_all_models": None if any(a is None for a in accs) else all(
+                a["meets_bar"] for a in accs),
+            "models": len(mine)}
+    return out
+
+
 def plan(engines: list[str], precisions: list[str]) -> list[tuple[str, str]]:
     """The (engine, precision) workers to run per model, onnxruntime fp32 first (it is the
     accuracy reference and always runs)."""
@@ -458,7 +480,7 @@ def run_worker(python: str, spec: dict, timeout: float, threads: int) -> dict:
         p = subprocess.run([python, str(Path(__file__).resolve()), "--worker", str(sp)],
                            env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"status": "error", "note": f"timed out after {timeout:.0f} s"}
+        return {"status": "error", "note": f"timed out after {timeout:g} s"}
     try:
         return json.loads(Path(spec["result"]).read_text())
     except (OSError, ValueError):
@@ -503,6 +525,13 @@ def print_table(rows: list[dict], geo: dict) -> None:
         parts = [f"{ref} x{g[ref]:.2f} ({g[ref + '_n']} models)" for ref in REFERENCES
                  if ref in g]
         print(f"geomean {kind}: " + ", ".join(parts))
+    for prec, v in verdict(rows, geo).items():
+        def yn(x):
+            return "n/a" if x is None else "yes" if x else "NO"
+        print(f"bars, cannc {prec} ({v['models']} models): geomean >= 1.6x cannc fp32: "
+              f"{yn(v['vs_cannc_fp32_ge_1.6'])}; >= OpenVINO bf16: "
+              f"{yn(v['vs_openvino_bf16_ge_1.0'])}; cosine >= {COSINE_BAR} everywhere: "
+              f"{yn(v['cosine_all_models'])}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -576,6 +605,9 @@ def main(argv: list[str] | None = None) -> int:
             ref_row = mrows.get(("ort", "fp32"), {})
             ref = _load_outputs(ref_row["outputs_file"]) if ref_row.get("status") == "ok" \
                 else None
+            if ref is None:
+                print(f"  {label}: no accuracy figures, onnxruntime fp32 (the reference) "
+                      "did not run")
             for (eng, prec), res in mrows.items():
                 row = {"model": label, "engine": eng, "precision": prec,
                        "status": res["status"], "note": res.get("note", ""),
@@ -606,6 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, geo)
     out = {"machine": machine, "settings": {k: v for k, v in vars(args).items()},
            "engines": [f"{e}_{p}" for e, p in todo], "rows": rows, "geomean_speedup": geo,
+           "bars": verdict(rows, geo),
            "cosine_bar": COSINE_BAR, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

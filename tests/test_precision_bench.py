@@ -132,3 +132,23 @@ def test_fmt_and_savable():
     a = np.ones(3, ml_dtypes.bfloat16)
     assert pb._to_savable(a).dtype == np.float32
     assert pb._to_savable(np.ones(2, np.int64)).dtype == np.int64
+
+
+def test_verdict_applies_the_issues_bars():
+    def row(model, prec, ms, cos):
+        return {"model": model, "engine": "cannc", "precision": prec, "status": "ok",
+                "time": {"median_ms": ms},
+                "accuracy": None if cos is None else {"meets_bar": cos >= pb.COSINE_BAR}}
+    rows = [row("a", "fp32", 10.0, 1.0), row("a", "bf16", 5.0, 0.9995),
+            row("b", "fp32", 10.0, 1.0), row("b", "bf16", 8.0, 0.99)]
+    pb.speedups(rows)
+    v = pb.verdict(rows, pb.geomeans(rows))
+    assert set(v) == {"bf16"}                     # no fp16 row ran
+    # geomean sqrt(2 * 1.25) = 1.58 < 1.6; model b misses the cosine bar; no OpenVINO row
+    assert v["bf16"] == {"vs_cannc_fp32_ge_1.6": False, "vs_openvino_bf16_ge_1.0": None,
+                         "cosine_all_models": False, "models": 2}
+    rows[3]["time"]["median_ms"] = 5.0
+    rows[3]["accuracy"]["meets_bar"] = True
+    pb.speedups(rows)
+    v = pb.verdict(rows, pb.geomeans(rows))["bf16"]
+    assert v["vs_cannc_fp32_ge_1.6"] and v["cosine_all_models"]
