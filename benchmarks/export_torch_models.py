@@ -1,11 +1,14 @@
 """Export PyTorch models (random weights, no downloads) to ONNX with dynamic axes.
 
     pip install torch transformers          # not cannc dependencies
-    python benchmarks/export_torch_models.py OUT_DIR [bert gpt2 resnet18 mobilenet]
+    python benchmarks/export_torch_models.py OUT_DIR [bert minilm gpt2 resnet18 mobilenet]
     python benchmarks/run_zoo.py --onnx OUT_DIR/*.onnx
 
 bert: Hugging Face BertModel at BERT-base size (eager attention, padding mask),
-inputs input_ids/attention_mask [batch, seq]; gpt2: a GPT-2-small-sized decoder
+inputs input_ids/attention_mask [batch, seq]; minilm: a sentence-transformer encoder
+at all-MiniLM-L6-v2's size (BertModel, hidden 384, 6 layers, 12 heads,
+intermediate 1536) with the masked mean pooling of sentence-transformers, output
+the sentence embedding [batch, 384]; gpt2: a GPT-2-small-sized decoder
 written with F.scaled_dot_product_attention(is_causal=True); resnet18 and
 mobilenet: torchvision's architectures written out in plain torch (dynamic
 batch, 224x224, BatchNorm statistics randomised). torch.onnx's TorchScript
@@ -22,7 +25,7 @@ import torch.nn as nn
 warnings.filterwarnings("ignore")
 torch.manual_seed(0)
 out = sys.argv[1] if len(sys.argv) > 1 else "build/torch"
-which = sys.argv[2:] or ["bert", "gpt2", "resnet18", "mobilenet"]
+which = sys.argv[2:] or ["bert", "minilm", "gpt2", "resnet18", "mobilenet"]
 os.makedirs(out, exist_ok=True)
 
 def export(model, args, names, dyn, path, opset=17, dynamo=False):
@@ -47,6 +50,26 @@ if "bert" in which:
            {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"},
             "out": {0: "batch", 1: "seq"}},
            f"{out}/bert_base.onnx")
+if "minilm" in which:
+    from transformers import BertConfig, BertModel
+    cfg = BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+                     intermediate_size=1536, attn_implementation="eager")
+    m = BertModel(cfg)
+    class MeanPool(torch.nn.Module):
+        """sentence-transformers' Pooling(mean): the token embeddings averaged over the mask."""
+        def __init__(s, m):
+            super().__init__()
+            s.m = m
+        def forward(s, ids, mask):
+            h = s.m(input_ids=ids, attention_mask=mask).last_hidden_state
+            w = mask.unsqueeze(-1).to(h.dtype)
+            return (h * w).sum(1) / w.sum(1).clamp(min=1e-9)
+    ids = torch.randint(0, 30000, (1, 128))
+    mask = torch.ones(1, 128, dtype=torch.int64)
+    export(MeanPool(m), (ids, mask), ["input_ids", "attention_mask"],
+           {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"},
+            "out": {0: "batch"}},
+           f"{out}/minilm.onnx")
 class GPTBlock(torch.nn.Module):
     def __init__(s, d, h):
         super().__init__()
