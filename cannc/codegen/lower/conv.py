@@ -31,19 +31,27 @@ from ... import config
 from ...artifact import Tiling
 from ...ir.ops.conv import _auto_pad, _ints, _to3, window_pads
 from ...native.emit import i64
+from ...native.target import host
 from .. import winograd
 from ..conv import (
     VB,
     ConvGeom,
     ConvTGeom,
+    LowpTypes,
     Slots,
     abi_function,
     emit_conv,
+    emit_conv_lowp,
     emit_convtranspose,
+    lowp_mode,
+    lowp_note,
+    lowp_types,
     pack_convtranspose_weights,
+    pack_lowp_weights,
     pack_weights,
     plan_conv,
     plan_convtranspose,
+    plan_lowp,
     plan_workspace,
 )
 from ..kernel import ConstRef, LowerCtx
@@ -93,6 +101,37 @@ def conv_geom_of(node: Any, ins: list[Any], outs: list[Any]) -> tuple[ConvGeom, 
     return geom, depthwise
 
 
+# tests: force the reduced-precision mode ("dp" | "bf16w" | "f32") instead of the CPU's
+FORCE_LOWP_MODE: str | None = None
+
+
+def lowp_plan_of(geom: ConvGeom, types: LowpTypes, const_weights: bool) -> Any:
+    mode = FORCE_LOWP_MODE or lowp_mode(types.prec, host().has("avx512bf16"))
+    if types.prec == "fp16":
+        mode = "f32"
+    return plan_lowp(geom, mode, const_weights)
+
+
+def _lowp_path(plan: Any) -> str:
+    return (f"lowp-gemm {plan.mode} MR{plan.MR}x{plan.NR} P{plan.P}x{plan.PB} "
+            f"CH{plan.CH}x{plan.MB}")
+
+
+def _emit_lowp(ctx: LowerCtx, geom: ConvGeom, plan: Any, types: LowpTypes, slots: Slots,
+               epilogue: Any) -> None:
+    const_w = ctx.is_const(1)
+    if not const_w:
+        plan = plan_lowp(geom, plan.mode, const_weights=False)
+    else:
+        ctx.replace_const(1, pack_lowp_weights, geom, plan, ConstRef(1), types.narrow)
+    emit_conv_lowp(ctx.module, ctx.symbol, geom, plan, types, slots, const_weights=const_w,
+                   epilogue=epilogue)
+    ctx.num_tiles = plan.num_tiles
+    ctx.workspace_bytes = plan.ws_bytes
+    ctx.notes["path"] = _lowp_path(plan)
+    ctx.notes["precision"] = lowp_note(plan)
+
+
 def _dw_spec(geom: ConvGeom) -> WindowSpec:
     return WindowSpec(kind="dw", N=geom.N, C=geom.C, M=geom.M, isz=geom.isz, osz=geom.osz,
                       k=geom.k, s=geom.s, d=geom.d, pb=geom.pb, bias=geom.bias)
@@ -131,6 +170,13 @@ def conv_tiling(node: Any, ins: list[Any], outs: list[Any]) -> Tiling | None:
         key: tuple = ("conv", "dw", spec, wplan)
         tiles, ws = wplan.num_tiles, 0
         notes["path"] = f"depthwise R{wplan.R}xV{wplan.V}"
+    elif (types := lowp_types(node, ins, outs)) is not None:
+        lplan = lowp_plan_of(one, types, True)
+        key = ("conv", "lowp", one, (lplan, types))
+        tiles = lplan.num_tiles
+        ws = plan_lowp(one, lplan.mode, const_weights=False).ws_bytes
+        notes["path"] = _lowp_path(lplan)
+        notes["precision"] = lowp_note(lplan)
     elif (wplan := winograd.choose(one, config.WINOGRAD)) is not None:
         gplan = plan_conv(one, const_weights=True)
         key = ("conv", "winograd", one, (wplan, gplan))
@@ -172,6 +218,10 @@ def _lower_conv(ctx: LowerCtx, epilogue: Any = None, y_slot: int | None = None,
         ctx.num_tiles = plan.num_tiles
         ctx.notes["path"] = f"depthwise R{plan.R}xV{plan.V}"
         return
+    types = lowp_types(ctx.node, ctx.in_types, ctx.out_types)
+    if types is not None:
+        return _emit_lowp(ctx, geom, lowp_plan_of(geom, types, ctx.is_const(1)), types, slots,
+                          epilogue)
     w = ctx.const(1)
     wplan = winograd.choose(geom, config.WINOGRAD) if w is not None else None
     if wplan is not None:
@@ -207,6 +257,8 @@ def _lower_conv_any_batch(ctx: LowerCtx, tkey: tuple, epilogue: Any, y_slot: int
         ctx.num_tiles = plan.num_tiles
         ctx.notes["path"] = f"depthwise R{plan.R}xV{plan.V}"
         return
+    if kind == "lowp":
+        return _emit_lowp(ctx, geom, plan[0], plan[1], slots, epilogue)
     const_w = ctx.is_const(1)
     if kind == "winograd":
         wplan, plan = plan

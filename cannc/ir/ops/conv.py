@@ -20,6 +20,7 @@ from ..epilogue import conv_operand
 from ..registry import Category, Fusion, OpDef, register
 
 F32 = frozenset({"float32"})
+LOWP = frozenset({"float32", "bfloat16", "float16"})   # float32 or narrow operands
 
 
 # ---------------------------------------------------------------------------
@@ -85,7 +86,7 @@ def _check_conv(node: Any, ins: list[Any], outs: list[Any]) -> str | None:
     return None
 
 
-register(OpDef(name="Conv", category=Category.CONTRACTION, dtypes=F32,
+register(OpDef(name="Conv", category=Category.CONTRACTION, dtypes=LOWP,
                check=_check_conv,
                epilogue=Fusion(rule="conv_epilogue", fused_op="FusedConv", operand=conv_operand),
                doc="implicit GEMM (im2col tiles + 6x32 micro-kernel); depthwise: direct"))
