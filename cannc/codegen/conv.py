@@ -1235,11 +1235,16 @@ def emit_conv(module: ir.Module, name: str, geom: ConvGeom, plan: ConvPlan,
 # converts to the output's dtype. The reduction runs tap-major over channel units:
 # row ``u = tap*CU + cu`` of the col buffer holds, per output pixel, one 32-bit unit:
 #
-# * mode "dp" (bf16 with avx512_bf16): the bf16 pair (channel 2cu, 2cu+1) of the tap,
-#   multiplied with ``vdpbf16ps`` against the broadcast weight pair;
-# * mode "bf16w" (bf16 without avx512_bf16): the same pairs, widened in registers by
-#   shifts (exact) and multiplied with fp32 FMAs;
-# * mode "f32" (fp16): one channel as float32 (fp16 values widened exactly), fp32 FMA.
+# * mode "dp" (bf16, where ``vdpbf16ps`` is the fastest multiply): the bf16 pair
+#   (channel 2cu, 2cu+1) of the tap, multiplied with ``vdpbf16ps`` against the broadcast
+#   weight pair;
+# * mode "f32" (fp16, and bf16 elsewhere): one channel as float32 (the narrow values
+#   widened exactly, once, into the col buffer), fp32 FMA.
+#
+# Which bf16 mode is faster is a property of the CPU (``lowp_mode``): on AMD Zen 4/5 one
+# ``vdpbf16ps`` per cycle does twice the multiply-adds of the fp32 FMAs; on the Intel
+# server cores with AMX (measured on a Sapphire-Rapids-class guest) it issues once per two
+# cycles against two FMAs per cycle: half the fp32 rate, so there bf16 is widened.
 #
 # X (any of float32, bfloat16, float16) is converted while the col buffer is built
 # (an fp32 X is rounded to the narrow type there); constant weights are rounded and
@@ -1371,7 +1376,7 @@ def lowp_types(node, ins, outs) -> LowpTypes | None:
 
 @dataclass(frozen=True)
 class LowpPlan:
-    mode: str        # "dp" | "bf16w" | "f32"
+    mode: str        # "dp" | "f32"
     MR: int
     NV: int
     CU: int          # reduction units per tap (channel pairs, or channels in mode f32)
@@ -1393,16 +1398,21 @@ class LowpPlan:
         return 16 * self.NV
 
 
-def lowp_mode(prec: str, has_bf16_dot: bool) -> str:
+def lowp_mode(prec: str, has_bf16_dot: bool, has_amx: bool) -> str:
+    """The kernel mode of a reduced-precision conv on a CPU with / without avx512_bf16
+    and AMX (see above: vdpbf16ps is a win on the CPUs that have it without AMX)."""
     if prec == "fp16":
         return "f32"
-    return "dp" if has_bf16_dot else "bf16w"
+    return "dp" if has_bf16_dot and not has_amx else "f32"
 
 
-def lowp_note(plan: LowpPlan) -> str:
-    return {"dp": "bf16 avx512_bf16 (vdpbf16ps)",
-            "bf16w": "bf16 widened to fp32 (no avx512_bf16)",
-            "f32": "fp16 storage, fp32 FMA"}[plan.mode]
+def lowp_note(plan: LowpPlan, prec: str, has_bf16_dot: bool) -> str:
+    if plan.mode == "dp":
+        return "bf16 avx512_bf16 (vdpbf16ps)"
+    if prec == "fp16":
+        return "fp16 storage, fp32 FMA"
+    why = ("vdpbf16ps slower than fp32 FMA here" if has_bf16_dot else "no avx512_bf16")
+    return f"bf16 widened to fp32 ({why})"
 
 
 def plan_lowp(geom: ConvGeom, mode: str, const_weights: bool = True,
@@ -1635,15 +1645,7 @@ class _LowpGen:
             vb = ir.VectorType(BF16, 32)
             f = v.intr("llvm.x86.avx512bf16.dpbf16ps.512", VF, [VF, vb, vb])
             return b.call(f, [acc, b.bitcast(v.splat(a_unit, VF), vb), b.bitcast(bv, vb)])
-        if mode == "f32":
-            return v.fma(v.splat(a_unit, VF), bv, acc)
-        # bf16w: unit = lo | hi << 16, each half a bf16 (widening: place it in the high bits)
-        hm = ir.Constant(VI, [-65536] * 16)
-        s16 = ir.Constant(VI, [16] * 16)
-        ai = b.bitcast(v.splat(a_unit, VF), VI)
-        bi = b.bitcast(bv, VI)
-        acc = v.fma(b.bitcast(b.shl(ai, s16), VF), b.bitcast(b.shl(bi, s16), VF), acc)
-        return v.fma(b.bitcast(b.and_(ai, hm), VF), b.bitcast(b.and_(bi, hm), VF), acc)
+        return v.fma(v.splat(a_unit, VF), bv, acc)
 
     def micro(self, a_base, b_base, KU):
         v, p = self.v, self.p

@@ -101,15 +101,19 @@ def conv_geom_of(node: Any, ins: list[Any], outs: list[Any]) -> tuple[ConvGeom, 
     return geom, depthwise
 
 
-# tests: force the reduced-precision mode ("dp" | "bf16w" | "f32") instead of the CPU's
+# tests: force the mode of bf16 convs ("dp" | "f32") instead of the CPU's
 FORCE_LOWP_MODE: str | None = None
 
 
 def lowp_plan_of(geom: ConvGeom, types: LowpTypes, const_weights: bool) -> Any:
-    mode = FORCE_LOWP_MODE or lowp_mode(types.prec, host().has("avx512bf16"))
-    if types.prec == "fp16":
-        mode = "f32"
+    mode = lowp_mode(types.prec, host().has("avx512bf16"), host().has("amx-bf16"))
+    if FORCE_LOWP_MODE and types.prec == "bf16":
+        mode = FORCE_LOWP_MODE
     return plan_lowp(geom, mode, const_weights)
+
+
+def _lowp_note(plan: Any, types: LowpTypes) -> str:
+    return lowp_note(plan, types.prec, host().has("avx512bf16"))
 
 
 def _lowp_path(plan: Any) -> str:
@@ -129,7 +133,7 @@ def _emit_lowp(ctx: LowerCtx, geom: ConvGeom, plan: Any, types: LowpTypes, slots
     ctx.num_tiles = plan.num_tiles
     ctx.workspace_bytes = plan.ws_bytes
     ctx.notes["path"] = _lowp_path(plan)
-    ctx.notes["precision"] = lowp_note(plan)
+    ctx.notes["precision"] = _lowp_note(plan, types)
 
 
 def _dw_spec(geom: ConvGeom) -> WindowSpec:
@@ -176,7 +180,7 @@ def conv_tiling(node: Any, ins: list[Any], outs: list[Any]) -> Tiling | None:
         tiles = lplan.num_tiles
         ws = plan_lowp(one, lplan.mode, const_weights=False).ws_bytes
         notes["path"] = _lowp_path(lplan)
-        notes["precision"] = lowp_note(lplan)
+        notes["precision"] = _lowp_note(lplan, types)
     elif (wplan := winograd.choose(one, config.WINOGRAD)) is not None:
         gplan = plan_conv(one, const_weights=True)
         key = ("conv", "winograd", one, (wplan, gplan))
