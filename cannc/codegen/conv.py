@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 import llvmlite.ir as ir
 import numpy as np
 
-from ..native.emit import F32, I8, I32, I64, PTR, i64
+from ..native.emit import BF16, F32, I8, I32, I64, PTR, i64
 from ..schedule.split import CHUNKS_PER_CORE
 from .vec import VF, VI32, VM, VPTR, VecBuilder, abi_function
 
@@ -1221,4 +1221,490 @@ def emit_conv(module: ir.Module, name: str, geom: ConvGeom, plan: ConvPlan,
     """
     fn = abi_function(module, name)
     _ConvGen(module, fn, geom, plan, slots, a_prepacked, transposed_layout, epilogue).emit()
+    return fn
+
+
+# ---------------------------------------------------------------------------
+# reduced precision (bfloat16 / float16 operands, float32 accumulation)
+# ---------------------------------------------------------------------------
+#
+# One implicit GEMM for every Conv with a narrow operand or a ``cannc_precision``:
+# per tile (image, group, pixel block, channel block) the whole reduction is one block
+# (the pixel block is sized so that its col buffer fits in L2), so the accumulators stay
+# in registers and the bias / epilogue (float32) run once before the store, which
+# converts to the output's dtype. The reduction runs tap-major over channel units:
+# row ``u = tap*CU + cu`` of the col buffer holds, per output pixel, one 32-bit unit:
+#
+# * mode "dp" (bf16, where ``vdpbf16ps`` is the fastest multiply): the bf16 pair
+#   (channel 2cu, 2cu+1) of the tap, multiplied with ``vdpbf16ps`` against the broadcast
+#   weight pair;
+# * mode "f32" (fp16, and bf16 elsewhere): one channel as float32 (the narrow values
+#   widened exactly, once, into the col buffer), fp32 FMA.
+#
+# Which bf16 mode is faster is a property of the CPU (``lowp_mode``): on AMD Zen 4/5 one
+# ``vdpbf16ps`` per cycle does twice the multiply-adds of the fp32 FMAs; on the Intel
+# server cores with AMX (measured on a Sapphire-Rapids-class guest) it issues once per two
+# cycles against two FMAs per cycle: half the fp32 rate, so there bf16 is widened.
+#
+# X (any of float32, bfloat16, float16) is converted while the col buffer is built
+# (an fp32 X is rounded to the narrow type there); constant weights are rounded and
+# packed at compile time (``pack_lowp_weights``), runtime weights per tile.
+
+NARROW = {"bf16": "bfloat16", "fp16": "float16"}
+LOWP_COL_BYTES = 512 * 1024     # col buffer of a pixel block (stays in L2 on Zen and Intel)
+VI16 = ir.VectorType(ir.IntType(16), 16)
+VH = ir.VectorType(ir.HalfType(), 16)
+I16 = ir.IntType(16)
+
+
+def elem_type(dt: str) -> ir.Type:
+    return F32 if dt == "float32" else I16
+
+
+def widen_v(b: ir.IRBuilder, raw: ir.Value, dt: str) -> ir.Value:
+    """16 raw elements of dtype dt (float, or i16 bits) as <16 x float> (exact)."""
+    if dt == "float32":
+        return raw
+    if dt == "bfloat16":
+        return b.bitcast(b.shl(b.zext(raw, VI), ir.Constant(VI, [16] * 16)), VF)
+    return b.fpext(b.bitcast(raw, VH), VF)
+
+
+def widen_s(b: ir.IRBuilder, raw: ir.Value, dt: str) -> ir.Value:
+    if dt == "float32":
+        return raw
+    if dt == "bfloat16":
+        return b.bitcast(b.shl(b.zext(raw, I32), ir.Constant(I32, 16)), F32)
+    return b.fpext(b.bitcast(raw, ir.HalfType()), F32)
+
+
+def bf16_bits(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    """<16 x float> -> <16 x i32> whose low 16 bits are the bfloat16 rounded to nearest
+    even (NaN stays NaN), high bits zero."""
+    def c(x):
+        return ir.Constant(VI, [x] * 16)
+
+    bits = b.bitcast(v, VI)
+    hi = b.lshr(bits, c(16))
+    r = b.lshr(b.add(b.add(bits, c(0x7FFF)), b.and_(hi, c(1))), c(16))
+    return b.select(b.fcmp_unordered("uno", v, v), b.or_(hi, c(0x40)), r)
+
+
+def narrow_v(b: ir.IRBuilder, v: ir.Value, dt: str) -> ir.Value:
+    """<16 x float> -> 16 raw elements of dtype dt (rounded to nearest even)."""
+    if dt == "float32":
+        return v
+    if dt == "bfloat16":
+        return b.trunc(bf16_bits(b, v), VI16)
+    return b.bitcast(b.fptrunc(v, VH), VI16)
+
+
+def round_v(b: ir.IRBuilder, v: ir.Value, dt: str) -> ir.Value:
+    """<16 x float> rounded to dtype dt, as float."""
+    return widen_v(b, narrow_v(b, v, dt), dt) if dt != "float32" else v
+
+
+def vload_dt(v: VB, ptr: ir.Value, dt: str, mask: ir.Value | None = None) -> ir.Value:
+    """16 elements of dtype dt at ptr as <16 x float>; masked-off lanes are 0, unread."""
+    if dt == "float32":
+        return v.load_v(ptr, mask)
+    if mask is None:
+        raw = v.b.load(ptr, typ=VI16, align=2)
+    else:
+        f = v.intr("llvm.masked.load.v16i16.p0", VI16, [PTR, I32, VM, VI16])
+        raw = v.b.call(f, [ptr, ir.Constant(I32, 2), mask, ir.Constant(VI16, None)])
+    return widen_v(v.b, raw, dt)
+
+
+def vstore_dt(v: VB, val: ir.Value, ptr: ir.Value, dt: str, mask: ir.Value) -> None:
+    """Store <16 x float> to 16 elements of dtype dt (masked), converting."""
+    if dt == "float32":
+        return v.mstore(val, ptr, mask)
+    f = v.intr("llvm.masked.store.v16i16.p0", ir.VoidType(), [VI16, PTR, I32, VM])
+    v.b.call(f, [narrow_v(v.b, val, dt), ptr, ir.Constant(I32, 2), mask])
+
+
+def vgather_dt(v: VB, base: ir.Value, idx: ir.Value, mask: ir.Value, dt: str) -> ir.Value:
+    """Masked gather of base[idx[i]] (elements of dtype dt) as <16 x float>."""
+    if dt == "float32":
+        return v.gather_idx(base, idx, mask)
+    ptrs = v.b.gep(base, [idx], source_etype=I16)
+    ptrs.type = VPTR
+    f = v.intr("llvm.masked.gather.v16i16.v16p0", VI16, [VPTR, I32, VM, VI16])
+    raw = v.b.call(f, [ptrs, ir.Constant(I32, 2), mask, ir.Constant(VI16, None)])
+    return widen_v(v.b, raw, dt)
+
+
+def sload_dt(v: VB, ptr: ir.Value, dt: str) -> ir.Value:
+    """One element of dtype dt at ptr, as float."""
+    ty = elem_type(dt)
+    return widen_s(v.b, v.b.load(ptr, typ=ty, align=4 if dt == "float32" else 2), dt)
+
+
+@dataclass(frozen=True)
+class LowpTypes:
+    """The element types of a reduced-precision Conv: X, W, bias, Y (numpy dtype names)
+    and the precision of the products ("bf16" | "fp16")."""
+    x: str
+    w: str
+    b: str
+    y: str
+    prec: str
+
+    @property
+    def narrow(self) -> str:
+        return NARROW[self.prec]
+
+
+def lowp_types(node, ins, outs) -> LowpTypes | None:
+    """The LowpTypes of a Conv node, or None for a float32 Conv (no narrow operand,
+    no ``cannc_precision``)."""
+    dts = [np.dtype(t.dtype).name for t in (ins[0], ins[1], outs[0])]
+    bdt = np.dtype(ins[2].dtype).name if len(ins) > 2 and ins[2] is not None else "float32"
+    prec = node.attrs.get("cannc_precision")
+    if isinstance(prec, bytes):
+        prec = prec.decode()
+    if prec is None:
+        narrow = [d for d in dts + [bdt] if d != "float32"]
+        if not narrow:
+            return None
+        prec = "bf16" if narrow[0] == "bfloat16" else "fp16"
+    if prec not in NARROW:
+        raise ValueError(f"cannc_precision={prec!r} (bf16 or fp16)")
+    return LowpTypes(x=dts[0], w=dts[1], b=bdt, y=dts[2], prec=prec)
+
+
+@dataclass(frozen=True)
+class LowpPlan:
+    mode: str        # "dp" | "f32"
+    MR: int
+    NV: int
+    CU: int          # reduction units per tap (channel pairs, or channels in mode f32)
+    P: int           # pixels per pixel block
+    PB: int
+    CH: int          # output channels per channel block (multiple of MR unless == Mg)
+    MB: int
+    NCP: int         # col row stride (units)
+    ws_a: int        # byte offset of the runtime weight panels in the workspace
+    ws_bytes: int
+    num_tiles: int
+
+    @property
+    def pairs(self) -> bool:
+        return self.mode != "f32"
+
+    @property
+    def NR(self) -> int:
+        return 16 * self.NV
+
+
+def lowp_mode(prec: str, has_bf16_dot: bool, has_amx: bool) -> str:
+    """The kernel mode of a reduced-precision conv on a CPU with / without avx512_bf16
+    and AMX (see above: vdpbf16ps is a win on the CPUs that have it without AMX)."""
+    if prec == "fp16":
+        return "f32"
+    return "dp" if has_bf16_dot and not has_amx else "f32"
+
+
+def lowp_note(plan: LowpPlan, prec: str, has_bf16_dot: bool) -> str:
+    if plan.mode == "dp":
+        return "bf16 avx512_bf16 (vdpbf16ps)"
+    if prec == "fp16":
+        return "fp16 storage, fp32 FMA"
+    why = ("vdpbf16ps slower than fp32 FMA here" if has_bf16_dot else "no avx512_bf16")
+    return f"bf16 widened to fp32 ({why})"
+
+
+def plan_lowp(geom: ConvGeom, mode: str, const_weights: bool = True,
+              cores: int = 2) -> LowpPlan:
+    Mg, OHW = geom.Mg, geom.OHW
+    CU = cdiv(geom.Cg, 2) if mode != "f32" else geom.Cg
+    KU = CU * geom.KK
+    MR = min(8, Mg)
+    NV = 2 if OHW > 16 else 1
+    NR = 16 * NV
+    P = max(NR, (LOWP_COL_BYTES // (4 * KU)) // NR * NR)
+    P = min(P, rup(OHW, NR))
+    # at least 2 tiles per core (the per-image grid; a batch multiplies it)
+    want = 2 * cores
+    if geom.N * geom.G * cdiv(OHW, P) < want:
+        P = max(NR, min(P, rup(cdiv(OHW, cdiv(want, geom.N * geom.G)), NR)))
+    PB = cdiv(OHW, P)
+    MB = 1
+    if geom.N * geom.G * PB < want and Mg >= 2 * MR:
+        MB = min(cdiv(Mg, MR), cdiv(want, geom.N * geom.G * PB))
+    CH = rup(cdiv(Mg, MB), MR)
+    MB = cdiv(Mg, CH)
+    NCP = rup(P, 16) + 16
+    col = rup(KU * NCP * 4, 64)
+    a_bytes = 0 if const_weights else rup(CH, MR) * KU * 4
+    return LowpPlan(mode=mode, MR=MR, NV=NV, CU=CU, P=P, PB=PB, CH=CH, MB=MB, NCP=NCP,
+                    ws_a=col, ws_bytes=rup(col + a_bytes, 64),
+                    num_tiles=geom.N * geom.G * PB * MB)
+
+
+def _round_np(a: np.ndarray, dt: str) -> np.ndarray:
+    import ml_dtypes  # numpy side only: compile-time packing
+    t = ml_dtypes.bfloat16 if dt == "bfloat16" else np.float16
+    return np.asarray(a).astype(t)
+
+
+def pack_lowp_weights(geom: ConvGeom, plan: LowpPlan, w: np.ndarray, narrow: str) -> np.ndarray:
+    """Weights [M, Cg, k...] (any float dtype) as panels [G][ceil(Mg/MR)][KK*CU][MR] of
+    32-bit units: bf16 pairs (channel 2cu low, 2cu+1 high) or float32 (mode f32), the
+    values rounded to the narrow type; zero padded."""
+    G, Mg, Cg, KK, MR, CU = geom.G, geom.Mg, geom.Cg, geom.KK, plan.MR, plan.CU
+    a = _round_np(np.asarray(w).reshape(G, Mg, Cg, KK), narrow).astype(np.float32)
+    Mp = cdiv(Mg, MR) * MR
+    per = 2 if plan.pairs else 1
+    full = np.zeros((G, Mp, CU * per, KK), dtype=np.float32)
+    full[:, :Mg, :Cg] = a
+    full = full.transpose(0, 1, 3, 2)                  # [G, Mp, KK, CU*per]
+    if plan.pairs:
+        bits = (_round_np(full, "bfloat16").view(np.uint16).astype(np.uint32)
+                .reshape(G, Mp, KK, CU, 2))
+        units = (bits[..., 0] | (bits[..., 1] << 16)).view(np.float32)
+    else:
+        units = full
+    units = units.reshape(G, Mp // MR, MR, KK * CU).transpose(0, 1, 3, 2)
+    return np.ascontiguousarray(units).reshape(-1)
+
+
+class _LowpGen:
+    def __init__(self, module, fn, geom: ConvGeom, plan: LowpPlan, types: LowpTypes,
+                 slots: Slots, const_weights: bool, epilogue: Epilogue | None):
+        self.v = VB(module, fn)
+        self.g, self.p, self.t = geom, plan, types
+        self.slots = slots
+        self.const_w = const_weights
+        self.epilogue = epilogue
+        self.xt = elem_type(types.x)
+
+    def emit(self):
+        v, g, p = self.v, self.g, self.p
+        b = v.b
+        args, tb, te, ws = v.fn.args
+        sl = self.slots
+        self.X, self.W, self.Y = v.arg(args, sl.x), v.arg(args, sl.w), v.arg(args, sl.y)
+        self.Bias = v.arg(args, sl.b) if g.bias else None
+        self.col = ws
+        self.wsa = b.gep(ws, [i64(p.ws_a)], source_etype=I8)
+        with v.loop(tb, te, 1, "tile") as t:
+            r, mb = v.divmod_c(t, p.MB)
+            r, pb = v.divmod_c(r, p.PB)
+            n, gi = v.divmod_c(r, g.G)
+            p0 = b.mul(pb, i64(p.P))
+            p1 = v.smin(b.add(p0, i64(p.P)), g.OHW)
+            m_lo = b.mul(mb, i64(p.CH))
+            m_hi = v.smin(b.add(m_lo, i64(p.CH)), g.Mg)
+            x_ng = v.gep(self.X, b.mul(b.add(b.mul(n, i64(g.C)), b.mul(gi, i64(g.Cg))),
+                                       i64(g.DHW)), self.xt)
+            ch0 = b.mul(gi, i64(g.Mg))
+            y_off = b.mul(b.add(b.mul(n, i64(g.M)), ch0), i64(g.OHW))   # flat index of Y
+            self.im2col(x_ng, p0, p1)
+            if not self.const_w:
+                self.pack_w(gi, m_lo, m_hi)
+            self.gemm(gi, ch0, y_off, p0, b.sub(p1, p0), m_lo, m_hi)
+        b.ret_void()
+
+    # -- col buffer: [tap*CU + cu][pixel] units ----------------------------------
+    def im2col(self, x_ng, p0, p1):
+        v, g, p = self.v, self.g, self.p
+        b = v.b
+        D, H, W = g.isz
+        OD, OH, OW = g.osz
+        KD, KH, KW = g.k
+        sd, sh, sw = g.s
+        dd, dh, dw = g.d
+        pd, ph, pw = g.pb
+        row_first = b.udiv(p0, i64(OW))
+        row_last = b.udiv(b.sub(p1, i64(1)), i64(OW))
+        npair = g.Cg // 2 if p.pairs else g.Cg
+        with v.loop(0, g.KK, 1, "tap") as tap:
+            rem, kw = v.divmod_c(tap, KW)
+            kd, kh = v.divmod_c(rem, KH)
+            dst_tap = v.gep(self.col, b.mul(tap, i64(p.CU * p.NCP)))
+            offw = b.sub(b.mul(kw, i64(dw)), i64(pw))
+            with v.loop(row_first, b.add(row_last, i64(1)), 1, "row") as row:
+                od, oh = v.divmod_c(row, OH)
+                idv = b.add(b.mul(od, i64(sd)), b.sub(b.mul(kd, i64(dd)), i64(pd)))
+                ihv = b.add(b.mul(oh, i64(sh)), b.sub(b.mul(kh, i64(dh)), i64(ph)))
+                ok = b.and_(b.icmp_unsigned("<", idv, i64(D)), b.icmp_unsigned("<", ihv, i64(H)))
+                rowidx = b.select(ok, b.add(b.mul(idv, i64(H)), ihv), i64(0))
+                src_row = v.gep(x_ng, b.mul(rowidx, i64(W)), self.xt)
+                rs = b.mul(row, i64(OW))
+                a = b.sub(v.smax(p0, rs), rs)
+                e = b.sub(v.smin(p1, b.add(rs, i64(OW))), rs)
+                dst_row = v.gep(dst_tap, b.sub(b.add(rs, a), p0))
+                with v.loop(a, e, 16, "ow") as ow:
+                    load = self.loader(ow, offw, ok, W, sw)
+                    dst0 = v.gep(dst_row, b.sub(ow, a))
+                    step = 2 if p.pairs else 1
+                    with v.loop(0, npair, 1, "cu") as cu:
+                        src = v.gep(src_row, b.mul(cu, i64(step * g.DHW)), self.xt)
+                        x0 = load(src)
+                        x1 = load(v.gep(src, g.DHW, self.xt)) if p.pairs else None
+                        v.store_v(self.unit(x0, x1), v.gep(dst0, b.mul(cu, i64(p.NCP))))
+                    if p.pairs and g.Cg % 2:
+                        src = v.gep(src_row, (g.Cg - 1) * g.DHW, self.xt)
+                        v.store_v(self.unit(load(src), None), v.gep(dst0, npair * p.NCP))
+
+    def unit(self, x0, x1):
+        """The 32-bit units (as <16 x float>) of channel values x0 (and x1)."""
+        b, p, nar = self.v.b, self.p, self.t.narrow
+        if not p.pairs:
+            return round_v(b, x0, nar) if self.t.x != nar else x0
+        lo = bf16_bits(b, x0)
+        if x1 is None:
+            return b.bitcast(lo, VF)
+        hi = b.shl(bf16_bits(b, x1), ir.Constant(VI, [16] * 16))
+        return b.bitcast(b.or_(lo, hi), VF)
+
+    def loader(self, ow, offw, ok, W, sw):
+        v, xdt = self.v, self.t.x
+        b = v.b
+        base = b.add(b.mul(ow, i64(sw)), offw)
+        if sw == 1:
+            lanes = b.add(v.splat_i(base), v.iota)
+            m = v.mask_and(b.icmp_unsigned("<", lanes, v.splat_i(W)), ok)
+            return lambda src: vload_dt(v, v.gep(src, base, self.xt), xdt, m)
+        if sw == 2:
+            l0 = b.add(v.splat_i(base), v.iota)
+            m0 = v.mask_and(b.icmp_unsigned("<", l0, v.splat_i(W)), ok)
+            m1 = v.mask_and(b.icmp_unsigned("<", b.add(l0, v.splat_i(16)), v.splat_i(W)), ok)
+            even = ir.Constant(VI, list(range(0, 32, 2)))
+
+            def load2(src):
+                s0 = v.gep(src, base, self.xt)
+                return b.shuffle_vector(vload_dt(v, s0, xdt, m0),
+                                        vload_dt(v, v.gep(s0, 16, self.xt), xdt, m1), even)
+            return load2
+        lanes = b.add(v.splat_i(base), b.mul(v.iota, v.splat_i(sw)))
+        m = v.mask_and(b.icmp_unsigned("<", lanes, v.splat_i(W)), ok)
+        return lambda src: vgather_dt(v, src, lanes, m, xdt)
+
+    # -- runtime weights: panels [CH/MR][KK*CU][MR] into the workspace ------------------
+    def pack_w(self, gi, m_lo, m_hi):
+        v, g, p, wdt = self.v, self.g, self.p, self.t.w
+        b = v.b
+        wt = elem_type(wdt)
+        per = 2 if p.pairs else 1
+        zero = ir.Constant(F32, 0.0)
+        with v.loop(m_lo, b.add(m_lo, i64(p.CH)), 1, "pm") as m:
+            mrel = b.sub(m, m_lo)
+            okm = b.icmp_signed("<", m, m_hi)
+            msafe = b.select(okm, m, m_lo)
+            dst_m = v.gep(self.wsa, b.add(b.mul(b.udiv(mrel, i64(p.MR)), i64(g.KK * p.CU * p.MR)),
+                                          b.urem(mrel, i64(p.MR))))
+            w_m = v.gep(self.W, b.mul(b.add(b.mul(gi, i64(g.Mg)), msafe), i64(g.K)), wt)
+            with v.loop(0, g.KK * p.CU, 1, "pu") as u:
+                tap, cu = v.divmod_c(u, p.CU)
+                vals = []
+                for h in range(per):
+                    ci = b.add(b.mul(cu, i64(per)), i64(h)) if per > 1 else cu
+                    okc = b.and_(okm, b.icmp_signed("<", ci, i64(g.Cg)))
+                    idx = b.select(okc, b.add(b.mul(ci, i64(g.KK)), tap), i64(0))
+                    x = sload_dt(v, v.gep(w_m, idx, wt), wdt)
+                    vals.append(b.select(okc, x, zero))
+                if p.pairs:
+                    vec = [b.insert_element(ir.Constant(VF, None), x, ir.Constant(I32, 0))
+                           for x in vals]
+                    unit = b.extract_element(self.unit(vec[0], vec[1]), ir.Constant(I32, 0))
+                else:
+                    x = vals[0]
+                    if wdt != self.t.narrow:
+                        vx = b.insert_element(ir.Constant(VF, None), x, ir.Constant(I32, 0))
+                        x = b.extract_element(round_v(b, vx, self.t.narrow), ir.Constant(I32, 0))
+                    unit = x
+                b.store(unit, v.gep(dst_m, b.mul(u, i64(p.MR))), align=4)
+
+    # -- the GEMM over the col buffer ----------------------------------------------------
+    def gemm(self, gi, ch0, y_off, p0, npix, m_lo, m_hi):
+        v, g, p = self.v, self.g, self.p
+        b = v.b
+        KU = g.KK * p.CU
+        with v.loop(i64(0), npix, p.NR, "jr") as jr:
+            nr = v.smin(b.sub(npix, jr), p.NR)
+            colmask = [v.lanes_lt(16 * j, nr) for j in range(p.NV)]
+            b_jr = v.gep(self.col, jr)
+            with v.loop(m_lo, m_hi, p.MR, "ir") as ir_:
+                mr = v.smin(b.sub(m_hi, ir_), p.MR)
+                if self.const_w:
+                    panel = b.add(b.mul(gi, i64(cdiv(g.Mg, p.MR))), b.udiv(ir_, i64(p.MR)))
+                    a_base = v.gep(self.W, b.mul(panel, i64(KU * p.MR)))
+                else:
+                    a_base = v.gep(self.wsa, b.mul(b.udiv(b.sub(ir_, m_lo), i64(p.MR)),
+                                                   i64(KU * p.MR)))
+                accs = self.micro(a_base, b_jr, KU)
+                self.store(accs, b.add(y_off, b.add(b.mul(ir_, i64(g.OHW)), b.add(p0, jr))),
+                           b.add(ch0, ir_), mr, colmask)
+
+    def madd(self, acc, a_unit, bv):
+        v, b, mode = self.v, self.v.b, self.p.mode
+        if mode == "dp":
+            vb = ir.VectorType(BF16, 32)
+            f = v.intr("llvm.x86.avx512bf16.dpbf16ps.512", VF, [VF, vb, vb])
+            return b.call(f, [acc, b.bitcast(v.splat(a_unit, VF), vb), b.bitcast(bv, vb)])
+        return v.fma(v.splat(a_unit, VF), bv, acc)
+
+    def micro(self, a_base, b_base, KU):
+        v, p = self.v, self.p
+        b = v.b
+        MR, NV = p.MR, p.NV
+        U = 2 if MR * NV > 8 else 4
+
+        def body(k, cur, ptrs):
+            a_ptr, b_ptr = ptrs
+            for u in range(step):
+                bv = [v.load_v(v.gep(b_ptr, u * p.NCP + 16 * j)) for j in range(NV)]
+                new = []
+                for r in range(MR):
+                    au = b.load(v.gep(a_ptr, u * MR + r), typ=F32, align=4)
+                    new.append([self.madd(cur[r][j], au, bv[j]) for j in range(NV)])
+                cur = new
+            return cur, [v.gep(a_ptr, step * MR), v.gep(b_ptr, step * p.NCP)]
+
+        accs = [[v.zero_v] * NV for _ in range(MR)]
+        ptrs = [a_base, b_base]
+        kmain = (KU // U) * U
+        k = i64(0)
+        if kmain:
+            step = U
+            k, accs, ptrs = v.grid_loop(i64(0), i64(kmain), U, accs, ptrs, body, "lku",
+                                        iv_name="k")
+        if KU > kmain:
+            step = 1
+            _, accs, _ = v.grid_loop(k, i64(KU), 1, accs, ptrs, body, "lkr", iv_name="k")
+        return accs
+
+    def store(self, accs, y_idx, ch, mr, colmask):
+        v, g, p, t = self.v, self.g, self.p, self.t
+        b = v.b
+        yt = elem_type(t.y)
+        for r in range(p.MR):
+            rowok = b.icmp_signed("<", i64(r), mr) if r else None
+            chr_ = b.select(rowok, b.add(ch, i64(r)), ch) if r else ch
+            if self.Bias is not None:
+                bias = v.splat(sload_dt(v, v.gep(self.Bias, chr_, elem_type(t.b)), t.b), VF)
+            for j in range(p.NV):
+                m = v.mask_and(colmask[j], rowok)
+                val = accs[r][j]
+                if self.Bias is not None:
+                    val = b.fadd(val, bias)
+                idx = b.add(y_idx, i64(r * g.OHW + 16 * j))
+                if self.epilogue is not None:
+                    val = self.epilogue(b, val, idx, 1, m)
+                    if val.type != VF:
+                        val = b.fpext(val, VF)
+                vstore_dt(v, val, v.gep(self.Y, idx, yt), t.y, m)
+
+
+def emit_conv_lowp(module: ir.Module, name: str, geom: ConvGeom, plan: LowpPlan,
+                   types: LowpTypes, slots: Slots = Slots(), const_weights: bool = True,
+                   epilogue: Epilogue | None = None) -> ir.Function:
+    """The reduced-precision implicit GEMM (see above) as an ABI kernel ``name``; with
+    ``const_weights`` the weight argument holds ``pack_lowp_weights(geom, plan, W, ...)``,
+    otherwise the raw weights (dtype ``types.w``), packed per tile."""
+    fn = abi_function(module, name)
+    _LowpGen(module, fn, geom, plan, types, slots, const_weights, epilogue).emit()
     return fn

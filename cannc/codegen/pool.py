@@ -22,9 +22,21 @@ from dataclasses import dataclass
 import llvmlite.ir as ir
 import numpy as np
 
-from ..native.emit import F32, i64, intrinsic
+from ..native.emit import F32, I64, i64, intrinsic
 from . import vmath
-from .conv import VB, VI, Epilogue, Slots, cdiv, rup
+from .conv import (
+    VB,
+    VI,
+    Epilogue,
+    Slots,
+    cdiv,
+    elem_type,
+    rup,
+    sload_dt,
+    vgather_dt,
+    vload_dt,
+    vstore_dt,
+)
 from .vec import VF, VM, abi_function
 
 KINDS = ("dw", "max", "avg", "lp")
@@ -47,6 +59,9 @@ class WindowSpec:
     count_rows: tuple = ()
     count_cols: tuple = ()
     p: int = 2         # LpPool exponent
+    # element types (numpy names) of X, the weights, the bias and Y: float32, or bfloat16 /
+    # float16 (widened to float32 on load, computed in float32, rounded on the store)
+    dts: tuple = ("float32", "float32", "float32", "float32")
 
     @property
     def mult(self) -> int:
@@ -124,6 +139,8 @@ class _WindowGen:
         args, tb, te, _ws = v.fn.args
         X = v.arg(args, self.slots.x)
         Y = self.Y = v.arg(args, self.slots.y)
+        xdt, wdt, bdt, _ = s.dts
+        self.xt, self.yt = elem_type(s.dts[0]), elem_type(s.dts[3])
         Wt = v.arg(args, self.slots.w) if s.kind == "dw" else None
         Bias = v.arg(args, self.slots.b) if (s.kind == "dw" and s.bias) else None
         D, H, W = s.isz
@@ -138,15 +155,16 @@ class _WindowGen:
             plane, rb = v.divmod_c(t, p.nrb)
             n, co = v.divmod_c(plane, s.M)
             ci = b.udiv(co, i64(s.mult)) if s.mult > 1 else co
-            x_p = v.gep(X, b.mul(b.add(b.mul(n, i64(s.C)), ci), i64(s.isz[0] * H * W)))
-            y_p = v.gep(Y, b.mul(plane, i64(s.rows * OW)))
+            x_p = v.gep(X, b.mul(b.add(b.mul(n, i64(s.C)), ci), i64(s.isz[0] * H * W)), self.xt)
+            y_p = v.gep(Y, b.mul(plane, i64(s.rows * OW)), self.yt)
             wts = None
             init = self.identity()
             if Wt is not None:
-                wts = [v.splat(b.load(v.gep(Wt, b.add(b.mul(co, i64(s.KK)), i64(i))), typ=F32,
-                                      align=4), VF) for i in range(s.KK)]
+                wts = [v.splat(sload_dt(v, v.gep(Wt, b.add(b.mul(co, i64(s.KK)), i64(i)),
+                                                 elem_type(wdt)), wdt), VF)
+                       for i in range(s.KK)]
                 if Bias is not None:
-                    init = v.splat(b.load(v.gep(Bias, co), typ=F32, align=4), VF)
+                    init = v.splat(sload_dt(v, v.gep(Bias, co, elem_type(bdt)), bdt), VF)
             r_lo = b.mul(rb, i64(p.RB))
             r_hi = v.smin(b.add(r_lo, i64(p.RB)), s.rows)
             with v.loop(r_lo, r_hi, p.R, "rows") as r0:
@@ -194,7 +212,7 @@ class _WindowGen:
                     if act is not None:
                         ok = b.and_(ok, act)
                     rowidx = b.select(ok, b.add(b.mul(idd, i64(H)), ihh), i64(0))
-                    src = v.gep(x_p, b.mul(rowidx, i64(W)))
+                    src = v.gep(x_p, b.mul(rowidx, i64(W)), self.xt)
                     for kw in range(KW):
                         tap = (kd * KH + kh) * KW + kw
                         for j in range(V):
@@ -203,7 +221,7 @@ class _WindowGen:
         # finish and store
         for i in range(R):
             rr, act, od, oh = rows[i]
-            y_row = v.gep(y_p, b.add(b.mul(rr, i64(OW)), ow0))
+            y_row = v.gep(y_p, b.add(b.mul(rr, i64(OW)), ow0), self.yt)
             if s.kind == "avg":
                 crow = b.load(v.gep(self.cnt_rows, rr), typ=F32, align=4)
                 crow = v.splat(crow, VF)
@@ -221,10 +239,14 @@ class _WindowGen:
                 else:
                     m = v.lanes_lt(b.add(ow0, i64(16 * j)), OW)
                 m = v.mask_and(m, act)
-                ptr = v.gep(y_row, 16 * j)
+                ptr = v.gep(y_row, 16 * j, self.yt)
                 if self.epilogue is not None:
-                    val = self.epilogue(b, val, v.flat_index(ptr, self.Y), 1, m)
-                v.mstore(val, ptr, m)
+                    flat = b.sub(b.ptrtoint(ptr, I64), b.ptrtoint(self.Y, I64))
+                    flat = b.ashr(flat, i64(2 if s.dts[3] == "float32" else 1))
+                    val = self.epilogue(b, val, flat, 1, m)
+                    if val.type != VF:
+                        val = b.fpext(val, VF)
+                vstore_dt(v, val, ptr, s.dts[3], m)
 
     def col_masks(self, ow0, j, off, sw, W, const_cols):
         """(first input column, masks) of vector j for a tap at column offset `off`."""
@@ -260,6 +282,19 @@ class _WindowGen:
         b = v.b
         first, masks = info
         masks = [v.mask_and(m, ok) for m in masks]
+        xdt = self.s.dts[0]
+        if xdt != "float32":     # narrow X: widened; the masked-off lanes take the identity
+            def ml(ptr, m):
+                x = vload_dt(v, ptr, xdt, m)
+                return x if self.s.kind != "max" else b.select(m, x, ident)
+            if sw == 1:
+                return ml(v.gep(src, first, self.xt), masks[0])
+            if sw == 2:
+                x0 = ml(v.gep(src, first, self.xt), masks[0])
+                x1 = ml(v.gep(src, b.add(first, i64(16)), self.xt), masks[1])
+                return b.shuffle_vector(x0, x1, ir.Constant(VI, list(range(0, 32, 2))))
+            x = vgather_dt(v, src, first, masks[0], xdt)
+            return x if self.s.kind != "max" else b.select(masks[0], x, ident)
         if sw == 1:
             return v.mload(v.gep(src, first), masks[0], ident)
         if sw == 2:

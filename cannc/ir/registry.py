@@ -103,6 +103,9 @@ class Fusion:
     fused_op: str
     operand: OperandCheck | None = None
     node: NodeCheck | None = None
+    # element types of the contraction's result and of the epilogue's result that the fused
+    # kernel generates (the epilogue itself runs in float32 registers)
+    dtypes: frozenset[str] = frozenset({"float32"})
 
 
 @dataclass

@@ -35,10 +35,6 @@ from ..ir.registry import MAP_CATEGORIES, Fusion
 from .manager import PassContext, graph_pass
 from .rules import Refusal, Rule, log
 
-# what a contraction's epilogue may read and write: it computes in float32 registers and
-# converts on store (codegen/ABI.md "Reduced precision")
-EPILOGUE_DTYPES = ("float32", "bfloat16", "float16")
-
 RULES = ("conv_bn", "layernorm", "attention", "elementwise", "gemm_epilogue", "conv_epilogue",
          "softmax_prologue", "precision_casts")
 
@@ -259,8 +255,8 @@ def _epilogue_reason(graph: Graph, groups: Groups, m: Match) -> str | None:
     cons = [c for _, c in m.pairs]
     out = n.outputs[0]
     t = graph.values[out]
-    if np.dtype(t.dtype).name not in EPILOGUE_DTYPES:
-        return "epilogues are generated for float32, bfloat16 and float16 contractions only"
+    if np.dtype(t.dtype).name not in m.fusion.dtypes:
+        return f"epilogues are generated for {'/'.join(sorted(m.fusion.dtypes))} results only"
     if out in graph.outputs:
         return f"'{out}' is a graph output"
     gids = {groups.group_of.get(c) for c in cons}
@@ -279,8 +275,8 @@ def _epilogue_reason(graph: Graph, groups: Groups, m: Match) -> str | None:
     if len(outs) != 1:
         return f"the epilogue group writes {len(outs)} values ({', '.join(outs)}); " \
                "a GEMM epilogue stores one"
-    if np.dtype(graph.values[outs[0]].dtype).name not in EPILOGUE_DTYPES:
-        return "the epilogue's result is not float32, bfloat16 or float16"
+    if np.dtype(graph.values[outs[0]].dtype).name not in m.fusion.dtypes:
+        return f"the epilogue's result is not {'/'.join(sorted(m.fusion.dtypes))}"
     in_types = [graph.values[v] for v in n.inputs if v]
     if m.fusion.node is not None:
         why = m.fusion.node(n, in_types, t)

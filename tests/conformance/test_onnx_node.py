@@ -24,12 +24,6 @@ from cannc.ir.ops import lookup
 #   python tests/conformance/report.py
 KNOWN_FAILURES: dict[str, str] = {}
 
-_R0 = ("conv family: Conv on float16 (cannc/ir/ops/conv.py registers float32 only)")
-KNOWN_FAILURES.update(dict.fromkeys([
-    "test_causal_conv_with_state_fp16_expanded",
-    "test_causal_conv_with_state_silu_fp16_expanded",
-], _R0))
-
 _R1 = ("conv family: MaxPool on uint8 (cannc/ir/ops/conv.py registers float32 only; codegen/pool"
        ".py is float32)")
 KNOWN_FAILURES.update(dict.fromkeys([

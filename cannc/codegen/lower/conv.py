@@ -31,19 +31,27 @@ from ... import config
 from ...artifact import Tiling
 from ...ir.ops.conv import _auto_pad, _ints, _to3, window_pads
 from ...native.emit import i64
+from ...native.target import host
 from .. import winograd
 from ..conv import (
     VB,
     ConvGeom,
     ConvTGeom,
+    LowpTypes,
     Slots,
     abi_function,
     emit_conv,
+    emit_conv_lowp,
     emit_convtranspose,
+    lowp_mode,
+    lowp_note,
+    lowp_types,
     pack_convtranspose_weights,
+    pack_lowp_weights,
     pack_weights,
     plan_conv,
     plan_convtranspose,
+    plan_lowp,
     plan_workspace,
 )
 from ..kernel import ConstRef, LowerCtx
@@ -93,9 +101,58 @@ def conv_geom_of(node: Any, ins: list[Any], outs: list[Any]) -> tuple[ConvGeom, 
     return geom, depthwise
 
 
-def _dw_spec(geom: ConvGeom) -> WindowSpec:
+# tests: force the mode of bf16 convs ("dp" | "f32") instead of the CPU's
+FORCE_LOWP_MODE: str | None = None
+
+
+def lowp_plan_of(geom: ConvGeom, types: LowpTypes, const_weights: bool) -> Any:
+    mode = lowp_mode(types.prec, host().has("avx512bf16"), host().has("amx-bf16"))
+    if FORCE_LOWP_MODE and types.prec == "bf16":
+        mode = FORCE_LOWP_MODE
+    return plan_lowp(geom, mode, const_weights)
+
+
+def _lowp_note(plan: Any, types: LowpTypes) -> str:
+    return lowp_note(plan, types.prec, host().has("avx512bf16"))
+
+
+def _lowp_path(plan: Any) -> str:
+    return (f"lowp-gemm {plan.mode} MR{plan.MR}x{plan.NR} P{plan.P}x{plan.PB} "
+            f"CH{plan.CH}x{plan.MB}")
+
+
+def _emit_lowp(ctx: LowerCtx, geom: ConvGeom, plan: Any, types: LowpTypes, slots: Slots,
+               epilogue: Any) -> None:
+    const_w = ctx.is_const(1)
+    if not const_w:
+        plan = plan_lowp(geom, plan.mode, const_weights=False)
+    else:
+        ctx.replace_const(1, pack_lowp_weights, geom, plan, ConstRef(1), types.narrow)
+    emit_conv_lowp(ctx.module, ctx.symbol, geom, plan, types, slots, const_weights=const_w,
+                   epilogue=epilogue)
+    ctx.num_tiles = plan.num_tiles
+    ctx.workspace_bytes = plan.ws_bytes
+    ctx.notes["path"] = _lowp_path(plan)
+    ctx.notes["precision"] = _lowp_note(plan, types)
+
+
+def _dts(ins: list[Any], outs: list[Any]) -> tuple:
+    """(X, W, bias, Y) dtype names of a Conv (the window kernel's WindowSpec.dts)."""
+    b = np.dtype(ins[2].dtype).name if len(ins) > 2 and ins[2] is not None else "float32"
+    return (np.dtype(ins[0].dtype).name, np.dtype(ins[1].dtype).name, b,
+            np.dtype(outs[0].dtype).name)
+
+
+def _dw_spec(geom: ConvGeom, dts: tuple) -> WindowSpec:
     return WindowSpec(kind="dw", N=geom.N, C=geom.C, M=geom.M, isz=geom.isz, osz=geom.osz,
-                      k=geom.k, s=geom.s, d=geom.d, pb=geom.pb, bias=geom.bias)
+                      k=geom.k, s=geom.s, d=geom.d, pb=geom.pb, bias=geom.bias, dts=dts)
+
+
+def _dw_note(spec: WindowSpec) -> str | None:
+    if spec.dts == ("float32",) * 4:
+        return None
+    return "depthwise: " + "/".join(sorted({d for d in spec.dts if d != "float32"})) + \
+        " storage, fp32 FMA"
 
 
 def _gemm_path(plan: Any) -> str:
@@ -126,11 +183,20 @@ def conv_tiling(node: Any, ins: list[Any], outs: list[Any]) -> Tiling | None:
     one = dc_replace(geom, N=1)
     notes: dict[str, Any] = {}
     if depthwise:
-        spec = _dw_spec(one)
+        spec = _dw_spec(one, _dts(ins, outs))
         wplan = plan_window(spec)
         key: tuple = ("conv", "dw", spec, wplan)
         tiles, ws = wplan.num_tiles, 0
         notes["path"] = f"depthwise R{wplan.R}xV{wplan.V}"
+        if _dw_note(spec):
+            notes["precision"] = _dw_note(spec)
+    elif (types := lowp_types(node, ins, outs)) is not None:
+        lplan = lowp_plan_of(one, types, True)
+        key = ("conv", "lowp", one, (lplan, types))
+        tiles = lplan.num_tiles
+        ws = plan_lowp(one, lplan.mode, const_weights=False).ws_bytes
+        notes["path"] = _lowp_path(lplan)
+        notes["precision"] = _lowp_note(lplan, types)
     elif (wplan := winograd.choose(one, config.WINOGRAD)) is not None:
         gplan = plan_conv(one, const_weights=True)
         key = ("conv", "winograd", one, (wplan, gplan))
@@ -166,12 +232,18 @@ def _lower_conv(ctx: LowerCtx, epilogue: Any = None, y_slot: int | None = None,
     ctx.flops = geom.flops
     ctx.single_core = geom.flops < SINGLE_CORE_FLOPS
     if depthwise:
-        spec = _dw_spec(geom)
+        spec = _dw_spec(geom, _dts(ctx.in_types, ctx.out_types))
         plan = plan_window(spec)
         emit_window(ctx.module, ctx.symbol, spec, plan, slots, epilogue=epilogue)
         ctx.num_tiles = plan.num_tiles
         ctx.notes["path"] = f"depthwise R{plan.R}xV{plan.V}"
+        if _dw_note(spec):
+            ctx.notes["precision"] = _dw_note(spec)
         return
+    types = lowp_types(ctx.node, ctx.in_types, ctx.out_types)
+    if types is not None:
+        return _emit_lowp(ctx, geom, lowp_plan_of(geom, types, ctx.is_const(1)), types, slots,
+                          epilogue)
     w = ctx.const(1)
     wplan = winograd.choose(geom, config.WINOGRAD) if w is not None else None
     if wplan is not None:
@@ -198,7 +270,8 @@ def _lower_conv_any_batch(ctx: LowerCtx, tkey: tuple, epilogue: Any, y_slot: int
     index carries the image), so it serves every batch size."""
     _, kind, geom, plan = tkey  # geom: a ConvGeom ('gemm', 'winograd') or WindowSpec ('dw'), N=1
     one = dc_replace(conv_geometry(ctx)[0], N=1)
-    assert (_dw_spec(one) if kind == "dw" else one) == geom, (geom, one)
+    assert (_dw_spec(one, _dts(ctx.in_types, ctx.out_types)) if kind == "dw" else one) == geom, \
+        (geom, one)
     if y_slot is None:
         y_slot = len(ctx.node.inputs)
     slots = Slots(x=0, w=1, b=2 if geom.bias else -1, y=y_slot)
@@ -206,7 +279,11 @@ def _lower_conv_any_batch(ctx: LowerCtx, tkey: tuple, epilogue: Any, y_slot: int
         emit_window(ctx.module, ctx.symbol, geom, plan, slots, epilogue=epilogue)
         ctx.num_tiles = plan.num_tiles
         ctx.notes["path"] = f"depthwise R{plan.R}xV{plan.V}"
+        if _dw_note(geom):
+            ctx.notes["precision"] = _dw_note(geom)
         return
+    if kind == "lowp":
+        return _emit_lowp(ctx, geom, plan[0], plan[1], slots, epilogue)
     const_w = ctx.is_const(1)
     if kind == "winograd":
         wplan, plan = plan
@@ -368,7 +445,8 @@ def pool_spec(node: Any, x_t: Any, y_t: Any) -> WindowSpec:
                                   pb3[a], pe3[a], inc) for a in range(3)]
         extra["count_rows"] = tuple(float(a * b) for a in per_axis[0] for b in per_axis[1])
         extra["count_cols"] = tuple(float(c) for c in per_axis[2])
-    return WindowSpec(kind=kind, **g, **extra)
+    dts = (np.dtype(x_t.dtype).name, "float32", "float32", np.dtype(y_t.dtype).name)
+    return WindowSpec(kind=kind, **g, **extra, dts=dts)
 
 
 def pool_tiling(node: Any, ins: list[Any], outs: list[Any]) -> Tiling | None:
@@ -383,7 +461,9 @@ def pool_tiling(node: Any, ins: list[Any], outs: list[Any]) -> Tiling | None:
     work = outs[0].numel * spec.KK
     return Tiling(key=("window", one, plan), dims=(), num_tiles=spec.N * plan.num_tiles,
                   single_core=work < SINGLE_CORE_FLOPS // 4, flops=work,
-                  notes={"path": f"window {spec.kind} R{plan.R}xV{plan.V}"})
+                  notes={"path": f"window {spec.kind} R{plan.R}xV{plan.V}"}
+                  | ({"precision": f"{spec.dts[0]} storage, fp32 compute"}
+                     if spec.dts[0] != "float32" else {}))
 
 
 def _lower_pool(ctx: LowerCtx) -> None:
@@ -400,6 +480,8 @@ def _lower_pool(ctx: LowerCtx) -> None:
     ctx.single_core = ctx.out_types[0].numel * spec.KK < SINGLE_CORE_FLOPS // 4
     ctx.flops = ctx.out_types[0].numel * spec.KK
     ctx.notes["path"] = f"window {spec.kind} R{plan.R}xV{plan.V}"
+    if spec.dts[0] != "float32":
+        ctx.notes["precision"] = f"{spec.dts[0]} storage, fp32 compute"
 
 
 register_lowering("Conv", tiling=conv_tiling)(_lower_conv)

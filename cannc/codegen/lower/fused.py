@@ -33,7 +33,7 @@ from ..attention import (
     attention_workspace_bytes,
     emit_attention,
 )
-from ..elementwise import TV, Expr, emit_map, map_tiling
+from ..elementwise import TV, Expr, bf16_bits_to_f32, emit_map, map_tiling
 from ..gemm import GEMM_DIMS, emit_gemm
 from ..kernel import LowerCtx
 from ..plans import attention_notes, attention_record, gemm_tuning
@@ -312,7 +312,9 @@ def _lower_fused_conv(ctx: LowerCtx) -> None:
         lanes = val.type.count
         E = Expr(b, lanes)
         args = b.function.args[0]
-        env = {conv_out: TV(val, np.dtype(np.float32))}
+        # float32 registers (a bfloat16 value is held as float; float16 is widened)
+        cdt = np.dtype(types[conv_out].dtype)
+        env = {conv_out: TV(val, cdt if cdt.name == "bfloat16" else np.dtype(np.float32))}
         env.update({ctx.node.inputs[i]: _immediate(E, c) for i, c in imm.items()})
         lane = ir.Constant(ir.VectorType(emit.I64, lanes), [k * stride for k in range(lanes)])
         idx = b.add(emit.splat(b, offset, lanes), lane)
@@ -328,6 +330,7 @@ def _lower_fused_conv(ctx: LowerCtx) -> None:
                     b.udiv(idx, emit.splat(b, emit.i64(SP), lanes)),
                     emit.splat(b, emit.i64(M), lanes))
                 env[ctx.node.inputs[i]] = _gather(b, ptr, at, mask, dt, lanes)
+            env[ctx.node.inputs[i]] = _widened(b, env[ctx.node.inputs[i]])
         eval_body(E, epi, env, types, consts)
         return env[final].v
 
@@ -339,6 +342,17 @@ def _lower_fused_conv(ctx: LowerCtx) -> None:
     ctx.flops += sum(int(np.prod(out_shape)) * _flops_per_elem(lookup(n.op_type))
                      for n in epi)
     ctx.notes["epilogue"] = "+".join(n.op_type for n in epi)
+
+
+def _widened(b: ir.IRBuilder, x: TV) -> TV:
+    """A narrow epilogue operand as float (bfloat16 bits held as float; float16 widened)."""
+    if x.dtype.name == "bfloat16" and x.v.type != emit.F32 and \
+            getattr(x.v.type, "element", None) != emit.F32:
+        return TV(bf16_bits_to_f32(b, x.v), x.dtype)
+    if x.dtype == np.float16:
+        ft = ir.VectorType(emit.F32, x.lanes) if x.lanes > 1 else emit.F32
+        return TV(b.fpext(x.v, ft), np.dtype(np.float32))
+    return x
 
 
 def _fused_conv_tiling(node: Node, in_types: list, out_types: list) -> Any:

@@ -20,6 +20,7 @@ from ..epilogue import conv_operand
 from ..registry import Category, Fusion, OpDef, register
 
 F32 = frozenset({"float32"})
+LOWP = frozenset({"float32", "bfloat16", "float16"})   # float32 or narrow operands
 
 
 # ---------------------------------------------------------------------------
@@ -85,9 +86,10 @@ def _check_conv(node: Any, ins: list[Any], outs: list[Any]) -> str | None:
     return None
 
 
-register(OpDef(name="Conv", category=Category.CONTRACTION, dtypes=F32,
+register(OpDef(name="Conv", category=Category.CONTRACTION, dtypes=LOWP,
                check=_check_conv,
-               epilogue=Fusion(rule="conv_epilogue", fused_op="FusedConv", operand=conv_operand),
+               epilogue=Fusion(rule="conv_epilogue", fused_op="FusedConv", operand=conv_operand,
+                               dtypes=LOWP),
                doc="implicit GEMM (im2col tiles + 6x32 micro-kernel); depthwise: direct"))
 
 
@@ -106,8 +108,9 @@ def _check_pool(node: Any, ins: list[Any], outs: list[Any]) -> str | None:
         if len(node.outputs) > 1 and node.outputs[1]:
             return "MaxPool's Indices output is not supported"
         for t in ins[:1] + outs[:1]:
-            if t is not None and np.dtype(t.dtype) != np.float32:
-                return f"dtype {np.dtype(t.dtype).name} not supported (supported: float32)"
+            if t is not None and np.dtype(t.dtype).name not in LOWP:
+                return (f"dtype {np.dtype(t.dtype).name} not supported "
+                        f"(supported: {', '.join(sorted(LOWP))})")
     if node.op_type == "LpPool" and int(node.attrs.get("p", 2)) < 1:
         return f"LpPool with p={node.attrs.get('p')} (p >= 1 is supported)"
     return None
@@ -117,5 +120,5 @@ for _name, _doc in (("MaxPool", "window max, vectorised along the output width")
                     ("AveragePool", "window sum / divisor table (count_include_pad, ceil_mode)"),
                     ("LpPool", "(window sum of |x|^p)^(1/p)")):
     register(OpDef(name=_name, category=Category.OPAQUE,
-                   dtypes=None if _name == "MaxPool" else F32,
+                   dtypes=None if _name == "MaxPool" else LOWP,
                    check=_check_pool, doc=_doc))
