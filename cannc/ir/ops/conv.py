@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..epilogue import conv_operand
-from ..registry import Category, Fusion, OpDef, register
+from ..registry import Amp, Category, Fusion, OpDef, register
 
 F32 = frozenset({"float32"})
 LOWP = frozenset({"float32", "bfloat16", "float16"})   # float32 or narrow operands
@@ -121,4 +121,6 @@ for _name, _doc in (("MaxPool", "window max, vectorised along the output width")
                     ("LpPool", "(window sum of |x|^p)^(1/p)")):
     register(OpDef(name=_name, category=Category.OPAQUE,
                    dtypes=None if _name == "MaxPool" else LOWP,
+                   # window ops between narrow convolutions stay narrow (f32 registers)
+                   amp=Amp.DENY if _name == "LpPool" else Amp.FOLLOW,
                    check=_check_pool, doc=_doc))

@@ -16,7 +16,7 @@ import numpy as np
 
 from ...errors import UnsupportedOpError
 from ..graph import Node
-from ..registry import Category, Fusion, OpDef, register
+from ..registry import Amp, Category, Fusion, OpDef, register
 from ..types import TensorType
 
 FLOATS = frozenset({"float32", "float64", "float16", "bfloat16"})
@@ -83,8 +83,11 @@ for _name, _kind, _dts, _from in REDUCES:
                        f"data: {', '.join(sorted(_dts))}"))
 
 
-register(OpDef(name="GlobalAveragePool", category=Category.REDUCTION, dtypes=FLOATS))
-register(OpDef(name="GlobalMaxPool", category=Category.REDUCTION, dtypes=FLOATS))
+# (a CNN's head between narrow convolutions: f32 sums in registers, under AMP narrow)
+register(OpDef(name="GlobalAveragePool", category=Category.REDUCTION, dtypes=FLOATS,
+               amp=Amp.FOLLOW))
+register(OpDef(name="GlobalMaxPool", category=Category.REDUCTION, dtypes=FLOATS,
+               amp=Amp.FOLLOW))
 
 
 # ---------------------------------------------------------------------------
