@@ -1,0 +1,588 @@
+"""bf16 GEMM kernels on Intel AMX tiles (``tdpbf16ps``), for CPUs that have them.
+
+The emitted kernels follow the kernel ABI (``cannc/codegen/ABI.md``)::
+
+    void @name(ptr %args, i64 %tile_begin, i64 %tile_end, ptr %workspace)
+
+with ``args = [A, B_packed, (bias,) C]`` as `emit_gemm`'s, and compute, for every
+batch item, ``C[M,N] = alpha * A[M,K] @ B[K,N] + beta * bias`` with bf16 products
+and fp32 accumulation:
+
+* B is a constant, prepacked at compile time (`amx_prepack_b`) into the VNNI
+  layout ``tdpbf16ps`` reads: ``[batch_b][ceil(N/16)][Kp/32][16][16][2]`` bf16
+  (Kp = K rounded up to 32, zero padded), so each 16 (K pairs) x 16 (columns) B
+  tile is 1 KiB contiguous.
+* A fp32 is converted to bf16 while it is packed into the workspace, one row
+  block at a time, as ``[16-row panel][Kp/32][16][32]`` (1 KiB tiles, K zero
+  padded). A bf16 A whose K is a multiple of 32 is read in place
+  (``tileloadd`` with its row stride); otherwise it is packed (copied) the same way.
+* The micro-kernel is a 2 x 2 grid of 16 x 16 fp32 C tiles (4 tile registers)
+  fed by 2 A and 2 B tiles per K step of 32: all 8 tile registers. It runs over
+  the whole K with C in tiles, then stores the tiles to a 32 x 32 fp32 scratch in
+  the workspace; vector code applies alpha, bias and the epilogue (fp32
+  registers) and stores C as fp32 or bf16, masked at the right edge.
+* Edges: K is zero padded (A and B); the last rows (M mod 32) use tiles of that
+  many rows (the ``rows`` shape operand); the last columns (N mod 32 <= 16) use
+  one column tile, wider ones the zero padded B panel and masked stores. No
+  scalar loops.
+* Each micro-kernel variant (full, last rows, last columns, corner) is its own
+  internal ``noinline`` function, so LLVM's tile configuration (one shape per
+  tile register and function, ``ldtilecfg`` on entry) holds at most two shapes
+  of each kind. The kernel ends with ``tilerelease``.
+
+Tiles: ``tile = (batch item, column block, row block)``, row block fastest, as
+`gemm.py`'s; the grid is chosen so that two cores get balanced work. Within a
+tile the column pairs run outer, the row pairs inner: the packed A block
+(<= ``A_BLOCK`` bytes) stays in L2, a 32-column strip of B in L1/L2.
+
+Linux requires a per-process permission before the first tile instruction:
+`amx_usable` asks for it (``cannc.native.target.amx_permission``), and so does
+the JIT loader on an AMX host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from llvmlite import ir
+
+from .. import config
+from ..native import target
+from ..native.emit import F32, I32, I64, PTR, VOID, X86_AMX, i32, i64
+from ..schedule.split import cdiv, rup, split_even
+from .elementwise import bf16_bits_to_f32, f32_to_bf16_bits
+from .gemm import Epilogue, GemmSpec
+from .vec import VF, VI32, VM, VecBuilder, abi_function
+
+__all__ = [
+    "AmxPlan",
+    "amx_plan",
+    "amx_num_tiles",
+    "amx_prepack_b",
+    "amx_prepacked_b_size",
+    "amx_supports",
+    "amx_usable",
+    "amx_workspace_bytes",
+    "emit_amx_gemm",
+]
+
+TR = 16  # rows of a tile
+TC = 16  # fp32 columns of a C tile (and B columns of a B tile)
+TK = 32  # bf16 elements of K per A tile row
+TILE = 1024  # bytes of a full tile
+A_BLOCK = 512 << 10  # bytes of packed (or read-in-place) A a row block keeps in L2
+I16 = ir.IntType(16)
+BF16 = ir.BFloatType() if hasattr(ir, "BFloatType") else None
+CS_STRIDE = 2 * TC * 4  # bytes per row of the 32 x 32 fp32 C scratch
+
+
+def amx_usable() -> str | None:
+    """None when AMX bf16 kernels can run in this process, else why not: the host
+    target (its features, ``CANNC_ISA``) has no amx-tile/amx-bf16, or the OS did
+    not grant the tile state (asked once per process)."""
+    tgt = target.host()
+    for f in ("amx-tile", "amx-bf16", "avx512f"):
+        if not tgt.has(f):
+            return f"the host target has no {f}" + (
+                f" (CANNC_ISA={config.ISA})" if config.ISA else "")
+    return target.amx_permission()
+
+
+def _dt(dtype) -> str:
+    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if name in ("float32", "bfloat16"):
+        return name
+    raise ValueError(f"AMX GEMM: unsupported dtype {name} (float32 or bfloat16)")
+
+
+def amx_supports(spec: GemmSpec) -> str | None:
+    """Why ``spec`` cannot run as an AMX kernel (None: it can)."""
+    if spec.dyn:
+        return "a shape-polymorphic (dynamic) GEMM"
+    if spec.trans_a:
+        return "A stored transposed"
+    if not spec.b_prepacked:
+        return "B not a constant prepacked at compile time"
+    if spec.bias and spec.bias_col_stride not in (0, 1):
+        return f"a bias column stride of {spec.bias_col_stride}"
+    return None
+
+
+# ---------------------------------------------------------------------------
+# planning (compile-time Python)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AmxPlan:
+    Kp: int  # K rounded up to 32
+    kb: int  # K steps of 32
+    pack_a: bool  # A packed (and converted) into the workspace per row block
+    mt: int  # row blocks per batch item
+    nt: int  # column blocks per batch item
+    MB: int  # rows per row block (a multiple of 32)
+    NB: int  # columns per column block (a multiple of 32)
+    ws_a: int  # byte offset of the packed A block
+    ws_c: int  # byte offset of the 32 x 32 fp32 C scratch
+    ws_bytes: int
+
+    def num_tiles(self, batch: int) -> int:
+        return batch * self.mt * self.nt
+
+
+def _tile_cost(rows: int, cols: int, Kp: int, pack_a: bool) -> float:
+    """Crude time of one tile (ns): AMX products at ~1 TFLOP/s (whole tiles), A
+    packed at ~4 elements/ns, B streamed at ~20 B/ns, a fixed overhead."""
+    c = 2.0 * rup(rows, TR) * rup(cols, TC) * Kp / 1000.0
+    if pack_a:
+        c += rows * Kp / 4.0
+    return c + cols * Kp / 10.0 + 300.0
+
+
+def _grid(spec: GemmSpec, Kp: int, pack_a: bool, cores: int = 2):
+    M, N = spec.M, spec.N
+    best = None
+    max_mb = max(32, (A_BLOCK // (2 * Kp)) // 32 * 32)
+    for mt in range(cdiv(M, min(max_mb, rup(M, 32))), cdiv(M, 32) + 1):
+        MB = rup(cdiv(M, mt), 32)
+        mt_ = cdiv(M, MB)
+        if mt_ > 64:
+            break
+        for nt in range(1, min(cdiv(N, 32), 32) + 1):
+            NB = rup(cdiv(N, nt), 32)
+            nt_ = cdiv(N, NB)
+            T = spec.batch * mt_ * nt_
+            costs = []
+            for b in range(mt_):
+                for a in range(nt_):
+                    costs.append(_tile_cost(min(MB, M - b * MB), min(NB, N - a * NB), Kp,
+                                            pack_a))
+            costs = costs * spec.batch  # (the order within a batch item is immaterial here)
+            worst = max(sum(costs[t0:t1]) for t0, t1 in split_even(T, cores))
+            key = (worst, T)
+            if best is None or key < best[0]:
+                best = (key, mt_, nt_, MB, NB)
+        if spec.batch * mt_ >= 64:
+            break
+    _, mt, nt, MB, NB = best
+    return mt, nt, MB, NB
+
+
+@lru_cache(maxsize=128)
+def _plan(spec: GemmSpec, a_dtype: str) -> AmxPlan:
+    why = amx_supports(spec)
+    if why:
+        raise ValueError(f"AMX GEMM: unsupported: {why}")
+    Kp = rup(spec.K, TK)
+    pack_a = a_dtype == "float32" or spec.K % TK != 0
+    mt, nt, MB, NB = _grid(spec, Kp, pack_a)
+    ws_a = 0
+    a_bytes = rup(MB, TR) * Kp * 2 if pack_a else 0
+    ws_c = rup(a_bytes, 64)
+    return AmxPlan(Kp=Kp, kb=Kp // TK, pack_a=pack_a, mt=mt, nt=nt, MB=MB, NB=NB,
+                   ws_a=ws_a, ws_c=ws_c, ws_bytes=ws_c + 2 * TR * CS_STRIDE)
+
+
+def amx_plan(spec: GemmSpec, a_dtype="float32") -> AmxPlan:
+    return _plan(spec, _dt(a_dtype))
+
+
+def amx_num_tiles(spec: GemmSpec, a_dtype="float32") -> int:
+    return amx_plan(spec, a_dtype).num_tiles(spec.batch)
+
+
+def amx_workspace_bytes(spec: GemmSpec, a_dtype="float32") -> int:
+    return amx_plan(spec, a_dtype).ws_bytes
+
+
+# ---------------------------------------------------------------------------
+# B prepacking (compile time)
+# ---------------------------------------------------------------------------
+
+
+def _b_batches(spec: GemmSpec) -> int:
+    return spec.batch if spec.b_batch_stride else 1
+
+
+def _b_batch_bytes(spec: GemmSpec) -> int:
+    return cdiv(spec.N, TC) * (rup(spec.K, TK) // TK) * TILE
+
+
+def amx_prepacked_b_size(spec: GemmSpec) -> int:
+    """Number of bf16 elements of ``amx_prepack_b(spec, B)``."""
+    return _b_batches(spec) * _b_batch_bytes(spec) // 2
+
+
+def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), round to nearest even, NaN kept a NaN."""
+    if x.dtype.name == "bfloat16":
+        return x.view(np.uint16)
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        r[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
+    return r
+
+
+def amx_prepack_b(spec: GemmSpec, b: np.ndarray) -> np.ndarray:
+    """A constant B (fp32 or bf16; ``[K,N]``, ``[N,K]`` when ``trans_b``, or with a
+    leading batch axis when ``b_batch_stride``) in the VNNI tile layout the kernel
+    reads: ``[batch_b][ceil(N/16)][Kp/32][16][16][2]``, zero padded; a flat
+    bfloat16 array (uint16 bits without ml_dtypes) of `amx_prepacked_b_size`."""
+    K, N = spec.K, spec.N
+    nb = _b_batches(spec)
+    b = np.asarray(b)
+    if b.dtype.name != "bfloat16":
+        b = b.astype(np.float32)
+    rows, cols = (N, K) if spec.trans_b else (K, N)
+    mats = b[None] if b.ndim == 2 else b
+    if mats.ndim == 3 and mats.shape[0] == 1 and nb > 1:
+        mats = np.broadcast_to(mats, (nb, rows, cols))
+    if mats.shape != (nb, rows, cols):
+        raise ValueError(f"amx_prepack_b: B shape {b.shape} does not match the spec "
+                         f"(expected {(nb, rows, cols)} or {(rows, cols)})")
+    if spec.trans_b:
+        mats = mats.transpose(0, 2, 1)
+    bits = _to_bf16_bits(np.ascontiguousarray(mats))
+    Kp, nP = rup(K, TK), cdiv(N, TC)
+    out = np.zeros((nb, Kp, nP * TC), np.uint16)
+    out[:, :K, :N] = bits
+    # (b, kk, pair, e, panel, col) -> (b, panel, kk, pair, col, e)
+    out = out.reshape(nb, Kp // TK, TK // 2, 2, nP, TC).transpose(0, 4, 1, 2, 5, 3)
+    out = np.ascontiguousarray(out).reshape(-1)
+    try:
+        import ml_dtypes
+        return out.view(ml_dtypes.bfloat16)
+    except ImportError:  # pragma: no cover
+        return out
+
+
+# ---------------------------------------------------------------------------
+# code generation
+# ---------------------------------------------------------------------------
+
+
+def _i16(v: int) -> ir.Constant:
+    return ir.Constant(I16, v)
+
+
+class _Gen(VecBuilder):
+    def __init__(self, module, fn, spec: GemmSpec, plan: AmxPlan, epilogue, a_dtype,
+                 c_dtype, bias_dtype):
+        super().__init__(module, fn)
+        self.s, self.p = spec, plan
+        self.epilogue = epilogue
+        self.a_bf16 = a_dtype == "bfloat16"
+        self.c_bf16 = c_dtype == "bfloat16"
+        self.bias_bf16 = bias_dtype == "bfloat16"
+        self.cvt_native = target.host().has("avx512bf16") and BF16 is not None
+        self.iota = ir.Constant(VI32, list(range(16)))
+        self._micro: dict[tuple, ir.Function] = {}
+        # A tile (i, kk) at a + i * a_rt + kk * a_ks, rows a_stride bytes apart
+        if plan.pack_a:
+            self.a_rt, self.a_ks, self.a_stride = plan.kb * TILE, TILE, TK * 2
+        else:
+            lda = spec.lda_ * 2
+            self.a_rt, self.a_ks, self.a_stride = TR * lda, TK * 2, lda
+
+    # -- tile intrinsics -------------------------------------------------------
+    def t_load(self, b, rows, colbytes, ptr, stride):
+        f = self.intr("llvm.x86.tileloadd64.internal", X86_AMX, [I16, I16, PTR, I64])
+        return b.call(f, [_i16(rows), _i16(colbytes), ptr, i64(stride)])
+
+    def t_zero(self, b, rows, colbytes):
+        f = self.intr("llvm.x86.tilezero.internal", X86_AMX, [I16, I16])
+        return b.call(f, [_i16(rows), _i16(colbytes)])
+
+    def t_dp(self, b, m, n, k, c, a, bt):
+        f = self.intr("llvm.x86.tdpbf16ps.internal", X86_AMX, [I16] * 3 + [X86_AMX] * 3)
+        return b.call(f, [_i16(m), _i16(n), _i16(k), c, a, bt])
+
+    def t_store(self, b, rows, colbytes, ptr, stride, t):
+        f = self.intr("llvm.x86.tilestored64.internal", VOID, [I16, I16, PTR, I64, X86_AMX])
+        b.call(f, [_i16(rows), _i16(colbytes), ptr, i64(stride), t])
+
+    def micro(self, rows: int, tn: int) -> ir.Function:
+        """``void mk(ptr a, ptr b, ptr cs)``: the C block of ``rows`` (<= 32) rows and
+        ``tn`` (1, 2) column tiles over the whole K, stored to the scratch ``cs``."""
+        key = (rows, tn)
+        if key in self._micro:
+            return self._micro[key]
+        p = self.p
+        f = ir.Function(self.m, ir.FunctionType(VOID, [PTR, PTR, PTR]),
+                        name=self.m.get_unique_name(f"{self.fn.name}.mk{rows}x{16 * tn}"))
+        f.linkage = "internal"
+        f.attributes.add("nounwind")
+        f.attributes.add("noinline")
+        a, bp, cs = f.args
+        entry = f.append_basic_block("entry")
+        hdr = f.append_basic_block("k.h")
+        body = f.append_basic_block("k.b")
+        ext = f.append_basic_block("k.x")
+        b = ir.IRBuilder(entry)
+        rws = [TR, rows - TR] if rows > TR else [rows]
+        acc0 = [[self.t_zero(b, r, 64) for _ in range(tn)] for r in rws]
+        b.branch(hdr)
+        b.position_at_end(hdr)
+        kk = b.phi(I64, "kk")
+        kk.add_incoming(i64(0), entry)
+        accs = []
+        for i, r in enumerate(rws):
+            row = []
+            for j in range(tn):
+                ph = b.phi(X86_AMX)
+                ph.add_incoming(acc0[i][j], entry)
+                row.append(ph)
+            accs.append(row)
+        b.cbranch(b.icmp_signed("<", kk, i64(p.kb)), body, ext)
+        b.position_at_end(body)
+        at = []
+        for i, r in enumerate(rws):
+            off = b.add(b.mul(kk, i64(self.a_ks)), i64(i * self.a_rt))
+            at.append(self.t_load(b, r, 64, b.gep(a, [off], source_etype=ir.IntType(8)),
+                                  self.a_stride))
+        bt = []
+        for j in range(tn):
+            off = b.add(b.mul(kk, i64(TILE)), i64(j * p.kb * TILE))
+            bt.append(self.t_load(b, TR, 64, b.gep(bp, [off], source_etype=ir.IntType(8)), 64))
+        new = [[self.t_dp(b, r, 64, 64, accs[i][j], at[i], bt[j]) for j in range(tn)]
+               for i, r in enumerate(rws)]
+        kk.add_incoming(b.add(kk, i64(1)), body)
+        for i in range(len(rws)):
+            for j in range(tn):
+                accs[i][j].add_incoming(new[i][j], body)
+        b.branch(hdr)
+        b.position_at_end(ext)
+        for i, r in enumerate(rws):
+            for j in range(tn):
+                ptr = b.gep(cs, [i64(i * TR * CS_STRIDE + j * 64)], source_etype=ir.IntType(8))
+                self.t_store(b, r, 64, ptr, CS_STRIDE, accs[i][j])
+        b.ret_void()
+        self._micro[key] = f
+        return f
+
+    # -- vector helpers -----------------------------------------------------------
+    def bytes_gep(self, ptr, off):
+        return self.b.gep(ptr, [off if not isinstance(off, int) else i64(off)],
+                          source_etype=ir.IntType(8))
+
+    def lane_mask(self, n: ir.Value) -> ir.Value:
+        """Lanes 0 .. n-1 (n an i64, any value)."""
+        b = self.b
+        n32 = b.trunc(self.smax(self.smin(n, 16), 0), I32)
+        return b.icmp_signed("<", self.iota, self.splat(n32, VI32))
+
+    def mload_i16(self, ptr, mask, n: int = 16):
+        vt = ir.VectorType(I16, n)
+        mt = ir.VectorType(ir.IntType(1), n)
+        f = self.intr(f"llvm.masked.load.v{n}i16.p0", vt, [PTR, I32, mt, vt])
+        return self.b.call(f, [ptr, i32(2), mask, ir.Constant(vt, None)])
+
+    def mstore_i16(self, val, ptr, mask, n: int = 16):
+        vt = ir.VectorType(I16, n)
+        mt = ir.VectorType(ir.IntType(1), n)
+        f = self.intr(f"llvm.masked.store.v{n}i16.p0", VOID, [vt, PTR, I32, mt])
+        self.b.call(f, [val, ptr, i32(2), mask])
+
+    def to_bf16_32(self, lo, hi):
+        """Two <16 x float> -> <32 x i16> bf16 bits (round to nearest even)."""
+        b = self.b
+        if self.cvt_native:
+            v = b.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(I32, 32), list(range(32))))
+            return b.bitcast(b.fptrunc(v, ir.VectorType(BF16, 32)), ir.VectorType(I16, 32))
+        lo16, hi16 = f32_to_bf16_bits(b, lo), f32_to_bf16_bits(b, hi)
+        return b.shuffle_vector(lo16, hi16, ir.Constant(ir.VectorType(I32, 32), list(range(32))))
+
+    # -- A packing ------------------------------------------------------------------
+    def pack_a(self, a_base, m0, nrows, dst):
+        """Rows [m0, m0 + nrows) of A into ``dst`` as [16-row panel][kb][16][32] bf16,
+        K zero padded."""
+        s, p, b = self.s, self.p, self.b
+        K = s.K
+        esz = 2 if self.a_bf16 else 4
+        full, tail = K // TK, K % TK
+        with self.loop(0, nrows, 1, "pa") as r:
+            src = self.bytes_gep(a_base, b.mul(b.add(m0, r), i64(s.lda_ * esz)))
+            drow = self.bytes_gep(dst, b.add(b.mul(b.udiv(r, i64(TR)), i64(p.kb * TILE)),
+                                             b.mul(b.urem(r, i64(TR)), i64(64))))
+            if full:
+                with self.loop(0, full, 1, "pk") as kk:
+                    sp = self.bytes_gep(src, b.mul(kk, i64(TK * esz)))
+                    dp = self.bytes_gep(drow, b.mul(kk, i64(TILE)))
+                    if self.a_bf16:
+                        v = b.load(sp, typ=ir.VectorType(I16, 32), align=2)
+                    else:
+                        v = self.to_bf16_32(b.load(sp, typ=VF, align=4),
+                                            b.load(self.bytes_gep(sp, 64), typ=VF, align=4))
+                    b.store(v, dp, align=64)
+            if tail:
+                sp = self.bytes_gep(src, full * TK * esz)
+                dp = self.bytes_gep(drow, full * TILE)
+                if self.a_bf16:
+                    m = ir.Constant(ir.VectorType(ir.IntType(1), 32),
+                                    [1] * tail + [0] * (32 - tail))
+                    v = self.mload_i16(sp, m, 32)
+                else:
+                    m0_ = ir.Constant(VM, [1] * min(tail, 16) + [0] * (16 - min(tail, 16)))
+                    lo = self.load_v(sp, m0_)
+                    if tail > 16:
+                        m1_ = ir.Constant(VM, [1] * (tail - 16) + [0] * (32 - tail))
+                        hi = self.load_v(self.bytes_gep(sp, 64), m1_)
+                    else:
+                        hi = self.zero_v
+                    v = self.to_bf16_32(lo, hi)
+                b.store(v, dp, align=64)
+
+    # -- the output of one 32 x 32 block ----------------------------------------------
+    def store_block(self, cs, c_base, bias, m, n):
+        """C[m .. m+31, n .. n+31] (clipped to M, N) from the scratch ``cs``: alpha,
+        bias, epilogue in fp32, stored as c_dtype."""
+        s, b = self.s, self.b
+        alpha = float(np.float32(s.alpha))
+        beta = float(np.float32(s.beta))
+        use_bias = s.bias and beta != 0.0
+        brs, bcs = s.bias_row_stride, s.bias_col_stride
+        rows = self.smin(b.sub(i64(s.M), m), 32)
+        cols = b.sub(i64(s.N), n)
+        masks = [self.lane_mask(cols), self.lane_mask(b.sub(cols, i64(16)))]
+        esz = 2 if self.c_bf16 else 4
+        besz = 2 if self.bias_bf16 else 4
+        with self.loop(0, rows, 1, "st") as r:
+            mm = b.add(m, r)
+            crow = self.bytes_gep(c_base, b.mul(b.add(b.mul(mm, i64(s.ldc_)), n), i64(esz)))
+            srow = self.bytes_gep(cs, b.mul(r, i64(CS_STRIDE)))
+            if use_bias:
+                boff = b.mul(mm, i64(brs)) if brs else i64(0)
+                if bcs == 0:
+                    bptr = self.bytes_gep(bias, b.mul(boff, i64(besz)))
+                    if self.bias_bf16:
+                        x = bf16_bits_to_f32(b, b.load(bptr, typ=I16, align=2))
+                    else:
+                        x = b.load(bptr, typ=F32, align=4)
+                    bias_row = self.splat_f(x)
+                else:
+                    bias_ptr = self.bytes_gep(bias, b.mul(b.add(boff, n), i64(besz)))
+            for v in range(2):
+                val = b.load(self.bytes_gep(srow, 64 * v), typ=VF, align=64)
+                if alpha != 1.0:
+                    val = b.fmul(val, self.splat_f(alpha))
+                if use_bias:
+                    if bcs == 0:
+                        bv = bias_row
+                    elif self.bias_bf16:
+                        bv = bf16_bits_to_f32(
+                            b, self.mload_i16(self.bytes_gep(bias_ptr, 32 * v), masks[v]))
+                    else:
+                        bv = self.load_v(self.bytes_gep(bias_ptr, 64 * v), masks[v])
+                    val = b.fadd(val, bv) if beta == 1.0 else self.fma(bv, self.splat_f(beta),
+                                                                      val)
+                nv = b.add(n, i64(16 * v)) if v else n
+                if self.epilogue is not None:
+                    val = self.epilogue(b, val, mm, nv)
+                dst = self.bytes_gep(crow, 16 * v * esz)
+                if self.c_bf16:
+                    self.mstore_i16(f32_to_bf16_bits(b, val), dst, masks[v])
+                else:
+                    self.store_v(val, dst, masks[v])
+
+    # -- the kernel -------------------------------------------------------------------
+    def emit(self):
+        s, p, b = self.s, self.p, self.b
+        A = self.arg(self.fn.args[0], 0)
+        B = self.arg(self.fn.args[0], 1)
+        bias = self.arg(self.fn.args[0], 2) if s.bias else None
+        C = self.arg(self.fn.args[0], 3 if s.bias else 2)
+        ws = self.fn.args[3]
+        t0, t1 = self.fn.args[1], self.fn.args[2]
+        cs = self.bytes_gep(ws, p.ws_c)
+        wa = self.bytes_gep(ws, p.ws_a)
+        aesz = 2 if self.a_bf16 else 4
+        cesz = 2 if self.c_bf16 else 4
+        per_b = p.mt * p.nt
+        Mrem, Nrem = s.M % 32, s.N % 32
+        with self.loop(t0, t1, 1, "t") as t:
+            bi = b.udiv(t, i64(per_b))
+            rr = b.urem(t, i64(per_b))
+            jt = b.udiv(rr, i64(p.mt))
+            it = b.urem(rr, i64(p.mt))
+            m0 = b.mul(it, i64(p.MB))
+            m1 = self.smin(b.add(m0, i64(p.MB)), s.M)
+            n0 = b.mul(jt, i64(p.NB))
+            n1 = self.smin(b.add(n0, i64(p.NB)), s.N)
+            a_b = self.bytes_gep(A, b.mul(bi, i64(s.a_batch_stride * aesz)))
+            b_b = self.bytes_gep(B, b.mul(bi, i64(_b_batch_bytes(s) if s.b_batch_stride
+                                                   else 0)))
+            c_b = self.bytes_gep(C, b.mul(bi, i64(s.c_batch_stride_ * cesz)))
+            bias_b = bias
+            if p.pack_a:
+                self.pack_a(a_b, m0, b.sub(m1, m0), wa)
+                a_blk = wa
+            else:
+                a_blk = self.bytes_gep(a_b, b.mul(m0, i64(s.lda_ * 2)))
+            with self.loop(n0, n1, 32, "n") as n:
+                bp = self.bytes_gep(b_b, b.mul(b.udiv(n, i64(TC)), i64(p.kb * TILE)))
+                with self.loop(m0, m1, 32, "m") as m:
+                    ap = self.bytes_gep(a_blk, b.mul(b.udiv(b.sub(m, m0), i64(TR)),
+                                                     i64(self.a_rt)))
+                    self.call_micro(ap, bp, cs, m, n, Mrem, Nrem)
+                    self.store_block(cs, c_b, bias_b, m, n)
+        f = self.intr("llvm.x86.tilerelease", VOID, [])
+        b.call(f, [])
+        b.ret_void()
+
+    def call_micro(self, ap, bp, cs, m, n, Mrem, Nrem):
+        """Call the micro-kernel variant of the block at (m, n): the last rows and the
+        last columns (<= 16 of them: one column tile) have their own."""
+        b = self.b
+        s = self.s
+
+        def cols_variant(rows):
+            if 0 < Nrem <= 16:
+                last_c = b.icmp_signed(">=", b.add(n, i64(16)), i64(s.N))
+                with b.if_else(last_c) as (then, other):
+                    with then:
+                        b.call(self.micro(rows, 1), [ap, bp, cs])
+                    with other:
+                        b.call(self.micro(rows, 2), [ap, bp, cs])
+            else:
+                b.call(self.micro(rows, 2), [ap, bp, cs])
+
+        if Mrem:
+            last_r = b.icmp_signed(">", b.add(m, i64(32)), i64(s.M))
+            with b.if_else(last_r) as (then, other):
+                with then:
+                    cols_variant(Mrem)
+                with other:
+                    cols_variant(32)
+        else:
+            cols_variant(32)
+
+
+def emit_amx_gemm(
+    module: ir.Module,
+    name: str,
+    spec: GemmSpec,
+    epilogue: Epilogue | None = None,
+    *,
+    a_dtype="float32",
+    c_dtype="float32",
+    bias_dtype="float32",
+) -> ir.Function:
+    """Emit ``void name(ptr args, i64 tile_begin, i64 tile_end, ptr workspace)``: the
+    AMX bf16 GEMM of ``spec`` (``b_prepacked``: B from `amx_prepack_b`; see
+    `amx_supports`), args ``[A, B_packed, (bias,) C]``. ``a_dtype``: A float32
+    (converted to bf16 while packed) or bfloat16; ``c_dtype``: C float32 or
+    bfloat16 (rounded to nearest even on store, after the epilogue);
+    ``bias_dtype`` likewise. ``epilogue(builder, <16 x float>, m, n)`` as in
+    `emit_gemm` (after alpha and bias; may see masked-off lanes and rows < 32 of
+    a block, whose results are discarded; no side effects on memory). The kernel
+    has `amx_num_tiles` tiles and needs `amx_workspace_bytes`; run it only where
+    `amx_usable` is None."""
+    a_dt, c_dt, bias_dt = _dt(a_dtype), _dt(c_dtype), _dt(bias_dtype)
+    plan = _plan(spec, a_dt)
+    fn = abi_function(module, name)
+    _Gen(module, fn, spec, plan, epilogue, a_dt, c_dt, bias_dt).emit()
+    return fn
