@@ -9,12 +9,13 @@ batch item, ``C[M,N] = alpha * A[M,K] @ B[K,N] + beta * bias`` with bf16 product
 and fp32 accumulation:
 
 * B is a constant, prepacked at compile time (`amx_prepack_b`) into the VNNI
-  layout ``tdpbf16ps`` reads: ``[batch_b][ceil(N/16)][Kp/32][16][16][2]`` bf16
-  (Kp = K rounded up to 32, zero padded), so each 16 (K pairs) x 16 (columns) B
-  tile is 1 KiB contiguous.
+  layout ``tdpbf16ps`` reads, in 32-column panels whose two tiles of a K step are
+  adjacent: ``[batch_b][ceil(N/32)][Kp/32][2][16][16][2]`` bf16 (Kp = K rounded up
+  to 32, zero padded); each 16 (K pairs) x 16 (columns) tile is 1 KiB contiguous.
 * A fp32 is converted to bf16 while it is packed into the workspace, one row
-  block at a time, as ``[16-row panel][Kp/32][16][32]`` (1 KiB tiles, K zero
-  padded). A bf16 A whose K is a multiple of 32 is read in place
+  block at a time, as ``[32-row panel][Kp/32][2][16][32]`` (1 KiB tiles, K zero
+  padded; the 2 KiB a K step reads are contiguous, and A and B tiles do not
+  alias in L1 as 32 KiB-apart panels would). A bf16 A whose K is a multiple of 32 is read in place
   (``tileloadd`` with its row stride); otherwise it is packed (copied) the same way.
 * The micro-kernel is a 2 x 2 grid of 16 x 16 fp32 C tiles (4 tile registers)
   fed by 2 A and 2 B tiles per K step of 32: all 8 tile registers. It runs over
@@ -179,7 +180,7 @@ def _plan(spec: GemmSpec, a_dtype: str) -> AmxPlan:
     pack_a = a_dtype == "float32" or spec.K % TK != 0
     mt, nt, MB, NB = _grid(spec, Kp, pack_a)
     ws_a = 0
-    a_bytes = rup(MB, TR) * Kp * 2 if pack_a else 0
+    a_bytes = rup(MB, 2 * TR) * Kp * 2 if pack_a else 0
     ws_c = rup(a_bytes, 64)
     return AmxPlan(Kp=Kp, kb=Kp // TK, pack_a=pack_a, mt=mt, nt=nt, MB=MB, NB=NB,
                    ws_a=ws_a, ws_c=ws_c, ws_bytes=ws_c + 2 * TR * CS_STRIDE)
@@ -207,7 +208,7 @@ def _b_batches(spec: GemmSpec) -> int:
 
 
 def _b_batch_bytes(spec: GemmSpec) -> int:
-    return cdiv(spec.N, TC) * (rup(spec.K, TK) // TK) * TILE
+    return cdiv(spec.N, 2 * TC) * (rup(spec.K, TK) // TK) * 2 * TILE
 
 
 def amx_prepacked_b_size(spec: GemmSpec) -> int:
@@ -230,7 +231,7 @@ def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
 def amx_prepack_b(spec: GemmSpec, b: np.ndarray) -> np.ndarray:
     """A constant B (fp32 or bf16; ``[K,N]``, ``[N,K]`` when ``trans_b``, or with a
     leading batch axis when ``b_batch_stride``) in the VNNI tile layout the kernel
-    reads: ``[batch_b][ceil(N/16)][Kp/32][16][16][2]``, zero padded; a flat
+    reads: ``[batch_b][ceil(N/32)][Kp/32][2][16][16][2]``, zero padded; a flat
     bfloat16 array (uint16 bits without ml_dtypes) of `amx_prepacked_b_size`."""
     K, N = spec.K, spec.N
     nb = _b_batches(spec)
@@ -247,11 +248,11 @@ def amx_prepack_b(spec: GemmSpec, b: np.ndarray) -> np.ndarray:
     if spec.trans_b:
         mats = mats.transpose(0, 2, 1)
     bits = _to_bf16_bits(np.ascontiguousarray(mats))
-    Kp, nP = rup(K, TK), cdiv(N, TC)
-    out = np.zeros((nb, Kp, nP * TC), np.uint16)
+    Kp, nP = rup(K, TK), cdiv(N, 2 * TC)
+    out = np.zeros((nb, Kp, nP * 2 * TC), np.uint16)
     out[:, :K, :N] = bits
-    # (b, kk, pair, e, panel, col) -> (b, panel, kk, pair, col, e)
-    out = out.reshape(nb, Kp // TK, TK // 2, 2, nP, TC).transpose(0, 4, 1, 2, 5, 3)
+    # (b, kk, pair, e, panel, tile, col) -> (b, panel, kk, tile, pair, col, e)
+    out = out.reshape(nb, Kp // TK, TK // 2, 2, nP, 2, TC).transpose(0, 4, 1, 5, 2, 6, 3)
     out = np.ascontiguousarray(out).reshape(-1)
     try:
         import ml_dtypes
@@ -283,10 +284,12 @@ class _Gen(VecBuilder):
         self._micro: dict[tuple, ir.Function] = {}
         # A tile (i, kk) at a + i * a_rt + kk * a_ks, rows a_stride bytes apart
         if plan.pack_a:
-            self.a_rt, self.a_ks, self.a_stride = plan.kb * TILE, TILE, TK * 2
+            self.a_rt, self.a_ks, self.a_stride = TILE, 2 * TILE, TK * 2
         else:
             lda = spec.lda_ * 2
             self.a_rt, self.a_ks, self.a_stride = TR * lda, TK * 2, lda
+        # bytes between row pairs (32 rows) of A
+        self.a_pair = plan.kb * 2 * TILE if plan.pack_a else 2 * self.a_rt
 
     # -- tile intrinsics -------------------------------------------------------
     def t_load(self, b, rows, colbytes, ptr, stride):
@@ -330,7 +333,7 @@ class _Gen(VecBuilder):
         kk = b.phi(I64, "kk")
         kk.add_incoming(i64(0), entry)
         accs = []
-        for i, r in enumerate(rws):
+        for i in range(len(rws)):
             row = []
             for j in range(tn):
                 ph = b.phi(X86_AMX)
@@ -346,7 +349,7 @@ class _Gen(VecBuilder):
                                   self.a_stride))
         bt = []
         for j in range(tn):
-            off = b.add(b.mul(kk, i64(TILE)), i64(j * p.kb * TILE))
+            off = b.add(b.mul(kk, i64(2 * TILE)), i64(j * TILE))
             bt.append(self.t_load(b, TR, 64, b.gep(bp, [off], source_etype=ir.IntType(8)), 64))
         new = [[self.t_dp(b, r, 64, 64, accs[i][j], at[i], bt[j]) for j in range(tn)]
                for i, r in enumerate(rws)]
@@ -387,6 +390,16 @@ class _Gen(VecBuilder):
         f = self.intr(f"llvm.masked.store.v{n}i16.p0", VOID, [vt, PTR, I32, mt])
         self.b.call(f, [val, ptr, i32(2), mask])
 
+    def store_bf16(self, val, ptr, mask):
+        """<16 x float> rounded to bf16 (nearest even) and stored where ``mask`` is set,
+        by a masked truncating store (vpmovdw): LLVM 22 lowers a
+        ``masked.store.v16i16`` of a ``trunc`` whose constant mask has one lane to a
+        4-byte store, clobbering the next element."""
+        b = self.b
+        bits = b.zext(f32_to_bf16_bits(b, val), VI32)
+        f = self.intr("llvm.x86.avx512.mask.pmov.dw.mem.512", VOID, [PTR, VI32, I16])
+        b.call(f, [ptr, bits, b.bitcast(mask, I16)])
+
     def to_bf16_32(self, lo, hi):
         """Two <16 x float> -> <32 x i16> bf16 bits (round to nearest even)."""
         b = self.b
@@ -398,20 +411,21 @@ class _Gen(VecBuilder):
 
     # -- A packing ------------------------------------------------------------------
     def pack_a(self, a_base, m0, nrows, dst):
-        """Rows [m0, m0 + nrows) of A into ``dst`` as [16-row panel][kb][16][32] bf16,
-        K zero padded."""
+        """Rows [m0, m0 + nrows) of A into ``dst`` as [32-row panel][kb][2][16][32]
+        bf16, K zero padded."""
         s, p, b = self.s, self.p, self.b
         K = s.K
         esz = 2 if self.a_bf16 else 4
         full, tail = K // TK, K % TK
         with self.loop(0, nrows, 1, "pa") as r:
             src = self.bytes_gep(a_base, b.mul(b.add(m0, r), i64(s.lda_ * esz)))
-            drow = self.bytes_gep(dst, b.add(b.mul(b.udiv(r, i64(TR)), i64(p.kb * TILE)),
-                                             b.mul(b.urem(r, i64(TR)), i64(64))))
+            drow = self.bytes_gep(dst, b.add(b.mul(b.udiv(r, i64(2 * TR)),
+                                                   i64(p.kb * 2 * TILE)),
+                                             b.mul(b.urem(r, i64(2 * TR)), i64(64))))
             if full:
                 with self.loop(0, full, 1, "pk") as kk:
                     sp = self.bytes_gep(src, b.mul(kk, i64(TK * esz)))
-                    dp = self.bytes_gep(drow, b.mul(kk, i64(TILE)))
+                    dp = self.bytes_gep(drow, b.mul(kk, i64(2 * TILE)))
                     if self.a_bf16:
                         v = b.load(sp, typ=ir.VectorType(I16, 32), align=2)
                     else:
@@ -420,7 +434,7 @@ class _Gen(VecBuilder):
                     b.store(v, dp, align=64)
             if tail:
                 sp = self.bytes_gep(src, full * TK * esz)
-                dp = self.bytes_gep(drow, full * TILE)
+                dp = self.bytes_gep(drow, full * 2 * TILE)
                 if self.a_bf16:
                     m = ir.Constant(ir.VectorType(ir.IntType(1), 32),
                                     [1] * tail + [0] * (32 - tail))
@@ -484,7 +498,7 @@ class _Gen(VecBuilder):
                     val = self.epilogue(b, val, mm, nv)
                 dst = self.bytes_gep(crow, 16 * v * esz)
                 if self.c_bf16:
-                    self.mstore_i16(f32_to_bf16_bits(b, val), dst, masks[v])
+                    self.store_bf16(val, dst, masks[v])
                 else:
                     self.store_v(val, dst, masks[v])
 
@@ -523,10 +537,10 @@ class _Gen(VecBuilder):
             else:
                 a_blk = self.bytes_gep(a_b, b.mul(m0, i64(s.lda_ * 2)))
             with self.loop(n0, n1, 32, "n") as n:
-                bp = self.bytes_gep(b_b, b.mul(b.udiv(n, i64(TC)), i64(p.kb * TILE)))
+                bp = self.bytes_gep(b_b, b.mul(b.udiv(n, i64(2 * TC)), i64(p.kb * 2 * TILE)))
                 with self.loop(m0, m1, 32, "m") as m:
-                    ap = self.bytes_gep(a_blk, b.mul(b.udiv(b.sub(m, m0), i64(TR)),
-                                                     i64(self.a_rt)))
+                    ap = self.bytes_gep(a_blk, b.mul(b.udiv(b.sub(m, m0), i64(2 * TR)),
+                                                     i64(self.a_pair)))
                     self.call_micro(ap, bp, cs, m, n, Mrem, Nrem)
                     self.store_block(cs, c_b, bias_b, m, n)
         f = self.intr("llvm.x86.tilerelease", VOID, [])
