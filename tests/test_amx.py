@@ -39,7 +39,7 @@ class Case:
     """Buffers, a float64 reference from the bf16-rounded inputs, a runner."""
 
     def __init__(self, spec: GemmSpec, a_dtype="float32", c_dtype="float32",
-                 bias_dtype="float32", epilogue=None, ref_epilogue=None, seed=0):
+                 bias_dtype="float32", epilogue=None, ref_epilogue=None, seed=0, tuning=None):
         s = self.spec = spec
         self.a_dtype, self.c_dtype = a_dtype, c_dtype
         rng = np.random.default_rng(seed)
@@ -67,10 +67,10 @@ class Case:
         self.c[:] = np.float32(-7.0)   # a sentinel in the gaps between rows
         m = target.new_module("amx_test")
         amx.emit_amx_gemm(m, "k", s, epilogue, a_dtype=a_dtype, c_dtype=c_dtype,
-                          bias_dtype=bias_dtype)
+                          bias_dtype=bias_dtype, tuning=tuning)
         self.fn = target.jit_kernel(m, "k")
-        self.T = amx.amx_num_tiles(s, a_dtype)
-        self.ws = amx.amx_workspace_bytes(s, a_dtype)
+        self.T = amx.amx_num_tiles(s, a_dtype, tuning)
+        self.ws = amx.amx_workspace_bytes(s, a_dtype, tuning)
         ptrs = [self.a, self.bp] + ([self.bias] if s.bias else []) + [self.c]
         self.argv = (ctypes.c_void_p * len(ptrs))(*[p.ctypes.data for p in ptrs])
 
@@ -131,9 +131,13 @@ def test_shapes_fp32_in_fp32_out(M, N, K):
 @needs_amx
 @pytest.mark.parametrize("M,N,K", [(48, 40, 64), (50, 33, 64), (37, 50, 70), (3, 20, 33)])
 @pytest.mark.parametrize("c_dtype", ["float32", "bfloat16"])
-def test_bf16_a(M, N, K, c_dtype):
-    # K % 32 == 0: A read in place with its row stride; otherwise packed
-    Case(GemmSpec(M=M, N=N, K=K, b_prepacked=True), a_dtype="bfloat16", c_dtype=c_dtype).run()
+@pytest.mark.parametrize("pack_a", [True, False])
+def test_bf16_a(M, N, K, c_dtype, pack_a):
+    # pack_a False: with K % 32 == 0, A read in place with its row stride
+    spec = GemmSpec(M=M, N=N, K=K, b_prepacked=True)
+    tuning = {"pack_a": pack_a}
+    assert amx.amx_plan(spec, "bfloat16", tuning).pack_a == (pack_a or K % 32 != 0)
+    Case(spec, a_dtype="bfloat16", c_dtype=c_dtype, tuning=tuning).run()
 
 
 @needs_amx
@@ -177,8 +181,10 @@ def test_batch_strides_and_trans_b():
     spec = GemmSpec(M=20, N=40, K=50, batch=3, a_batch_stride=20 * 60, b_batch_stride=1,
                     lda=60, ldc=48, b_prepacked=True)
     Case(spec).run(splits=list(range(amx.amx_num_tiles(spec) + 1)))
-    Case(GemmSpec(M=33, N=20, K=64, batch=2, a_batch_stride=0, trans_b=True, ldc=24,
-                  b_prepacked=True), a_dtype="bfloat16").run()
+    spec = GemmSpec(M=33, N=20, K=64, batch=2, a_batch_stride=0, trans_b=True, ldc=24,
+                    lda=70, b_prepacked=True)
+    Case(spec, a_dtype="bfloat16").run()
+    Case(spec, a_dtype="bfloat16", tuning={"pack_a": False}).run()
 
 
 @needs_amx

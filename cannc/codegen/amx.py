@@ -15,13 +15,16 @@ and fp32 accumulation:
 * A fp32 is converted to bf16 while it is packed into the workspace, one row
   block at a time, as ``[32-row panel][Kp/32][2][16][32]`` (1 KiB tiles, K zero
   padded; the 2 KiB a K step reads are contiguous, and A and B tiles do not
-  alias in L1 as 32 KiB-apart panels would). A bf16 A whose K is a multiple of 32 is read in place
-  (``tileloadd`` with its row stride); otherwise it is packed (copied) the same way.
+  alias in L1 as 32 KiB-apart panels would). A bf16 A is packed (copied) the
+  same way by default: measured faster than tiles read in place with its row
+  stride, which a ``tuning={"pack_a": False}`` kernel does when K is a
+  multiple of 32.
 * The micro-kernel is a 2 x 2 grid of 16 x 16 fp32 C tiles (4 tile registers)
   fed by 2 A and 2 B tiles per K step of 32: all 8 tile registers. It runs over
-  the whole K with C in tiles, then stores the tiles to a 32 x 32 fp32 scratch in
-  the workspace; vector code applies alpha, bias and the epilogue (fp32
-  registers) and stores C as fp32 or bf16, masked at the right edge.
+  the whole K with C in tiles, for every 32-row pair of the row block in turn,
+  and stores the tiles to an MB x 32 fp32 scratch in the workspace; then
+  vector code applies alpha, bias and the epilogue (fp32 registers) and stores
+  C as fp32 or bf16, masked at the right edge.
 * Edges: K is zero padded (A and B); the last rows (M mod 32) use tiles of that
   many rows (the ``rows`` shape operand); the last columns (N mod 32 <= 16) use
   one column tile, wider ones the zero padded B panel and masked stores. No
@@ -73,7 +76,8 @@ TR = 16  # rows of a tile
 TC = 16  # fp32 columns of a C tile (and B columns of a B tile)
 TK = 32  # bf16 elements of K per A tile row
 TILE = 1024  # bytes of a full tile
-A_BLOCK = 512 << 10  # bytes of packed (or read-in-place) A a row block keeps in L2
+A_BLOCK = 256 << 10  # bytes of packed (or read-in-place) A a row block keeps in L2
+MB_MAX = 256  # rows of a row block (its C scratch: MB x 32 fp32)
 I16 = ir.IntType(16)
 BF16 = ir.BFloatType() if hasattr(ir, "BFloatType") else None
 CS_STRIDE = 2 * TC * 4  # bytes per row of the 32 x 32 fp32 C scratch
@@ -142,10 +146,10 @@ def _tile_cost(rows: int, cols: int, Kp: int, pack_a: bool) -> float:
     return c + cols * Kp / 10.0 + 300.0
 
 
-def _grid(spec: GemmSpec, Kp: int, pack_a: bool, cores: int = 2):
+def _grid(spec: GemmSpec, Kp: int, pack_a: bool, a_block: int, cores: int = 2):
     M, N = spec.M, spec.N
     best = None
-    max_mb = max(32, (A_BLOCK // (2 * Kp)) // 32 * 32)
+    max_mb = min(MB_MAX, max(32, (a_block // (2 * Kp)) // 32 * 32))
     for mt in range(cdiv(M, min(max_mb, rup(M, 32))), cdiv(M, 32) + 1):
         MB = rup(cdiv(M, mt), 32)
         mt_ = cdiv(M, MB)
@@ -172,30 +176,38 @@ def _grid(spec: GemmSpec, Kp: int, pack_a: bool, cores: int = 2):
 
 
 @lru_cache(maxsize=128)
-def _plan(spec: GemmSpec, a_dtype: str) -> AmxPlan:
+def _plan(spec: GemmSpec, a_dtype: str, tuning: tuple = ()) -> AmxPlan:
     why = amx_supports(spec)
     if why:
         raise ValueError(f"AMX GEMM: unsupported: {why}")
+    tun = dict(tuning)
     Kp = rup(spec.K, TK)
-    pack_a = a_dtype == "float32" or spec.K % TK != 0
-    mt, nt, MB, NB = _grid(spec, Kp, pack_a)
+    # a bf16 A is packed too (a copy): tiles of rows a stride of K apart (2 KiB at
+    # K = 1024) share few L1 sets; measured 1024^3 one core, best of 100: 513 read in
+    # place, 793 packed (fp32 A); 128x3072x768: 497 / 794 (loaded machine)
+    pack_a = tun.get("pack_a", True) or a_dtype == "float32" or spec.K % TK != 0
+    mt, nt, MB, NB = _grid(spec, Kp, pack_a, tun.get("a_block", A_BLOCK))
     ws_a = 0
     a_bytes = rup(MB, 2 * TR) * Kp * 2 if pack_a else 0
     ws_c = rup(a_bytes, 64)
     return AmxPlan(Kp=Kp, kb=Kp // TK, pack_a=pack_a, mt=mt, nt=nt, MB=MB, NB=NB,
-                   ws_a=ws_a, ws_c=ws_c, ws_bytes=ws_c + 2 * TR * CS_STRIDE)
+                   ws_a=ws_a, ws_c=ws_c, ws_bytes=ws_c + rup(MB, 2 * TR) * CS_STRIDE)
 
 
-def amx_plan(spec: GemmSpec, a_dtype="float32") -> AmxPlan:
-    return _plan(spec, _dt(a_dtype))
+def amx_plan(spec: GemmSpec, a_dtype="float32", tuning: dict | None = None) -> AmxPlan:
+    """The blocking of ``spec``'s AMX kernel; ``tuning`` overrides ``pack_a`` (False:
+    a bf16 A whose K is a multiple of 32 is read in place) and ``a_block`` (bytes of
+    A a row block holds)."""
+    return _plan(spec, _dt(a_dtype), tuple(sorted((tuning or {}).items())))
 
 
-def amx_num_tiles(spec: GemmSpec, a_dtype="float32") -> int:
-    return amx_plan(spec, a_dtype).num_tiles(spec.batch)
+def amx_num_tiles(spec: GemmSpec, a_dtype="float32", tuning: dict | None = None) -> int:
+    return amx_plan(spec, a_dtype, tuning).num_tiles(spec.batch)
 
 
-def amx_workspace_bytes(spec: GemmSpec, a_dtype="float32") -> int:
-    return amx_plan(spec, a_dtype).ws_bytes
+def amx_workspace_bytes(spec: GemmSpec, a_dtype="float32", tuning: dict | None = None
+                        ) -> int:
+    return amx_plan(spec, a_dtype, tuning).ws_bytes
 
 
 # ---------------------------------------------------------------------------
@@ -309,23 +321,35 @@ class _Gen(VecBuilder):
         b.call(f, [_i16(rows), _i16(colbytes), ptr, i64(stride), t])
 
     def micro(self, rows: int, tn: int) -> ir.Function:
-        """``void mk(ptr a, ptr b, ptr cs)``: the C block of ``rows`` (<= 32) rows and
-        ``tn`` (1, 2) column tiles over the whole K, stored to the scratch ``cs``."""
+        """``void mk(ptr a, ptr b, ptr cs, i64 npairs)``: ``npairs`` consecutive C blocks
+        of ``rows`` (<= 32) rows and ``tn`` (1, 2) column tiles, each over the whole K
+        (C in tiles), stored to the scratch ``cs`` (32 rows apart)."""
         key = (rows, tn)
         if key in self._micro:
             return self._micro[key]
         p = self.p
-        f = ir.Function(self.m, ir.FunctionType(VOID, [PTR, PTR, PTR]),
+        f = ir.Function(self.m, ir.FunctionType(VOID, [PTR, PTR, PTR, I64]),
                         name=self.m.get_unique_name(f"{self.fn.name}.mk{rows}x{16 * tn}"))
         f.linkage = "internal"
         f.attributes.add("nounwind")
         f.attributes.add("noinline")
-        a, bp, cs = f.args
-        entry = f.append_basic_block("entry")
+        a0, bp, cs0, npairs = f.args
+        pre = f.append_basic_block("entry")
+        phdr = f.append_basic_block("p.h")
+        entry = f.append_basic_block("p.b")
         hdr = f.append_basic_block("k.h")
         body = f.append_basic_block("k.b")
         ext = f.append_basic_block("k.x")
-        b = ir.IRBuilder(entry)
+        pext = f.append_basic_block("p.x")
+        b = ir.IRBuilder(pre)
+        b.branch(phdr)
+        b.position_at_end(phdr)
+        pi = b.phi(I64, "pair")
+        pi.add_incoming(i64(0), pre)
+        b.cbranch(b.icmp_signed("<", pi, npairs), entry, pext)
+        b.position_at_end(entry)
+        a = b.gep(a0, [b.mul(pi, i64(self.a_pair))], source_etype=ir.IntType(8))
+        cs = b.gep(cs0, [b.mul(pi, i64(2 * TR * CS_STRIDE))], source_etype=ir.IntType(8))
         rws = [TR, rows - TR] if rows > TR else [rows]
         acc0 = [[self.t_zero(b, r, 64) for _ in range(tn)] for r in rws]
         b.branch(hdr)
@@ -363,6 +387,9 @@ class _Gen(VecBuilder):
             for j in range(tn):
                 ptr = b.gep(cs, [i64(i * TR * CS_STRIDE + j * 64)], source_etype=ir.IntType(8))
                 self.t_store(b, r, 64, ptr, CS_STRIDE, accs[i][j])
+        pi.add_incoming(b.add(pi, i64(1)), ext)
+        b.branch(phdr)
+        b.position_at_end(pext)
         b.ret_void()
         self._micro[key] = f
         return f
@@ -451,15 +478,14 @@ class _Gen(VecBuilder):
                 b.store(v, dp, align=64)
 
     # -- the output of one 32 x 32 block ----------------------------------------------
-    def store_block(self, cs, c_base, bias, m, n):
-        """C[m .. m+31, n .. n+31] (clipped to M, N) from the scratch ``cs``: alpha,
+    def store_block(self, cs, c_base, bias, m, rows, n):
+        """C[m .. m+rows-1, n .. n+31] (clipped to N) from the scratch ``cs``: alpha,
         bias, epilogue in fp32, stored as c_dtype."""
         s, b = self.s, self.b
         alpha = float(np.float32(s.alpha))
         beta = float(np.float32(s.beta))
         use_bias = s.bias and beta != 0.0
         brs, bcs = s.bias_row_stride, s.bias_col_stride
-        rows = self.smin(b.sub(i64(s.M), m), 32)
         cols = b.sub(i64(s.N), n)
         masks = [self.lane_mask(cols), self.lane_mask(b.sub(cols, i64(16)))]
         esz = 2 if self.c_bf16 else 4
@@ -536,43 +562,35 @@ class _Gen(VecBuilder):
                 a_blk = wa
             else:
                 a_blk = self.bytes_gep(a_b, b.mul(m0, i64(s.lda_ * 2)))
+            # full 32-row pairs of the block, then the last rows of A (if here)
+            nfull = b.udiv(b.sub(self.smin(m1, s.M - Mrem), m0), i64(2 * TR))
             with self.loop(n0, n1, 32, "n") as n:
                 bp = self.bytes_gep(b_b, b.mul(b.udiv(n, i64(2 * TC)), i64(p.kb * 2 * TILE)))
-                with self.loop(m0, m1, 32, "m") as m:
-                    ap = self.bytes_gep(a_blk, b.mul(b.udiv(b.sub(m, m0), i64(2 * TR)),
-                                                     i64(self.a_pair)))
-                    self.call_micro(ap, bp, cs, m, n, Mrem, Nrem)
-                    self.store_block(cs, c_b, bias_b, m, n)
+                with self.if_then(b.icmp_signed(">", nfull, i64(0))):
+                    self.call_micro(32, a_blk, bp, cs, nfull, n, Nrem)
+                if Mrem:
+                    with self.if_then(b.icmp_signed("==", m1, i64(s.M))):
+                        ap = self.bytes_gep(a_blk, b.mul(nfull, i64(self.a_pair)))
+                        cp = self.bytes_gep(cs, b.mul(nfull, i64(2 * TR * CS_STRIDE)))
+                        self.call_micro(Mrem, ap, bp, cp, i64(1), n, Nrem)
+                self.store_block(cs, c_b, bias_b, m0, b.sub(m1, m0), n)
         f = self.intr("llvm.x86.tilerelease", VOID, [])
         b.call(f, [])
         b.ret_void()
 
-    def call_micro(self, ap, bp, cs, m, n, Mrem, Nrem):
-        """Call the micro-kernel variant of the block at (m, n): the last rows and the
-        last columns (<= 16 of them: one column tile) have their own."""
+    def call_micro(self, rows, ap, bp, cs, npairs, n, Nrem):
+        """Call the micro-kernel of ``rows``-row pairs for the columns at ``n``: the last
+        columns (<= 16 of them: one column tile) have their own."""
         b = self.b
-        s = self.s
-
-        def cols_variant(rows):
-            if 0 < Nrem <= 16:
-                last_c = b.icmp_signed(">=", b.add(n, i64(16)), i64(s.N))
-                with b.if_else(last_c) as (then, other):
-                    with then:
-                        b.call(self.micro(rows, 1), [ap, bp, cs])
-                    with other:
-                        b.call(self.micro(rows, 2), [ap, bp, cs])
-            else:
-                b.call(self.micro(rows, 2), [ap, bp, cs])
-
-        if Mrem:
-            last_r = b.icmp_signed(">", b.add(m, i64(32)), i64(s.M))
-            with b.if_else(last_r) as (then, other):
+        if 0 < Nrem <= 16:
+            last_c = b.icmp_signed(">=", b.add(n, i64(16)), i64(self.s.N))
+            with b.if_else(last_c) as (then, other):
                 with then:
-                    cols_variant(Mrem)
+                    b.call(self.micro(rows, 1), [ap, bp, cs, npairs])
                 with other:
-                    cols_variant(32)
+                    b.call(self.micro(rows, 2), [ap, bp, cs, npairs])
         else:
-            cols_variant(32)
+            b.call(self.micro(rows, 2), [ap, bp, cs, npairs])
 
 
 def emit_amx_gemm(
@@ -584,6 +602,7 @@ def emit_amx_gemm(
     a_dtype="float32",
     c_dtype="float32",
     bias_dtype="float32",
+    tuning: dict | None = None,
 ) -> ir.Function:
     """Emit ``void name(ptr args, i64 tile_begin, i64 tile_end, ptr workspace)``: the
     AMX bf16 GEMM of ``spec`` (``b_prepacked``: B from `amx_prepack_b`; see
@@ -593,10 +612,11 @@ def emit_amx_gemm(
     ``bias_dtype`` likewise. ``epilogue(builder, <16 x float>, m, n)`` as in
     `emit_gemm` (after alpha and bias; may see masked-off lanes and rows < 32 of
     a block, whose results are discarded; no side effects on memory). The kernel
-    has `amx_num_tiles` tiles and needs `amx_workspace_bytes`; run it only where
-    `amx_usable` is None."""
+    has `amx_num_tiles` tiles and needs `amx_workspace_bytes` (pass them the same
+    ``a_dtype`` and ``tuning``, see `amx_plan`); run it only where `amx_usable` is
+    None."""
     a_dt, c_dt, bias_dt = _dt(a_dtype), _dt(c_dtype), _dt(bias_dtype)
-    plan = _plan(spec, a_dt)
+    plan = amx_plan(spec, a_dt, tuning)
     fn = abi_function(module, name)
     _Gen(module, fn, spec, plan, epilogue, a_dt, c_dt, bias_dt).emit()
     return fn
