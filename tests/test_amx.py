@@ -19,7 +19,7 @@ import pytest
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
 from cannc.codegen import amx
-from cannc.codegen.gemm import GemmSpec
+from cannc.codegen.gemm import GemmSpec, dynamic_spec
 from cannc.native import target
 from cannc.native.emit import F32, X86_AMX
 from tests.helpers import aligned, run_concurrently, run_splits
@@ -39,7 +39,8 @@ class Case:
     """Buffers, a float64 reference from the bf16-rounded inputs, a runner."""
 
     def __init__(self, spec: GemmSpec, a_dtype="float32", c_dtype="float32",
-                 bias_dtype="float32", epilogue=None, ref_epilogue=None, seed=0, tuning=None):
+                 bias_dtype="float32", epilogue=None, ref_epilogue=None, seed=0, tuning=None,
+                 build=True):
         s = self.spec = spec
         self.a_dtype, self.c_dtype = a_dtype, c_dtype
         rng = np.random.default_rng(seed)
@@ -65,14 +66,15 @@ class Case:
         c_len = (s.batch - 1) * c_bs + (s.M - 1) * ldc + s.N
         self.c = aligned(c_len, BF16 if c_dtype == "bfloat16" else np.float32)
         self.c[:] = np.float32(-7.0)   # a sentinel in the gaps between rows
-        m = target.new_module("amx_test")
-        amx.emit_amx_gemm(m, "k", s, epilogue, a_dtype=a_dtype, c_dtype=c_dtype,
-                          bias_dtype=bias_dtype, tuning=tuning)
-        self.fn = target.jit_kernel(m, "k")
-        self.T = amx.amx_num_tiles(s, a_dtype, tuning)
-        self.ws = amx.amx_workspace_bytes(s, a_dtype, tuning)
-        ptrs = [self.a, self.bp] + ([self.bias] if s.bias else []) + [self.c]
-        self.argv = (ctypes.c_void_p * len(ptrs))(*[p.ctypes.data for p in ptrs])
+        self.ptrs = [self.a, self.bp] + ([self.bias] if s.bias else []) + [self.c]
+        self.argv = (ctypes.c_void_p * len(self.ptrs))(*[p.ctypes.data for p in self.ptrs])
+        if build:
+            m = target.new_module("amx_test")
+            amx.emit_amx_gemm(m, "k", s, epilogue, a_dtype=a_dtype, c_dtype=c_dtype,
+                              bias_dtype=bias_dtype, tuning=tuning)
+            self.fn = target.jit_kernel(m, "k")
+            self.T = amx.amx_num_tiles(s, a_dtype, tuning)
+            self.ws = amx.amx_workspace_bytes(s, a_dtype, tuning)
 
         # reference (float64 from the bf16-rounded inputs)
         A = _bf(self.a.astype(np.float32))
@@ -185,6 +187,38 @@ def test_batch_strides_and_trans_b():
                     lda=70, b_prepacked=True)
     Case(spec, a_dtype="bfloat16").run()
     Case(spec, a_dtype="bfloat16", tuning={"pack_a": False}).run()
+
+
+@needs_amx
+@pytest.mark.parametrize("batched", [False, True])
+def test_dynamic_kernel_serves_every_m(batched):
+    """One kernel (M and the batch count at run time, AMX_DIMS) for many M: the edge
+    rows' tile shapes come from M at run time."""
+    N, K = 45, 70
+    if batched:
+        base = GemmSpec(M=8, N=N, K=K, batch=2, a_batch_stride=8 * K, b_batch_stride=K * N,
+                        c_batch_stride=8 * N, b_prepacked=True)
+    else:
+        base = GemmSpec(M=8, N=N, K=K, b_prepacked=True, bias=True, bias_col_stride=1)
+    canon = dynamic_spec(base)
+    nptr = 4 if canon.bias else 3
+    m = target.new_module("amx_dyn")
+    amx.emit_amx_gemm(m, "k", canon, a_dtype="bfloat16", c_dtype="bfloat16", dims_slot=nptr)
+    fn = target.jit_kernel(m, "k")
+    ws = amx.amx_workspace_bytes(canon, "bfloat16")
+    for M, nb in [(1, 1), (16, 2), (17, 1), (31, 3), (33, 1), (100, 2), (300, 1)]:
+        nb = nb if batched else 1
+        static = dataclasses.replace(base, M=M, batch=nb, c_batch_stride=0,
+                                     a_batch_stride=M * K if batched else 0,
+                                     b_batch_stride=1 if batched else 0)
+        c = Case(static, a_dtype="bfloat16", c_dtype="bfloat16", build=False, seed=M)
+        dims, T = amx.amx_dims(canon, M, nb, "bfloat16")
+        assert dims[:2] == (M, nb) and len(dims) == len(amx.AMX_DIMS)
+        argv = (ctypes.c_void_p * (nptr + len(dims)))(*[p.ctypes.data for p in c.ptrs], *dims)
+        run_splits(fn, argv, T, ws)
+        c.check()
+    with pytest.raises(ValueError):
+        amx.amx_dims(canon, 0)
 
 
 @needs_amx

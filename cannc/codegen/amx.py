@@ -61,7 +61,9 @@ from .gemm import Epilogue, GemmSpec
 from .vec import VF, VI32, VM, VecBuilder, abi_function
 
 __all__ = [
+    "AMX_DIMS",
     "AmxPlan",
+    "amx_dims",
     "amx_plan",
     "amx_num_tiles",
     "amx_prepack_b",
@@ -103,9 +105,8 @@ def _dt(dtype) -> str:
 
 
 def amx_supports(spec: GemmSpec) -> str | None:
-    """Why ``spec`` cannot run as an AMX kernel (None: it can)."""
-    if spec.dyn:
-        return "a shape-polymorphic (dynamic) GEMM"
+    """Why ``spec`` cannot run as an AMX kernel (None: it can). A dynamic spec
+    (`gemm.dynamic_spec`) is a kernel for any M and batch count (`amx_dims`)."""
     if spec.trans_a:
         return "A stored transposed"
     if not spec.b_prepacked:
@@ -125,16 +126,23 @@ class AmxPlan:
     Kp: int  # K rounded up to 32
     kb: int  # K steps of 32
     pack_a: bool  # A packed (and converted) into the workspace per row block
-    mt: int  # row blocks per batch item
+    max_mb: int  # the largest row block (the workspace holds its packed A and C scratch)
+    mt: int  # row blocks per batch item (0 in a dynamic plan: amx_dims chooses)
     nt: int  # column blocks per batch item
     MB: int  # rows per row block (a multiple of 32)
     NB: int  # columns per column block (a multiple of 32)
     ws_a: int  # byte offset of the packed A block
-    ws_c: int  # byte offset of the 32 x 32 fp32 C scratch
+    ws_c: int  # byte offset of the MB x 32 fp32 C scratch
     ws_bytes: int
 
     def num_tiles(self, batch: int) -> int:
+        assert self.mt, "the grid of a dynamic AMX GEMM is chosen per call (amx_dims)"
         return batch * self.mt * self.nt
+
+
+# the runtime dims of a dynamic kernel, in this order, from its ``dims_slot``
+AMX_DIMS = ("M", "batch", "mt", "nt", "MB", "NB")
+MAX_TILES = 64
 
 
 def _tile_cost(rows: int, cols: int, Kp: int, pack_a: bool) -> float:
@@ -146,31 +154,37 @@ def _tile_cost(rows: int, cols: int, Kp: int, pack_a: bool) -> float:
     return c + cols * Kp / 10.0 + 300.0
 
 
-def _grid(spec: GemmSpec, Kp: int, pack_a: bool, a_block: int, cores: int = 2):
-    M, N = spec.M, spec.N
+def _max_mb(Kp: int, a_block: int) -> int:
+    return min(MB_MAX, max(2 * TR, (a_block // (2 * Kp)) // 32 * 32))
+
+
+def _grid(M: int, N: int, batch: int, Kp: int, pack_a: bool, max_mb: int,
+          cores: int = 2) -> tuple[int, int, int, int]:
+    """(mt, nt, MB, NB): the tile grid whose slowest core (tiles split evenly, as
+    `split_even`) is modelled fastest, at most MAX_TILES tiles (unless the batch
+    alone has more), row blocks of at most max_mb rows."""
     best = None
-    max_mb = min(MB_MAX, max(32, (a_block // (2 * Kp)) // 32 * 32))
-    for mt in range(cdiv(M, min(max_mb, rup(M, 32))), cdiv(M, 32) + 1):
+    mt0 = cdiv(M, min(max_mb, rup(M, 32)))
+    for mt in range(mt0, min(mt0 + 8, cdiv(M, 32)) + 1):
         MB = rup(cdiv(M, mt), 32)
         mt_ = cdiv(M, MB)
-        if mt_ > 64:
-            break
-        for nt in range(1, min(cdiv(N, 32), 32) + 1):
+        for nt in range(1, min(cdiv(N, 32), 16) + 1):
             NB = rup(cdiv(N, nt), 32)
             nt_ = cdiv(N, NB)
-            T = spec.batch * mt_ * nt_
-            costs = []
-            for b in range(mt_):
-                for a in range(nt_):
-                    costs.append(_tile_cost(min(MB, M - b * MB), min(NB, N - a * NB), Kp,
-                                            pack_a))
-            costs = costs * spec.batch  # (the order within a batch item is immaterial here)
-            worst = max(sum(costs[t0:t1]) for t0, t1 in split_even(T, cores))
+            T = batch * mt_ * nt_
+            if T > MAX_TILES and best is not None:
+                break
+            # tile order: row block fastest, then column block, then batch item
+            item = [_tile_cost(min(MB, M - i * MB), min(NB, N - j * NB), Kp, pack_a)
+                    for j in range(nt_) for i in range(mt_)]
+            if T <= 4 * MAX_TILES:
+                costs = item * batch
+                worst = max(sum(costs[t0:t1]) for t0, t1 in split_even(T, cores))
+            else:
+                worst = sum(item) * cdiv(batch, cores)
             key = (worst, T)
             if best is None or key < best[0]:
                 best = (key, mt_, nt_, MB, NB)
-        if spec.batch * mt_ >= 64:
-            break
     _, mt, nt, MB, NB = best
     return mt, nt, MB, NB
 
@@ -183,15 +197,19 @@ def _plan(spec: GemmSpec, a_dtype: str, tuning: tuple = ()) -> AmxPlan:
     tun = dict(tuning)
     Kp = rup(spec.K, TK)
     # a bf16 A is packed too (a copy): tiles of rows a stride of K apart (2 KiB at
-    # K = 1024) share few L1 sets; measured 1024^3 one core, best of 100: 513 read in
-    # place, 793 packed (fp32 A); 128x3072x768: 497 / 794 (loaded machine)
+    # K = 1024) share few L1 sets; measured 1024^3 one core, best of 150: 448 read in
+    # place, 679 packed (730 with fp32 A); 128x3072x768: 497 / 726 (loaded machine)
     pack_a = tun.get("pack_a", True) or a_dtype == "float32" or spec.K % TK != 0
-    mt, nt, MB, NB = _grid(spec, Kp, pack_a, tun.get("a_block", A_BLOCK))
+    max_mb = _max_mb(Kp, tun.get("a_block", A_BLOCK))
+    mt = nt = MB = NB = 0
+    if not spec.dyn:
+        mt, nt, MB, NB = _grid(spec.M, spec.N, spec.batch, Kp, pack_a, max_mb)
+        max_mb = MB
     ws_a = 0
-    a_bytes = rup(MB, 2 * TR) * Kp * 2 if pack_a else 0
+    a_bytes = max_mb * Kp * 2 if pack_a else 0
     ws_c = rup(a_bytes, 64)
-    return AmxPlan(Kp=Kp, kb=Kp // TK, pack_a=pack_a, mt=mt, nt=nt, MB=MB, NB=NB,
-                   ws_a=ws_a, ws_c=ws_c, ws_bytes=ws_c + rup(MB, 2 * TR) * CS_STRIDE)
+    return AmxPlan(Kp=Kp, kb=Kp // TK, pack_a=pack_a, max_mb=max_mb, mt=mt, nt=nt, MB=MB,
+                   NB=NB, ws_a=ws_a, ws_c=ws_c, ws_bytes=ws_c + max_mb * CS_STRIDE)
 
 
 def amx_plan(spec: GemmSpec, a_dtype="float32", tuning: dict | None = None) -> AmxPlan:
@@ -208,6 +226,21 @@ def amx_num_tiles(spec: GemmSpec, a_dtype="float32", tuning: dict | None = None)
 def amx_workspace_bytes(spec: GemmSpec, a_dtype="float32", tuning: dict | None = None
                         ) -> int:
     return amx_plan(spec, a_dtype, tuning).ws_bytes
+
+
+def amx_dims(spec: GemmSpec, M: int, batch: int = 1, a_dtype="float32",
+             tuning: dict | None = None) -> tuple[tuple[int, ...], int]:
+    """The runtime dims (``AMX_DIMS``) and the number of tiles of the dynamic kernel
+    ``spec`` (canonical, from `gemm.dynamic_spec`, B prepacked) for M rows and
+    ``batch`` items: the host tiling function."""
+    assert spec.dyn, "amx_dims is for dynamic specs"
+    if M < 1 or batch < 1:
+        raise ValueError(f"amx_dims: M and batch must be >= 1 (got {M}, {batch})")
+    if spec.batch == 1 and batch != 1:
+        raise ValueError("this dynamic GEMM is not batched")
+    p = amx_plan(spec, a_dtype, tuning)
+    mt, nt, MB, NB = _grid(M, spec.N, batch, p.Kp, p.pack_a, p.max_mb)
+    return (M, batch, mt, nt, MB, NB), batch * mt * nt
 
 
 # ---------------------------------------------------------------------------
@@ -284,8 +317,9 @@ def _i16(v: int) -> ir.Constant:
 
 class _Gen(VecBuilder):
     def __init__(self, module, fn, spec: GemmSpec, plan: AmxPlan, epilogue, a_dtype,
-                 c_dtype, bias_dtype):
+                 c_dtype, bias_dtype, dims_slot=None):
         super().__init__(module, fn)
+        self.dims_slot = dims_slot
         self.s, self.p = spec, plan
         self.epilogue = epilogue
         self.a_bf16 = a_dtype == "bfloat16"
@@ -304,36 +338,40 @@ class _Gen(VecBuilder):
         self.a_pair = plan.kb * 2 * TILE if plan.pack_a else 2 * self.a_rt
 
     # -- tile intrinsics -------------------------------------------------------
+    # (shapes: i16 values; a tile's rows and bytes per row)
     def t_load(self, b, rows, colbytes, ptr, stride):
         f = self.intr("llvm.x86.tileloadd64.internal", X86_AMX, [I16, I16, PTR, I64])
-        return b.call(f, [_i16(rows), _i16(colbytes), ptr, i64(stride)])
+        return b.call(f, [rows, colbytes, ptr, i64(stride)])
 
     def t_zero(self, b, rows, colbytes):
         f = self.intr("llvm.x86.tilezero.internal", X86_AMX, [I16, I16])
-        return b.call(f, [_i16(rows), _i16(colbytes)])
+        return b.call(f, [rows, colbytes])
 
     def t_dp(self, b, m, n, k, c, a, bt):
+        """c += a @ bt: m rows, n bytes per row of c, k bytes per row of a."""
         f = self.intr("llvm.x86.tdpbf16ps.internal", X86_AMX, [I16] * 3 + [X86_AMX] * 3)
-        return b.call(f, [_i16(m), _i16(n), _i16(k), c, a, bt])
+        return b.call(f, [m, n, k, c, a, bt])
 
     def t_store(self, b, rows, colbytes, ptr, stride, t):
         f = self.intr("llvm.x86.tilestored64.internal", VOID, [I16, I16, PTR, I64, X86_AMX])
-        b.call(f, [_i16(rows), _i16(colbytes), ptr, i64(stride), t])
+        b.call(f, [rows, colbytes, ptr, i64(stride), t])
 
-    def micro(self, rows: int, tn: int) -> ir.Function:
-        """``void mk(ptr a, ptr b, ptr cs, i64 npairs)``: ``npairs`` consecutive C blocks
-        of ``rows`` (<= 32) rows and ``tn`` (1, 2) column tiles, each over the whole K
-        (C in tiles), stored to the scratch ``cs`` (32 rows apart)."""
-        key = (rows, tn)
+    def micro(self, kind: int | str, tn: int) -> ir.Function:
+        """``void mk(ptr a, ptr b, ptr cs, i64 npairs, i64 rows)``: ``npairs``
+        consecutive C blocks of ``tn`` (1, 2) column tiles, each over the whole K (C in
+        tiles), stored to the scratch ``cs`` (32 rows apart). ``kind``: the rows of a
+        block, an int (<= 32); or 'lo' / 'hi': ``rows`` (1..16 / 17..31) at run time,
+        the tile shapes from it."""
+        key = (kind, tn)
         if key in self._micro:
             return self._micro[key]
         p = self.p
-        f = ir.Function(self.m, ir.FunctionType(VOID, [PTR, PTR, PTR, I64]),
-                        name=self.m.get_unique_name(f"{self.fn.name}.mk{rows}x{16 * tn}"))
+        f = ir.Function(self.m, ir.FunctionType(VOID, [PTR, PTR, PTR, I64, I64]),
+                        name=self.m.get_unique_name(f"{self.fn.name}.mk{kind}x{16 * tn}"))
         f.linkage = "internal"
         f.attributes.add("nounwind")
         f.attributes.add("noinline")
-        a0, bp, cs0, npairs = f.args
+        a0, bp, cs0, npairs, nrows = f.args
         pre = f.append_basic_block("entry")
         phdr = f.append_basic_block("p.h")
         entry = f.append_basic_block("p.b")
@@ -342,6 +380,12 @@ class _Gen(VecBuilder):
         ext = f.append_basic_block("k.x")
         pext = f.append_basic_block("p.x")
         b = ir.IRBuilder(pre)
+        if kind == "lo":
+            rws = [b.trunc(nrows, I16)]
+        elif kind == "hi":
+            rws = [_i16(TR), b.trunc(b.sub(nrows, i64(TR)), I16)]
+        else:
+            rws = [_i16(TR), _i16(kind - TR)] if kind > TR else [_i16(kind)]
         b.branch(phdr)
         b.position_at_end(phdr)
         pi = b.phi(I64, "pair")
@@ -350,8 +394,8 @@ class _Gen(VecBuilder):
         b.position_at_end(entry)
         a = b.gep(a0, [b.mul(pi, i64(self.a_pair))], source_etype=ir.IntType(8))
         cs = b.gep(cs0, [b.mul(pi, i64(2 * TR * CS_STRIDE))], source_etype=ir.IntType(8))
-        rws = [TR, rows - TR] if rows > TR else [rows]
-        acc0 = [[self.t_zero(b, r, 64) for _ in range(tn)] for r in rws]
+        c64 = _i16(64)
+        acc0 = [[self.t_zero(b, r, c64) for _ in range(tn)] for r in rws]
         b.branch(hdr)
         b.position_at_end(hdr)
         kk = b.phi(I64, "kk")
@@ -369,13 +413,14 @@ class _Gen(VecBuilder):
         at = []
         for i, r in enumerate(rws):
             off = b.add(b.mul(kk, i64(self.a_ks)), i64(i * self.a_rt))
-            at.append(self.t_load(b, r, 64, b.gep(a, [off], source_etype=ir.IntType(8)),
+            at.append(self.t_load(b, r, c64, b.gep(a, [off], source_etype=ir.IntType(8)),
                                   self.a_stride))
         bt = []
         for j in range(tn):
             off = b.add(b.mul(kk, i64(2 * TILE)), i64(j * TILE))
-            bt.append(self.t_load(b, TR, 64, b.gep(bp, [off], source_etype=ir.IntType(8)), 64))
-        new = [[self.t_dp(b, r, 64, 64, accs[i][j], at[i], bt[j]) for j in range(tn)]
+            bt.append(self.t_load(b, _i16(TR), c64,
+                                  b.gep(bp, [off], source_etype=ir.IntType(8)), 64))
+        new = [[self.t_dp(b, r, c64, c64, accs[i][j], at[i], bt[j]) for j in range(tn)]
                for i, r in enumerate(rws)]
         kk.add_incoming(b.add(kk, i64(1)), body)
         for i in range(len(rws)):
@@ -386,7 +431,7 @@ class _Gen(VecBuilder):
         for i, r in enumerate(rws):
             for j in range(tn):
                 ptr = b.gep(cs, [i64(i * TR * CS_STRIDE + j * 64)], source_etype=ir.IntType(8))
-                self.t_store(b, r, 64, ptr, CS_STRIDE, accs[i][j])
+                self.t_store(b, r, c64, ptr, CS_STRIDE, accs[i][j])
         pi.add_incoming(b.add(pi, i64(1)), ext)
         b.branch(phdr)
         b.position_at_end(pext)
@@ -531,66 +576,91 @@ class _Gen(VecBuilder):
     # -- the kernel -------------------------------------------------------------------
     def emit(self):
         s, p, b = self.s, self.p, self.b
-        A = self.arg(self.fn.args[0], 0)
-        B = self.arg(self.fn.args[0], 1)
-        bias = self.arg(self.fn.args[0], 2) if s.bias else None
-        C = self.arg(self.fn.args[0], 3 if s.bias else 2)
+        args = self.fn.args[0]
+        A = self.arg(args, 0)
+        B = self.arg(args, 1)
+        bias = self.arg(args, 2) if s.bias else None
+        C = self.arg(args, 3 if s.bias else 2)
         ws = self.fn.args[3]
         t0, t1 = self.fn.args[1], self.fn.args[2]
         cs = self.bytes_gep(ws, p.ws_c)
         wa = self.bytes_gep(ws, p.ws_a)
         aesz = 2 if self.a_bf16 else 4
         cesz = 2 if self.c_bf16 else 4
-        per_b = p.mt * p.nt
-        Mrem, Nrem = s.M % 32, s.N % 32
+        if s.dyn:
+            assert self.dims_slot is not None, "a dynamic AMX GEMM needs dims_slot"
+            M, _batch, mt, nt, MB, NB = (
+                b.load(b.gep(args, [i64(self.dims_slot + i)], source_etype=I64), typ=I64,
+                       align=8) for i in range(len(AMX_DIMS)))
+            a_bs = b.mul(M, i64(s.K)) if s.a_batch_stride else i64(0)
+            c_bs = b.mul(M, i64(s.ldc_))
+            Mrem = b.urem(M, i64(2 * TR))
+        else:
+            M, mt, nt, MB, NB = (i64(v) for v in (s.M, p.mt, p.nt, p.MB, p.NB))
+            a_bs, c_bs = i64(s.a_batch_stride), i64(s.c_batch_stride_)
+            Mrem = s.M % (2 * TR)
+        per_b = b.mul(mt, nt)
+        Nrem = s.N % 32
+        Mfull = b.sub(M, Mrem if s.dyn else i64(Mrem))
         with self.loop(t0, t1, 1, "t") as t:
-            bi = b.udiv(t, i64(per_b))
-            rr = b.urem(t, i64(per_b))
-            jt = b.udiv(rr, i64(p.mt))
-            it = b.urem(rr, i64(p.mt))
-            m0 = b.mul(it, i64(p.MB))
-            m1 = self.smin(b.add(m0, i64(p.MB)), s.M)
-            n0 = b.mul(jt, i64(p.NB))
-            n1 = self.smin(b.add(n0, i64(p.NB)), s.N)
-            a_b = self.bytes_gep(A, b.mul(bi, i64(s.a_batch_stride * aesz)))
+            bi = b.udiv(t, per_b)
+            rr = b.urem(t, per_b)
+            jt = b.udiv(rr, mt)
+            it = b.urem(rr, mt)
+            m0 = b.mul(it, MB)
+            m1 = self.smin(b.add(m0, MB), M)
+            n0 = b.mul(jt, NB)
+            n1 = self.smin(b.add(n0, NB), s.N)
+            a_b = self.bytes_gep(A, b.mul(b.mul(bi, a_bs), i64(aesz)))
             b_b = self.bytes_gep(B, b.mul(bi, i64(_b_batch_bytes(s) if s.b_batch_stride
                                                    else 0)))
-            c_b = self.bytes_gep(C, b.mul(bi, i64(s.c_batch_stride_ * cesz)))
-            bias_b = bias
+            c_b = self.bytes_gep(C, b.mul(b.mul(bi, c_bs), i64(cesz)))
             if p.pack_a:
                 self.pack_a(a_b, m0, b.sub(m1, m0), wa)
                 a_blk = wa
             else:
                 a_blk = self.bytes_gep(a_b, b.mul(m0, i64(s.lda_ * 2)))
-            # full 32-row pairs of the block, then the last rows of A (if here)
-            nfull = b.udiv(b.sub(self.smin(m1, s.M - Mrem), m0), i64(2 * TR))
+            # the full 32-row pairs of the block, then the last rows of A (if here)
+            nfull = b.udiv(b.sub(self.smin(m1, Mfull), m0), i64(2 * TR))
             with self.loop(n0, n1, 32, "n") as n:
                 bp = self.bytes_gep(b_b, b.mul(b.udiv(n, i64(2 * TC)), i64(p.kb * 2 * TILE)))
                 with self.if_then(b.icmp_signed(">", nfull, i64(0))):
-                    self.call_micro(32, a_blk, bp, cs, nfull, n, Nrem)
-                if Mrem:
-                    with self.if_then(b.icmp_signed("==", m1, i64(s.M))):
+                    self.call_micro(32, a_blk, bp, cs, nfull, i64(32), n, Nrem)
+                if s.dyn or Mrem:
+                    edge = b.icmp_signed("==", m1, M)
+                    if s.dyn:
+                        edge = b.and_(edge, b.icmp_signed("!=", Mrem, i64(0)))
+                    with self.if_then(edge):
                         ap = self.bytes_gep(a_blk, b.mul(nfull, i64(self.a_pair)))
                         cp = self.bytes_gep(cs, b.mul(nfull, i64(2 * TR * CS_STRIDE)))
-                        self.call_micro(Mrem, ap, bp, cp, i64(1), n, Nrem)
-                self.store_block(cs, c_b, bias_b, m0, b.sub(m1, m0), n)
+                        if not s.dyn:
+                            self.call_micro(Mrem, ap, bp, cp, i64(1), i64(Mrem), n, Nrem)
+                        else:
+                            lo = b.icmp_signed("<=", Mrem, i64(TR))
+                            with b.if_else(lo) as (then, other):
+                                with then:
+                                    self.call_micro("lo", ap, bp, cp, i64(1), Mrem, n, Nrem)
+                                with other:
+                                    self.call_micro("hi", ap, bp, cp, i64(1), Mrem, n, Nrem)
+                self.store_block(cs, c_b, bias, m0, b.sub(m1, m0), n)
         f = self.intr("llvm.x86.tilerelease", VOID, [])
         b.call(f, [])
         b.ret_void()
 
-    def call_micro(self, rows, ap, bp, cs, npairs, n, Nrem):
-        """Call the micro-kernel of ``rows``-row pairs for the columns at ``n``: the last
-        columns (<= 16 of them: one column tile) have their own."""
+    def call_micro(self, kind, ap, bp, cs, npairs, rows, n, Nrem):
+        """Call the micro-kernel ``kind`` (see `micro`) for the columns at ``n``: the
+        last columns (<= 16 of them: one column tile) have their own."""
         b = self.b
+        argv = [ap, bp, cs, npairs, rows]
         if 0 < Nrem <= 16:
             last_c = b.icmp_signed(">=", b.add(n, i64(16)), i64(self.s.N))
             with b.if_else(last_c) as (then, other):
                 with then:
-                    b.call(self.micro(rows, 1), [ap, bp, cs, npairs])
+                    b.call(self.micro(kind, 1), argv)
                 with other:
-                    b.call(self.micro(rows, 2), [ap, bp, cs, npairs])
+                    b.call(self.micro(kind, 2), argv)
         else:
-            b.call(self.micro(rows, 2), [ap, bp, cs, npairs])
+            b.call(self.micro(kind, 2), argv)
 
 
 def emit_amx_gemm(
@@ -603,6 +673,7 @@ def emit_amx_gemm(
     c_dtype="float32",
     bias_dtype="float32",
     tuning: dict | None = None,
+    dims_slot: int | None = None,
 ) -> ir.Function:
     """Emit ``void name(ptr args, i64 tile_begin, i64 tile_end, ptr workspace)``: the
     AMX bf16 GEMM of ``spec`` (``b_prepacked``: B from `amx_prepack_b`; see
@@ -614,9 +685,11 @@ def emit_amx_gemm(
     a block, whose results are discarded; no side effects on memory). The kernel
     has `amx_num_tiles` tiles and needs `amx_workspace_bytes` (pass them the same
     ``a_dtype`` and ``tuning``, see `amx_plan`); run it only where `amx_usable` is
-    None."""
+    None. A dynamic ``spec`` (`gemm.dynamic_spec`, ``b_prepacked``) reads its runtime
+    dims (``AMX_DIMS``, as `amx_dims` computes them) as i64 from
+    ``args[dims_slot:]``; its workspace serves every M."""
     a_dt, c_dt, bias_dt = _dt(a_dtype), _dt(c_dtype), _dt(bias_dtype)
     plan = amx_plan(spec, a_dt, tuning)
     fn = abi_function(module, name)
-    _Gen(module, fn, spec, plan, epilogue, a_dt, c_dt, bias_dt).emit()
+    _Gen(module, fn, spec, plan, epilogue, a_dt, c_dt, bias_dt, dims_slot).emit()
     return fn
