@@ -27,6 +27,7 @@ from tests.helpers import aligned, run_concurrently, run_splits
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
+SPEED = 2   # the compiler's IR optimisation level (test_speed_level_0: without the optimiser)
 _WHY = amx.amx_usable()
 needs_amx = pytest.mark.skipif(_WHY is not None, reason=f"AMX not usable: {_WHY}")
 
@@ -40,7 +41,7 @@ class Case:
 
     def __init__(self, spec: GemmSpec, a_dtype="float32", c_dtype="float32",
                  bias_dtype="float32", epilogue=None, ref_epilogue=None, seed=0, tuning=None,
-                 build=True):
+                 build=True, speed=SPEED):
         s = self.spec = spec
         self.a_dtype, self.c_dtype = a_dtype, c_dtype
         rng = np.random.default_rng(seed)
@@ -72,7 +73,7 @@ class Case:
             m = target.new_module("amx_test")
             amx.emit_amx_gemm(m, "k", s, epilogue, a_dtype=a_dtype, c_dtype=c_dtype,
                               bias_dtype=bias_dtype, tuning=tuning)
-            self.fn = target.jit_kernel(m, "k")
+            self.fn = target.jit_kernel(m, "k", speed)
             self.T = amx.amx_num_tiles(s, a_dtype, tuning)
             self.ws = amx.amx_workspace_bytes(s, a_dtype, tuning)
 
@@ -143,6 +144,12 @@ def test_bf16_a(M, N, K, c_dtype, pack_a):
 
 
 @needs_amx
+def test_speed_level_0():
+    Case(GemmSpec(M=50, N=40, K=70, b_prepacked=True, bias=True, bias_col_stride=1),
+         c_dtype="bfloat16", speed=0).run()
+
+
+@needs_amx
 def test_bf16_out_bias_alpha_beta():
     spec = GemmSpec(M=45, N=50, K=40, b_prepacked=True, bias=True, bias_col_stride=1,
                     alpha=0.5, beta=2.0)
@@ -204,7 +211,7 @@ def test_dynamic_kernel_serves_every_m(batched):
     nptr = 4 if canon.bias else 3
     m = target.new_module("amx_dyn")
     amx.emit_amx_gemm(m, "k", canon, a_dtype="bfloat16", c_dtype="bfloat16", dims_slot=nptr)
-    fn = target.jit_kernel(m, "k")
+    fn = target.jit_kernel(m, "k", SPEED)
     ws = amx.amx_workspace_bytes(canon, "bfloat16")
     for M, nb in [(1, 1), (16, 2), (17, 1), (31, 3), (33, 1), (100, 2), (300, 1)]:
         nb = nb if batched else 1

@@ -39,6 +39,17 @@ Tiles: ``tile = (batch item, column block, row block)``, row block fastest, as
 tile the column pairs run outer, the row pairs inner: the packed A block
 (<= ``A_BLOCK`` bytes) stays in L2, a 32-column strip of B in L1/L2.
 
+Shape-polymorphic kernels (``GemmSpec.dyn``, `gemm.dynamic_spec`, ABI.md "Runtime
+dimensions"): one kernel per N, K and layout serves every M and batch count. M,
+the batch count and the tile grid are runtime dims (``AMX_DIMS``) that the host
+tiling function `amx_dims` computes per call; the last rows' tile shapes come from
+M at run time (LLVM writes them into the tile configuration); the workspace is
+sized for the largest row block.
+
+Numerics: products of bf16 (A and B rounded to nearest even), fp32 accumulation;
+``tdpbf16ps`` treats denormal inputs as zero and flushes denormal results, and the
+fp32 -> bf16 conversion of A (``vcvtne2ps2bf16``) flushes denormals as well.
+
 Linux requires a per-process permission before the first tile instruction:
 `amx_usable` asks for it (``cannc.native.target.amx_permission``), and so does
 the JIT loader on an AMX host.
