@@ -156,6 +156,9 @@ def test_bf16_out_bias_alpha_beta():
     Case(spec, c_dtype="bfloat16").run()
     Case(dataclasses.replace(spec, bias_col_stride=0, bias_row_stride=1),
          bias_dtype="bfloat16").run()
+    # a full [M, N] C of Gemm (bf16)
+    Case(dataclasses.replace(spec, bias_row_stride=50), bias_dtype="bfloat16",
+         a_dtype="bfloat16").run()
 
 
 @needs_amx
