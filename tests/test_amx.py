@@ -132,6 +132,15 @@ def test_shapes_fp32_in_fp32_out(M, N, K):
 
 
 @needs_amx
+@pytest.mark.parametrize("grid", [(1, 1), (2, 3), (4, 5)])
+def test_tuned_grid(grid):
+    spec = GemmSpec(M=100, N=150, K=40, b_prepacked=True)
+    p = amx.amx_plan(spec, tuning={"grid": grid})
+    assert (p.mt, p.nt) == grid
+    Case(spec, tuning={"grid": list(grid)}).run(splits=list(range(p.mt * p.nt + 1)))
+
+
+@needs_amx
 @pytest.mark.parametrize("M,N,K", [(48, 40, 64), (50, 33, 64), (37, 50, 70), (3, 20, 33)])
 @pytest.mark.parametrize("c_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("pack_a", [True, False])

@@ -214,7 +214,12 @@ def _plan(spec: GemmSpec, a_dtype: str, tuning: tuple = ()) -> AmxPlan:
     max_mb = _max_mb(Kp, tun.get("a_block", A_BLOCK))
     mt = nt = MB = NB = 0
     if not spec.dyn:
-        mt, nt, MB, NB = _grid(spec.M, spec.N, spec.batch, Kp, pack_a, max_mb)
+        if "grid" in tun:   # (row blocks, column blocks)
+            MB = rup(cdiv(spec.M, tun["grid"][0]), 2 * TR)
+            NB = rup(cdiv(spec.N, tun["grid"][1]), 2 * TC)
+            mt, nt = cdiv(spec.M, MB), cdiv(spec.N, NB)
+        else:
+            mt, nt, MB, NB = _grid(spec.M, spec.N, spec.batch, Kp, pack_a, max_mb)
         max_mb = MB
     ws_a = 0
     a_bytes = max_mb * Kp * 2 if pack_a else 0
@@ -225,9 +230,12 @@ def _plan(spec: GemmSpec, a_dtype: str, tuning: tuple = ()) -> AmxPlan:
 
 def amx_plan(spec: GemmSpec, a_dtype="float32", tuning: dict | None = None) -> AmxPlan:
     """The blocking of ``spec``'s AMX kernel; ``tuning`` overrides ``pack_a`` (False:
-    a bf16 A whose K is a multiple of 32 is read in place) and ``a_block`` (bytes of
-    A a row block holds)."""
-    return _plan(spec, _dt(a_dtype), tuple(sorted((tuning or {}).items())))
+    a bf16 A whose K is a multiple of 32 is read in place), ``a_block`` (bytes of
+    A a row block holds) and, for a static spec, ``grid`` ((row blocks, column
+    blocks) per batch item)."""
+    tun = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                       for k, v in (tuning or {}).items()))
+    return _plan(spec, _dt(a_dtype), tun)
 
 
 def amx_num_tiles(spec: GemmSpec, a_dtype="float32", tuning: dict | None = None) -> int:
