@@ -34,6 +34,24 @@ class _BFloat(ir.Type):
 BF16 = _BFloat()
 
 
+class X86AMXType(ir.Type):
+    """LLVM's ``x86_amx``: an Intel AMX tile register (up to 16 rows of 64 bytes) whose
+    shape is given by the ``(i16 rows, i16 colbytes)`` operands of the ``*.internal``
+    tile intrinsics; LLVM's backend writes the tile configuration (``ldtilecfg``)."""
+
+    def _to_string(self) -> str:
+        return "x86_amx"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, X86AMXType)
+
+    def __hash__(self) -> int:
+        return hash(X86AMXType)
+
+
+X86_AMX = X86AMXType()
+
+
 def i64(v: int) -> ir.Constant:
     return ir.Constant(I64, int(v))
 

@@ -91,6 +91,63 @@ def restrict_isa(features: str, isa: str | None) -> str:
     return ",".join(out)
 
 
+# ---------------------------------------------------------------------------
+# Intel AMX: Linux lets a process execute tile instructions only after it asks
+# for the XTILEDATA state component (arch_prctl); until then the first tile
+# instruction raises SIGILL. Asked once per process (the grant is process-wide).
+# ---------------------------------------------------------------------------
+
+ARCH_GET_XCOMP_PERM = 0x1022
+ARCH_REQ_XCOMP_PERM = 0x1023
+XFEATURE_XTILEDATA = 18
+_SYS_ARCH_PRCTL = 158  # x86-64
+_amx_lock = threading.Lock()
+_amx_reason: list[str | None] = []  # [the answer] once asked
+
+
+def amx_permission() -> str | None:
+    """None when this process may execute AMX tile instructions, else why not (the
+    host has no AMX, not Linux x86-64, the kernel refused). The first call asks the
+    kernel for the permission (thread-safe, cached); it never raises."""
+    with _amx_lock:
+        if not _amx_reason:
+            _amx_reason.append(_request_amx())
+        return _amx_reason[0]
+
+
+def _request_amx() -> str | None:
+    import platform
+    import sys
+
+    tgt = host()
+    for f in ("amx-tile", "amx-bf16"):
+        if not tgt.has(f):
+            return f"the host target has no {f}" + (f" (CANNC_ISA={config.ISA})"
+                                                    if config.ISA else "")
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
+        return f"AMX permission is requested only on Linux x86-64 ({sys.platform}, " \
+               f"{platform.machine()})"
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        syscall = libc.syscall
+        syscall.restype = ctypes.c_long
+        syscall.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_ulong]
+        if syscall(_SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0:
+            err = ctypes.get_errno()
+            return (f"arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA) failed: "
+                    f"{os.strerror(err)} (errno {err})")
+        mask = ctypes.c_ulong(0)
+        syscall.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+        if syscall(_SYS_ARCH_PRCTL, ARCH_GET_XCOMP_PERM, ctypes.addressof(mask)) != 0:
+            err = ctypes.get_errno()
+            return f"arch_prctl(ARCH_GET_XCOMP_PERM) failed: {os.strerror(err)} (errno {err})"
+        if not mask.value >> XFEATURE_XTILEDATA & 1:
+            return f"the kernel did not grant XTILEDATA (permitted xfeatures {mask.value:#x})"
+    except (OSError, AttributeError) as e:
+        return f"cannot call arch_prctl: {e}"
+    return None
+
+
 def new_module(name: str) -> ir.Module:
     m = ir.Module(name=name)
     m.triple = host().triple
@@ -330,6 +387,8 @@ class JitLibrary:
         if missing:
             raise CompileError(f"compiled code needs symbols this process does not provide: "
                                f"{', '.join(missing)}")
+        if host().has("amx-tile"):
+            amx_permission()   # code compiled for this host may use tiles (cached)
         self._engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), host().machine())
         for obj in objects:
             self._engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
