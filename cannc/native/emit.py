@@ -8,6 +8,8 @@ from contextlib import contextmanager
 import llvmlite.ir as ir
 import numpy as np
 
+from ..ir.types import SMALL_FLOATS, SUBBYTE_INTS
+
 I1 = ir.IntType(1)
 I8 = ir.IntType(8)
 I32 = ir.IntType(32)
@@ -41,15 +43,19 @@ def llvm_type(dtype: np.dtype) -> ir.Type:
         return I8
     if dt.kind in "iu":
         return ir.IntType(dt.itemsize * 8)
+    if dt.name in SMALL_FLOATS or dt.name in SUBBYTE_INTS:
+        return I8   # float8/float4 codes and sub-byte integers: one element per byte
     raise NotImplementedError(f"no LLVM type for dtype {dt}")
 
 
 def is_float(dtype: np.dtype) -> bool:
-    return np.dtype(dtype).kind == "f" or np.dtype(dtype).name == "bfloat16"
+    dt = np.dtype(dtype)
+    return dt.kind == "f" or dt.name == "bfloat16" or dt.name in SMALL_FLOATS
 
 
 def is_signed(dtype: np.dtype) -> bool:
-    return np.dtype(dtype).kind == "i"
+    dt = np.dtype(dtype)
+    return dt.kind == "i" or dt.name in ("int4", "int2")
 
 
 @contextmanager
