@@ -116,6 +116,14 @@ def np_dtype(elem_type: int) -> np.dtype:
     return ONNX_TO_NP[elem_type]
 
 
+def dtype_key(dt: np.dtype) -> str:
+    """A string that tells dtypes apart, for cache keys: numpy's `dtype.str`, except
+    for the ml_dtypes types, which all share one (`<V1` for every float8/float4/int4,
+    `<V2` for bfloat16) and are told apart by name."""
+    dt = np.dtype(dt)
+    return dt.str if dt.kind != "V" and dt.name not in SMALL_FLOATS else dt.name
+
+
 def onnx_type_string(dt: np.dtype) -> str:
     """The onnxruntime-style type string, e.g. 'tensor(float)'."""
     names = {
