@@ -99,7 +99,12 @@ def _lower_quantize(ctx: LowerCtx) -> None:
     def expr(E: Expr, ops: Sequence[TV]) -> list[TV]:
         x, s = E.cast(ops[0], cdt), E.cast(ops[1], cdt)
         q = E.call("llvm.roundeven", E.div(x, s))
-        qi = E.cast(q, np.dtype(np.int64))  # saturating conversion
+        # like the reference (rint, then int32): a saturating conversion to int32, NaN
+        # to int32's minimum (so to the type's lowest value, as onnxruntime gives); then
+        # in int64 the zero point cannot overflow it (inf + zp stays the highest value)
+        q32 = E.cast(q, np.dtype(np.int32))
+        q32 = E.select(E.isnan(q), E.const(-2**31, np.int32), q32)
+        qi = E.cast(q32, np.dtype(np.int64))
         if has_zp:
             qi = E.add(qi, E.cast(ops[2], np.dtype(np.int64)))
         qi = E.min(E.max(qi, E.const(lo, np.int64)), E.const(hi, np.int64))
