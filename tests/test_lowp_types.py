@@ -287,3 +287,31 @@ def test_unsupported_lowp_is_a_clear_error():
                [numpy_helper.from_array(np.array(1.0, np.float32), "s")], opset=25)
     with pytest.raises(CanncError, match="q_e8m0.*(FLOAT8E8M0|float8e8m0|float8_e8m0)"):
         _cannc(m, {"x": np.ones(4, np.float32)})
+
+
+@pytest.mark.parametrize("qt", [T.INT4, T.UINT4, T.INT2, T.FLOAT8E4M3FN], ids=lambda t: str(t))
+def test_packed_initializer_dequantize_matmul(qt):
+    """Weights as packed int4/uint4/int2 (two or four per byte in the TensorProto) or float8
+    initializers, blocked DequantizeLinear, MatMul: like onnxruntime without its graph
+    optimisations (which fuse DQ+MatMul into MatMulNBits and quantise the activations)."""
+    K, N, B = 64, 24, 16
+    ndt = helper.tensor_dtype_to_np_dtype(qt)
+    lo, hi = {T.INT4: (-8, 7), T.UINT4: (0, 15), T.INT2: (-2, 1)}.get(qt, (-20, 20))
+    w = R.integers(lo, hi + 1, (K, N)).astype(np.float32).astype(ndt)
+    s = (R.random((K // B, N)) * 0.1 + 0.01).astype(np.float32)
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(s, "s")]
+    ins = ["w", "s"]
+    if qt != T.FLOAT8E4M3FN:
+        inits.append(numpy_helper.from_array(np.ones((K // B, N), np.float32).astype(ndt), "z"))
+        ins.append("z")
+    m = _model([helper.make_node("DequantizeLinear", ins, ["wf"], axis=0, block_size=B),
+                helper.make_node("MatMul", ["x", "wf"], ["y"])],
+               [_vi("x", T.FLOAT, [3, K])], [_vi("y", T.FLOAT, [3, N])], inits,
+               25 if qt == T.INT2 else 21)
+    x = R.standard_normal((3, K)).astype(np.float32)
+    (got,) = _cannc(m, {"x": x})
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    (want,) = ort.InferenceSession(m.SerializeToString(), so,
+                                   providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
