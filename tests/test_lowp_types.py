@@ -117,11 +117,13 @@ def test_cast_to_float8(to, sat):
 
 
 @pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
-                                  "float8_e5m2fnuz", "float4_e2m1fn", "float8_e8m0fnu"])
+                                  "float8_e5m2fnuz", "float4_e2m1fn", "float8_e8m0fnu",
+                                  "float6_e2m3fn", "float6_e3m2fn"])
 def test_cast_from_every_code(name):
     """Every code of the format to float32, float16, float64 and int32 (ml_dtypes)."""
     dt = np.dtype(getattr(ml_dtypes, name))
-    codes = np.arange(256 if dt.name != "float4_e2m1fn" else 16, dtype=np.uint8)
+    codes = np.arange(1 << (8 * dt.itemsize if "float4" not in name and "float6" not in name
+                            else int(name[5])), dtype=np.uint8)
     x = codes.view(dt)
     et = helper.np_dtype_to_tensor_dtype(dt)
     n = len(x)
@@ -129,7 +131,7 @@ def test_cast_from_every_code(name):
             (T.INT32, np.int32), (T.BFLOAT16, ml_dtypes.bfloat16)]
     m = _model([helper.make_node("Cast", ["x"], [f"y{i}"], to=t) for i, (t, _) in enumerate(outs)],
                [_vi("x", et, [n])], [_vi(f"y{i}", t, [n]) for i, (t, _) in enumerate(outs)],
-               opset=25)
+               opset=28)
     got = _cannc(m, {"x": x})
     f = x.astype(np.float32)
     for g, (_, npdt) in zip(got, outs):
@@ -163,22 +165,27 @@ def test_cast_double_and_int_sources_round_once():
 
 
 @pytest.mark.parametrize("mode", ["up", "down", "nearest"])
-def test_cast_e8m0_and_float4(mode):
+def test_cast_e8m0_float4_float6(mode):
     x = np.abs(_x32())
     n = len(x)
     m = _model([helper.make_node("Cast", ["x"], ["e"], to=T.FLOAT8E8M0, round_mode=mode),
                 helper.make_node("Cast", ["x"], ["en"], to=T.FLOAT8E8M0, round_mode=mode,
                                  saturate=0),
                 helper.make_node("Cast", ["x"], ["f4"], to=T.FLOAT4E2M1),
-                helper.make_node("Cast", ["nx"], ["f4n"], to=T.FLOAT4E2M1)],
+                helper.make_node("Cast", ["nx"], ["f4n"], to=T.FLOAT4E2M1),
+                helper.make_node("Cast", ["nx"], ["f6a"], to=T.FLOAT6E2M3),
+                helper.make_node("Cast", ["x"], ["f6b"], to=T.FLOAT6E3M2)],
                [_vi("x", T.FLOAT, [n]), _vi("nx", T.FLOAT, [n])],
                [_vi("e", T.FLOAT8E8M0, [n]), _vi("en", T.FLOAT8E8M0, [n]),
-                _vi("f4", T.FLOAT4E2M1, [n]), _vi("f4n", T.FLOAT4E2M1, [n])], opset=25)
-    e, en, f4, f4n = _cannc(m, {"x": x, "nx": -x})
+                _vi("f4", T.FLOAT4E2M1, [n]), _vi("f4n", T.FLOAT4E2M1, [n]),
+                _vi("f6a", T.FLOAT6E2M3, [n]), _vi("f6b", T.FLOAT6E3M2, [n])], opset=28)
+    e, en, f4, f4n, f6a, f6b = _cannc(m, {"x": x, "nx": -x})
     for got, want in ((e, cast_to(x, T.FLOAT8E8M0, True, mode)),
                       (en, cast_to(x, T.FLOAT8E8M0, False, mode)),
                       (f4, cast_to(x, T.FLOAT4E2M1, True)),
-                      (f4n, cast_to(-x, T.FLOAT4E2M1, True))):
+                      (f4n, cast_to(-x, T.FLOAT4E2M1, True)),
+                      (f6a, cast_to(-x, T.FLOAT6E2M3, True)),
+                      (f6b, cast_to(x, T.FLOAT6E3M2, True))):
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
 
@@ -315,3 +322,27 @@ def test_packed_initializer_dequantize_matmul(qt):
     (want,) = ort.InferenceSession(m.SerializeToString(), so,
                                    providers=["CPUExecutionProvider"]).run(None, {"x": x})
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qt", [T.FLOAT4E2M1, T.FLOAT6E2M3, T.FLOAT6E3M2, T.FLOAT8E4M3FNUZ,
+                                T.FLOAT8E5M2FNUZ], ids=lambda t: str(t))
+def test_quantize_dequantize_small_floats_vs_reference(qt):
+    """Formats onnxruntime has no (De)QuantizeLinear for: ONNX's reference, zero points
+    included (float4/float6 add theirs, float6 subtracts it again)."""
+    from onnx.reference import ReferenceEvaluator
+    x = (R.standard_normal((4, 8)) * 4).astype(np.float32)
+    x.flat[:6] = [np.nan, np.inf, -np.inf, 1e6, 0.3, -0.3]
+    ndt = helper.tensor_dtype_to_np_dtype(qt)
+    s = np.array([0.5, 1, 2, 0.25], np.float32)
+    zp = np.array([0, 1, 0, -1], np.float32).astype(ndt)
+    if qt in (T.FLOAT8E4M3FNUZ, T.FLOAT8E5M2FNUZ):
+        zp = np.zeros(4, ndt)
+    inits = [numpy_helper.from_array(s, "s"), numpy_helper.from_array(zp, "zp")]
+    m = _model([helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["q"], axis=0),
+                helper.make_node("DequantizeLinear", ["q", "s", "zp"], ["y"], axis=0)],
+               [_vi("x", T.FLOAT, x.shape)], [_vi("y", T.FLOAT, x.shape), _vi("q", qt, x.shape)],
+               inits, 28)
+    y, q = _cannc(m, {"x": x})
+    ry, rq = ReferenceEvaluator(m).run(None, {"x": x})
+    np.testing.assert_array_equal(q.view(np.uint8), rq.view(np.uint8))
+    assert _same(y, ry).all()

@@ -42,6 +42,7 @@ _LOWP_ONNX = {
     "FLOAT8E4M3FN": "float8_e4m3fn", "FLOAT8E4M3FNUZ": "float8_e4m3fnuz",
     "FLOAT8E5M2": "float8_e5m2", "FLOAT8E5M2FNUZ": "float8_e5m2fnuz",
     "FLOAT8E8M0": "float8_e8m0fnu", "FLOAT4E2M1": "float4_e2m1fn",
+    "FLOAT6E2M3": "float6_e2m3fn", "FLOAT6E3M2": "float6_e3m2fn",
     "INT4": "int4", "UINT4": "uint4", "INT2": "int2", "UINT2": "uint2",
 }
 
@@ -52,7 +53,7 @@ class SmallFloat:
 
     kind: "ieee" (E5M2: inf and NaNs at the top exponent), "fn" (E4M3FN: no inf, the
     all-ones code is NaN), "fnuz" (no inf, no negative zero, 0x80 is the one NaN),
-    "sat" (E2M1: no inf or NaN; every conversion saturates), "e8m0" (an unsigned
+    "sat" (E2M1, E2M3, E3M2: no inf or NaN; every conversion saturates), "e8m0" (an unsigned
     exponent only: 2**(code - 127), 0xFF is NaN)."""
 
     name: str
@@ -76,6 +77,8 @@ SMALL_FLOATS: dict[str, SmallFloat] = {f.name: f for f in (
     SmallFloat("float8_e5m2", 5, 2, 15, "ieee"),
     SmallFloat("float8_e5m2fnuz", 5, 2, 16, "fnuz"),
     SmallFloat("float4_e2m1fn", 2, 1, 1, "sat"),
+    SmallFloat("float6_e2m3fn", 2, 3, 1, "sat"),
+    SmallFloat("float6_e3m2fn", 3, 2, 3, "sat"),
     SmallFloat("float8_e8m0fnu", 8, 0, 127, "e8m0"),
 )}
 
@@ -134,6 +137,7 @@ def onnx_type_string(dt: np.dtype) -> str:
         "float8_e4m3fn": "float8e4m3fn", "float8_e4m3fnuz": "float8e4m3fnuz",
         "float8_e5m2": "float8e5m2", "float8_e5m2fnuz": "float8e5m2fnuz",
         "float8_e8m0fnu": "float8e8m0", "float4_e2m1fn": "float4e2m1",
+        "float6_e2m3fn": "float6e2m3", "float6_e3m2fn": "float6e3m2",
         "int4": "int4", "uint4": "uint4", "int2": "int2", "uint2": "uint2",
     }
     return f"tensor({names.get(np.dtype(dt).name, np.dtype(dt).name)})"

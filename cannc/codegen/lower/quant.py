@@ -117,8 +117,10 @@ def _lower_quantize(ctx: LowerCtx) -> None:
 def _lower_dequantize(ctx: LowerCtx) -> None:
     odt = np.dtype(ctx.out_types[0].dtype)
     has_zp, types, slots = _operands(ctx)
-    # a float8/float4 zero point is not subtracted (the reference ignores it)
-    has_zp = has_zp and small_float(ctx.in_types[0].dtype) is None
+    # a float8/float4 zero point is not subtracted (the reference ignores it; it
+    # subtracts a float6 one)
+    fmt = small_float(ctx.in_types[0].dtype)
+    has_zp = has_zp and (fmt is None or fmt.name.startswith("float6"))
 
     def expr(E: Expr, ops: Sequence[TV]) -> list[TV]:
         # like the reference: (float32(x) - zp) * scale, rounded once to the output type

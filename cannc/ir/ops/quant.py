@@ -8,10 +8,11 @@ the shape that broadcasts them over x (per-tensor: a scalar; per-axis: [C] at
 
 The quantised type may also be a sub-byte integer (int4, uint4, int2, uint2: the
 integer rule, saturating to the type's range) or a float8/float4 type (float8e4m3fn,
-float8e4m3fnuz, float8e5m2, float8e5m2fnuz, float4e2m1: x / scale converted with
+float8e4m3fnuz, float8e5m2, float8e5m2fnuz, float4e2m1, float6: x / scale converted with
 Cast's rounding, `saturate` clamping to the largest finite value). As in ONNX's
 reference, a float8 zero point is not applied (the spec requires it to be zero); a
-float4 one is added by QuantizeLinear and not subtracted by DequantizeLinear.
+float4 one is added by QuantizeLinear and not subtracted by DequantizeLinear; a float6
+(float6e2m3, float6e3m2) one is added and subtracted.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ QFLOATS = frozenset({"float32", "float16", "bfloat16"})
 QINTS = frozenset({"uint8", "int8", "uint16", "int16", "int4", "uint4", "int2", "uint2"})
 # float8 / float4 quantised types (float8e8m0 is a scale type, not a quantised one)
 QSMALLFLOATS = frozenset({"float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
-                          "float8_e5m2fnuz", "float4_e2m1fn"})
+                          "float8_e5m2fnuz", "float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn"})
 QTYPES = QINTS | QSMALLFLOATS
 
 
