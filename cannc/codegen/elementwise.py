@@ -17,10 +17,10 @@ import llvmlite.ir as ir
 import numpy as np
 
 from ..artifact import Tiling
-from ..ir.types import TensorType
+from ..ir.types import TensorType, int_range, small_float, subbyte_int
 from ..native import emit
 from ..native.emit import I64, for_range, i64, llvm_type
-from . import vmath
+from . import lowp, vmath
 
 MAX_TILE_ELEMS = 16384
 
@@ -31,11 +31,12 @@ def is_bf16(dtype: np.dtype) -> bool:
 
 def expr_scalar_type(dtype: np.dtype) -> ir.Type:
     """The LLVM type of one element inside an expression: bool is i1, bfloat16 is
-    computed in float (LLVM has no bfloat arithmetic here); else the storage type."""
+    computed in float (LLVM has no bfloat arithmetic here), and so are float8/float4
+    (codegen/lowp.py); sub-byte integers are i8; else the storage type."""
     dt = np.dtype(dtype)
     if dt == np.bool_:
         return ir.IntType(1)
-    if is_bf16(dt):
+    if is_bf16(dt) or small_float(dt) is not None:
         return emit.F32
     return llvm_type(dt)
 
@@ -231,11 +232,22 @@ class Expr:
         return TV(self.b.lshr(x.v, y.v), x.dtype)
 
     # -- conversions -------------------------------------------------------
-    def cast(self, x: TV, dtype: np.dtype) -> TV:
+    def cast(self, x: TV, dtype: np.dtype, saturate: bool = True,
+             round_mode: str = "up") -> TV:
+        """saturate and round_mode: ONNX Cast's, for float8 destinations (lowp.py)."""
         src, dst = np.dtype(x.dtype), np.dtype(dtype)
         b, t = self.b, self.ty(dst)
         if src == dst:
             return x
+        if dst != np.bool_ and src != np.bool_:
+            if small_float(dst) is not None:
+                v32 = self._to_f32(x)
+                return TV(lowp.round_to_small(b, v32, small_float(dst), saturate, round_mode),
+                          dst)
+            if small_float(src) is not None:      # held as float32: convert from that
+                return self.cast(TV(x.v, np.dtype(np.float32)), dst)
+            if subbyte_int(dst) is not None:
+                return TV(self._to_subbyte(x, dst), dst)
         if dst == np.bool_:
             if self.is_float(x):
                 return TV(b.fcmp_unordered("!=", x.v, emit.const_like(0.0, x.v.type)), dst)
@@ -258,6 +270,47 @@ class Expr:
         if src.itemsize > dst.itemsize:
             return TV(b.trunc(x.v, t), dst)
         return TV(b.sext(x.v, t) if emit.is_signed(src) else b.zext(x.v, t), dst)
+
+    def _to_f32(self, x: TV) -> ir.Value:
+        """Any non-bool value as float32, rounded once (doubles and wide integers to
+        odd, so that a following narrower rounding is correct)."""
+        b, src = self.b, np.dtype(x.dtype)
+        f32, f64 = self.ty(np.dtype(np.float32)), self.ty(np.dtype(np.float64))
+        if emit.is_float(src):
+            if isinstance(x.v.type, ir.VectorType):
+                et = x.v.type.element
+            else:
+                et = x.v.type
+            if isinstance(et, ir.DoubleType):
+                return lowp.f64_to_f32_odd(b, x.v)
+            if isinstance(et, ir.HalfType):
+                return b.fpext(x.v, f32)
+            return x.v
+        cv = b.sitofp if emit.is_signed(src) else b.uitofp
+        if src.itemsize >= 4:
+            return lowp.f64_to_f32_odd(b, cv(x.v, f64))
+        return cv(x.v, f32)
+
+    def _to_subbyte(self, x: TV, dst: np.dtype) -> ir.Value:
+        """-> int4/uint4/int2/uint2 (held as i8). From a float: truncation toward zero,
+        and an out-of-range value (NaN included) gives 0, like ONNX's reference
+        (ml_dtypes); from an integer: the low bits, reinterpreted (ONNX's rule)."""
+        b = self.b
+        bits, signed = subbyte_int(dst)
+        lo, hi = int_range(dst)
+        i8 = self.ty(dst)
+        if emit.is_float(x.dtype):
+            i32 = ir.VectorType(emit.I32, self.lanes) if self.lanes > 1 else emit.I32
+            q = self._sat_convert("llvm.fptosi.sat", x.v, i32)
+            oor = b.or_(b.icmp_signed("<", q, emit.const_like(lo, i32)),
+                        b.icmp_signed(">", q, emit.const_like(hi, i32)))
+            q = b.select(oor, emit.const_like(0, i32), q)
+            return b.trunc(q, i8)
+        src = np.dtype(x.dtype)
+        v = x.v
+        if src.itemsize > 1 and subbyte_int(src) is None:
+            v = b.trunc(v, i8)
+        return lowp.subbyte_wrap(b, v, bits, signed)
 
     def _fconvert(self, v: ir.Value, src: np.dtype, dst: np.dtype) -> ir.Value:
         """float -> float in expression representation (bfloat16 held as float)."""
@@ -325,7 +378,8 @@ def collapse(out_shape: tuple[int, ...], strides: list[list[int]], keep_ones: bo
 
 def vector_lanes(dtypes: Sequence[np.dtype], vector_bytes: int = 64) -> int:
     # bfloat16 is computed in float: count it as 4 bytes
-    widest = max(4 if is_bf16(d) else np.dtype(d).itemsize for d in dtypes)
+    widest = max(4 if is_bf16(d) or small_float(d) is not None else np.dtype(d).itemsize
+                 for d in dtypes)
     return max(1, min(16, vector_bytes // widest))
 
 
@@ -335,22 +389,29 @@ def load_tv(b: ir.IRBuilder, ptr: ir.Value, index: ir.Value, dtype: np.dtype,
     et = llvm_type(dt)
     p = emit.gep(b, ptr, index, et)
     if lanes == 1 or broadcast:
-        v = b.load(p, typ=et)
-        if dt == np.bool_:
-            v = b.icmp_unsigned("!=", v, ir.Constant(et, 0))
-        elif is_bf16(dt):
-            v = bf16_bits_to_f32(b, v)
+        v = _from_storage(b, b.load(p, typ=et), dt)
         if lanes > 1:
             v = emit.splat(b, v, lanes)
         return TV(v, dt)
     vt = ir.VectorType(et, lanes)
     v = b.load(p, typ=vt)
     v.align = dt.itemsize
+    return TV(_from_storage(b, v, dt), dt)
+
+
+def _from_storage(b: ir.IRBuilder, v: ir.Value, dt: np.dtype) -> ir.Value:
+    """Loaded storage (scalar or vector) -> the expression representation."""
     if dt == np.bool_:
-        v = b.icmp_unsigned("!=", v, ir.Constant(vt, [0] * lanes))
-    elif is_bf16(dt):
-        v = bf16_bits_to_f32(b, v)
-    return TV(v, dt)
+        return b.icmp_unsigned("!=", v, emit.const_like(0, v.type))
+    if is_bf16(dt):
+        return bf16_bits_to_f32(b, v)
+    fmt = small_float(dt)
+    if fmt is not None:
+        return lowp.small_to_f32(b, v, fmt)
+    sb = subbyte_int(dt)
+    if sb is not None:
+        return lowp.subbyte_load(b, v, *sb)
+    return v
 
 
 def store_tv(b: ir.IRBuilder, ptr: ir.Value, index: ir.Value, x: TV, dtype: np.dtype) -> None:
@@ -362,6 +423,10 @@ def store_tv(b: ir.IRBuilder, ptr: ir.Value, index: ir.Value, x: TV, dtype: np.d
         v = b.zext(v, t)
     elif is_bf16(dt):
         v = f32_to_bf16_bits(b, v)
+    elif small_float(dt) is not None:
+        v = lowp.encode_small(b, v, small_float(dt))
+    elif subbyte_int(dt) is not None:
+        v = lowp.subbyte_store(b, v, subbyte_int(dt)[0])
     st = b.store(v, emit.gep(b, ptr, index, et))
     st.align = dt.itemsize
 

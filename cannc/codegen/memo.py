@@ -38,7 +38,7 @@ import numpy as np
 
 from .. import config
 from ..ir.graph import Node
-from ..ir.types import TensorType
+from ..ir.types import TensorType, dtype_key
 from ..native.target import host, read_checksummed, write_checksummed
 from ..schedule import tuning
 from . import conv, winograd
@@ -90,7 +90,7 @@ def array_digest(a: np.ndarray) -> str:
         if hit is not None and hit[0] is a:
             return hit[1]
     c = np.ascontiguousarray(a)
-    h = hashlib.sha256(f"{c.dtype.str}{c.shape}".encode())
+    h = hashlib.sha256(f"{dtype_key(c.dtype)}{c.shape}".encode())
     h.update(memoryview(c.reshape(-1).view(np.uint8)))
     d = h.hexdigest()
     with _digest_lock:
@@ -121,7 +121,7 @@ class _Canon:
         return self.names[v]
 
     def type(self, t: TensorType) -> str:
-        dt = np.dtype(t.dtype).str
+        dt = dtype_key(t.dtype)
         if self.polymorphic:   # extents come from the tiling key (and the runtime)
             return f"T({dt},r{len(t.shape)})"
         return f"T({dt},{tuple(t.shape)})"
@@ -185,7 +185,7 @@ def node_key(node: Node, in_types: list[TensorType | None], out_types: list[Tens
     for i, c in enumerate(consts):
         if c is not None:
             shape = f"r{c.ndim}" if poly else str(tuple(c.shape))
-            parts.append(f"C{i}:{np.dtype(c.dtype).str}{shape}")
+            parts.append(f"C{i}:{dtype_key(c.dtype)}{shape}")
     return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()
 
 

@@ -30,7 +30,7 @@ from ..ir.graph import Graph, Node
 from ..ir.ops import lookup
 from ..ir.ops.control import own_inputs, scan_layout
 from ..ir.registry import Control
-from ..ir.types import TensorType
+from ..ir.types import TensorType, dtype_key
 from ..passes.control import has_subgraphs
 from ..passes.fold import bind_input_shapes
 from ..passes.manager import PassContext, PassManager
@@ -270,7 +270,7 @@ class ControlProgram:
         vin = self._vin.get(id(graph))
         if vin is None:
             vin = self._vin[id(graph)] = value_deciding_inputs(graph)
-        key = tuple((v, feeds[v].dtype.str, feeds[v].shape) for v in graph.inputs) + tuple(
+        key = tuple((v, dtype_key(feeds[v].dtype), feeds[v].shape) for v in graph.inputs) + tuple(
             feeds[v].tobytes() for v in vin)
         with self._lock:
             prog = cache.get(key)

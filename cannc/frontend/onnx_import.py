@@ -146,8 +146,12 @@ def _tensor_type(vi: onnx.ValueInfoProto, where: str,
     try:
         dt = np_dtype(tt.elem_type)
     except (KeyError, ValueError) as e:
+        try:
+            tname = onnx.TensorProto.DataType.Name(tt.elem_type)
+        except ValueError:
+            tname = str(tt.elem_type)
         raise ModelError(f"{where} {vi.name!r} has unsupported element type "
-                         f"{tt.elem_type}") from e
+                         f"{tname} ({tt.elem_type})") from e
     if not tt.HasField("shape"):
         return TensorType(dt, ("?",))
     dims: list[Dim] = []

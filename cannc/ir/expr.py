@@ -111,7 +111,10 @@ class ExprBuilder(Protocol):
         ...
 
     # -- conversions
-    def cast(self, x: Value, dtype: np.dtype) -> Value: ...
+    def cast(self, x: Value, dtype: np.dtype, saturate: bool = True,
+             round_mode: str = "up") -> Value:
+        """saturate / round_mode: ONNX Cast's attributes, for float8 destinations."""
+        ...
 
 
 # expr(E, node view, operands at their input positions) -> results

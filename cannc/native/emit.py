@@ -75,15 +75,24 @@ def llvm_type(dtype: np.dtype) -> ir.Type:
         return I8
     if dt.kind in "iu":
         return ir.IntType(dt.itemsize * 8)
+    if dt.itemsize == 1 and (dt.name.startswith("float") or dt.name in _SUBBYTE_INTS):
+        return I8   # float8/float4 codes and sub-byte integers: one element per byte
     raise NotImplementedError(f"no LLVM type for dtype {dt}")
 
 
+# ml_dtypes' sub-byte integers (held one per byte; cannc.ir.types.SUBBYTE_INTS)
+_SUBBYTE_INTS = frozenset({"int4", "uint4", "int2", "uint2"})
+
+
 def is_float(dtype: np.dtype) -> bool:
-    return np.dtype(dtype).kind == "f" or np.dtype(dtype).name == "bfloat16"
+    """float16/32/64, bfloat16 and the float8/float4 types of ml_dtypes."""
+    dt = np.dtype(dtype)
+    return dt.kind == "f" or dt.name == "bfloat16" or dt.name.startswith("float")
 
 
 def is_signed(dtype: np.dtype) -> bool:
-    return np.dtype(dtype).kind == "i"
+    dt = np.dtype(dtype)
+    return dt.kind == "i" or dt.name in ("int4", "int2")
 
 
 @contextmanager

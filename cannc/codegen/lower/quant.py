@@ -20,7 +20,7 @@ from ...errors import UnsupportedOpError
 from ...ir.epilogue import matmul_dims as _matmul_dims
 from ...ir.graph import Node
 from ...ir.ops.quant import _layout
-from ...ir.types import TensorType, np_dtype
+from ...ir.types import TensorType, int_range, np_dtype, small_float
 from ...native import emit
 from ...native.emit import for_range, i64
 from ..elementwise import TV, Expr, emit_map
@@ -45,8 +45,7 @@ def _present(n: Node, i: int) -> bool:
 # ---------------------------------------------------------------------------
 
 def _int_range(dt: np.dtype) -> tuple[int, int]:
-    info = np.iinfo(dt)
-    return int(info.min), int(info.max)
+    return int_range(dt)
 
 
 def _compute_dtype(x: np.dtype, s: np.dtype, precision: int | None) -> np.dtype:
@@ -76,15 +75,36 @@ def _lower_quantize(ctx: LowerCtx) -> None:
     n = ctx.node
     out_t = ctx.out_types[0]
     odt = np.dtype(out_t.dtype)
-    lo, hi = _int_range(odt)
     xt, st = ctx.in_types[0], ctx.in_types[1]
     cdt = _compute_dtype(xt.dtype, st.dtype, n.attrs.get("precision"))
     has_zp, types, slots = _operands(ctx)
+    fmt = small_float(odt)
+    if fmt is not None:
+        # float8/float4: x / scale with Cast's rounding; like the reference, a float8
+        # zero point (zero by the spec) is not applied, a float4 one is added
+        saturate = bool(int(n.attrs.get("saturate", 1)))
+        add_zp = has_zp and fmt.kind == "sat"
+
+        def fexpr(E: Expr, ops: Sequence[TV]) -> list[TV]:
+            q = E.div(E.cast(ops[0], cdt), E.cast(ops[1], cdt))
+            if add_zp:
+                q = E.add(E.cast(q, F32), E.cast(ops[2], F32))
+            return [E.cast(q, odt, saturate=saturate)]
+
+        emit_map(ctx, types, [TensorType(odt, types[0].shape)], fexpr, operand_slots=slots)
+        ctx.flops = xt.numel * 4
+        return
+    lo, hi = _int_range(odt)
 
     def expr(E: Expr, ops: Sequence[TV]) -> list[TV]:
         x, s = E.cast(ops[0], cdt), E.cast(ops[1], cdt)
         q = E.call("llvm.roundeven", E.div(x, s))
-        qi = E.cast(q, np.dtype(np.int64))  # saturating conversion
+        # like the reference (rint, then int32): a saturating conversion to int32, NaN
+        # to int32's minimum (so to the type's lowest value, as onnxruntime gives); then
+        # in int64 the zero point cannot overflow it (inf + zp stays the highest value)
+        q32 = E.cast(q, np.dtype(np.int32))
+        q32 = E.select(E.isnan(q), E.const(-2**31, np.int32), q32)
+        qi = E.cast(q32, np.dtype(np.int64))
         if has_zp:
             qi = E.add(qi, E.cast(ops[2], np.dtype(np.int64)))
         qi = E.min(E.max(qi, E.const(lo, np.int64)), E.const(hi, np.int64))
@@ -97,6 +117,10 @@ def _lower_quantize(ctx: LowerCtx) -> None:
 def _lower_dequantize(ctx: LowerCtx) -> None:
     odt = np.dtype(ctx.out_types[0].dtype)
     has_zp, types, slots = _operands(ctx)
+    # a float8/float4 zero point is not subtracted (the reference ignores it; it
+    # subtracts a float6 one)
+    fmt = small_float(ctx.in_types[0].dtype)
+    has_zp = has_zp and (fmt is None or fmt.name.startswith("float6"))
 
     def expr(E: Expr, ops: Sequence[TV]) -> list[TV]:
         # like the reference: (float32(x) - zp) * scale, rounded once to the output type

@@ -19,6 +19,7 @@ import numpy as np
 from ..expr import ExprBuilder, ExprFn, NodeView, Value
 from ..graph import Node
 from ..registry import Amp, Category, OpDef, register, registered
+from ..types import SMALL_FLOATS, SUBBYTE_INTS
 
 FLOATS = frozenset({"float32", "float64", "float16", "bfloat16"})
 UINTS = frozenset({"uint8", "uint16", "uint32", "uint64"})
@@ -392,11 +393,31 @@ defmap("IsInf", _isinf, FLOATS, Category.ELEMENTWISE, input_dtypes=FLOATS, min_o
 
 
 def _cast(E: ExprBuilder, n: NodeView, xs: Sequence[Value]) -> list[Value]:
-    return [E.cast(xs[0], n.out_types[0].dtype)]
+    # Cast-19+ `saturate` (float8 only; 1 = clamp to the largest finite value), Cast-24+
+    # `round_mode` (float8e8m0 only)
+    sat = bool(int(n.attr("saturate", 1))) if n.opset >= 19 else True
+    mode = n.attr("round_mode", "up") if n.opset >= 24 else "up"
+    mode = mode.decode() if isinstance(mode, bytes) else str(mode)
+    return [E.cast(xs[0], n.out_types[0].dtype, saturate=sat, round_mode=mode)]
 
 
-defmap("Cast", _cast, ALL, Category.ELEMENTWISE)
-defmap("CastLike", _cast, ALL, Category.ELEMENTWISE)
+def _check_cast(n: Node, ins: list, outs: list) -> str | None:
+    mode = n.attrs.get("round_mode", "up")
+    mode = mode.decode() if isinstance(mode, bytes) else str(mode)
+    if mode not in ("up", "down", "nearest"):
+        return f"round_mode {mode!r} (ONNX defines up, down, nearest)"
+    for what, t in [("input", x) for x in ins] + [("output", y) for y in outs]:
+        if t is not None and np.dtype(t.dtype).name not in CASTABLE:
+            return f"{what} element type {np.dtype(t.dtype).name} not supported"
+    return None
+
+
+# float8 / float4 and sub-byte integers (cannc/ir/types.py): Cast and CastLike convert
+# them bit by bit (codegen/lowp.py); no arithmetic op takes them
+LOWP = frozenset(SMALL_FLOATS) | frozenset(SUBBYTE_INTS)
+CASTABLE = ALL | LOWP
+defmap("Cast", _cast, None, Category.ELEMENTWISE, check=_check_cast)   # type: ignore[arg-type]
+defmap("CastLike", _cast, None, Category.ELEMENTWISE, check=_check_cast)  # type: ignore[arg-type]
 
 
 def _prelu(E: ExprBuilder, n: NodeView, xs: Sequence[Value]) -> list[Value]:

@@ -6,9 +6,13 @@ the shape that broadcasts them over x (per-tensor: a scalar; per-axis: [C] at
 `axis`; blocked: x viewed as [..., D/B, B, ...] and the parameters as
 [..., D/B, 1, ...]): `param_view`.
 
-Integer element types narrower than a byte (int4, uint4, int2, uint2) and the
-float8/float4 types have no NumPy dtype in cannc's type table, so the frontend
-rejects them before any op is asked.
+The quantised type may also be a sub-byte integer (int4, uint4, int2, uint2: the
+integer rule, saturating to the type's range) or a float8/float4 type (float8e4m3fn,
+float8e4m3fnuz, float8e5m2, float8e5m2fnuz, float4e2m1, float6: x / scale converted with
+Cast's rounding, `saturate` clamping to the largest finite value). As in ONNX's
+reference, a float8 zero point is not applied (the spec requires it to be zero); a
+float4 one is added by QuantizeLinear and not subtracted by DequantizeLinear; a float6
+(float6e2m3, float6e3m2) one is added and subtracted.
 """
 
 from __future__ import annotations
@@ -21,7 +25,11 @@ from ..graph import Node
 from ..registry import Category, OpDef, register
 
 QFLOATS = frozenset({"float32", "float16", "bfloat16"})
-QINTS = frozenset({"uint8", "int8", "uint16", "int16"})
+QINTS = frozenset({"uint8", "int8", "uint16", "int16", "int4", "uint4", "int2", "uint2"})
+# float8 / float4 quantised types (float8e8m0 is a scale type, not a quantised one)
+QSMALLFLOATS = frozenset({"float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
+                          "float8_e5m2fnuz", "float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn"})
+QTYPES = QINTS | QSMALLFLOATS
 
 
 def param_view(n: Node, x_shape: Sequence[int], p_shape: Sequence[int], axis: int,
@@ -61,7 +69,8 @@ def _layout(n: Node, ins: list) -> tuple | str:
 def _check_common(n: Node, ins: list, outs: list, xtypes: frozenset[str]) -> str | None:
     x = ins[0]
     if np.dtype(x.dtype).name not in xtypes:
-        return f"x dtype {np.dtype(x.dtype).name} not supported ({', '.join(sorted(xtypes))})"
+        return (f"x element type {np.dtype(x.dtype).name} not supported "
+                f"({', '.join(sorted(xtypes))})")
     lay = _layout(n, ins)
     if isinstance(lay, str):
         return lay
@@ -69,24 +78,33 @@ def _check_common(n: Node, ins: list, outs: list, xtypes: frozenset[str]) -> str
 
 
 def _check_quantize(n: Node, ins: list, outs: list) -> str | None:
-    if outs and np.dtype(outs[0].dtype).name not in QINTS:
-        return (f"output dtype {np.dtype(outs[0].dtype).name} "
-                f"(supported: {', '.join(sorted(QINTS))})")
+    if outs and np.dtype(outs[0].dtype).name not in QTYPES:
+        return (f"output element type {np.dtype(outs[0].dtype).name} "
+                f"(supported: {', '.join(sorted(QTYPES))})")
+    if len(ins) > 2 and ins[2] is not None and outs and \
+            np.dtype(ins[2].dtype) != np.dtype(outs[0].dtype):
+        return (f"zero point element type {np.dtype(ins[2].dtype).name} differs from the "
+                f"output's {np.dtype(outs[0].dtype).name}")
     return _check_common(n, ins, outs, QFLOATS)
 
 
 register(OpDef(name="QuantizeLinear", category=Category.BROADCAST,
                min_opset=10, check=_check_quantize,
-               doc="per-tensor, per-axis and blocked; int8/uint8/int16/uint16 outputs"))
+               doc="per-tensor, per-axis and blocked; 16/8/4/2-bit integer, float8 and "
+                   "float4 outputs"))
 
 
 def _check_dequantize(n: Node, ins: list, outs: list) -> str | None:
-    return _check_common(n, ins, outs, QINTS | {"int32"})
+    if outs and np.dtype(outs[0].dtype).name not in QFLOATS:
+        return (f"output element type {np.dtype(outs[0].dtype).name} "
+                f"(supported: {', '.join(sorted(QFLOATS))})")
+    return _check_common(n, ins, outs, QTYPES | {"int32"})
 
 
 register(OpDef(name="DequantizeLinear", category=Category.BROADCAST,
                min_opset=10, check=_check_dequantize,
-               doc="per-tensor, per-axis and blocked; 8/16-bit and int32 inputs"))
+               doc="per-tensor, per-axis and blocked; 16/8/4/2-bit integer, int32, float8 "
+                   "and float4 inputs"))
 
 
 register(OpDef(name="DynamicQuantizeLinear", category=Category.OPAQUE, min_opset=11,
