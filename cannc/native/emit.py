@@ -18,6 +18,23 @@ PTR = ir.PointerType()
 VOID = ir.VoidType()
 
 
+class _BFloat(ir.Type):
+    """LLVM's ``bfloat`` (llvmlite.ir has no type for it): vectors of it are what the
+    avx512bf16 intrinsics take; values come from bitcasts (no bfloat constants)."""
+
+    def _to_string(self) -> str:
+        return "bfloat"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _BFloat)
+
+    def __hash__(self) -> int:
+        return hash("bfloat")
+
+
+BF16 = _BFloat()
+
+
 def i64(v: int) -> ir.Constant:
     return ir.Constant(I64, int(v))
 

@@ -1,0 +1,245 @@
+"""Reduced-precision fused attention (codegen/attention.py): bfloat16 / float16 Q, K, V,
+masks and outputs converted on load / store, `precision` "bf16" (vdpbf16ps where the CPU
+has avx512bf16, else widened to float32) and "fp16" (float32 FMA), against a float64
+reference computed from the SAME rounded inputs.
+
+Tolerances. Without rounding inside the kernel (dot 'f32': narrow inputs widened exactly)
+the float32 kernel's rtol 1e-4 / atol 1e-5 holds. With dot 'bf16' Q K^T is exact products
+of the rounded inputs with float32 accumulation (errors ~1e-6 relative), but P is rounded
+to bf16 after the exp, as flash-attention kernels do: every weight gets a relative error
+|e| <= 2^-9 and the row sum l adds the rounded weights, so the output stays a convex
+combination of V's rows, off the exact one by at most sum_j |w_j (e_j - mean e)| |v_j - o|
+<= 2^-8 (1 + 2^-8) * span_j(v) per output column (span: max - min of the column over the
+keys). That bound (x 1.05 for the float32 parts) is the atol used; a narrow output adds
+one ulp of its type (rtol 2^-7 bf16, 2^-10 fp16).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.abspath(os.path.dirname(os.path.dirname(__file__))))
+
+from llvmlite import ir
+
+from cannc.codegen.attention import (
+    attention_num_tiles,
+    attention_plan,
+    attention_precision_note,
+    attention_tiling,
+    attention_workspace_bytes,
+    emit_attention,
+)
+from cannc.ir.attnspec import AttnSpec
+from cannc.native.target import host, jit_kernel
+from tests.helpers import aligned, run_splits
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+NP = {"float32": np.dtype(np.float32), "bfloat16": BF16, "float16": np.dtype(np.float16)}
+HAS_BF16 = host().has("avx512bf16")
+SENT = -12345.5
+OUT_RTOL = {"float32": 0.0, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
+
+
+def _round(x, dt):
+    return np.asarray(x, np.float32).astype(NP[dt]).astype(np.float64)
+
+
+class Case:
+    """Dense [B,H,S,D] operands of the spec's dtypes, the reference, a runner."""
+
+    def __init__(self, spec: AttnSpec, seed=0, mask_fn=None):
+        s = self.spec = spec
+        rng = np.random.default_rng(seed)
+        self.bufs, self.vals = {}, {}
+        for nm, dt, shape in (("q", s.dtypes[0], (s.B, s.H, s.Sq, s.D)),
+                              ("k", s.dtypes[1], (s.B, s.H, s.Sk, s.D)),
+                              ("v", s.dtypes[2], (s.B, s.H, s.Sk, s.Dv))):
+            buf = aligned(shape, dtype=NP[dt])
+            buf[...] = rng.standard_normal(shape).astype(NP[dt])
+            self.bufs[nm] = buf
+            self.vals[nm] = buf.astype(np.float64)
+        self.mask = None
+        if s.mask != "none":
+            shape = (s.B, s.H, s.Sq, s.Sk)
+            mdt = np.bool_ if s.mask_dtype == "bool" else NP[s.mask_dtype]
+            m = aligned(shape, dtype=mdt)
+            if mask_fn is not None:
+                m[...] = mask_fn(rng, shape)
+            elif s.mask == "add":
+                m[...] = rng.standard_normal(shape).astype(mdt)
+            else:
+                m[...] = rng.random(shape) < 0.7
+                m[..., 0] = True
+            self.bufs["mask"] = m
+            self.mask = m.astype(np.float64) if s.mask == "add" else m.astype(bool)
+
+    def reference(self, prec_inputs: str | None):
+        """float64 attention of the inputs (rounded to bf16 first for prec_inputs)."""
+        s = self.spec
+        q, k, v = (self.vals[n] if prec_inputs is None else _round(self.vals[n], prec_inputs)
+                   for n in "qkv")
+        raw = np.einsum("bhid,bhjd->bhij", q, k) * float(np.float32(s.scale))
+        if s.mask == "add":
+            raw = raw + self.mask
+        elif s.mask == "where":
+            raw = np.where(self.mask, raw, -np.inf)
+        if s.causal:
+            i = np.arange(s.Sq)[:, None]
+            j = np.arange(s.Sk)[None, :]
+            raw = np.where(j > i + (s.Sk - s.Sq), -np.inf, raw)
+        e = np.exp(raw - raw.max(-1, keepdims=True))
+        p = e / e.sum(-1, keepdims=True)
+        span = (v.max(2) - v.min(2))[:, :, None, :]
+        return p @ v, span
+
+    def run(self, tuning=None, form=False):
+        s = self.spec
+        o_np = NP[s.dtypes[3]]
+        O = aligned((s.B, s.H, s.Sq, s.Dv + 16), dtype=o_np)   # 16 guard columns per row
+        O[...] = o_np.type(SENT)
+        ptrs = [self.bufs[n].ctypes.data for n in ("q", "k", "v")]
+        if s.mask != "none":
+            ptrs.append(self.bufs["mask"].ctypes.data)
+        ptrs.append(O.ctypes.data)
+        module = ir.Module()
+        if form:
+            til = attention_tiling(s, tuning)
+            emit_attention(module, "attn", til.form, tuning=tuning)
+            argv = (ctypes.c_int64 * (len(ptrs) + len(til.dims)))(*ptrs, *til.dims)
+            tiles, wsb = til.num_tiles, til.workspace_bytes
+        else:
+            emit_attention(module, "attn", s, tuning=tuning)
+            argv = (ctypes.c_void_p * len(ptrs))(*ptrs)
+            tiles = attention_num_tiles(s, tuning)
+            wsb = attention_workspace_bytes(s, tuning)
+        kernel = jit_kernel(module, "attn", 0)
+        run_splits(kernel, argv, tiles, wsb, ws_fill=np.nan)
+        assert np.all(O[..., s.Dv:] == o_np.type(SENT)), "wrote past a row"
+        return O[..., :s.Dv].astype(np.float64)
+
+    def check(self, tuning=None, form=False):
+        s = self.spec
+        dot = attention_plan(s, tuning).dot
+        got = self.run(tuning, form)
+        ref, span = self.reference("bfloat16" if dot == "bf16" else None)
+        rt = OUT_RTOL[s.dtypes[3]]
+        if dot == "bf16":
+            atol = 1.05 * 2.0 ** -8 * (1 + 2.0 ** -8) * span + 1e-6
+        else:
+            atol = 1e-5 + 1e-4 * np.abs(ref)
+        err = np.abs(got - ref)
+        bad = err > atol + rt * np.abs(ref)
+        assert not bad.any(), (f"{bad.sum()} of {bad.size} outside; max err {err.max():.3g}, "
+                               f"dot {dot}")
+        return got, ref
+
+
+def spec(B, H, Sq, Sk, D, Dv=None, dtypes=("bfloat16",) * 4, precision="bf16", **kw):
+    """Dense operands; O rows padded by 16 guard elements (Case.run checks them)."""
+    Dv = D if Dv is None else Dv
+    d = AttnSpec.dense(B, H, Sq, Sk, D, Dv, dtypes=tuple(dtypes), precision=precision, **kw)
+    W = Dv + 16
+    return dataclasses.replace(d, o_strides=(H * Sq * W, Sq * W, W, 1))
+
+
+BF = ("bfloat16",) * 4
+F16 = ("float16",) * 4
+DOTS = [None, {"dot": "f32"}]   # the host's choice (bf16 dot products here), and widened
+
+SHAPES = [(1, 2, 7, 7, 16, 16), (2, 1, 37, 53, 64, 64), (1, 1, 20, 150, 33, 17),
+          (1, 3, 70, 29, 80, 80)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("tuning", DOTS)
+def test_bf16_qkv(shape, tuning):
+    Case(spec(*shape, dtypes=BF)).check(tuning)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3])
+def test_fp16_qkv(shape):
+    s = spec(*shape, dtypes=F16, precision="fp16")
+    assert attention_plan(s).dot == "f32"
+    Case(s).check()
+    assert attention_precision_note(s).startswith("fp16 storage, fp32 FMA")
+
+
+@pytest.mark.parametrize("odt", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tuning", DOTS)
+def test_fp32_inputs_with_bf16_precision(odt, tuning):
+    """cannc_precision on float32 operands: converted to bf16 on load, any output dtype."""
+    s = spec(2, 2, 33, 70, 64, 48, dtypes=("float32",) * 3 + (odt,))
+    Case(s, seed=3).check(tuning)
+
+
+def test_mixed_operand_dtypes():
+    s = spec(1, 2, 19, 41, 32, dtypes=("float32", "bfloat16", "float32", "float16"))
+    Case(s, seed=4).check()
+
+
+@pytest.mark.parametrize("mdt", ["bool", "float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("tuning", DOTS)
+def test_masks(mdt, tuning):
+    mode = "where" if mdt == "bool" else "add"
+    s = spec(2, 2, 24, 45, 64, mask=mode, mask_dtype=mdt, mask_strides=(2 * 24 * 45, 24 * 45,
+                                                                         45, 1),
+             fill=float("-inf"))
+    Case(s, seed=5).check(tuning)
+
+
+@pytest.mark.parametrize("tuning", DOTS)
+@pytest.mark.parametrize("Sq,Sk", [(40, 40), (9, 100)])
+def test_causal(tuning, Sq, Sk):
+    s = spec(1, 2, Sq, Sk, 64, causal=True)
+    Case(s, seed=6).check(tuning)
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 37, 53, 64, 64), (2, 1, 5, 300, 33, 40)])
+@pytest.mark.parametrize("tuning", DOTS)
+def test_shape_polymorphic_form(shape, tuning):
+    B, H, Sq, Sk = shape[:4]
+    Case(spec(*shape, mask="add", mask_dtype="bfloat16",
+              mask_strides=(H * Sq * Sk, Sq * Sk, Sk, 1))).check(tuning, form=True)
+
+
+def test_long_keys_block_scope():
+    """K^T of a head past the whole-head packing size: packed per key block."""
+    s = spec(1, 1, 20, 2100, 64)
+    assert attention_plan(s).scope == "block"
+    Case(s, seed=7).check()
+
+
+@pytest.mark.skipif(not HAS_BF16, reason="no avx512bf16")
+def test_bf16_dot_products_round_p():
+    """With avx512bf16 the kernel multiplies in bf16 (P rounded): not the exact fp32
+    result of the same inputs, though within the P-rounding bound above."""
+    s = spec(1, 1, 32, 256, 64, dtypes=("float32",) * 4)
+    c = Case(s, seed=8)
+    assert attention_plan(s).dot == "bf16"
+    assert attention_precision_note(s).startswith("bf16 avx512_bf16")
+    got, ref = c.check()
+    assert np.abs(got - ref).max() > 1e-6
+    exact, _ = c.reference(None)
+    wide = c.run({"dot": "f32"})
+    np.testing.assert_allclose(wide, exact, rtol=1e-4, atol=1e-5)
+
+
+def test_precision_notes_and_bad_specs():
+    assert attention_precision_note(spec(1, 1, 4, 4, 8, dtypes=("float32",) * 4,
+                                         precision="fp32")) == "fp32"
+    note = attention_precision_note(spec(1, 1, 4, 4, 8), {"dot": "f32"})
+    assert note.startswith("bf16 widened to fp32")
+    with pytest.raises(ValueError, match="dtypes"):
+        spec(1, 1, 4, 4, 8, dtypes=("float64",) * 4)
+    with pytest.raises(ValueError, match="precision"):
+        spec(1, 1, 4, 4, 8, precision="int8")
+    with pytest.raises(ValueError, match="k_mode 'direct'"):
+        attention_plan(spec(1, 1, 4, 4, 8), {"k_mode": "direct", "dot": "f32"})
