@@ -152,7 +152,10 @@ def spec(B, H, Sq, Sk, D, Dv=None, dtypes=("bfloat16",) * 4, precision="bf16", *
 
 BF = ("bfloat16",) * 4
 F16 = ("float16",) * 4
-DOTS = [None, {"dot": "f32"}]   # the host's choice (bf16 dot products here), and widened
+# vdpbf16ps (where the CPU has it), and widened to float32 FMA
+DOTS = [pytest.param({"dot": "bf16"}, id="dp", marks=pytest.mark.skipif(
+            not HAS_BF16, reason="no avx512bf16")),
+        pytest.param({"dot": "f32"}, id="wide")]
 
 SHAPES = [(1, 2, 7, 7, 16, 16), (2, 1, 37, 53, 64, 64), (1, 1, 20, 150, 33, 17),
           (1, 3, 70, 29, 80, 80)]
@@ -162,6 +165,10 @@ SHAPES = [(1, 2, 7, 7, 16, 16), (2, 1, 37, 53, 64, 64), (1, 1, 20, 150, 33, 17),
 @pytest.mark.parametrize("tuning", DOTS)
 def test_bf16_qkv(shape, tuning):
     Case(spec(*shape, dtypes=BF)).check(tuning)
+
+
+def test_bf16_host_default():
+    Case(spec(1, 2, 20, 40, 64, dtypes=BF)).check()
 
 
 @pytest.mark.parametrize("shape", SHAPES[:3])
@@ -223,9 +230,12 @@ def test_bf16_dot_products_round_p():
     result of the same inputs, though within the P-rounding bound above."""
     s = spec(1, 1, 32, 256, 64, dtypes=("float32",) * 4)
     c = Case(s, seed=8)
-    assert attention_plan(s).dot == "bf16"
-    assert attention_precision_note(s).startswith("bf16 avx512_bf16")
-    got, ref = c.check()
+    dp = {"dot": "bf16"}
+    assert attention_plan(s, dp).dot == "bf16"
+    assert attention_precision_note(s, dp).startswith("bf16 avx512_bf16")
+    # the default: vdpbf16ps unless the CPU has AMX (there it is slower than fp32 FMA)
+    assert attention_plan(s).dot == ("f32" if host().has("amx-bf16") else "bf16")
+    got, ref = c.check(dp)
     assert np.abs(got - ref).max() > 1e-6
     exact, _ = c.reference(None)
     wide = c.run({"dot": "f32"})

@@ -256,7 +256,8 @@ class AttnPlan:
     unroll_d: int
     unroll_j: int
     dot: str  # 'f32' (FMA; narrow operands widened on load) | 'bf16' (vdpbf16ps)
-    ws_q: int  # dot 'bf16': the query block's rows as bf16 pairs [MQ][D2]
+    ws_q: int  # narrow Q or dot 'bf16': the query block's rows, float32 [MQ][D] or bf16 pairs
+    #            [MQ][D2]
     ws_p: int  # dot 'bf16': P rounded to bf16 [MQ][KB]
     ws_k: int  # byte offsets in the workspace
     ws_v: int
@@ -305,7 +306,12 @@ def _bf16_dot_ok(spec) -> bool:
 
 
 def _default_dot(spec) -> str:
-    return "bf16" if spec.precision == "bf16" and _bf16_dot_ok(spec) else "f32"
+    """vdpbf16ps where it is the faster multiply: not on CPUs with AMX (Sapphire Rapids
+    and later), whose bf16 lever is the tile unit: there vdpbf16ps (one port) measured
+    0.5-0.65x the fp32 FMA rate (two ports), so bf16 operands are widened instead."""
+    from ..native.target import host
+    fast = not host().has("amx-bf16")
+    return "bf16" if spec.precision == "bf16" and _bf16_dot_ok(spec) and fast else "f32"
 
 
 def attention_precision_note(spec, tuning: dict | None = None) -> str:
@@ -408,7 +414,7 @@ def _plan(spec: AttnSpec | AttnForm, tuning: tuple = ()) -> AttnPlan:
         ws_k = take(krows * ldk * 4 if k_mode == "pack" else 0)
         ws_v = take(rows_k // vdiv * Dv_pad * 4 if v_mode == "pack" else 0)
     ws_s = take(MQ * KB * 4, 1)
-    ws_q = take(MQ * krows * 4 if pair else 0)
+    ws_q = take(MQ * krows * 4 if pair or qdt != "float32" else 0)
     ws_p = take(MQ * KB * 2 if pair else 0)
     ws_o = take(MQ * Dv_pad * 4, 2)
     MQp = _rup(MQ, 16)
@@ -593,6 +599,9 @@ class _Gen(VecBuilder):
         b = self.b
         if dt == "float16":
             return b.fptrunc(val, VH)
+        if self.pair:
+            # the CPU has avx512bf16: vcvtneps2bf16 (round to nearest even, NaN quiet)
+            return b.bitcast(b.fptrunc(val, ir.VectorType(BF16, 16)), VI16)
         c = lambda x: ir.Constant(VI32, [x] * 16)
         bits = b.bitcast(val, VI32)
         lsb = b.and_(b.lshr(bits, c(16)), c(1))
@@ -815,6 +824,8 @@ class _Gen(VecBuilder):
             self.init_state()
             if self.pair:
                 self.pack_q(Q_bh, q0, mq)
+            elif self.dt["q"] != "float32":
+                self.pack_q_f32(Q_bh, q0, mq)
             if p.prefetch_o:
                 self.prefetch_out(O_bh, q0, mq)
             if s.causal:
@@ -897,6 +908,9 @@ class _Gen(VecBuilder):
         if self.pair:
             self.pack_v_pairs(src, count, vst[2])
             return
+        if vst[3] == 1 and self.dt["v"] != "float32":
+            self.pack_v_rows(src, count, vst[2])
+            return
         self.pack_t(src, i64(s.Dv), vst[3], count, vst[2], self.ws_v, p.Dv_pad, None,
                     self.dt["v"])
 
@@ -931,6 +945,25 @@ class _Gen(VecBuilder):
                 n = D2 - d0 // 2
                 self.store_v(x, self.gep(dst, d0 // 2), None if n >= 16 else
                              ir.Constant(VM, [1 if i < n else 0 for i in range(16)]))
+
+    def pack_q_f32(self, Q_bh, q0, mq):
+        """ws_q[r * D + d] = Q(q0 + r, d) widened to float32, r < mq."""
+        s, b = self.s, self.b
+        qi, qd = self.st["q_strides"][2:]
+        with self.loop(0, mq, 1, "pqf") as r:
+            row = self.gep(Q_bh, self.mul(b.add(q0, r), qi), self.ety["q"])
+            dst = self.gep(self.ws_q, self.mul(r, s.D))
+            for d0 in range(0, s.D, 16):
+                m = self.lanes_lt(s.D, d0)
+                m = None if all(c.constant for c in m.constant) else m
+                if qd == 1:
+                    x = self.load_cvt(self.gep(row, d0, self.ety["q"]), m, self.dt["q"])
+                else:
+                    offs = self.lanes_times(d0, qd, 2 if self.dt["q"] != "float32" else 4)
+                    ptrs = b.inttoptr(b.add(self.splat(b.ptrtoint(row, I64), VI64), offs),
+                                      VPTR)
+                    x = self.gather_cvt(ptrs, self.ones_m if m is None else m, self.dt["q"])
+                self.store_v(x, self.gep(dst, d0), m)
 
     def pack_k_pairs(self, src, count, rs, panel):
         """ws_k[i * ldk + j] (32-bit elements) = the bf16 pair (K(j, 2i), K(j, 2i + 1)) for
@@ -970,6 +1003,19 @@ class _Gen(VecBuilder):
                 lo = self.load_cvt(self.gep(r0, 16 * v, ety), None if full else m, dt)
                 hi = self.load_cvt(self.gep(r1, 16 * v, ety), b.select(ok1, m, self.zero_m), dt)
                 self.store_v(self.interleave_bf16(lo, hi), self.gep(dst, 16 * v))
+
+    def pack_v_rows(self, src, count, rs):
+        """ws_v[j * Dv_pad + e] = V(j, e) widened, V rows contiguous (a copy, no gather)."""
+        s, p = self.s, self.p
+        ety, dt = self.ety["v"], self.dt["v"]
+        with self.loop(0, count, 1, "pvr") as j:
+            row = self.gep(src, self.mul(j, rs), ety)
+            dst = self.gep(self.ws_v, self.mul(j, p.Dv_pad))
+            for v in range(_cdiv(s.Dv, 16)):
+                m = self.lanes_lt(s.Dv, 16 * v)
+                m = None if all(c.constant for c in m.constant) else m
+                self.store_v(self.load_cvt(self.gep(row, 16 * v, ety), m, dt),
+                             self.gep(dst, 16 * v))
 
     def pack_t(self, src, n_a, rs, n_c, cs, dst, dst_ld: int, panel=None, dt="float32"):
         """dst[c * dst_ld + a] = src[a * rs + c * cs] for a < n_a, c < n_c; lanes
@@ -1029,9 +1075,11 @@ class _Gen(VecBuilder):
         qi, qd = self.st["q_strides"][2:]
         # dot 'bf16': Q's rows are the bf16 pairs in ws_q, K^T rows pairs of d: D2 steps
         nd = self.krows
-        if self.pair:
+        if self.pair or self.dt["q"] != "float32":
+            # Q's rows were packed into ws_q: float32 (widened), or bf16 pairs
             qi, qd, qety, Q_bh, qrow0 = nd, 1, F32, self.ws_q, i64(0)
-            qload, madd = self.load_f, self.dot2
+            qload = self.load_f
+            madd = self.dot2 if self.pair else (lambda acc, x, y: self.fma(x, y, acc))
         else:
             qety, dq, qrow0 = self.ety["q"], self.dt["q"], q0
             qload = lambda ptr: self.load_s(ptr, dq)
