@@ -253,3 +253,164 @@ def test_precision_notes_and_bad_specs():
         spec(1, 1, 4, 4, 8, precision="int8")
     with pytest.raises(ValueError, match="k_mode 'direct'"):
         attention_plan(spec(1, 1, 4, 4, 8), {"k_mode": "direct", "dot": "f32"})
+
+
+# ---------------------------------------------------------------------------
+# compiled models: the ONNX Attention op and the fused pattern, typed bf16 / fp16
+# ---------------------------------------------------------------------------
+
+import onnx  # noqa: E402
+from onnx import helper  # noqa: E402
+
+import cannc  # noqa: E402
+from cannc.ir.types import NP_TO_ONNX  # noqa: E402
+
+
+def _attention_model(ins: dict, **attrs):
+    names = [n for n in ("Q", "K", "V", "attn_mask") if n in ins]
+    node = helper.make_node("Attention", names, ["Y"], **attrs)
+    q = ins["Q"]
+    B, H, Sq, _ = q.shape
+    Dv = ins["V"].shape[3]
+    g = helper.make_graph(
+        [node], "a",
+        [helper.make_tensor_value_info(n, NP_TO_ONNX[ins[n].dtype], ins[n].shape)
+         for n in names],
+        [helper.make_tensor_value_info("Y", NP_TO_ONNX[q.dtype], (B, H, Sq, Dv))])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 23)])
+    m.ir_version = 10
+    return m
+
+
+def _compile(m, feeds):
+    sess = cannc.compile(m, cores=2, shapes={k: v.shape for k, v in feeds.items()})
+    ks = [k for s in sess.specializations for k in s.kernels]
+    return sess, ks
+
+
+def _ref(q, k, v, scale, bias=None, causal=False):
+    """float64 attention; causal as ONNX Attention without a past: key j <= query i."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    s = np.einsum("bhid,bhjd->bhij", q, k) * scale
+    if bias is not None:
+        s = s + bias
+    if causal:
+        i, j = np.arange(s.shape[2])[:, None], np.arange(s.shape[3])[None, :]
+        s = np.where(j > i, -np.inf, s)
+    e = np.exp(s - s.max(-1, keepdims=True))
+    return (e / e.sum(-1, keepdims=True)) @ v, (v.max(2) - v.min(2))[:, :, None, :]
+
+
+def _close(got, ref, span, out_dt, note):
+    """The P-rounding bound (module docstring) when the note says vdpbf16ps, else fp32."""
+    got = np.asarray(got, np.float64)
+    atol = 1.05 * 2.0 ** -8 * span + 1e-6 if "avx512_bf16" in note else 1e-5 + 1e-4 * abs(ref)
+    err = np.abs(got - ref) - atol - OUT_RTOL[np.dtype(out_dt).name] * np.abs(ref)
+    assert err.max() <= 0, f"max excess {err.max():.3g} ({note})"
+
+
+@pytest.mark.parametrize("dt", ["bfloat16", "float16"])
+@pytest.mark.parametrize("mask", ["float", "bool_causal"])
+def test_onnx_attention_narrow_without_casts(dt, mask):
+    rng = np.random.default_rng(11)
+    npdt = NP[dt]
+    ins = {n: rng.standard_normal(s).astype(npdt) for n, s in
+           (("Q", (2, 3, 20, 32)), ("K", (2, 3, 30, 32)), ("V", (2, 3, 30, 24)))}
+    attrs = {}
+    bias = None
+    if mask == "float":
+        ins["attn_mask"] = rng.standard_normal((20, 30)).astype(npdt)
+        bias = ins["attn_mask"].astype(np.float64)
+    else:
+        keep = rng.random((20, 30)) < 0.8
+        keep[:, 0] = True
+        ins["attn_mask"] = keep
+        bias = np.where(keep, 0.0, -np.inf)
+        attrs["is_causal"] = 1
+    sess, ks = _compile(_attention_model(ins, **attrs), ins)
+    assert not any("Cast" in k.op_types for k in ks), [k.op_types for k in ks]
+    (note,) = [k.notes["precision"] for k in ks if "precision" in k.notes]
+    assert ("bf16" if dt == "bfloat16" else "fp16") in note
+    (y,) = sess.run(None, ins)
+    assert y.dtype == npdt
+    half = float(np.asarray(np.sqrt(1 / np.sqrt(32))).astype(npdt).astype(np.float64))
+    ref, span = _ref(ins["Q"], ins["K"], ins["V"], half * half, bias,
+                     causal=mask == "bool_causal")
+    _close(y, ref, span, npdt, note)
+
+
+def _sdpa_model(dt, B=1, H=2, S=40, D=32):
+    """MatMul(Q, K^T) * scale + mask -> Softmax -> MatMul(V), typed dt (a narrow export)."""
+    T = NP_TO_ONNX[NP[dt]]
+    scale = onnx.numpy_helper.from_array(np.array(1 / np.sqrt(D), NP[dt]), "scale")
+    nodes = [helper.make_node("Transpose", ["K"], ["Kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["Q", "Kt"], ["s0"]),
+             helper.make_node("Mul", ["s0", "scale"], ["s1"]),
+             helper.make_node("Add", ["s1", "M"], ["s2"]),
+             helper.make_node("Softmax", ["s2"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "V"], ["Y"])]
+    g = helper.make_graph(nodes, "sdpa", [
+        helper.make_tensor_value_info("Q", T, (B, H, S, D)),
+        helper.make_tensor_value_info("K", T, (B, H, S, D)),
+        helper.make_tensor_value_info("V", T, (B, H, S, D)),
+        helper.make_tensor_value_info("M", T, (B, 1, 1, S))],
+        [helper.make_tensor_value_info("Y", T, (B, H, S, D))], initializer=[scale])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 9
+    return m, float(onnx.numpy_helper.to_array(scale).astype(np.float64))
+
+
+def _sdpa_feeds(dt, B=1, H=2, S=40, D=32, seed=12):
+    rng = np.random.default_rng(seed)
+    f = {n: rng.standard_normal((B, H, S, D)).astype(NP[dt]) for n in "QKV"}
+    m = np.zeros((B, 1, 1, S), NP[dt])
+    m[..., -7:] = -10000
+    f["M"] = m
+    return f
+
+
+@pytest.mark.parametrize("dt", ["bfloat16", "float16"])
+def test_fused_attention_narrow_graph(dt):
+    m, scale = _sdpa_model(dt)
+    feeds = _sdpa_feeds(dt)
+    sess, ks = _compile(m, feeds)
+    (k,) = ks                       # one FusedAttention kernel, no Casts
+    assert "attention" in k.notes and "Softmax" in k.op_types, k.notes
+    note = k.notes["precision"]
+    (y,) = sess.run(None, feeds)
+    assert y.dtype == NP[dt]
+    ref, span = _ref(feeds["Q"], feeds["K"], feeds["V"], float(np.float32(scale)),
+                     feeds["M"].astype(np.float64))
+    _close(y, ref, span, NP[dt], note)
+
+
+def test_fused_attention_cannc_precision_attribute(monkeypatch):
+    """float32 graph, FusedAttention carrying cannc_precision='bf16' (what the
+    mixed-precision pass sets): Q, K, V converted on load, fp32 output."""
+    from cannc.compiler import pipeline
+    from cannc.passes.manager import _PASSES, graph_pass
+
+    name = "_test_attention_bf16"
+    if name not in _PASSES:
+        @graph_pass(name)
+        def _mark(graph, ctx):
+            changed = False
+            for n in list(graph.nodes()):
+                if n.op_type == "FusedAttention" and "cannc_precision" not in n.attrs:
+                    graph.replace_node(n.name, n.replace(
+                        attrs={**n.attrs, "cannc_precision": "bf16"}))
+                    changed = True
+            return changed
+    monkeypatch.setitem(pipeline.PIPELINES, "O1", pipeline.PIPELINES["O1"] + [name])
+    m, scale = _sdpa_model("float32")
+    feeds = _sdpa_feeds("float32")
+    sess, ks = _compile(m, feeds)
+    (k,) = ks
+    note = k.notes["precision"]
+    assert note.startswith("bf16"), note
+    (y,) = sess.run(None, feeds)
+    assert y.dtype == np.float32
+    rnd = "avx512_bf16" in note
+    q, kk, v = (_round(feeds[n], "bfloat16") if rnd else feeds[n] for n in "QKV")
+    ref, span = _ref(q, kk, v, float(np.float32(scale)), feeds["M"].astype(np.float64))
+    _close(y, ref, span, np.float32, note)

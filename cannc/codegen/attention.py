@@ -116,6 +116,8 @@ __all__ = [
     "attention_num_tiles",
     "attention_plan",
     "attention_precision_note",
+    "attention_typed_spec",
+    "PRECISION_ATTR",
     "attention_tiling",
     "attention_workspace_bytes",
     "emit_attention",
@@ -314,6 +316,30 @@ def _default_dot(spec) -> str:
     return "bf16" if spec.precision == "bf16" and _bf16_dot_ok(spec) and fast else "f32"
 
 
+PRECISION_ATTR = "cannc_precision"   # node attribute set by the mixed-precision pass
+_NARROW_PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+def attention_typed_spec(spec: AttnSpec, in_types, out_types, precision: str | None = None
+                         ) -> AttnSpec:
+    """``spec`` with the element types of a node's operands (in_types: Q, K, V, (mask);
+    out_types: O) and its multiply precision: ``precision`` (the node's cannc_precision
+    attribute) if given, else the narrow type of Q, K or V (bf16 before fp16), else fp32."""
+    import dataclasses
+
+    def name(t):
+        return np.dtype(t.dtype).name
+
+    dts = tuple(name(t) for t in in_types[:3]) + (name(out_types[0]),)
+    mdt = spec.mask_dtype
+    if spec.mask != "none" and len(in_types) > 3 and in_types[3] is not None:
+        mdt = name(in_types[3])
+    if precision is None:
+        narrow = [_NARROW_PRECISION[d] for d in dts[:3] if d in _NARROW_PRECISION]
+        precision = "bf16" if "bf16" in narrow else narrow[0] if narrow else "fp32"
+    return dataclasses.replace(spec, dtypes=dts, mask_dtype=mdt, precision=str(precision))
+
+
 def attention_precision_note(spec, tuning: dict | None = None) -> str:
     """How a kernel of ``spec`` multiplies (``ctx.notes['precision']``)."""
     plan = attention_plan(spec, tuning)
@@ -322,7 +348,9 @@ def attention_precision_note(spec, tuning: dict | None = None) -> str:
     if plan.dot == "bf16":
         return "bf16 avx512_bf16 (P rounded to bf16), fp32 softmax" + store
     if spec.precision == "bf16":
-        why = "" if _has_bf16_dot() else " (no avx512_bf16)"
+        from ..native.target import host
+        why = " (no avx512_bf16)" if not _has_bf16_dot() else \
+            " (AMX CPU: vdpbf16ps slower than fp32 FMA)" if host().has("amx-bf16") else ""
         return f"bf16 widened to fp32{why}, fp32 FMA" + store
     if spec.precision == "fp16":
         return "fp16 storage, fp32 FMA" + store
