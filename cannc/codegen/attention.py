@@ -1,4 +1,4 @@
-"""Generator of fused scaled-dot-product attention kernels (fp32, LLVM IR).
+"""Generator of fused scaled-dot-product attention kernels (LLVM IR).
 
 The emitted kernel follows the kernel ABI (``cannc/codegen/ABI.md``)::
 
@@ -72,6 +72,24 @@ GFLOP/s (4*B*H*S*S*D flops), 80-85% of the fp32 FMA peak: both
 micro-kernels run near peak, the softmax costs ~10%. About 1.3-1.5x
 onnxruntime's unfused MatMul/Div/Add/Softmax/MatMul and ~2x numpy
 (``benchmarks/attention_bench.py``).
+
+Reduced precision (``AttnSpec.dtypes``, ``AttnSpec.precision``): Q, K, V, a float
+mask and O may each be float32, bfloat16 or float16, converted on load and store
+(bf16 widened by a shift, fp16 by vcvtph2ps; stores round to nearest even); the
+softmax, its running max / sum and the output accumulator are always float32.
+The multiply (``AttnPlan.dot``):
+
+* ``'f32'``: narrow operands are widened while packing (K^T and V once per head,
+  the query block's rows once per tile into ``ws_q``), then the float32
+  micro-kernels above run unchanged: exact products of the stored values;
+* ``'bf16'`` (precision "bf16", avx512bf16, float32/bf16 operands with unit d
+  strides): ``llvm.x86.avx512bf16.dpbf16ps.512`` in both micro-kernels. Q K^T
+  pairs along the head dim (K^T packed as bf16 pairs of d, the ws_q rows as pairs
+  broadcast per row); P V pairs along the keys: P is rounded to bf16 after the exp
+  (``ws_p``; the row sum l adds the rounded weights, so O stays a convex combination
+  of V's rows) and V is packed as pairs of keys interleaved per Dv lane. The
+  default only where vdpbf16ps is the faster multiply: not on CPUs with AMX, where
+  it measured 0.5-0.65x the two-port fp32 FMA rate (see `_default_dot`).
 
 Shape-polymorphic kernels (``ABI.md`` "Runtime dimensions"): emitted for an
 `AttnForm` (a spec without B, Sq, Sk, see :func:`attention_tiling`), the kernel
