@@ -220,11 +220,12 @@ def test_shape_polymorphic_form(shape, tuning):
               mask_strides=(H * Sq * Sk, Sq * Sk, Sk, 1))).check(tuning, form=True)
 
 
-def test_long_keys_block_scope():
+@pytest.mark.parametrize("tuning", DOTS)
+def test_long_keys_block_scope(tuning):
     """K^T of a head past the whole-head packing size: packed per key block."""
     s = spec(1, 1, 20, 2100, 64)
-    assert attention_plan(s).scope == "block"
-    Case(s, seed=7).check()
+    assert attention_plan(s, tuning).scope == "block"
+    Case(s, seed=7).check(tuning)
 
 
 @pytest.mark.skipif(not HAS_BF16, reason="no avx512bf16")

@@ -371,7 +371,7 @@ def attention_precision_note(spec, tuning: dict | None = None) -> str:
             " (AMX CPU: vdpbf16ps slower than fp32 FMA)" if host().has("amx-bf16") else ""
         return f"bf16 widened to fp32{why}, fp32 FMA" + store
     if spec.precision == "fp16":
-        return "fp16 storage, fp32 FMA" + store
+        return "fp16 storage, fp32 FMA" if narrow == ["float16"] else "fp16, fp32 FMA" + store
     return "fp32" + store
 
 
