@@ -424,3 +424,37 @@ def test_fused_attention_cannc_precision_attribute(monkeypatch):
     q, kk, v = (_round(feeds[n], "bfloat16") if rnd else feeds[n] for n in "QKV")
     ref, span = _ref(q, kk, v, float(np.float32(scale)), feeds["M"].astype(np.float64))
     _close(y, ref, span, np.float32, note)
+
+
+@pytest.mark.parametrize("dt", ["bfloat16", "float16"])
+def test_onnx_attention_narrow_3d_sliding_window(dt):
+    """The general path (the bias built in the workspace: sliding window), 3-D operands
+    [B, S, heads * d], GQA: narrow pointers and a narrow float mask read there too."""
+    from onnx.reference import ReferenceEvaluator
+
+    rng = np.random.default_rng(13)
+    npdt = NP[dt]
+    ins = {"Q": rng.standard_normal((2, 9, 4 * 16)).astype(npdt),
+           "K": rng.standard_normal((2, 11, 2 * 16)).astype(npdt),
+           "V": rng.standard_normal((2, 11, 2 * 8)).astype(npdt),
+           "attn_mask": rng.standard_normal((9, 11)).astype(npdt)}
+    names = list(ins)
+    node = helper.make_node("Attention", names, ["Y"], q_num_heads=4, kv_num_heads=2,
+                            is_causal=1, left_window_size=3)
+    T = NP_TO_ONNX[npdt]
+    g = helper.make_graph([node], "a", [helper.make_tensor_value_info(n, T, ins[n].shape)
+                                        for n in names],
+                          [helper.make_tensor_value_info("Y", T, (2, 9, 4 * 8))])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 25)])
+    m.ir_version = 10
+    sess, ks = _compile(m, ins)
+    assert not any("Cast" in k.op_types for k in ks)
+    (att,) = [k.notes["attention"] for k in ks if "attention" in k.notes]
+    assert "bias" in att, att
+    (y,) = sess.run(None, ins)
+    (exp,) = ReferenceEvaluator(m).run(None, ins)
+    assert y.dtype == npdt
+    # the reference rounds scores and weights to the narrow type; cannc's softmax is fp32
+    tol = 2e-3 if dt == "float16" else 2 ** -6
+    np.testing.assert_allclose(y.astype(np.float64), exp.astype(np.float64), rtol=tol,
+                               atol=tol)
