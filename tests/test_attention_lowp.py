@@ -59,13 +59,17 @@ class Case:
         s = self.spec = spec
         rng = np.random.default_rng(seed)
         self.bufs, self.vals = {}, {}
+        kt = s.k_strides[2] == 1 and s.Sk > 1          # K stored as [B, H, D, Sk]
         for nm, dt, shape in (("q", s.dtypes[0], (s.B, s.H, s.Sq, s.D)),
-                              ("k", s.dtypes[1], (s.B, s.H, s.Sk, s.D)),
+                              ("k", s.dtypes[1], (s.B, s.H, s.D, s.Sk) if kt else
+                               (s.B, s.H, s.Sk, s.D)),
                               ("v", s.dtypes[2], (s.B, s.H, s.Sk, s.Dv))):
             buf = aligned(shape, dtype=NP[dt])
             buf[...] = rng.standard_normal(shape).astype(NP[dt])
             self.bufs[nm] = buf
             self.vals[nm] = buf.astype(np.float64)
+        if kt:
+            self.vals["k"] = self.vals["k"].transpose(0, 1, 3, 2)
         self.mask = None
         if s.mask != "none":
             shape = (s.B, s.H, s.Sq, s.Sk)
@@ -218,6 +222,18 @@ def test_shape_polymorphic_form(shape, tuning):
     B, H, Sq, Sk = shape[:4]
     Case(spec(*shape, mask="add", mask_dtype="bfloat16",
               mask_strides=(H * Sq * Sk, Sq * Sk, Sk, 1))).check(tuning, form=True)
+
+
+@pytest.mark.parametrize("tuning", DOTS)
+@pytest.mark.parametrize("dts", [BF, ("float32",) * 4])
+@pytest.mark.parametrize("shape", [(1, 2, 37, 53, 64, 64), (2, 1, 20, 140, 33, 24)])
+def test_k_stored_transposed(tuning, dts, shape):
+    """K as [B, H, D, Sk] (key stride 1), as BERT exports it."""
+    s = spec(*shape, dtypes=dts, k_transposed=True)
+    assert s.k_strides[2] == 1
+    assert attention_plan(s, tuning).dot == tuning["dot"]
+    Case(s, seed=9).check(tuning)
+    Case(s, seed=9).check(tuning, form=True)
 
 
 @pytest.mark.parametrize("tuning", DOTS)

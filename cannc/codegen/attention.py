@@ -321,7 +321,7 @@ def _has_bf16_dot() -> bool:
 def _bf16_dot_ok(spec) -> bool:
     """Can Q K^T and P V run on vdpbf16ps (pairs along d, then along keys)?"""
     return (all(d in ("float32", "bfloat16") for d in spec.dtypes[:3])
-            and spec.q_strides[3] == 1 and spec.k_strides[3] == 1
+            and spec.q_strides[3] == 1 and (spec.k_strides[3] == 1 or spec.k_strides[2] == 1)
             and (spec.v_strides[3] == 1 or spec.Dv == 1) and _has_bf16_dot())
 
 
@@ -941,7 +941,10 @@ class _Gen(VecBuilder):
         kst = self.st["k_strides"]
         panel = (p.KB, p.KB * self.krows) if self.panels else None
         if self.pair:
-            self.pack_k_pairs(src, count, kst[2], panel)
+            if kst[3] == 1:
+                self.pack_k_pairs(src, count, kst[2], panel)
+            else:
+                self.pack_k_pairs_kt(src, count, kst[3], panel)
             return
         self.pack_t(src, count, kst[2], i64(s.D), kst[3], self.ws_k, p.ldk, panel,
                     self.dt["k"])
@@ -1032,6 +1035,26 @@ class _Gen(VecBuilder):
                 for i in range(min(16, D2 - d0 // 2)):
                     self.store_v(cols[i], self.gep(dbase, i * dst_ld))
 
+    def pack_k_pairs_kt(self, src, count, ds, panel):
+        """pack_k_pairs for K stored transposed (key stride 1, d stride ds): the rows of
+        d = 2i and 2i + 1 interleaved, 16 keys at a time."""
+        s, p, b = self.s, self.p, self.b
+        ety, dt = self.ety["k"], self.dt["k"]
+        with self.loop(0, count, 16, "pkt") as a0:
+            m = self.lanes_lt(b.sub(count, a0))
+            if panel is None:
+                col = a0
+            else:
+                P, pst = panel
+                col = b.add(b.mul(b.udiv(a0, i64(P)), i64(pst)), b.urem(a0, i64(P)))
+            base = self.gep(src, a0, ety)
+            dst = self.gep(self.ws_k, col)
+            for i in range(self.krows):
+                lo = self.load_cvt(self.gep(base, self.imul(2 * i, ds), ety), m, dt)
+                hi = self.load_cvt(self.gep(base, self.imul(2 * i + 1, ds), ety), m, dt) \
+                    if 2 * i + 1 < s.D else self.zero_v
+                self.store_v(self.interleave_bf16(lo, hi), self.gep(dst, i * p.ldk))
+
     def pack_v_pairs(self, src, count, rs):
         """ws_v[(j / 2) * Dv_pad + e] (32-bit) = the bf16 pair (V(j, e), V(j + 1, e)), j
         even < count (V(count, e) = 0); lanes e >= Dv are 0."""
@@ -1098,6 +1121,14 @@ class _Gen(VecBuilder):
                             self.gep(dbase, i * dst_ld),
                             b.select(ok, self.ones_m, self.zero_m),
                         )
+        elif rs == 1:
+            # lanes a contiguous (K^T stored as rows of keys): one vector per c
+            with self.loop(0, n_a, 16, "pla") as a0:
+                amask = self.lanes_lt(b.sub(n_a, a0))
+                base = self.gep(src, a0, ety)
+                with self.loop(0, n_c, 1, "plc") as c:
+                    x = self.load_cvt(self.gep(base, self.mul(c, cs), ety), amask, dt)
+                    self.store_v(x, self.gep(dst, b.add(b.mul(c, i64(dst_ld)), col(a0))))
         else:
             src_i = b.ptrtoint(src, I64)
             with self.loop(0, n_a, 16, "pga") as a0:
