@@ -52,38 +52,51 @@ def _round(x, dt):
     return np.asarray(x, np.float32).astype(NP[dt]).astype(np.float64)
 
 
+def _extent(shape, strides) -> int:
+    return 1 + sum((n - 1) * st for n, st in zip(shape, strides))
+
+
+def _index(shape, strides) -> np.ndarray:
+    """Element offsets of a strided 4-D view."""
+    return sum(np.arange(n).reshape([-1 if a == i else 1 for a in range(4)]) * st
+               for i, (n, st) in enumerate(zip(shape, strides)))
+
+
 class Case:
-    """Dense [B,H,S,D] operands of the spec's dtypes, the reference, a runner."""
+    """Operands of the spec's dtypes in buffers laid out by its strides (any layout), the
+    reference, a runner."""
 
     def __init__(self, spec: AttnSpec, seed=0, mask_fn=None):
         s = self.spec = spec
         rng = np.random.default_rng(seed)
         self.bufs, self.vals = {}, {}
-        kt = s.k_strides[2] == 1 and s.Sk > 1          # K stored as [B, H, D, Sk]
-        for nm, dt, shape in (("q", s.dtypes[0], (s.B, s.H, s.Sq, s.D)),
-                              ("k", s.dtypes[1], (s.B, s.H, s.D, s.Sk) if kt else
-                               (s.B, s.H, s.Sk, s.D)),
-                              ("v", s.dtypes[2], (s.B, s.H, s.Sk, s.Dv))):
-            buf = aligned(shape, dtype=NP[dt])
-            buf[...] = rng.standard_normal(shape).astype(NP[dt])
+        for nm, dt, shape, st in (("q", s.dtypes[0], (s.B, s.H, s.Sq, s.D), s.q_strides),
+                                  ("k", s.dtypes[1], (s.B, s.H, s.Sk, s.D), s.k_strides),
+                                  ("v", s.dtypes[2], (s.B, s.H, s.Sk, s.Dv), s.v_strides)):
+            n = _extent(shape, st)
+            buf = aligned(n, dtype=NP[dt])
+            buf[...] = rng.standard_normal(n).astype(NP[dt])
             self.bufs[nm] = buf
-            self.vals[nm] = buf.astype(np.float64)
-        if kt:
-            self.vals["k"] = self.vals["k"].transpose(0, 1, 3, 2)
+            self.vals[nm] = buf.astype(np.float64)[_index(shape, st)]
         self.mask = None
         if s.mask != "none":
             shape = (s.B, s.H, s.Sq, s.Sk)
+            n = _extent(shape, s.mask_strides)
             mdt = np.bool_ if s.mask_dtype == "bool" else NP[s.mask_dtype]
-            m = aligned(shape, dtype=mdt)
+            m = aligned(n, dtype=mdt)
             if mask_fn is not None:
-                m[...] = mask_fn(rng, shape)
+                m[...] = mask_fn(rng, n)
             elif s.mask == "add":
-                m[...] = rng.standard_normal(shape).astype(mdt)
+                m[...] = rng.standard_normal(n).astype(mdt)
             else:
-                m[...] = rng.random(shape) < 0.7
-                m[..., 0] = True
+                m[...] = rng.random(n) < 0.7
             self.bufs["mask"] = m
-            self.mask = m.astype(np.float64) if s.mask == "add" else m.astype(bool)
+            mv = m[_index(shape, s.mask_strides)]
+            if s.mask == "where":
+                mv = mv.copy()
+                mv[..., 0] = True
+                m[_index(shape, s.mask_strides)[..., 0]] = True
+            self.mask = mv.astype(np.float64) if s.mask == "add" else mv.astype(bool)
 
     def reference(self, prec_inputs: str | None):
         """float64 attention of the inputs (rounded to bf16 first for prec_inputs)."""
@@ -108,12 +121,14 @@ class Case:
     def run(self, tuning=None, form=False):
         s = self.spec
         o_np = NP[s.dtypes[3]]
-        O = aligned((s.B, s.H, s.Sq, s.Dv + 16), dtype=o_np)   # 16 guard columns per row
+        oshape = (s.B, s.H, s.Sq, s.Dv)
+        oidx = _index(oshape, s.o_strides)
+        O = aligned(_extent(oshape, s.o_strides) + 32, dtype=o_np)   # + 16 guards each side
         O[...] = o_np.type(SENT)
         ptrs = [self.bufs[n].ctypes.data for n in ("q", "k", "v")]
         if s.mask != "none":
             ptrs.append(self.bufs["mask"].ctypes.data)
-        ptrs.append(O.ctypes.data)
+        ptrs.append(O.ctypes.data + 16 * O.itemsize)
         module = ir.Module()
         if form:
             til = attention_tiling(s, tuning)
@@ -127,8 +142,10 @@ class Case:
             wsb = attention_workspace_bytes(s, tuning)
         kernel = jit_kernel(module, "attn", 0)
         run_splits(kernel, argv, tiles, wsb, ws_fill=np.nan)
-        assert np.all(O[..., s.Dv:] == o_np.type(SENT)), "wrote past a row"
-        return O[..., :s.Dv].astype(np.float64)
+        untouched = np.ones(O.size, bool)
+        untouched[16 + oidx.reshape(-1)] = False
+        assert np.all(O[untouched] == o_np.type(SENT)), "wrote outside O"
+        return O[16 + oidx].astype(np.float64)
 
     def check(self, tuning=None, form=False):
         s = self.spec
@@ -234,6 +251,22 @@ def test_k_stored_transposed(tuning, dts, shape):
     assert attention_plan(s, tuning).dot == tuning["dot"]
     Case(s, seed=9).check(tuning)
     Case(s, seed=9).check(tuning, form=True)
+
+
+@pytest.mark.parametrize("dts", [BF, F16])
+def test_odd_layouts(dts):
+    """Strided operands the widened path reads with gathers and writes with scatters:
+    Q, V and O with a non-unit d stride, K with neither stride 1, a mask with key stride
+    > 1 (d-major buffers; O [B, H, Dv, Sq])."""
+    B, H, Sq, Sk, D, Dv = 1, 2, 19, 37, 24, 20
+    s = AttnSpec(B, H, Sq, Sk, D, Dv, q_strides=(H * D * Sq, D * Sq, 1, Sq),
+                 k_strides=(H * Sk * D * 2, Sk * D * 2, 2, 2 * Sk),
+                 v_strides=(H * Dv * Sk, Dv * Sk, 1, Sk),
+                 o_strides=(H * Dv * Sq, Dv * Sq, 1, Sq), scale=0.2, mask="add",
+                 mask_dtype=dts[0], mask_strides=(0, 0, 1, Sq),
+                 dtypes=dts, precision="bf16" if dts == BF else "fp16")
+    assert attention_plan(s).dot == "f32" and attention_plan(s).v_mode == "pack"
+    Case(s, seed=10).check()
 
 
 @pytest.mark.parametrize("tuning", DOTS)
