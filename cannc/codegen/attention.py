@@ -1,4 +1,4 @@
-"""Generator of fused scaled-dot-product attention kernels (fp32, LLVM IR).
+"""Generator of fused scaled-dot-product attention kernels (LLVM IR).
 
 The emitted kernel follows the kernel ABI (``cannc/codegen/ABI.md``)::
 
@@ -73,6 +73,24 @@ micro-kernels run near peak, the softmax costs ~10%. About 1.3-1.5x
 onnxruntime's unfused MatMul/Div/Add/Softmax/MatMul and ~2x numpy
 (``benchmarks/attention_bench.py``).
 
+Reduced precision (``AttnSpec.dtypes``, ``AttnSpec.precision``): Q, K, V, a float
+mask and O may each be float32, bfloat16 or float16, converted on load and store
+(bf16 widened by a shift, fp16 by vcvtph2ps; stores round to nearest even); the
+softmax, its running max / sum and the output accumulator are always float32.
+The multiply (``AttnPlan.dot``):
+
+* ``'f32'``: narrow operands are widened while packing (K^T and V once per head,
+  the query block's rows once per tile into ``ws_q``), then the float32
+  micro-kernels above run unchanged: exact products of the stored values;
+* ``'bf16'`` (precision "bf16", avx512bf16, float32/bf16 operands with unit d
+  strides): ``llvm.x86.avx512bf16.dpbf16ps.512`` in both micro-kernels. Q K^T
+  pairs along the head dim (K^T packed as bf16 pairs of d, the ws_q rows as pairs
+  broadcast per row); P V pairs along the keys: P is rounded to bf16 after the exp
+  (``ws_p``; the row sum l adds the rounded weights, so O stays a convex combination
+  of V's rows) and V is packed as pairs of keys interleaved per Dv lane. The
+  default only where vdpbf16ps is the faster multiply: not on CPUs with AMX, where
+  it measured 0.5-0.65x the two-port fp32 FMA rate (see `_default_dot`).
+
 Shape-polymorphic kernels (``ABI.md`` "Runtime dimensions"): emitted for an
 `AttnForm` (a spec without B, Sq, Sk, see :func:`attention_tiling`), the kernel
 reads B, Sq, Sk and every per-head / per-row stride at run time, i64 values
@@ -95,10 +113,17 @@ from functools import lru_cache
 import numpy as np
 from llvmlite import ir
 
-from ..ir.attnspec import AttnSpec
-from ..native.emit import F32, I8, I32, I64, PTR, i32, i64
+from ..ir.attnspec import AttnSpec, check_dtypes
+from ..native.emit import BF16, F32, I8, I32, I64, PTR, VOID, i32, i64
+from ..native.emit import mangle as _mangle
 from . import vmath
 from .vec import VF, VI8, VI32, VI64, VM, VPTR, VecBuilder, abi_function, declare
+
+VI16 = ir.VectorType(ir.IntType(16), 16)
+VH = ir.VectorType(ir.HalfType(), 16)
+VBF32 = ir.VectorType(BF16, 32)
+VI32x32 = ir.VectorType(I32, 32)
+_ETY = {"float32": F32, "bfloat16": ir.IntType(16), "float16": ir.HalfType()}
 
 __all__ = [
     "RT_DIMS",
@@ -108,6 +133,9 @@ __all__ = [
     "attention_form",
     "attention_num_tiles",
     "attention_plan",
+    "attention_precision_note",
+    "attention_typed_spec",
+    "PRECISION_ATTR",
     "attention_tiling",
     "attention_workspace_bytes",
     "emit_attention",
@@ -158,8 +186,11 @@ class AttnForm:
     causal: bool = False
     score_bias_after_scale: bool = True
     scope: str = "bh"
+    dtypes: tuple = ("float32",) * 4
+    precision: str = "fp32"
 
     def __post_init__(self):
+        check_dtypes(self)
         for f in ("H", "D", "Dv"):
             if int(getattr(self, f)) < 1:
                 raise ValueError(f"AttnForm.{f} must be >= 1, got {getattr(self, f)}")
@@ -215,6 +246,7 @@ def attention_form(spec: AttnSpec) -> tuple[AttnForm, tuple[int, ...]]:
     form = AttnForm(H=spec.H, D=spec.D, Dv=spec.Dv, scale=spec.scale, mask=spec.mask,
                     mask_dtype=spec.mask_dtype, fill=spec.fill, causal=spec.causal,
                     score_bias_after_scale=spec.score_bias_after_scale,
+                    dtypes=spec.dtypes, precision=spec.precision,
                     scope="bh" if bh_bytes <= PACK_BH_BYTES else "block", **forms)
     dims = (spec.B, spec.Sq, spec.Sk) + tuple(x for f in STRIDE_FIELDS for x in getattr(spec, f))
     return form, dims
@@ -243,6 +275,10 @@ class AttnPlan:
     prefetch_o: bool
     unroll_d: int
     unroll_j: int
+    dot: str  # 'f32' (FMA; narrow operands widened on load) | 'bf16' (vdpbf16ps)
+    ws_q: int  # narrow Q or dot 'bf16': the query block's rows, float32 [MQ][D] or bf16 pairs
+    #            [MQ][D2]
+    ws_p: int  # dot 'bf16': P rounded to bf16 [MQ][KB]
     ws_k: int  # byte offsets in the workspace
     ws_v: int
     ws_s: int
@@ -275,6 +311,68 @@ def _chunks(nvec: int, max_nv: int) -> tuple:
         out.append((v, min(per, nvec - v)))
         v += per
     return tuple(out)
+
+
+def _has_bf16_dot() -> bool:
+    from ..native.target import host
+    return host().has("avx512bf16")
+
+
+def _bf16_dot_ok(spec) -> bool:
+    """Can Q K^T and P V run on vdpbf16ps (pairs along d, then along keys)?"""
+    return (all(d in ("float32", "bfloat16") for d in spec.dtypes[:3])
+            and spec.q_strides[3] == 1 and (spec.k_strides[3] == 1 or spec.k_strides[2] == 1)
+            and (spec.v_strides[3] == 1 or spec.Dv == 1) and _has_bf16_dot())
+
+
+def _default_dot(spec) -> str:
+    """vdpbf16ps where it is the faster multiply: not on CPUs with AMX (Sapphire Rapids
+    and later), whose bf16 lever is the tile unit: there vdpbf16ps (one port) measured
+    0.5-0.65x the fp32 FMA rate (two ports), so bf16 operands are widened instead."""
+    from ..native.target import host
+    fast = not host().has("amx-bf16")
+    return "bf16" if spec.precision == "bf16" and _bf16_dot_ok(spec) and fast else "f32"
+
+
+PRECISION_ATTR = "cannc_precision"   # node attribute set by the mixed-precision pass
+_NARROW_PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+def attention_typed_spec(spec: AttnSpec, in_types, out_types, precision: str | None = None
+                         ) -> AttnSpec:
+    """``spec`` with the element types of a node's operands (in_types: Q, K, V, (mask);
+    out_types: O) and its multiply precision: ``precision`` (the node's cannc_precision
+    attribute) if given, else the narrow type of Q, K or V (bf16 before fp16), else fp32."""
+    import dataclasses
+
+    def name(t):
+        return np.dtype(t.dtype).name
+
+    dts = tuple(name(t) for t in in_types[:3]) + (name(out_types[0]),)
+    mdt = spec.mask_dtype
+    if spec.mask != "none" and len(in_types) > 3 and in_types[3] is not None:
+        mdt = name(in_types[3])
+    if precision is None:
+        narrow = [_NARROW_PRECISION[d] for d in dts[:3] if d in _NARROW_PRECISION]
+        precision = "bf16" if "bf16" in narrow else narrow[0] if narrow else "fp32"
+    return dataclasses.replace(spec, dtypes=dts, mask_dtype=mdt, precision=str(precision))
+
+
+def attention_precision_note(spec, tuning: dict | None = None) -> str:
+    """How a kernel of ``spec`` multiplies (``ctx.notes['precision']``)."""
+    plan = attention_plan(spec, tuning)
+    narrow = sorted({d for d in spec.dtypes if d != "float32"})
+    store = f" ({'/'.join(narrow)} storage)" if narrow else ""
+    if plan.dot == "bf16":
+        return "bf16 avx512_bf16 (P rounded to bf16), fp32 softmax" + store
+    if spec.precision == "bf16":
+        from ..native.target import host
+        why = " (no avx512_bf16)" if not _has_bf16_dot() else \
+            " (AMX CPU: vdpbf16ps slower than fp32 FMA)" if host().has("amx-bf16") else ""
+        return f"bf16 widened to fp32{why}, fp32 FMA" + store
+    if spec.precision == "fp16":
+        return "fp16 storage, fp32 FMA" if narrow == ["float16"] else "fp16, fp32 FMA" + store
+    return "fp32" + store
 
 
 @lru_cache(maxsize=256)
@@ -311,22 +409,38 @@ def _plan(spec: AttnSpec | AttnForm, tuning: tuple = ()) -> AttnPlan:
         raise ValueError(f"MQ {MQ} is not a multiple of the micro-kernel rows {step}")
     nq = 0 if poly else _cdiv(spec.Sq, MQ)
 
-    k_mode = "direct" if spec.k_strides[2] == 1 else "pack"
-    v_mode = "direct" if spec.v_strides[3] == 1 or spec.Dv == 1 else "pack"
+    dot = tun.get("dot", _default_dot(spec))
+    if dot not in ("f32", "bf16"):
+        raise ValueError(f"dot must be 'f32' or 'bf16', got {dot!r}")
+    if dot == "bf16" and not _bf16_dot_ok(spec):
+        raise ValueError("dot 'bf16' needs float32/bfloat16 Q, K, V with unit d strides "
+                         "and a CPU with avx512bf16")
+    qdt, kdt, vdt, _ = spec.dtypes
+    pair = dot == "bf16"
+    # K^T / V packed in float32 (widened), or in bf16 pairs (dot 'bf16'); read in place
+    # only when they are float32 already
+    k_mode = "direct" if spec.k_strides[2] == 1 and kdt == "float32" and not pair else "pack"
+    v_mode = "direct" if (spec.v_strides[3] == 1 or spec.Dv == 1) and vdt == "float32" \
+        and not pair else "pack"
     k_mode = tun.get("k_mode", k_mode)
     v_mode = tun.get("v_mode", v_mode)
-    if k_mode == "direct" and spec.k_strides[2] != 1:
-        raise ValueError("k_mode 'direct' needs K stored with key stride 1")
-    if v_mode == "direct" and not (spec.v_strides[3] == 1 or spec.Dv == 1):
-        raise ValueError("v_mode 'direct' needs V rows contiguous along Dv")
+    if k_mode == "direct" and (spec.k_strides[2] != 1 or kdt != "float32" or pair):
+        raise ValueError("k_mode 'direct' needs float32 K stored with key stride 1")
+    if v_mode == "direct" and (not (spec.v_strides[3] == 1 or spec.Dv == 1)
+                               or vdt != "float32" or pair):
+        raise ValueError("v_mode 'direct' needs float32 V rows contiguous along Dv")
+    # rows of packed K^T: D (floats) or D2 (bf16 pairs of d); V: one row per key, or per
+    # pair of keys (16 lanes of Dv x 2 keys per vector)
+    krows = _cdiv(spec.D, 2) if pair else spec.D
+    vdiv = 2 if pair else 1
     Dv_pad = 16 * nvd
     if poly:
         scope = tun.get("scope", spec.scope)
         ldk = KB
     else:
         Sk_pad = _rup(spec.Sk, 16)
-        bh_bytes = (spec.D * Sk_pad if k_mode == "pack" else 0) * 4 + (
-            Sk_pad * Dv_pad if v_mode == "pack" else 0
+        bh_bytes = (krows * Sk_pad if k_mode == "pack" else 0) * 4 + (
+            Sk_pad // vdiv * Dv_pad if v_mode == "pack" else 0
         ) * 4
         scope = tun.get("scope", "bh" if bh_bytes <= PACK_BH_BYTES else "block")
         ldk = Sk_pad if scope == "bh" else KB
@@ -343,9 +457,11 @@ def _plan(spec: AttnSpec | AttnForm, tuning: tuple = ()) -> AttnPlan:
 
     if not poly:
         rows_k = Sk_pad if scope == "bh" else KB
-        ws_k = take(spec.D * ldk * 4 if k_mode == "pack" else 0)
-        ws_v = take(rows_k * Dv_pad * 4 if v_mode == "pack" else 0)
+        ws_k = take(krows * ldk * 4 if k_mode == "pack" else 0)
+        ws_v = take(rows_k // vdiv * Dv_pad * 4 if v_mode == "pack" else 0)
     ws_s = take(MQ * KB * 4, 1)
+    ws_q = take(MQ * krows * 4 if pair or qdt != "float32" else 0)
+    ws_p = take(MQ * KB * 2 if pair else 0)
     ws_o = take(MQ * Dv_pad * 4, 2)
     MQp = _rup(MQ, 16)
     ws_m = take(MQp * 4, 3)
@@ -358,8 +474,8 @@ def _plan(spec: AttnSpec | AttnForm, tuning: tuple = ()) -> AttnPlan:
         # the packed K^T and V last: with scope 'bh' their size depends on Sk
         off = _rup(off, 4096)
         blk = scope == "block"
-        ws_k = take(spec.D * KB * 4 if k_mode == "pack" and blk else 0)
-        ws_v = take(KB * Dv_pad * 4 if v_mode == "pack" and blk else 0)
+        ws_k = take(krows * KB * 4 if k_mode == "pack" and blk else 0)
+        ws_v = take(KB // vdiv * Dv_pad * 4 if v_mode == "pack" and blk else 0)
     return AttnPlan(
         MQ=MQ,
         KB=KB,
@@ -377,6 +493,9 @@ def _plan(spec: AttnSpec | AttnForm, tuning: tuple = ()) -> AttnPlan:
         prefetch_o=tun.get("prefetch_o", False),  # measured 1-4% slower
         unroll_d=tun.get("unroll_d", 4),
         unroll_j=tun.get("unroll_j", 4),
+        dot=dot,
+        ws_q=ws_q,
+        ws_p=ws_p,
         ws_k=ws_k,
         ws_v=ws_v,
         ws_s=ws_s,
@@ -396,8 +515,10 @@ def _bh_pack_bytes(form: AttnForm, plan: AttnPlan, Sk: int) -> tuple[int, int]:
     if plan.scope != "bh":
         return 0, 0
     rows = _rup(Sk, plan.KB)
-    kb = form.D * rows * 4 if plan.k_mode == "pack" else 0
-    vb = rows * plan.Dv_pad * 4 if plan.v_mode == "pack" else 0
+    pair = plan.dot == "bf16"
+    krows = _cdiv(form.D, 2) if pair else form.D
+    kb = krows * rows * 4 if plan.k_mode == "pack" else 0
+    vb = rows // (2 if pair else 1) * plan.Dv_pad * 4 if plan.v_mode == "pack" else 0
     return kb, vb
 
 
@@ -469,6 +590,116 @@ class _Gen(VecBuilder):
         )
         self.iota32 = ir.Constant(VI32, list(range(16)))
         self.iota64 = ir.Constant(VI64, list(range(16)))
+        self.pair = plan.dot == "bf16"
+        # element types of Q, K, V, O and a float mask (narrow ones converted on load/store)
+        self.dt = dict(zip("qkvo", spec.dtypes))
+        self.dt["m"] = spec.mask_dtype
+        self.ety = {k: _ETY[d] for k, d in self.dt.items() if d != "bool"}
+        self.ety["m"] = I8 if spec.mask_dtype == "bool" else self.ety["m"]
+        self.krows = _cdiv(spec.D, 2) if self.pair else spec.D
+        if self.pair:
+            self.dpbf16 = declare(module, "llvm.x86.avx512bf16.dpbf16ps.512", VF,
+                                  [VF, VBF32, VBF32])
+
+    # -- element types: narrow operands converted on load and store ----------------------
+    def load_cvt(self, ptr, mask, dt: str):
+        """16 elements of type dt at ptr (masked-off lanes 0) as <16 x float>."""
+        b = self.b
+        if dt == "float32":
+            return self.load_v(ptr, mask)
+        vt = VI16 if dt == "bfloat16" else VH
+        if mask is None:
+            x = b.load(ptr, typ=vt, align=2)
+        else:
+            f = self.intr(f"llvm.masked.load.{_mangle(vt)}.p0", vt, [PTR, I32, VM, vt])
+            x = b.call(f, [ptr, i32(2), mask, ir.Constant(vt, None)])
+        return self.widen(x, dt)
+
+    def gather_cvt(self, ptrs, mask, dt: str):
+        if dt == "float32":
+            return self.gather(ptrs, mask)
+        vt = VI16 if dt == "bfloat16" else VH
+        f = self.intr(f"llvm.masked.gather.{_mangle(vt)}.v16p0", vt, [VPTR, I32, VM, vt])
+        return self.widen(self.b.call(f, [ptrs, i32(2), mask, ir.Constant(vt, None)]), dt)
+
+    def widen(self, x, dt: str):
+        """<16 x i16> bf16 bits or <16 x half> -> <16 x float> (exact)."""
+        b = self.b
+        if dt == "float16":
+            return b.fpext(x, VF)
+        return b.bitcast(b.shl(b.zext(x, VI32), ir.Constant(VI32, [16] * 16)), VF)
+
+    def load_s(self, ptr, dt: str):
+        """One element of type dt at ptr as a float."""
+        b = self.b
+        if dt == "float32":
+            return self.load_f(ptr)
+        if dt == "float16":
+            return b.fpext(b.load(ptr, typ=ir.HalfType(), align=2), F32)
+        x = b.zext(b.load(ptr, typ=ir.IntType(16), align=2), I32)
+        return b.bitcast(b.shl(x, ir.Constant(I32, 16)), F32)
+
+    def narrow(self, val, dt: str):
+        """<16 x float> -> <16 x i16> bf16 bits (round to nearest even, NaN kept quiet) or
+        <16 x half> (fptrunc: vcvtps2ph)."""
+        b = self.b
+        if dt == "float16":
+            return b.fptrunc(val, VH)
+        if self.pair:
+            # the CPU has avx512bf16: vcvtneps2bf16 (round to nearest even, NaN quiet)
+            return b.bitcast(b.fptrunc(val, ir.VectorType(BF16, 16)), VI16)
+        c = lambda x: ir.Constant(VI32, [x] * 16)
+        bits = b.bitcast(val, VI32)
+        lsb = b.and_(b.lshr(bits, c(16)), c(1))
+        rnd = b.lshr(b.add(b.add(bits, c(0x7FFF)), lsb), c(16))
+        nan = b.fcmp_unordered("uno", val, val)
+        q = b.or_(b.lshr(bits, c(16)), c(0x40))
+        # the low halves by a shuffle, not a trunc: LLVM 22 turns a trunc feeding a masked
+        # store with one lane enabled into a 32-bit store (it writes the next element)
+        x = b.bitcast(b.select(nan, q, rnd), ir.VectorType(ir.IntType(16), 32))
+        return b.shuffle_vector(x, ir.Constant(x.type, None),
+                                ir.Constant(VI32, list(range(0, 32, 2))))
+
+    def store_cvt(self, val, ptr, mask, dt: str):
+        """Store <16 x float> val as 16 elements of type dt at ptr (mask: lanes written)."""
+        if dt == "float32":
+            self.store_v(val, ptr, mask)
+            return
+        x = self.narrow(val, dt)
+        if mask is None:
+            self.b.store(x, ptr, align=2)
+        else:
+            vt = x.type
+            f = self.intr(f"llvm.masked.store.{_mangle(vt)}.p0", VOID, [vt, PTR, I32, VM])
+            self.b.call(f, [x, ptr, i32(2), mask])
+
+    def scatter_cvt(self, val, ptrs, mask, dt: str):
+        if dt == "float32":
+            self.scatter(val, ptrs, mask)
+            return
+        x = self.narrow(val, dt)
+        vt = x.type
+        f = self.intr(f"llvm.masked.scatter.{_mangle(vt)}.v16p0", VOID, [vt, VPTR, I32, VM])
+        self.b.call(f, [x, ptrs, i32(2), self.ones_m if mask is None else mask])
+
+    def bf16_pairs(self, lo, hi):
+        """Two <16 x float> (elements 0..15, 16..31) -> 16 pairs of bf16 in a <16 x float>
+        container (lane i = elements 2i, 2i+1)."""
+        x = self.b.shuffle_vector(self.narrow(lo, "bfloat16"), self.narrow(hi, "bfloat16"),
+                                  ir.Constant(VI32x32, list(range(32))))
+        return self.b.bitcast(x, VF)
+
+    def interleave_bf16(self, a, c):
+        """<16 x float> rows a, c -> <16 x float> container of pairs (a[i], c[i]) in bf16."""
+        idx = [k // 2 + 16 * (k % 2) for k in range(32)]
+        x = self.b.shuffle_vector(self.narrow(a, "bfloat16"), self.narrow(c, "bfloat16"),
+                                  ir.Constant(VI32x32, idx))
+        return self.b.bitcast(x, VF)
+
+    def dot2(self, acc, x, y):
+        """acc + pairwise bf16 dot products (vdpbf16ps), x and y <16 x float> containers."""
+        b = self.b
+        return b.call(self.dpbf16, [acc, b.bitcast(x, VBF32), b.bitcast(y, VBF32)])
 
     # -- small utilities ---------------------------------------------------
     @staticmethod
@@ -587,7 +818,7 @@ class _Gen(VecBuilder):
         self.panels = self.poly and p.scope == "bh"
         if self.panels and p.k_mode == "pack":
             nkb = b.sdiv(b.add(self.Sk, i64(p.KB - 1)), i64(p.KB))
-            self.ws_v = self.gep(self.ws_v, b.mul(nkb, i64(p.KB * s.D * 4)), I8)
+            self.ws_v = self.gep(self.ws_v, b.mul(nkb, i64(p.KB * self.krows * 4)), I8)
         self.ws_s = self.gep(ws, p.ws_s, I8)
         self.ws_o = self.gep(ws, p.ws_o, I8)
         self.ws_m = self.gep(ws, p.ws_m, I8)
@@ -596,7 +827,9 @@ class _Gen(VecBuilder):
         self.ws_x = self.gep(ws, p.ws_x, I8)
         self.ws_y = self.gep(ws, p.ws_y, I8)
         self.ws_u = self.gep(ws, p.ws_u, I8)
-        mask_ty = I8 if s.mask_dtype == "bool" else F32
+        self.ws_q = self.gep(ws, p.ws_q, I8)
+        self.ws_p = self.gep(ws, p.ws_p, I8)
+        ety = self.ety
         if self.poly:
             nq = b.sdiv(b.add(self.Sq, i64(p.MQ - 1)), i64(p.MQ))
         else:
@@ -618,11 +851,11 @@ class _Gen(VecBuilder):
                 off = b.add(self.mul(bi, st[0]), self.mul(hi, st[1]))
                 return self.gep(ptr, off, ty)
 
-            Q_bh = base(Q, qst)
-            K_bh = base(K, kst)
-            V_bh = base(V, vst)
-            O_bh = base(O, ost)
-            M_bh = base(Mk, self.st["mask_strides"], mask_ty) if Mk is not None else None
+            Q_bh = base(Q, qst, ety["q"])
+            K_bh = base(K, kst, ety["k"])
+            V_bh = base(V, vst, ety["v"])
+            O_bh = base(O, ost, ety["o"])
+            M_bh = base(Mk, self.st["mask_strides"], ety["m"]) if Mk is not None else None
 
             if p.scope == "bh" and (p.k_mode == "pack" or p.v_mode == "pack"):
                 need = b.or_(b.icmp_signed("==", t, tb), b.icmp_signed("==", u, i64(0)))
@@ -635,6 +868,10 @@ class _Gen(VecBuilder):
             q0 = self.mul(qb, p.MQ)
             mq = self.smin(b.sub(self.v(self.Sq), q0), p.MQ)
             self.init_state()
+            if self.pair:
+                self.pack_q(Q_bh, q0, mq)
+            elif self.dt["q"] != "float32":
+                self.pack_q_f32(Q_bh, q0, mq)
             if p.prefetch_o:
                 self.prefetch_out(O_bh, q0, mq)
             if s.causal:
@@ -648,18 +885,20 @@ class _Gen(VecBuilder):
                     kt = self.gep(K_bh, kb0)  # key stride 1
                     ldk = kst[3]
                 elif self.panels:
-                    kt, ldk = self.gep(self.ws_k, self.mul(kb0, s.D)), p.ldk
+                    kt, ldk = self.gep(self.ws_k, self.mul(kb0, self.krows)), p.ldk
                 elif p.scope == "bh":
                     kt, ldk = self.gep(self.ws_k, kb0), p.ldk
                 else:
-                    self.pack_k(self.gep(K_bh, self.mul(kb0, kst[2])), kbl)
+                    self.pack_k(self.gep(K_bh, self.mul(kb0, kst[2]), ety["k"]), kbl)
                     kt, ldk = self.ws_k, p.ldk
                 if p.v_mode == "direct":
                     vb, ldv = self.gep(V_bh, self.mul(kb0, vst[2])), vst[2]
                 elif p.scope == "bh":
-                    vb, ldv = self.gep(self.ws_v, self.mul(kb0, p.Dv_pad)), p.Dv_pad
+                    # pairs of keys per packed row with dot 'bf16' (kb0 is even)
+                    j0 = b.ashr(kb0, i64(1)) if self.pair else kb0
+                    vb, ldv = self.gep(self.ws_v, self.mul(j0, p.Dv_pad)), p.Dv_pad
                 else:
-                    self.pack_v(self.gep(V_bh, self.mul(kb0, vst[2])), kbl)
+                    self.pack_v(self.gep(V_bh, self.mul(kb0, vst[2]), ety["v"]), kbl)
                     vb, ldv = self.ws_v, p.Dv_pad
                 self.scores(Q_bh, M_bh, q0, mq, kt, ldk, kb0, kbl)
                 self.softmax_rows(mq, kbl)
@@ -688,9 +927,9 @@ class _Gen(VecBuilder):
             return
         lines = _cdiv(s.Dv * 4, 64) + 1  # rows need not be 64-byte aligned
         with self.loop(0, mq, 1, "pfo") as r:
-            row = self.gep(O_bh, self.mul(b.add(q0, r), oi))
+            row = self.gep(O_bh, self.mul(b.add(q0, r), oi), self.ety["o"])
             for k in range(lines):
-                ptr = self.gep(row, min(16 * k, s.Dv - 1))
+                ptr = self.gep(row, min(16 * k, s.Dv - 1), self.ety["o"])
                 self.prefetch_w(ptr)
 
     # -- packing ---------------------------------------------------------------
@@ -700,21 +939,160 @@ class _Gen(VecBuilder):
         + d * KB + j % KB]."""
         s, p = self.s, self.p
         kst = self.st["k_strides"]
-        panel = (p.KB, p.KB * s.D) if self.panels else None
-        self.pack_t(src, count, kst[2], i64(s.D), kst[3], self.ws_k, p.ldk, panel)
+        panel = (p.KB, p.KB * self.krows) if self.panels else None
+        if self.pair:
+            if kst[3] == 1:
+                self.pack_k_pairs(src, count, kst[2], panel)
+            else:
+                self.pack_k_pairs_kt(src, count, kst[3], panel)
+            return
+        self.pack_t(src, count, kst[2], i64(s.D), kst[3], self.ws_k, p.ldk, panel,
+                    self.dt["k"])
 
     def pack_v(self, src, count):
-        """ws_v[j * Dv_pad + e] = V(j, e) for keys j < count."""
+        """ws_v[j * Dv_pad + e] = V(j, e) for keys j < count (dot 'bf16': the bf16 pair
+        (V(j, e), V(j + 1, e)) at 32-bit element (j / 2) * Dv_pad + e)."""
         s, p = self.s, self.p
         vst = self.st["v_strides"]
-        self.pack_t(src, i64(s.Dv), vst[3], count, vst[2], self.ws_v, p.Dv_pad)
+        if self.pair:
+            self.pack_v_pairs(src, count, vst[2])
+            return
+        if vst[3] == 1 and self.dt["v"] != "float32":
+            self.pack_v_rows(src, count, vst[2])
+            return
+        self.pack_t(src, i64(s.Dv), vst[3], count, vst[2], self.ws_v, p.Dv_pad, None,
+                    self.dt["v"])
 
-    def pack_t(self, src, n_a, rs, n_c, cs, dst, dst_ld: int, panel=None):
+    # -- dot 'bf16': bf16 pairs -------------------------------------------------------
+    def row_pairs(self, row, d0: int, n: int, ok, dt: str):
+        """The bf16 pairs of elements d0..d0+31 of a row (unit stride, n elements; lanes
+        past n, and all lanes when ok is false, are 0) in a <16 x float> container."""
+        halves = []
+        for h in range(2):
+            e0 = d0 + 16 * h
+            if e0 >= n:
+                halves.append(self.zero_v)
+                continue
+            m = self.lanes_lt(n, e0)
+            if ok is not None:
+                m = self.b.select(ok, m, self.zero_m)
+            elif all(c.constant for c in m.constant):
+                m = None
+            halves.append(self.load_cvt(self.gep(row, e0, _ETY[dt]), m, dt))
+        return self.bf16_pairs(*halves)
+
+    def pack_q(self, Q_bh, q0, mq):
+        """ws_q[r * D2 + i] = the bf16 pair (Q(q0 + r, 2i), Q(q0 + r, 2i + 1)), r < mq."""
+        s, b = self.s, self.b
+        qi = self.st["q_strides"][2]
+        D2 = self.krows
+        with self.loop(0, mq, 1, "pq") as r:
+            row = self.gep(Q_bh, self.mul(b.add(q0, r), qi), self.ety["q"])
+            dst = self.gep(self.ws_q, self.mul(r, D2))
+            for d0 in range(0, s.D, 32):
+                x = self.row_pairs(row, d0, s.D, None, self.dt["q"])
+                n = D2 - d0 // 2
+                self.store_v(x, self.gep(dst, d0 // 2), None if n >= 16 else
+                             ir.Constant(VM, [1 if i < n else 0 for i in range(16)]))
+
+    def pack_q_f32(self, Q_bh, q0, mq):
+        """ws_q[r * D + d] = Q(q0 + r, d) widened to float32, r < mq."""
+        s, b = self.s, self.b
+        qi, qd = self.st["q_strides"][2:]
+        with self.loop(0, mq, 1, "pqf") as r:
+            row = self.gep(Q_bh, self.mul(b.add(q0, r), qi), self.ety["q"])
+            dst = self.gep(self.ws_q, self.mul(r, s.D))
+            for d0 in range(0, s.D, 16):
+                m = self.lanes_lt(s.D, d0)
+                m = None if all(c.constant for c in m.constant) else m
+                if qd == 1:
+                    x = self.load_cvt(self.gep(row, d0, self.ety["q"]), m, self.dt["q"])
+                else:
+                    offs = self.lanes_times(d0, qd, 2 if self.dt["q"] != "float32" else 4)
+                    ptrs = b.inttoptr(b.add(self.splat(b.ptrtoint(row, I64), VI64), offs),
+                                      VPTR)
+                    x = self.gather_cvt(ptrs, self.ones_m if m is None else m, self.dt["q"])
+                self.store_v(x, self.gep(dst, d0), m)
+
+    def pack_k_pairs(self, src, count, rs, panel):
+        """ws_k[i * ldk + j] (32-bit elements) = the bf16 pair (K(j, 2i), K(j, 2i + 1)) for
+        keys j < count, zero-padded to 16 keys (``panel``: as pack_t's)."""
+        s, p, b = self.s, self.p, self.b
+        D2, dst_ld = self.krows, p.ldk
+        with self.loop(0, count, 16, "pka") as a0:
+            rowok = [b.icmp_signed("<", b.add(a0, i64(k)), count) for k in range(16)]
+            row0 = self.gep(src, self.mul(a0, rs), self.ety["k"])
+            if panel is None:
+                col = a0
+            else:
+                P, pst = panel
+                col = b.add(b.mul(b.udiv(a0, i64(P)), i64(pst)), b.urem(a0, i64(P)))
+            for d0 in range(0, s.D, 32):
+                rows = [self.row_pairs(self.gep(row0, self.imul(k, rs), self.ety["k"]), d0,
+                                       s.D, rowok[k], self.dt["k"]) for k in range(16)]
+                cols = self.transpose16(rows)
+                dbase = self.gep(self.ws_k, b.add(i64(d0 // 2 * dst_ld), col))
+                for i in range(min(16, D2 - d0 // 2)):
+                    self.store_v(cols[i], self.gep(dbase, i * dst_ld))
+
+    def pack_k_pairs_kt(self, src, count, ds, panel):
+        """pack_k_pairs for K stored transposed (key stride 1, d stride ds): the rows of
+        d = 2i and 2i + 1 interleaved, 16 keys at a time."""
+        s, p, b = self.s, self.p, self.b
+        ety, dt = self.ety["k"], self.dt["k"]
+        with self.loop(0, count, 16, "pkt") as a0:
+            m = self.lanes_lt(b.sub(count, a0))
+            if panel is None:
+                col = a0
+            else:
+                P, pst = panel
+                col = b.add(b.mul(b.udiv(a0, i64(P)), i64(pst)), b.urem(a0, i64(P)))
+            base = self.gep(src, a0, ety)
+            dst = self.gep(self.ws_k, col)
+            for i in range(self.krows):
+                lo = self.load_cvt(self.gep(base, self.imul(2 * i, ds), ety), m, dt)
+                hi = self.load_cvt(self.gep(base, self.imul(2 * i + 1, ds), ety), m, dt) \
+                    if 2 * i + 1 < s.D else self.zero_v
+                self.store_v(self.interleave_bf16(lo, hi), self.gep(dst, i * p.ldk))
+
+    def pack_v_pairs(self, src, count, rs):
+        """ws_v[(j / 2) * Dv_pad + e] (32-bit) = the bf16 pair (V(j, e), V(j + 1, e)), j
+        even < count (V(count, e) = 0); lanes e >= Dv are 0."""
+        s, p, b = self.s, self.p, self.b
+        ety, dt = self.ety["v"], self.dt["v"]
+        with self.loop(0, b.ashr(b.add(count, i64(1)), i64(1)), 1, "pvp") as jp:
+            j = b.shl(jp, i64(1))
+            r0 = self.gep(src, self.mul(j, rs), ety)
+            r1 = self.gep(r0, rs, ety)
+            ok1 = b.icmp_signed("<", b.add(j, i64(1)), count)
+            dst = self.gep(self.ws_v, self.mul(jp, p.Dv_pad))
+            for v in range(_cdiv(s.Dv, 16)):
+                m = self.lanes_lt(s.Dv, 16 * v)
+                full = all(c.constant for c in m.constant)
+                lo = self.load_cvt(self.gep(r0, 16 * v, ety), None if full else m, dt)
+                hi = self.load_cvt(self.gep(r1, 16 * v, ety), b.select(ok1, m, self.zero_m), dt)
+                self.store_v(self.interleave_bf16(lo, hi), self.gep(dst, 16 * v))
+
+    def pack_v_rows(self, src, count, rs):
+        """ws_v[j * Dv_pad + e] = V(j, e) widened, V rows contiguous (a copy, no gather)."""
+        s, p = self.s, self.p
+        ety, dt = self.ety["v"], self.dt["v"]
+        with self.loop(0, count, 1, "pvr") as j:
+            row = self.gep(src, self.mul(j, rs), ety)
+            dst = self.gep(self.ws_v, self.mul(j, p.Dv_pad))
+            for v in range(_cdiv(s.Dv, 16)):
+                m = self.lanes_lt(s.Dv, 16 * v)
+                m = None if all(c.constant for c in m.constant) else m
+                self.store_v(self.load_cvt(self.gep(row, 16 * v, ety), m, dt),
+                             self.gep(dst, 16 * v))
+
+    def pack_t(self, src, n_a, rs, n_c, cs, dst, dst_ld: int, panel=None, dt="float32"):
         """dst[c * dst_ld + a] = src[a * rs + c * cs] for a < n_a, c < n_c; lanes
         a in [n_a, roundup16(n_a)) are zero. 16x16 in-register transposes when
         cs == 1, else gathers. ``panel = (P, stride)``: a is stored at
         (a // P) * stride + a % P instead (P a multiple of 16)."""
         b = self.b
+        ety = _ETY[dt]
 
         def col(a0):
             if panel is None:
@@ -725,13 +1103,13 @@ class _Gen(VecBuilder):
         if cs == 1:
             with self.loop(0, n_a, 16, "pta") as a0:
                 rowok = [b.icmp_signed("<", b.add(a0, i64(k)), n_a) for k in range(16)]
-                row0 = self.gep(src, self.mul(a0, rs))
+                row0 = self.gep(src, self.mul(a0, rs), ety)
                 with self.loop(0, n_c, 16, "ptc") as c0:
                     cmask = self.lanes_lt(b.sub(n_c, c0))
-                    base = self.gep(row0, c0)
+                    base = self.gep(row0, c0, ety)
                     rows = [
-                        self.load_v(self.gep(base, self.imul(k, rs)),
-                                    b.select(rowok[k], cmask, self.zero_m))
+                        self.load_cvt(self.gep(base, self.imul(k, rs), ety),
+                                      b.select(rowok[k], cmask, self.zero_m), dt)
                         for k in range(16)
                     ]
                     cols = self.transpose16(rows)
@@ -743,33 +1121,53 @@ class _Gen(VecBuilder):
                             self.gep(dbase, i * dst_ld),
                             b.select(ok, self.ones_m, self.zero_m),
                         )
+        elif rs == 1:
+            # lanes a contiguous (K^T stored as rows of keys): one vector per c
+            with self.loop(0, n_a, 16, "pla") as a0:
+                amask = self.lanes_lt(b.sub(n_a, a0))
+                base = self.gep(src, a0, ety)
+                with self.loop(0, n_c, 1, "plc") as c:
+                    x = self.load_cvt(self.gep(base, self.mul(c, cs), ety), amask, dt)
+                    self.store_v(x, self.gep(dst, b.add(b.mul(c, i64(dst_ld)), col(a0))))
         else:
             src_i = b.ptrtoint(src, I64)
             with self.loop(0, n_a, 16, "pga") as a0:
                 amask = self.lanes_lt(b.sub(n_a, a0))
+                esz = 4 if dt == "float32" else 2
                 offs = b.mul(b.add(self.splat(a0, VI64), self.iota64),
-                             self.splat(self.imul(4, rs), VI64))
+                             self.splat(self.imul(esz, rs), VI64))
                 row_i = b.add(self.splat(src_i, VI64), offs)
                 with self.loop(0, n_c, 1, "pgc") as c:
-                    cb = self.mul(c, self.imul(4, cs))
+                    cb = self.mul(c, self.imul(esz, cs))
                     ptrs = b.inttoptr(b.add(row_i, self.splat(cb, VI64)), VPTR)
-                    g = self.gather(ptrs, amask)
+                    g = self.gather_cvt(ptrs, amask, dt)
                     self.store_v(g, self.gep(dst, b.add(b.mul(c, i64(dst_ld)), col(a0))))
 
     # -- S = Q K^T for one key block, with scale/mask/causal and row maxima ----
     def scores(self, Q_bh, M_bh, q0, mq, kt, ldk, kb0, kbl):
         """Sbuf[r][j] = masked score of row q0 + r and key kb0 + j (-inf for keys
         past the block); rowmax[r][:] = lane-wise max over the block's vectors."""
-        s, p, b = self.s, self.p, self.b
+        p, b = self.p, self.b
         MR, NV, KB = p.MR_s, p.NV_s, p.KB
         qi, qd = self.st["q_strides"][2:]
-        U = max(1, min(p.unroll_d, s.D))
-        Dmain = s.D - s.D % U
+        # dot 'bf16': Q's rows are the bf16 pairs in ws_q, K^T rows pairs of d: D2 steps
+        nd = self.krows
+        if self.pair or self.dt["q"] != "float32":
+            # Q's rows were packed into ws_q: float32 (widened), or bf16 pairs
+            qi, qd, qety, Q_bh, qrow0 = nd, 1, F32, self.ws_q, i64(0)
+            qload = self.load_f
+            madd = self.dot2 if self.pair else (lambda acc, x, y: self.fma(x, y, acc))
+        else:
+            qety, dq, qrow0 = self.ety["q"], self.dt["q"], q0
+            qload = lambda ptr: self.load_s(ptr, dq)
+            madd = lambda acc, x, y: self.fma(x, y, acc)
+        U = max(1, min(p.unroll_d, nd))
+        Dmain = nd - nd % U
         with self.loop(0, mq, MR, "sr") as r0:
             rows = [
                 self.smin(b.add(r0, i64(k)), b.sub(mq, i64(1))) if k else r0 for k in range(MR)
             ]
-            q_ptrs = [self.gep(Q_bh, self.mul(b.add(q0, r), qi)) for r in rows]
+            q_ptrs = [self.gep(Q_bh, self.mul(b.add(qrow0, r), qi), qety) for r in rows]
             s_ptrs = [self.gep(self.ws_s, self.mul(r, KB)) for r in rows]
             x_ptrs = [self.gep(self.ws_x, self.mul(r, 16)) for r in rows]
             with self.loop(0, kbl, 16 * NV, "sc") as c0:
@@ -790,8 +1188,8 @@ class _Gen(VecBuilder):
                         ]
                         new = []
                         for r in range(MR):
-                            x = self.splat(self.load_f(self.gep(qps[r], self.imul(u, qd))))
-                            new.append([self.fma(x, kv[v], accs[r][v]) for v in range(nv)])
+                            x = self.splat(qload(self.gep(qps[r], self.imul(u, qd), qety)))
+                            new.append([madd(accs[r][v], x, kv[v]) for v in range(nv)])
                         return new
 
                     accs = [[self.zero_v] * nv for _ in range(MR)]
@@ -802,7 +1200,7 @@ class _Gen(VecBuilder):
                             for u in range(U):
                                 a = step(a, kp, qps, u)
                             return a, [self.gep(kp, self.imul(U, ldk))] + [
-                                self.gep(q, self.imul(U, qd)) for q in qps
+                                self.gep(q, self.imul(U, qd), qety) for q in qps
                             ]
 
                         _, accs, ptrs = self.grid_loop(0, Dmain, U, accs, [k0] + q_ptrs,
@@ -810,7 +1208,7 @@ class _Gen(VecBuilder):
                         kp, qps = ptrs[0], ptrs[1:]
                     else:
                         kp, qps = k0, q_ptrs
-                    for u in range(s.D - Dmain):
+                    for u in range(nd - Dmain):
                         accs = step(accs, kp, qps, u)
                     # epilogue: scale, mask, causal limit, key padding; row maxima
                     for r in range(MR):
@@ -901,11 +1299,11 @@ class _Gen(VecBuilder):
         NV = len(valid)
         mi, mj = self.st["mask_strides"][2:]
         is_bool = s.mask_dtype == "bool"
-        ety = I8 if is_bool else F32
+        ety, mdt = self.ety["m"], s.mask_dtype
         row = self.gep(M_bh, b.add(self.mul(i, mi), self.mul(kstart, mj)), ety)
         out = []
         if mj == 0:
-            x = b.load(row, typ=ety, align=1 if is_bool else 4)
+            x = b.load(row, typ=ety, align=1) if is_bool else self.load_s(row, mdt)
             xs = self.splat(x, VI8 if is_bool else VF)
             out = [xs] * NV
         elif mj == 1:
@@ -916,10 +1314,10 @@ class _Gen(VecBuilder):
                         b.call(self.mload8, [ptr, i32(1), valid[v], ir.Constant(VI8, None)])
                     )
                 else:
-                    out.append(self.load_v(ptr, valid[v]))
+                    out.append(self.load_cvt(ptr, valid[v], mdt))
         else:
             row_i = self.splat(b.ptrtoint(row, I64), VI64)
-            esz = 1 if is_bool else 4
+            esz = 1 if is_bool else 4 if mdt == "float32" else 2
             for v in range(NV):
                 offs = self.lanes_times(16 * v, mj, esz)
                 ptrs = b.inttoptr(b.add(row_i, offs), VPTR)
@@ -928,7 +1326,7 @@ class _Gen(VecBuilder):
                         b.call(self.gather8, [ptrs, i32(1), valid[v], ir.Constant(VI8, None)])
                     )
                 else:
-                    out.append(self.gather(ptrs, valid[v]))
+                    out.append(self.gather_cvt(ptrs, valid[v], mdt))
         if s.mask == "add":
             return out
         if is_bool:
@@ -974,7 +1372,15 @@ class _Gen(VecBuilder):
                         # vectors past the block's last chunk hold stale data: p = 0
                         ok = b.icmp_signed(">", nvec, i64(v))
                         pv = b.select(ok, pv, self.zero_v)
-                    self.store_v(pv, ptr)
+                    if self.pair:
+                        # P @ V multiplies P rounded to bf16; l sums the rounded weights
+                        pb = self.narrow(pv, "bfloat16")
+                        prow = self.gep(self.ws_p, b.add(self.mul(r, KB), i64(16 * v)),
+                                        ir.IntType(16))
+                        b.store(pb, prow, align=2)
+                        pv = self.widen(pb, "bfloat16")
+                    else:
+                        self.store_v(pv, ptr)
                     acc = pv if acc is None else b.fadd(acc, pv)
                 if skip:
                     exits.append((acc, b.block))
@@ -1002,6 +1408,14 @@ class _Gen(VecBuilder):
         MR, KB, Dvp = p.MR_v, p.KB, p.Dv_pad
         U = max(1, p.unroll_j)
         oi, od = self.st["o_strides"][2:]
+        if self.pair:
+            # pairs of keys: P's bf16 pairs (32-bit elements of ws_p), V's packed pair rows
+            kbl = b.ashr(b.add(kbl, i64(1)), i64(1))
+            pbuf, pld = self.ws_p, KB // 2
+            madd = self.dot2
+        else:
+            pbuf, pld = self.ws_s, KB
+            madd = lambda acc, x, y: self.fma(x, y, acc)
         for cv0, nv in p.v_chunks:
             omask = [self.lanes_lt(s.Dv, 16 * (cv0 + v)) for v in range(nv)]
             omask = [None if all(c.constant for c in m.constant) else m for m in omask]
@@ -1011,7 +1425,7 @@ class _Gen(VecBuilder):
                     self.smin(b.add(r0, i64(k)), b.sub(mq, i64(1))) if k else r0
                     for k in range(MR)
                 ]
-                p_ptrs = [self.gep(self.ws_s, self.mul(r, KB)) for r in rows]
+                p_ptrs = [self.gep(pbuf, self.mul(r, pld)) for r in rows]
                 o_ptrs = [
                     self.gep(self.ws_o, b.add(self.mul(r, Dvp), i64(16 * cv0))) for r in rows
                 ]
@@ -1030,7 +1444,7 @@ class _Gen(VecBuilder):
                     )
                 v0 = self.gep(vb, 16 * cv0)
 
-                def step(a, vp, pps, u, nv=nv, dmask=dmask):
+                def step(a, vp, pps, u, nv=nv, dmask=dmask, madd=madd):
                     vv = [
                         self.load_v(self.gep(vp, self.iadd(self.imul(u, ldv), 16 * v)), dmask[v])
                         for v in range(nv)
@@ -1038,7 +1452,7 @@ class _Gen(VecBuilder):
                     new = []
                     for k in range(MR):
                         x = self.splat(self.load_f(self.gep(pps[k], u)))
-                        new.append([self.fma(x, vv[v], a[k][v]) for v in range(nv)])
+                        new.append([madd(a[k][v], x, vv[v]) for v in range(nv)])
                     return new
 
                 def make_body(nstep, step=step):
@@ -1073,8 +1487,8 @@ class _Gen(VecBuilder):
                         )
                         invs = self.splat(inv)
                         orow = self.gep(
-                            O_bh, b.add(self.mul(b.add(q0, rows[k]), oi), self.mul(16 * cv0, od))
-                        )
+                            O_bh, b.add(self.mul(b.add(q0, rows[k]), oi), self.mul(16 * cv0, od)),
+                            self.ety["o"])
                         for v in range(nv):
                             self.store_out(b.fmul(accs[k][v], invs), orow, 16 * v, omask[v])
 
@@ -1084,19 +1498,20 @@ class _Gen(VecBuilder):
         """O elements e0 + lane of the row at orow (mask: lanes inside Dv)."""
         s, b = self.s, self.b
         od = self.st["o_strides"][3]
+        dt = self.dt["o"]
         if od == 1 or s.Dv == 1:
-            self.store_v(val, self.gep(orow, e0), mask)
+            self.store_cvt(val, self.gep(orow, e0, self.ety["o"]), mask, dt)
         else:
-            offs = self.lanes_times(e0, od, 4)
+            offs = self.lanes_times(e0, od, 4 if dt == "float32" else 2)
             ptrs = b.inttoptr(b.add(self.splat(b.ptrtoint(orow, I64), VI64), offs), VPTR)
-            self.scatter(val, ptrs, mask)
+            self.scatter_cvt(val, ptrs, mask, dt)
 
     def store_nan_rows(self, O_bh, q0, mq):
         """Rows that see no key at all (causal, Sq > Sk): softmax over nothing, 0/0."""
         s, b = self.s, self.b
         nan = self.splat(float("nan"))
         with self.loop(0, mq, 1, "nanr") as r:
-            orow = self.gep(O_bh, self.mul(b.add(q0, r), self.st["o_strides"][2]))
+            orow = self.gep(O_bh, self.mul(b.add(q0, r), self.st["o_strides"][2]), self.ety["o"])
             for v in range(_cdiv(s.Dv, 16)):
                 m = self.lanes_lt(s.Dv, 16 * v)
                 full = all(c.constant for c in m.constant)

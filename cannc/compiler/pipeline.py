@@ -35,7 +35,7 @@ PIPELINES: dict[str, list[str]] = {
         "infer_and_fold",             # bind shapes: every value gets a concrete type; fold
         "dce",                        # drop what no output needs (e.g. folded shape chains)
         "legalize_matmul_broadcast",  # partial batch broadcasts -> Expand + batched GEMM
-        "legalize_attention",         # Attention: KV cache -> Concat, float16/bfloat16 -> float32
+        "legalize_attention",         # Attention: KV cache -> Concat
         "mixed_precision",            # precision="bf16"/"fp16": narrow nodes by policy
     ],
     "O1": [

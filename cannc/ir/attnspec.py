@@ -16,6 +16,25 @@ def dense_strides(d0: int, d1: int, d2: int, d3: int) -> tuple[int, int, int, in
     return (d1 * d2 * d3, d2 * d3, d3, 1)
 
 
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def check_dtypes(s) -> None:
+    """The element types of an AttnSpec (or a codegen AttnForm): ValueError if unusable."""
+    if s.mask == "add" and s.mask_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"an additive mask must be one of {FLOAT_DTYPES}")
+    if s.mask_dtype not in FLOAT_DTYPES + ("bool",):
+        raise ValueError(f"AttnSpec.mask_dtype must be 'bool' or one of {FLOAT_DTYPES}, "
+                         f"got {s.mask_dtype!r}")
+    dts = tuple(str(d) for d in s.dtypes)
+    if len(dts) != 4 or any(d not in FLOAT_DTYPES for d in dts):
+        raise ValueError(f"AttnSpec.dtypes must be 4 of {FLOAT_DTYPES} (Q, K, V, O), got {dts}")
+    object.__setattr__(s, "dtypes", dts)
+    if s.precision not in PRECISIONS:
+        raise ValueError(f"AttnSpec.precision must be one of {PRECISIONS}, got {s.precision!r}")
+
+
 @dataclass(frozen=True)
 class AttnSpec:
     """Fused attention ``O = softmax(mask(Q K^T * scale)) V`` over (b, h).
@@ -59,6 +78,11 @@ class AttnSpec:
     fill: float = -3.4028234663852886e38
     causal: bool = False
     score_bias_after_scale: bool = True
+    # element types of Q, K, V, O ("float32", "bfloat16", "float16"): narrow operands are
+    # converted on load / store; `precision` is the multiply precision ("fp32", "bf16",
+    # "fp16"), always with float32 accumulation and a float32 softmax
+    dtypes: tuple[str, str, str, str] = ("float32",) * 4
+    precision: str = "fp32"
 
     def __post_init__(self):
         for f in ("B", "H", "Sq", "Sk", "D", "Dv"):
@@ -73,12 +97,7 @@ class AttnSpec:
             object.__setattr__(self, f, st)
         if self.mask not in _MASK_MODES:
             raise ValueError(f"AttnSpec.mask must be one of {_MASK_MODES}, got {self.mask!r}")
-        if self.mask == "add" and self.mask_dtype != "float32":
-            raise ValueError("an additive mask must be float32")
-        if self.mask_dtype not in ("float32", "bool"):
-            raise ValueError(
-                f"AttnSpec.mask_dtype must be 'float32' or 'bool', got {self.mask_dtype!r}"
-            )
+        check_dtypes(self)
         o = self.o_strides
         if (
             self.B > 1

@@ -19,7 +19,8 @@ VOID = ir.VoidType()
 
 
 class _BFloat(ir.Type):
-    """LLVM's ``bfloat`` (llvmlite.ir has none): only as an operand type (intrinsics, bitcasts)."""
+    """LLVM's ``bfloat`` (llvmlite.ir has no type for it): vectors of it are what the
+    avx512bf16 intrinsics take; values come from bitcasts (no bfloat constants)."""
 
     def _to_string(self) -> str:
         return "bfloat"

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
-from onnx import TensorProto
 
 from ..ir.epilogue import matmul_dims
 from ..ir.graph import Graph, Node
 from ..ir.ops.attention_op import (
     K_IN,
-    MASK_IN,
     NONPAD_IN,
     PAST_K_IN,
     PAST_LEN_ATTR,
@@ -17,7 +15,7 @@ from ..ir.ops.attention_op import (
     V_IN,
     feature_problem,
 )
-from ..ir.types import NP_TO_ONNX, TensorType
+from ..ir.types import TensorType
 from .manager import PassContext, graph_pass
 
 
@@ -61,10 +59,12 @@ def legalize_attention(graph: Graph, ctx: PassContext) -> bool:
       split into heads: Reshape + Transpose) gives present_key / present_value (the
       node's outputs when requested) and becomes the node's K / V; the past length
       stays in the attribute cannc_past_len (the causal offset). present_* requested
-      without a past are K / V in [B, heads, S, d] (Identity, or Reshape + Transpose);
-    - float16 / bfloat16: Q, K, V and a float mask are cast to float32 (after the
-      Concat, so present_* keep their type), Y is cast back; the scale keeps the
-      reference's sqrt(scale) rounded to the input type.
+      without a past are K / V in [B, heads, S, d] (Identity, or Reshape + Transpose).
+
+    float16 / bfloat16 nodes stay as they are: the kernel converts Q, K, V, a float mask
+    and Y on load / store and computes the softmax in float32 (as exact as any
+    softmax_precision asks); the attention op rounds sqrt(scale) to the input type as the
+    reference does.
 
     Nodes with a feature the kernel lacks (softcap, qk_matmul_output, ...) are left
     alone, so that the support check reports them as they are."""
@@ -77,15 +77,13 @@ def legalize_attention(graph: Graph, ctx: PassContext) -> bool:
             continue
         ins = list(n.inputs) + [""] * (7 - len(n.inputs))
         outs = list(n.outputs) + [""] * (4 - len(n.outputs))
-        dt = np.dtype(qt.dtype)
-        cast = dt != np.float32
         past = bool(ins[PAST_K_IN] or ins[PAST_V_IN])
         if past and not (ins[PAST_K_IN] and ins[PAST_V_IN]) or past and ins[NONPAD_IN]:
             continue                      # invalid: the support check names it
         cache = past or bool(outs[1] or outs[2])
         if cache and not _attention_cache_shapes_ok(graph, n, ins, past):
             continue
-        if not cast and not cache:
+        if not cache:
             continue
         opset = graph.opsets.get("", 23)
         order = graph.g.nodes[n.name]["order"]
@@ -128,38 +126,13 @@ def legalize_attention(graph: Graph, ctx: PassContext) -> bool:
                     present = x
                 ins[x_in], ins[p_in], outs[o_idx] = present, "", ""
             attrs[PAST_LEN_ATTR] = P
-        if cast:
-            f32 = np.dtype(np.float32)
-            idx = [0, K_IN, V_IN]
-            if ins[MASK_IN] and np.dtype(graph.values[ins[MASK_IN]].dtype) == dt:
-                idx.append(MASK_IN)
-            for i in idx:
-                t = graph.values[ins[i]]
-                ins[i] = add("Cast", (ins[i],), f"{n.name}::f32_{i}", TensorType(f32, t.shape),
-                             to=int(TensorProto.FLOAT))
-            scale = attrs.get("scale")
-            if scale is None:
-                d = int(qt.shape[-1]) if len(qt.shape) == 4 else \
-                    int(qt.shape[-1]) // int(attrs["q_num_heads"])
-                scale = 1.0 / np.sqrt(d)
-            # the reference multiplies Q and K by sqrt(scale) rounded to the input type
-            attrs["scale"] = float(np.asarray(np.sqrt(float(scale))).astype(dt).astype(
-                np.float64)) ** 2
-            attrs.pop("softmax_precision", None)   # the kernel's softmax is float32
-            y = outs[0]
-            y32 = f"{n.name}::y_f32"
-            graph.values[y32] = TensorType(f32, graph.values[y].shape)
-            added.append(Node(name=f"{n.name}::cast_y", op_type="Cast", inputs=(y32,),
-                              outputs=(y,), attrs={"to": int(NP_TO_ONNX[dt])}, opset=opset))
-            outs[0] = y32
         while len(ins) > 3 and not ins[-1]:
             ins.pop()
         while len(outs) > 1 and not outs[-1]:
             outs.pop()
         graph.remove_node(n.name)
         for k, a in enumerate(added):
-            after = a.name.endswith("::cast_y")
-            graph.add_node(a, order=order + 0.5 if after else order - 0.5 + k * 1e-3)
+            graph.add_node(a, order=order - 0.5 + k * 1e-3)
         graph.add_node(n.replace(inputs=tuple(ins), outputs=tuple(outs), attrs=attrs, proto=None),
                        order=order)
         changed = True

@@ -335,8 +335,10 @@ ATTENTION: Rule = Rule("attention", _attention_pattern, _attention_check, _atten
 
 
 def _match_attention(graph: Graph, mm: Node):
-    if any(np.dtype(graph.values[v].dtype) != np.float32 for v in mm.inputs):
-        return None
+    dts = {np.dtype(graph.values[v].dtype).name for v in mm.inputs}
+    if len(dts) != 1 or not dts <= {"float32", "float16", "bfloat16"}:
+        return None          # the kernel converts bf16/fp16 on load (codegen/attention.py)
+    dt = dts.pop()
     qv, ktv = mm.inputs
     pre: list[Node] = []
     pre_scale = 1.0
@@ -366,7 +368,7 @@ def _match_attention(graph: Graph, mm: Node):
     n = next_node(cur, ("Add", "Where"))
     if n is not None and n.op_type == "Add":
         other = _other(n, cur)
-        if np.dtype(graph.values[other].dtype) == np.float32:
+        if np.dtype(graph.values[other].dtype).name == dt:
             mask, mask_kind = other, "add"
             chain.append(n)
             cur = n.outputs[0]
@@ -374,7 +376,7 @@ def _match_attention(graph: Graph, mm: Node):
         keep_if_true = n.inputs[1] == cur
         f = _scalar_const(graph, n.inputs[2] if keep_if_true else n.inputs[1])
         cdt = np.dtype(graph.values[n.inputs[0]].dtype)
-        if f is not None and (cdt == np.bool_ or (keep_if_true and cdt == np.float32)):
+        if f is not None and (cdt == np.bool_ or (keep_if_true and cdt.name == dt)):
             mask, mask_kind, fill = n.inputs[0], "where", f
             if not keep_if_true:
                 mask = ("not", mask)   # Where(cond, fill, scores): keep where cond is false
@@ -432,7 +434,7 @@ def _match_attention(graph: Graph, mm: Node):
         dense = _dense_strides(ms)
         st = [0 if a == 1 else s for a, s in zip(ms, dense)]
         mstr = tuple(st) if len(st) == 4 else (st[0], 0, st[1], st[2])
-        mdt = "bool" if np.dtype(graph.values[mask].dtype) == np.bool_ else "float32"
+        mdt = "bool" if np.dtype(graph.values[mask].dtype) == np.bool_ else dt
     spec = AttnSpec(B=B, H=H, Sq=Sq, Sk=Sk, D=D, Dv=Dv, q_strides=q4, k_strides=k4,
                     v_strides=v4, o_strides=o4, scale=float(scale * pre_scale), mask=mask_kind,
                     mask_strides=mstr, mask_dtype=mdt,

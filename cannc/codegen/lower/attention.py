@@ -30,6 +30,8 @@ mask selects -inf there (``where``) where the reference adds -inf (NaN).
 
 from __future__ import annotations
 
+import dataclasses
+
 import llvmlite.ir as ir
 import numpy as np
 
@@ -37,7 +39,14 @@ from ...ir.attnspec import AttnSpec
 from ...ir.ops.attention_op import K_IN, MASK_IN, NONPAD_IN, Q_IN, V_IN, Plan, analyse
 from ...native import emit
 from ...native.emit import F32, I8, I64, PTR, for_range, i64
-from ..attention import attention_num_tiles, attention_workspace_bytes, emit_attention
+from ..attention import (
+    PRECISION_ATTR,
+    attention_num_tiles,
+    attention_precision_note,
+    attention_typed_spec,
+    attention_workspace_bytes,
+    emit_attention,
+)
 from ..kernel import LowerCtx
 from .base import register_lowering
 
@@ -63,7 +72,16 @@ def _const_mask_has_empty_rows(p: Plan, mask: np.ndarray) -> bool:
 # ---------------------------------------------------------------------------
 
 
-def _spec(p: Plan, Sq: int, bias: bool) -> AttnSpec:
+def _spec(p: Plan, Sq: int, bias: bool, ctx: LowerCtx) -> AttnSpec:
+    """The inner kernel's spec, typed like the node's operands (the bias of the general
+    path is float32 in the workspace)."""
+    spec = _spec32(p, Sq, bias)
+    ins = list(ctx.in_types[:3]) + ([ctx.in_types[MASK_IN]] if p.mask and not bias else [])
+    typed = attention_typed_spec(spec, ins, ctx.out_types, ctx.node.attrs.get(PRECISION_ATTR))
+    return typed if not bias else dataclasses.replace(typed, mask_dtype="float32")
+
+
+def _spec32(p: Plan, Sq: int, bias: bool) -> AttnSpec:
     if bias:
         mode, mdt, ms = "add", "float32", (0, 0, p.sk_eff, 1)
     elif p.mask is None:
@@ -87,6 +105,12 @@ class _Emitter:
 
     def __init__(self, ctx: LowerCtx, p: Plan) -> None:
         self.ctx, self.p = ctx, p
+        # element types of Q, K, V, the mask and Y (narrow floats: the kernel converts)
+        self.ety = [emit.llvm_type(t.dtype) for t in ctx.in_types[:3]]
+        self.m_dt = np.dtype(ctx.in_types[MASK_IN].dtype) if p.mask else None
+        self.m_ety = emit.llvm_type(self.m_dt) if p.mask else None
+        self.o_dt = np.dtype(ctx.out_types[0].dtype)
+        self.o_ety = emit.llvm_type(self.o_dt)
         self.fn, self.b = ctx.begin()
         b = self.b
         self.arr = b.alloca(PTR, size=i64(5), name="inner_args")
@@ -126,16 +150,16 @@ class _Emitter:
             hi = b.urem(hd, i64(p.Hq)) if p.Hq > 1 else i64(0)
             kvh = b.udiv(hi, i64(p.G)) if p.G > 1 else hi
 
-        def at(ptr, st, h, ty=F32):
+        def at(ptr, st, h, ty):
             return self.gep(ptr, b.add(self.mul(bi, st[0]), self.mul(h, st[1])), ty)
 
-        q = at(self.Q, p.q, hi)
-        k = at(self.K, p.k, kvh)
-        v = at(self.V, p.v, kvh)
-        o = at(self.O, p.o, hi)
+        q = at(self.Q, p.q, hi, self.ety[0])
+        k = at(self.K, p.k, kvh, self.ety[1])
+        v = at(self.V, p.v, kvh, self.ety[2])
+        o = at(self.O, p.o, hi, self.o_ety)
         m = None
         if self.M is not None:
-            m = at(self.M, p.m, hi, I8 if p.mask == "bool" else F32)
+            m = at(self.M, p.m, hi, self.m_ety)
         return q, k, v, m, o, bi
 
     def call(self, inner, ptrs, t0, t1):
@@ -147,9 +171,10 @@ class _Emitter:
     def zero_row(self, o, i):
         """O[i, :] = 0 (rows without any allowed key)."""
         p, b = self.p, self.b
-        row = self.gep(o, self.mul(i, p.o_r))
+        row = self.gep(o, self.mul(i, p.o_r), self.o_ety)
+        zero = ir.Constant(self.o_ety, 0 if isinstance(self.o_ety, ir.IntType) else 0.0)
         with for_range(b, 0, p.Dv, name="zr") as e:
-            b.store(ir.Constant(F32, 0.0), self.gep(row, self.mul(e, p.o[3])))
+            b.store(zero, self.gep(row, self.mul(e, p.o[3]), self.o_ety))
 
     def mask_allows(self, m, i, j):
         """i1: the user mask allows key j of row i (bool True / float != -inf)."""
@@ -158,8 +183,18 @@ class _Emitter:
         if p.mask == "bool":
             x = b.load(self.gep(m, off, I8), typ=I8)
             return b.icmp_unsigned("!=", x, ir.Constant(I8, 0))
-        x = b.load(self.gep(m, off), typ=F32)
+        x = self.load_mask_f(self.gep(m, off, self.m_ety))
         return b.fcmp_unordered("!=", x, ir.Constant(F32, NEG_INF))
+
+    def load_mask_f(self, ptr):
+        """A float mask element at ptr, as float32."""
+        b = self.b
+        if self.m_dt == np.float32:
+            return b.load(ptr, typ=F32)
+        if self.m_dt == np.float16:
+            return b.fpext(b.load(ptr, typ=ir.HalfType()), F32)
+        x = b.zext(b.load(ptr, typ=ir.IntType(16)), emit.I32)
+        return b.bitcast(b.shl(x, ir.Constant(emit.I32, 16)), F32)
 
     # -- the guard of the direct path: scan the row for one allowed key ------------
     def guard_rows(self, m, o):
@@ -214,7 +249,7 @@ class _Emitter:
                         ok = self.mask_allows(m, i, j)
                     else:
                         moff = b.add(self.mul(i, p.m[2]), self.mul(j, p.m[3]))
-                        val = b.load(self.gep(m, moff), typ=F32)
+                        val = self.load_mask_f(self.gep(m, moff, self.m_ety))
                 if p.causal:
                     ok = b.and_(ok, b.icmp_signed("<=", j, ioff))
                 if p.left >= 0 or p.right >= 0:
@@ -254,7 +289,8 @@ def _lower_attention(ctx: LowerCtx) -> None:
     tb, te = ctx.tile_begin, ctx.tile_end
 
     if not p.use_bias:
-        spec = _spec(p, p.rows, bias=False)
+        spec = _spec(p, p.rows, bias=False, ctx=ctx)
+        ctx.notes["precision"] = attention_precision_note(spec)
         inner = emit_attention(ctx.module, "attention_head", spec)
         nq = attention_num_tiles(spec)
         ctx.workspace_bytes = attention_workspace_bytes(spec)
@@ -282,9 +318,10 @@ def _lower_attention(ctx: LowerCtx) -> None:
     # general path: the bias of a chunk of query rows is built in the workspace
     R = max(1, min(p.Sq, BIAS_CHUNK_BYTES // (4 * p.sk_eff)))
     nfull, tail = divmod(p.Sq, R)
-    specs = [(_spec(p, R, bias=True), nfull, 0)]
+    specs = [(_spec(p, R, bias=True, ctx=ctx), nfull, 0)]
     if tail:
-        specs.append((_spec(p, tail, bias=True), 1, nfull * R))
+        specs.append((_spec(p, tail, bias=True, ctx=ctx), 1, nfull * R))
+    ctx.notes["precision"] = attention_precision_note(specs[0][0])
     inners = []
     ws_inner = 0
     for k, (spec, _count, _start) in enumerate(specs):
@@ -304,8 +341,8 @@ def _lower_attention(ctx: LowerCtx) -> None:
             with for_range(b, 0, count, name="chunk") as c:
                 i0 = b.add(i64(start), b.mul(c, i64(R)))
                 E.build_bias(m, bi, i0, rows, bias, flags)
-                qc = E.gep(q, E.mul(i0, p.q[2]))
-                oc = E.gep(o, E.mul(i0, p.o[2]))
+                qc = E.gep(q, E.mul(i0, p.q[2]), E.ety[0])
+                oc = E.gep(o, E.mul(i0, p.o[2]), E.o_ety)
                 E.call(inner, [qc, k, v, bias, oc], i64(0), i64(nq))
                 with for_range(b, 0, rows, name="gz") as r:
                     f = b.load(E.gep(flags, r, I8), typ=I8)

@@ -29,7 +29,9 @@ from ..attention import (
     RT_DIMS,
     attention_num_tiles,
     attention_plan,
+    attention_precision_note,
     attention_tiling,
+    attention_typed_spec,
     attention_workspace_bytes,
     emit_attention,
 )
@@ -407,7 +409,9 @@ def _lower_fused_attention(ctx: LowerCtx) -> None:
         assert len(ctx.tiling.dims) == len(RT_DIMS) and not ctx.dropped
         emit_attention(ctx.module, ctx.symbol, form)
         return
-    spec = ctx.attr("spec")
+    spec = attention_typed_spec(ctx.attr("spec"), ctx.in_types, ctx.out_types,
+                                ctx.node.attrs.get("cannc_precision"))
+    ctx.notes["precision"] = attention_precision_note(spec)
     emit_attention(ctx.module, ctx.symbol, spec)
     ctx.num_tiles = attention_num_tiles(spec)
     ctx.workspace_bytes = attention_workspace_bytes(spec)
@@ -421,12 +425,14 @@ def _fused_attention_tiling(node: Node, in_types: list, out_types: list) -> Any:
     """Host tiling: the kernel's form (heads, head dims, layouts, mask kind and the
     inner-loop strides that do not depend on B, Sq, Sk) is the key; B, Sq, Sk and the
     other strides are runtime dims (codegen.attention.attention_tiling)."""
-    spec = node.attrs["spec"]
+    spec = attention_typed_spec(node.attrs["spec"], in_types, out_types,
+                                node.attrs.get("cannc_precision"))
     t = attention_tiling(spec)
     plan = attention_plan(t.form)
     rec = attention_record(spec, dataclasses.replace(plan, nq=-(-spec.Sq // plan.MQ)))
     notes = {"attention": f"B{spec.B} H{spec.H} Sq{spec.Sq} Sk{spec.Sk} D{spec.D} "
-                          f"mask={spec.mask}", "plan": rec, "tiling": describe(rec)}
+                          f"mask={spec.mask}", "plan": rec, "tiling": describe(rec),
+             "precision": attention_precision_note(spec)}
     return Tiling(key=("attention", t.form), dims=t.dims, num_tiles=t.num_tiles,
                   workspace_bytes=t.workspace_bytes,
                   flops=2 * spec.B * spec.H * spec.Sq * spec.Sk * (spec.D + spec.Dv),

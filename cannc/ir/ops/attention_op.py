@@ -8,12 +8,15 @@ causal frontier (``is_causal``: query i sees key j iff ``j <= i + offset``,
 whose keys are *all* disallowed is a zero row (the spec's fully-masked-row
 guard), not NaN.
 
-What reaches the lowering is float32 with no past state: the
-``legalize_attention`` pass (passes/legalize.py) concatenates ``past_key`` /
-``past_value`` before K / V with Concat nodes (which also produce
-``present_key`` / ``present_value``; the past length is kept in the attribute
-``cannc_past_len``) and wraps float16/bfloat16 nodes in Casts to float32. So
-K/V may be 4-D here while Q is 3-D.
+What reaches the lowering has no past state: the ``legalize_attention`` pass
+(passes/legalize.py) concatenates ``past_key`` / ``past_value`` before K / V with
+Concat nodes (which also produce ``present_key`` / ``present_value``; the past
+length is kept in the attribute ``cannc_past_len``). So K/V may be 4-D here while
+Q is 3-D. Q, K, V, a float mask and Y may each be float32, float16 or bfloat16: the
+kernel converts on load and store; it multiplies in bf16 (vdpbf16ps, float32
+accumulation) for bfloat16 operands or the node attribute ``cannc_precision="bf16"``
+where the CPU makes that faster, else in float32; the softmax is always float32 (at
+least as exact as any ``softmax_precision``).
 
 The lowering is in codegen/lower/attention.py.
 
@@ -37,7 +40,7 @@ from ..types import TensorType
 
 Q_IN, K_IN, V_IN, MASK_IN, PAST_K_IN, PAST_V_IN, NONPAD_IN = range(7)
 PAST_LEN_ATTR = "cannc_past_len"     # set by legalize_attention when it folded past_key in
-_LEGAL_DTYPES = ("float32", "float16", "bfloat16")   # what legalize_attention can take
+_LEGAL_DTYPES = ("float32", "float16", "bfloat16")   # what the kernel takes
 
 
 def _in(n: Node, i: int) -> str:
@@ -59,7 +62,7 @@ def feature_problem(n: Node, q_dtype: Any) -> str | None:
                 "materialises the score matrix")
     dt = np.dtype(q_dtype)
     if dt.name not in _LEGAL_DTYPES:
-        return f"dtype {dt.name} (float32, or float16/bfloat16 computed in float32)"
+        return f"dtype {dt.name} (float32, float16 or bfloat16)"
     sp = n.attrs.get("softmax_precision")
     if sp is not None and int(sp) not in (TensorProto.FLOAT, TensorProto.DOUBLE):
         # the kernel's softmax is float32: as exact as asked for float16/bfloat16 graphs
@@ -90,7 +93,7 @@ class Plan:
     v: tuple
     o: tuple
     scale: float
-    mask: str | None   # None | 'bool' | 'float32'
+    mask: str | None   # None | 'bool' | a float dtype name ('float32', 'bfloat16'...)
     m: tuple           # mask strides (b, h, i, j), 0 = broadcast
     W: int             # mask width (keys past it are masked)
     causal: bool
@@ -145,9 +148,8 @@ def analyse(n: Node, ins: list) -> Plan | str:
     if qt is None or kt is None or vt is None:
         return "Q, K and V are required"
     for nm, t in (("Q", qt), ("K", kt), ("V", vt)):
-        if np.dtype(t.dtype) != np.float32:
-            return (f"{nm} is {np.dtype(t.dtype).name}: float16/bfloat16 Attention is cast to "
-                    "float32 by the legalize_attention pass; only float32 reaches the kernel")
+        if np.dtype(t.dtype).name not in _LEGAL_DTYPES:
+            return f"{nm} is {np.dtype(t.dtype).name} (float32, float16 or bfloat16)"
         if len(t.shape) not in (3, 4):
             return f"{nm} of rank {len(t.shape)} (3 or 4)"
     if _in(n, PAST_K_IN) or _in(n, PAST_V_IN) or _out(n, 1) or _out(n, 2):
@@ -186,8 +188,9 @@ def analyse(n: Node, ins: list) -> Plan | str:
         o = (Sq * Hq * Dv, Dv, Hq * Dv, 1)
     scale = n.attrs.get("scale")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    # the reference scales Q and K by sqrt(scale) rounded to the input type (float32 here)
-    half = float(np.float32(math.sqrt(scale))) if scale >= 0 else float("nan")
+    # the reference scales Q and K by sqrt(scale) rounded to the input type
+    half = float(np.asarray(math.sqrt(scale)).astype(np.dtype(qt.dtype)).astype(np.float64)) \
+        if scale >= 0 else float("nan")
     scale_eff = half * half
 
     mask, m, W = None, (0, 0, 0, 0), Sk
@@ -196,10 +199,10 @@ def analyse(n: Node, ins: list) -> Plan | str:
         mdt = np.dtype(mt.dtype)
         if mdt == np.bool_:
             mask = "bool"
-        elif mdt == np.float32:
-            mask = "float32"
+        elif mdt.name in _LEGAL_DTYPES:
+            mask = mdt.name
         else:
-            return f"attn_mask of dtype {mdt.name} (bool or float32)"
+            return f"attn_mask of dtype {mdt.name} (bool, float32, float16 or bfloat16)"
         ms = tuple(int(d) for d in mt.shape)
         if not 1 <= len(ms) <= 4:
             return f"attn_mask of rank {len(ms)}"
