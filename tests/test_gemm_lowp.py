@@ -1,0 +1,298 @@
+"""Reduced-precision GEMM kernels (cannc/codegen/gemm.py with bf16 / fp16 operands).
+
+Each operand (A, B, bias) and C may be float32 or the narrow type; products are in the
+compute precision (bf16: vdpbf16ps where the CPU has avx512_bf16, else widened to fp32
+in registers; fp16: storage, fp32 FMA), accumulation in float32. The references are
+computed in float64 from the SAME rounded inputs; a narrow C adds one rounding.
+Every ISA path runs here through the CANNC_ISA restrictions (native.target.restrict_isa).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+
+from llvmlite import ir
+
+from cannc.codegen.gemm import (
+    COMPUTE,
+    GemmSpec,
+    dynamic_spec,
+    emit_gemm,
+    gemm_dims,
+    gemm_num_tiles,
+    gemm_plan,
+    gemm_workspace_bytes,
+    host_dpbf16,
+    np_elem,
+    precision_note,
+    prepack_b,
+    prepacked_b_size,
+)
+from cannc.native import emit
+from cannc.native.target import jit_kernel
+from tests.helpers import aligned, run_splits
+
+BF, F16, F32 = "bfloat16", "float16", "float32"
+ULP = {BF: 2.0 ** -8, F16: 2.0 ** -11, F32: 0.0}   # half an ulp, relative (rounding)
+
+
+# ---------------------------------------------------------------------------
+# the ISA paths (this host: avx512_bf16; the others by restricting its features)
+# ---------------------------------------------------------------------------
+
+@pytest.fixture(params=["native", "avx512-nobf16", "avx2"])
+def isa(request, monkeypatch):
+    from cannc.native import target
+
+    h = target.host()
+    if request.param == "native":
+        if not host_dpbf16():
+            pytest.skip("this CPU has no avx512_bf16")
+    else:
+        monkeypatch.setattr(target, "_host", dataclasses.replace(
+            h, features=target.restrict_isa(h.features, request.param)))
+        assert not target.host().has("avx512bf16") and not target.host().has("avx512fp16")
+        assert not target.host().has("amx-tile")
+    return request.param
+
+
+# ---------------------------------------------------------------------------
+# buffers, reference, runner
+# ---------------------------------------------------------------------------
+
+def _round(x: np.ndarray, t: str) -> np.ndarray:
+    return x.astype(np_elem(t)).astype(np.float64)
+
+
+class LowpCase:
+    def __init__(self, spec: GemmSpec, seed: int = 0):
+        s = self.spec = spec
+        rng = np.random.default_rng(seed)
+        ct = COMPUTE[s.compute]
+        ra, ca = (s.K, s.M) if s.trans_a else (s.M, s.K)
+        rb, cb = (s.N, s.K) if s.trans_b else (s.K, s.N)
+        na = s.batch if s.a_batch_stride else 1
+        nb = s.batch if s.b_batch_stride else 1
+        a = rng.standard_normal((na, ra, ca)).astype(np.float32)
+        b = rng.standard_normal((nb, rb, cb)).astype(np.float32)
+        self.A = self._buf(a.reshape(-1), s.a_type)
+        if s.b_prepacked:
+            packed = prepack_b(s, b if s.b_batch_stride else b[0])
+            assert packed.size == prepacked_b_size(s) and packed.dtype == np_elem(ct)
+            self.B = aligned(packed.size, packed.dtype)
+            self.B[:] = packed
+        else:
+            self.B = self._buf(b.reshape(-1), s.b_type)
+        # the operands as the kernel multiplies them: rounded to the compute precision
+        ar = _round(_round(a, s.a_type), ct)
+        br = _round(_round(b, s.b_type), ct)
+        aop = ar.transpose(0, 2, 1) if s.trans_a else ar
+        bop = br.transpose(0, 2, 1) if s.trans_b else br
+        ref = s.alpha * np.matmul(aop, bop)
+        self.mag = np.abs(s.alpha) * np.matmul(np.abs(aop), np.abs(bop))
+        ref = np.broadcast_to(ref, (s.batch, s.M, s.N))
+        self.bias = None
+        if s.bias:
+            blen = (s.M - 1) * s.bias_row_stride + (s.N - 1) * s.bias_col_stride + 1
+            bias = rng.standard_normal(blen).astype(np.float32)
+            self.bias = self._buf(bias, s.bias_type)
+            bidx = (np.arange(s.M)[:, None] * s.bias_row_stride
+                    + np.arange(s.N)[None, :] * s.bias_col_stride)
+            ref = ref + s.beta * _round(bias, s.bias_type)[bidx]
+        self.ref = ref
+        self.guard = 64
+        self.c_len = s.batch * s.M * s.N
+
+    @staticmethod
+    def _buf(x: np.ndarray, t: str) -> np.ndarray:
+        out = aligned(x.size, np_elem(t))
+        out[:] = x.astype(np_elem(t))
+        return out
+
+    def new_c(self) -> np.ndarray:
+        C = aligned(self.c_len + 2 * self.guard, np_elem(self.spec.c_type))
+        C.view(np.uint8)[:] = 0x7B   # a sentinel bit pattern
+        return C
+
+    def ptrs(self, C) -> list[int]:
+        esz = np.dtype(np_elem(self.spec.c_type)).itemsize
+        p = [self.A.ctypes.data, self.B.ctypes.data]
+        if self.spec.bias:
+            p.append(self.bias.ctypes.data)
+        return p + [C.ctypes.data + esz * self.guard]
+
+    def check(self, C, ref=None, mag_extra=0.0):
+        s = self.spec
+        ref = self.ref if ref is None else ref
+        got = C[self.guard:self.guard + self.c_len].astype(np.float64).reshape(ref.shape)
+        tol = (1e-5 * np.sqrt(s.K) * (self.mag + np.abs(ref) + mag_extra)
+               + 1.01 * ULP[s.c_type] * np.abs(ref) + 1e-30)
+        err = np.abs(got - ref)
+        assert np.all(err <= tol), (
+            f"max err {err.max():.3g} (tol {tol.flat[np.argmax(err - tol)]:.3g}) at "
+            f"{np.unravel_index(np.argmax(err - tol), err.shape)}")
+        raw = C.view(np.uint8).reshape(C.size, -1)
+        g = self.guard
+        assert np.all(raw[:g] == 0x7B) and np.all(raw[g + self.c_len:] == 0x7B), \
+            "kernel wrote outside C"
+
+
+def build(spec: GemmSpec, epilogue=None, name="gemm", dims_slot=None):
+    module = ir.Module()
+    emit_gemm(module, name, spec, epilogue, dims_slot=dims_slot)
+    return jit_kernel(module, name, speed_level=0)
+
+
+def check_spec(spec: GemmSpec, epilogue=None, ref=None, seed=0) -> LowpCase:
+    case = LowpCase(spec, seed)
+    kernel = build(spec, epilogue)
+    C = case.new_c()
+    p = case.ptrs(C)
+    run_splits(kernel, (ctypes.c_void_p * len(p))(*p), gemm_num_tiles(spec),
+               gemm_workspace_bytes(spec))
+    case.check(C, ref=ref(case) if ref else None)
+    return case
+
+
+def check_dynamic(spec: GemmSpec, Ms, seed=0):
+    dspec = dynamic_spec(spec)
+    slot = 3 + spec.bias
+    kernel = build(dspec, name="gemm_dyn", dims_slot=slot)
+    for M in Ms:
+        full = dataclasses.replace(spec, M=M)
+        case = LowpCase(full, seed + M)
+        dims, T = gemm_dims(dspec, M)
+        C = case.new_c()
+        vals = case.ptrs(C) + list(dims)
+        run_splits(kernel, (ctypes.c_void_p * len(vals))(*vals), T,
+                   gemm_workspace_bytes(dspec))
+        case.check(C)
+
+
+# ---------------------------------------------------------------------------
+# tests
+# ---------------------------------------------------------------------------
+
+# (a, b, c) element types per compute precision: each operand float32 or narrow
+TYPES = {"bf16": [(BF, BF, BF), (F32, BF, F32), (BF, F32, BF), (F32, F32, F32)],
+         "fp16": [(F16, F16, F16), (F32, F16, F32), (F16, F32, F16)]}
+SHAPES = [(1, 33, 17), (3, 70, 33), (7, 100, 65), (13, 64, 31), (40, 70, 300), (9, 8, 100),
+          (50, 3, 70), (1, 300, 257), (200, 64, 121)]
+
+
+@pytest.mark.parametrize("compute", ["bf16", "fp16"])
+def test_shapes_layouts_types(isa, compute):
+    """Edge tiles, odd K, few rows / columns, B in place, packed and prepacked, each
+    operand float32 or narrow."""
+    if isa == "avx2" and compute == "bf16":
+        SH = SHAPES[::3]   # (the same widening code as avx512-nobf16, in ymm halves)
+    else:
+        SH = SHAPES
+    types = TYPES[compute]
+    i = 0
+    for M, N, K in SH:
+        for tb, pre in [(False, False), (True, False), (False, True)]:
+            ta, tbt, tc = types[i % len(types)]
+            i += 1
+            check_spec(GemmSpec(M, N, K, trans_b=tb, b_prepacked=pre, a_type=ta, b_type=tbt,
+                                c_type=tc, compute=compute), seed=i)
+
+
+def test_bias_alpha_transposed_a_kblocks(isa):
+    for compute, (ta, tb, tc) in [("bf16", (BF, BF, BF)), ("fp16", (F16, F16, F32)),
+                                  ("bf16", (F32, BF, F32))]:
+        for bt in (F32, COMPUTE[compute]):
+            check_spec(GemmSpec(30, 100, 81, b_prepacked=True, trans_a=True, bias=True,
+                                bias_col_stride=1, bias_type=bt, alpha=0.5, a_type=ta,
+                                b_type=tb, c_type=tc, compute=compute))
+            check_spec(GemmSpec(17, 40, 33, bias=True, bias_row_stride=1, bias_type=bt,
+                                a_type=ta, b_type=tb, c_type=tc, compute=compute))
+        # K blocks (partial sums in a float32 C; a narrow C gets one K block)
+        check_spec(GemmSpec(14, 70, 2501, a_type=ta, b_type=tb, c_type=tc, compute=compute))
+
+
+def test_batched(isa):
+    for pre in (False, True):
+        check_spec(GemmSpec(5, 33, 11, batch=3, a_batch_stride=55, b_batch_stride=363,
+                            b_prepacked=pre, a_type=BF, b_type=BF, c_type=BF, compute="bf16"))
+        check_spec(GemmSpec(5, 33, 11, batch=3, a_batch_stride=55, b_prepacked=pre,
+                            a_type=F32, b_type=F16, c_type=F16, compute="fp16"))
+
+
+def index_epilogue(builder, value, m, n):
+    """value * 0.5 + m + 0.25 * (n + lane), computed in float32."""
+    vt = value.type
+    lanes = ir.Constant(ir.VectorType(emit.I64, vt.count), list(range(vt.count)))
+    cols = builder.add(emit.splat(builder, n, vt.count), lanes)
+    fm = builder.sitofp(emit.splat(builder, m, vt.count), vt)
+    fn_ = builder.sitofp(cols, vt)
+    v = builder.fmul(value, ir.Constant(vt, [0.5] * vt.count))
+    return builder.fadd(builder.fadd(v, fm), builder.fmul(fn_, ir.Constant(vt, [0.25] * 16)))
+
+
+def _index_ref(case):
+    s = case.spec
+    return case.ref * 0.5 + np.arange(s.M)[:, None] + 0.25 * np.arange(s.N)[None, :]
+
+
+def test_epilogue_in_f32_then_rounded(isa):
+    for spec in [GemmSpec(20, 70, 40, b_prepacked=True, bias=True, bias_col_stride=1,
+                          a_type=BF, b_type=BF, bias_type=BF, c_type=BF, compute="bf16"),
+                 GemmSpec(3, 50, 33, a_type=F32, b_type=BF, c_type=BF, compute="bf16"),
+                 GemmSpec(20, 70, 40, b_prepacked=True, a_type=F16, b_type=F16, c_type=F16,
+                          compute="fp16")]:
+        case = LowpCase(spec)
+        kernel = build(spec, index_epilogue)
+        C = case.new_c()
+        p = case.ptrs(C)
+        run_splits(kernel, (ctypes.c_void_p * len(p))(*p), gemm_num_tiles(spec),
+                   gemm_workspace_bytes(spec))
+        ref = _index_ref(case)
+        case.check(C, ref=ref, mag_extra=np.abs(ref))
+
+
+def test_dynamic(isa):
+    check_dynamic(GemmSpec(1, 70, 41, b_prepacked=True, a_type=BF, b_type=BF, c_type=BF,
+                           compute="bf16"), (1, 5, 6, 13, 29))
+    check_dynamic(GemmSpec(1, 45, 33, a_type=F32, b_type=BF, c_type=F32, compute="bf16"),
+                  (1, 7, 30))
+    check_dynamic(GemmSpec(1, 64, 40, b_prepacked=True, bias=True, bias_col_stride=1,
+                           a_type=F16, b_type=F16, c_type=F32, compute="fp16"), (2, 19))
+
+
+def test_plans_and_notes(isa):
+    """vdpbf16ps where the CPU has it (packed or prepacked B); widened otherwise. The
+    tiling keys (gemm_signature) carry the element types."""
+    from cannc.schedule.tuning import gemm_signature
+
+    big = GemmSpec(256, 512, 300, b_prepacked=True, a_type=BF, b_type=BF, c_type=BF,
+                   compute="bf16")
+    p = gemm_plan(big)
+    assert p.dp == (isa == "native")
+    note = precision_note(big)
+    assert note == ("bf16 avx512_bf16" if isa == "native"
+                    else "bf16 widened to fp32 (no avx512_bf16)")
+    assert precision_note(GemmSpec(4, 4, 4)) is None
+    assert precision_note(dataclasses.replace(big, compute="fp16", a_type=F16, b_type=F16,
+                                              c_type=F16)) == "fp16 storage, fp32 FMA"
+    # the prepacked B holds the narrow type: half the bytes of float32
+    assert prepack_b(big, np.ones((300, 512), np.float32)).dtype == ml_dtypes.bfloat16
+    # a narrow C: one K block (partial sums need float32)
+    assert gemm_plan(dataclasses.replace(big, K=5000)).KC == 5000
+    assert gemm_plan(dataclasses.replace(big, K=5000, c_type=F32)).KC < 5000
+    sig = gemm_signature(big)
+    assert sig["a_type"] == BF and sig["compute"] == "bf16"
+    assert gemm_signature(GemmSpec(256, 512, 300, b_prepacked=True)) != sig
+    with pytest.raises(ValueError, match="a_type"):
+        GemmSpec(4, 4, 4, a_type="float64")
+    with pytest.raises(ValueError, match="compute"):
+        GemmSpec(4, 4, 4, compute="int8")
