@@ -296,3 +296,135 @@ def test_plans_and_notes(isa):
         GemmSpec(4, 4, 4, a_type="float64")
     with pytest.raises(ValueError, match="compute"):
         GemmSpec(4, 4, 4, compute="int8")
+
+
+# ---------------------------------------------------------------------------
+# the lowerings: ONNX-typed bf16 / fp16 MatMul, Gemm and FusedGemm onto gemm.py
+# ---------------------------------------------------------------------------
+
+def test_gemm_types_contract():
+    """Element types and compute precision of a node (contract: cannc_precision with
+    each operand float32 or the narrow type; without it, the narrow type of the node)."""
+    from cannc.codegen.lower.contraction import gemm_types
+    from cannc.ir.graph import Node
+    from cannc.ir.types import TensorType
+
+    def tt(dt):
+        return TensorType(np_elem(dt), (4, 4))
+
+    mm = Node("m", "MatMul", ("a", "b"), ("c",))
+    tagged = Node("m", "MatMul", ("a", "b"), ("c",), attrs={"cannc_precision": "bf16"})
+    assert gemm_types(mm, [tt(F32), tt(F32)], tt(F32))["compute"] == "f32"
+    assert gemm_types(mm, [tt(BF), tt(BF)], tt(BF)) == {
+        "a_type": BF, "b_type": BF, "bias_type": F32, "c_type": BF, "compute": "bf16"}
+    assert gemm_types(mm, [tt(F16), tt(F16)], tt(F16))["compute"] == "fp16"
+    assert gemm_types(tagged, [tt(F32), tt(BF)], tt(F32)) == {
+        "a_type": F32, "b_type": BF, "bias_type": F32, "c_type": F32, "compute": "bf16"}
+    assert gemm_types(tagged, [tt(F32), tt(F32)], tt(F32))["compute"] == "bf16"
+    assert gemm_types(tagged, [tt(F16), tt(F32)], tt(F32)) is None   # not its narrow type
+    assert gemm_types(mm, [tt(BF), tt(F16)], tt(F32)) is None
+    assert gemm_types(mm, [tt("float64"), tt("float64")], tt("float64")) is None
+    g = Node("g", "Gemm", ("a", "b", "c"), ("y",), attrs={"cannc_precision": "fp16"})
+    assert gemm_types(g, [tt(F16), tt(F16), tt(F32)], tt(F16))["bias_type"] == F32
+
+
+def _model(nodes, inputs, outputs, inits=()):
+    from onnx import helper
+
+    from tests.helpers import model_of
+    return model_of(nodes, [helper.make_tensor_value_info(n, t, s) for n, t, s in inputs],
+                    [helper.make_tensor_value_info(n, t, s) for n, t, s in outputs], inits,
+                    opset=18)
+
+
+def _onnx_t(t):
+    from onnx import TensorProto
+    return {BF: TensorProto.BFLOAT16, F16: TensorProto.FLOAT16, F32: TensorProto.FLOAT}[t]
+
+
+def _f(a):
+    return np.asarray(a).astype(np.float64)
+
+
+def _check_close(got, ref, t, K, ulps=1.01, mag=None):
+    assert got.dtype == np_elem(t)
+    mag = np.abs(ref) if mag is None else mag
+    tol = 1e-5 * np.sqrt(K) * (np.abs(ref).max() + 1) + ulps * ULP[t] * mag + 1e-6
+    assert np.all(np.abs(_f(got) - ref) <= tol), np.abs(_f(got) - ref).max()
+
+
+def _gemm_kernels(sess):
+    return [k for k in sess.inspect()["kernels"]
+            if k["op_types"][0] in ("MatMul", "Gemm")]
+
+
+@pytest.mark.parametrize("t", [BF, F16])
+def test_model_matmul_gemm(t):
+    """A bf16/fp16 MatMul (constant and runtime B, batched) and Gemm (bias, transB) run
+    on the GEMM generator, with kernel.notes['precision']."""
+    from onnx import helper, numpy_helper
+
+    import cannc
+
+    dt, ot = np_elem(t), _onnx_t(t)
+    R = np.random.default_rng(1)
+    x = R.standard_normal((2, 37, 65)).astype(dt)
+    w = R.standard_normal((65, 70)).astype(dt)
+    y = R.standard_normal((2, 65, 21)).astype(dt)
+    c = R.standard_normal((70,)).astype(dt)
+    wt = R.standard_normal((70, 65)).astype(dt)
+    x2 = R.standard_normal((37, 65)).astype(dt)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["o1"]),
+             helper.make_node("MatMul", ["x", "y"], ["o2"]),
+             helper.make_node("Gemm", ["x2", "wt", "c"], ["o3"], transB=1, alpha=0.5)]
+    m = _model(nodes, [("x", ot, x.shape), ("y", ot, y.shape), ("x2", ot, x2.shape)],
+               [("o1", ot, [2, 37, 70]), ("o2", ot, [2, 37, 21]), ("o3", ot, [37, 70])],
+               [numpy_helper.from_array(w, "w"), numpy_helper.from_array(wt, "wt"),
+                numpy_helper.from_array(c, "c")])
+    sess = cannc.compile(m)
+    o1, o2, o3 = sess.run(None, {"x": x, "y": y, "x2": x2})
+    _check_close(o1, _f(x) @ _f(w), t, 65)
+    _check_close(o2, _f(x) @ _f(y), t, 65)
+    _check_close(o3, 0.5 * _f(x2) @ _f(wt).T + _f(c), t, 65)
+    ks = _gemm_kernels(sess)
+    assert len(ks) == 3 and all("loop nest" not in str(k["notes"]) for k in ks)
+    want = ("fp16 storage, fp32 FMA" if t == F16 else
+            "bf16 avx512_bf16" if host_dpbf16() else "bf16 widened")
+    assert all(k["notes"]["precision"].startswith(want) for k in ks), \
+        [k["notes"]["precision"] for k in ks]
+
+
+@pytest.mark.parametrize("t", [BF, F16])
+def test_model_fused_epilogue_and_dynamic(t):
+    """MatMul + Add(bias) + Add(residual) + Relu typed bf16/fp16: one FusedGemm kernel
+    (the epilogue in float32 registers for bf16), for any batch (symbolic dim)."""
+    from onnx import helper, numpy_helper
+
+    import cannc
+    from tests.helpers import with_dynamic_dims
+
+    dt, ot = np_elem(t), _onnx_t(t)
+    R = np.random.default_rng(2)
+    K, N = 65, 70
+    w = R.standard_normal((K, N)).astype(dt)
+    bias = R.standard_normal((N,)).astype(dt)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["mm"]),
+             helper.make_node("Add", ["mm", "bias"], ["a"]),
+             helper.make_node("Add", ["a", "res"], ["a2"]),
+             helper.make_node("Relu", ["a2"], ["y"])]
+    m = _model(nodes, [("x", ot, [5, K]), ("res", ot, [5, N])], [("y", ot, [5, N])],
+               [numpy_helper.from_array(w, "w"), numpy_helper.from_array(bias, "bias")])
+    m = with_dynamic_dims(m, {"x": {0: "b"}, "res": {0: "b"}})
+    sess = cannc.compile(m)
+    for M in (5, 40, 1):
+        x = R.standard_normal((M, K)).astype(dt)
+        res = R.standard_normal((M, N)).astype(dt)
+        got = sess.run(None, {"x": x, "res": res})[0]
+        acc = _f(x) @ _f(w)
+        ref = np.maximum(acc + _f(bias) + _f(res), 0)
+        # float16: the ONNX-typed epilogue rounds after each op (3 roundings)
+        mag = np.abs(acc) + np.abs(_f(bias)) + np.abs(_f(res))
+        _check_close(got, ref, t, K, ulps=3.03 if t == F16 else 1.01, mag=mag)
+    ks = _gemm_kernels(sess)
+    assert [k["op_types"] for k in ks] == [["MatMul", "Add", "Add", "Relu"]]
+    assert "precision" in ks[0]["notes"]

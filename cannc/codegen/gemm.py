@@ -1659,7 +1659,8 @@ class _Gen(VecBuilder):
             f.attributes.add("nounwind")
             f.attributes.add("noinline")   # once, not in every micro-kernel variant
             eb = ir.IRBuilder(f.append_basic_block("entry"))
-            eb.ret(self.epilogue(eb, *f.args[1:]))
+            r = self.epilogue(eb, *f.args[1:])
+            eb.ret(r if r.type == VF else eb.fpext(r, VF))  # (an epilogue ending in half)
             self._epi_fn = f
         return self.b.call(self._epi_fn, [self.fn.args[0], val, m, n])
 

@@ -255,8 +255,8 @@ def _epilogue_reason(graph: Graph, groups: Groups, m: Match) -> str | None:
     cons = [c for _, c in m.pairs]
     out = n.outputs[0]
     t = graph.values[out]
-    if np.dtype(t.dtype) != np.float32:
-        return "epilogues are generated for float32 GEMMs only"
+    if np.dtype(t.dtype).name not in ("float32", "bfloat16", "float16"):
+        return "epilogues are generated for float32, bfloat16 and float16 GEMMs only"
     if out in graph.outputs:
         return f"'{out}' is a graph output"
     gids = {groups.group_of.get(c) for c in cons}
@@ -275,8 +275,8 @@ def _epilogue_reason(graph: Graph, groups: Groups, m: Match) -> str | None:
     if len(outs) != 1:
         return f"the epilogue group writes {len(outs)} values ({', '.join(outs)}); " \
                "a GEMM epilogue stores one"
-    if np.dtype(graph.values[outs[0]].dtype) != np.float32:
-        return "the epilogue's result is not float32"
+    if np.dtype(graph.values[outs[0]].dtype).name not in ("float32", "bfloat16", "float16"):
+        return "the epilogue's result is not float32, bfloat16 or float16"
     in_types = [graph.values[v] for v in n.inputs if v]
     if m.fusion.node is not None:
         why = m.fusion.node(n, in_types, t)
