@@ -25,6 +25,7 @@ from llvmlite import ir
 from cannc.codegen.gemm import (
     COMPUTE,
     GemmSpec,
+    dpbf16_speedup,
     dynamic_spec,
     emit_gemm,
     gemm_dims,
@@ -36,6 +37,7 @@ from cannc.codegen.gemm import (
     precision_note,
     prepack_b,
     prepacked_b_size,
+    use_dpbf16,
 )
 from cannc.native import emit
 from cannc.native.target import jit_kernel
@@ -49,14 +51,18 @@ ULP = {BF: 2.0 ** -8, F16: 2.0 ** -11, F32: 0.0}   # half an ulp, relative (roun
 # the ISA paths (this host: avx512_bf16; the others by restricting its features)
 # ---------------------------------------------------------------------------
 
-@pytest.fixture(params=["native", "avx512-nobf16", "avx2"])
+@pytest.fixture(params=["dp", "avx512-nobf16", "avx2"])
 def isa(request, monkeypatch):
+    """'dp': the vdpbf16ps kernels (chosen by default only where they beat fp32 FMA:
+    use_dpbf16); the others: this host's features restricted as CANNC_ISA does."""
+    from cannc.codegen import gemm
     from cannc.native import target
 
     h = target.host()
-    if request.param == "native":
+    if request.param == "dp":
         if not host_dpbf16():
             pytest.skip("this CPU has no avx512_bf16")
+        monkeypatch.setattr(gemm, "use_dpbf16", lambda: True)
     else:
         monkeypatch.setattr(target, "_host", dataclasses.replace(
             h, features=target.restrict_isa(h.features, request.param)))
@@ -277,10 +283,12 @@ def test_plans_and_notes(isa):
     big = GemmSpec(256, 512, 300, b_prepacked=True, a_type=BF, b_type=BF, c_type=BF,
                    compute="bf16")
     p = gemm_plan(big)
-    assert p.dp == (isa == "native")
+    assert p.dp == (isa == "dp")
     note = precision_note(big)
-    assert note == ("bf16 avx512_bf16" if isa == "native"
+    assert note == ("bf16 avx512_bf16" if isa == "dp"
                     else "bf16 widened to fp32 (no avx512_bf16)")
+    # few rows of a B that is not prepacked: read in place, widened (memory-bound)
+    assert not gemm_plan(dataclasses.replace(big, M=3, b_prepacked=False)).dp
     assert precision_note(GemmSpec(4, 4, 4)) is None
     assert precision_note(dataclasses.replace(big, compute="fp16", a_type=F16, b_type=F16,
                                               c_type=F16)) == "fp16 storage, fp32 FMA"
@@ -389,7 +397,7 @@ def test_model_matmul_gemm(t):
     ks = _gemm_kernels(sess)
     assert len(ks) == 3 and all("loop nest" not in str(k["notes"]) for k in ks)
     want = ("fp16 storage, fp32 FMA" if t == F16 else
-            "bf16 avx512_bf16" if host_dpbf16() else "bf16 widened")
+            "bf16 avx512_bf16" if use_dpbf16() else "bf16 widened")
     assert all(k["notes"]["precision"].startswith(want) for k in ks), \
         [k["notes"]["precision"] for k in ks]
 
@@ -428,3 +436,15 @@ def test_model_fused_epilogue_and_dynamic(t):
     ks = _gemm_kernels(sess)
     assert [k["op_types"] for k in ks] == [["MatMul", "Add", "Add", "Relu"]]
     assert "precision" in ks[0]["notes"]
+
+
+def test_dp_choice_is_measured():
+    """vdpbf16ps is used where it beats fp32 FMA (measured peaks), never without it."""
+    from cannc.native.target import host
+
+    if not host_dpbf16():
+        assert not use_dpbf16()
+        return
+    r = dpbf16_speedup(host().features)
+    assert 0.1 < r < 10
+    assert use_dpbf16() == (r >= 1.25)

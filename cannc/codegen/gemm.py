@@ -92,11 +92,13 @@ __all__ = [
     "gemm_num_tiles",
     "gemm_plan",
     "gemm_workspace_bytes",
+    "dpbf16_speedup",
     "host_dpbf16",
     "host_isa",
     "precision_note",
     "prepack_b",
     "prepacked_b_size",
+    "use_dpbf16",
 ]
 
 PANEL = 32  # columns of a packed B panel
@@ -295,9 +297,76 @@ def host_dpbf16() -> bool:
     return host().has("avx512f") and host().has("avx512bf16")
 
 
+DP_MIN_SPEEDUP = 1.25  # vdpbf16ps kernels where their peak beats the fp32 FMA peak by this
+
+
+def use_dpbf16() -> bool:
+    """bf16 GEMMs use vdpbf16ps: the host has it and it is faster than fp32 FMA here.
+    (Zen 4/5: ~2x the FMA peak; some Intel cores run it at half the FMA rate, where
+    widening bf16 to fp32 in registers is as fast: measured once per process.)"""
+    return host_dpbf16() and dpbf16_speedup(host().features) >= DP_MIN_SPEEDUP
+
+
+@lru_cache(maxsize=4)
+def dpbf16_speedup(features: str) -> float:
+    """Peak GFLOP/s of 12 independent vdpbf16ps chains over that of 12 fp32 FMA chains on
+    this core (best of 5 short runs of each; the features key the host target)."""
+    import ctypes
+    import time
+
+    from ..native.target import JitLibrary, default_cache, new_module
+
+    m = new_module("dp_peak")
+    for kind in ("fma", "dp"):
+        fn = ir.Function(m, ir.FunctionType(F32, [I64]), name=f"cannc_{kind}_peak")
+        b = ir.IRBuilder(fn.append_basic_block("entry"))
+        entry, loop, done = b.block, fn.append_basic_block("loop"), fn.append_basic_block("x")
+        b.branch(loop)
+        b.position_at_end(loop)
+        i = b.phi(I64)
+        i.add_incoming(i64(0), entry)
+        accs = []
+        for c in range(12):
+            p = b.phi(VF)
+            p.add_incoming(ir.Constant(VF, [float(c)] * 16), entry)
+            accs.append(p)
+        if kind == "fma":
+            f = ir.Function(m, ir.FunctionType(VF, [VF, VF, VF]), name="llvm.fma.v16f32")
+            one = ir.Constant(VF, [1.0000001] * 16)
+            new = [b.call(f, [a, one, one]) for a in accs]
+        else:
+            f = ir.Function(m, ir.FunctionType(VF, [VF, V32BF, V32BF]),
+                            name="llvm.x86.avx512bf16.dpbf16ps.512")
+            x = b.bitcast(ir.Constant(VI32, [0x3F803F80] * 16), V32BF)
+            new = [b.call(f, [a, x, x]) for a in accs]
+        for p, v in zip(accs, new):
+            p.add_incoming(v, loop)
+        nxt = b.add(i, i64(1))
+        i.add_incoming(nxt, loop)
+        b.cbranch(b.icmp_signed("<", nxt, fn.args[0]), loop, done)
+        b.position_at_end(done)
+        t = new[0]
+        for v in new[1:]:
+            t = b.fadd(t, v)
+        b.ret(b.extract_element(t, i32(0)))
+    lib = JitLibrary([default_cache().compile(str(m), "dp_peak", speed_level=0)])
+    rate = {}
+    iters = 200_000
+    for kind, flops in (("fma", 32), ("dp", 64)):
+        f = ctypes.CFUNCTYPE(ctypes.c_float, ctypes.c_int64)(lib.address(f"cannc_{kind}_peak"))
+        f(iters // 10)
+        best = math.inf
+        for _ in range(5):
+            t0 = time.perf_counter()
+            f(iters)
+            best = min(best, time.perf_counter() - t0)
+        rate[kind] = 12 * flops * iters / best
+    return rate["dp"] / rate["fma"]
+
+
 def _pair_layout(spec: GemmSpec, dp: bool | None = None) -> bool:
     """A prepacked B of ``spec`` is stored in k-pairs for vdpbf16ps (see prepack_b)."""
-    dp = host_dpbf16() if dp is None else dp
+    dp = use_dpbf16() if dp is None else dp
     return dp and spec.compute == "bf16" and spec.b_prepacked and not _prepacked_dot(spec)
 
 
@@ -315,8 +384,10 @@ def precision_note(spec: GemmSpec, tuning: dict | None = None) -> str | None:
             return "bf16 avx512_bf16"
         if p.dp:
             return "bf16 avx512_bf16 (few rows: widened to fp32, fp32 FMA)"
-        if host_dpbf16():
+        if use_dpbf16():
             return "bf16 widened to fp32 (few rows or columns: memory-bound)"
+        if host_dpbf16():
+            return "bf16 widened to fp32 (vdpbf16ps is not faster than fp32 FMA here)"
         return "bf16 widened to fp32 (no avx512_bf16)"
     return "narrow storage, fp32 FMA"
 
@@ -594,7 +665,8 @@ def _tuning_key(tuning):
 def gemm_plan(spec: GemmSpec, tuning: dict | None = None) -> GemmPlan:
     """The blocking/tiling decisions for ``spec`` (``tuning`` overrides them) on this
     host's vector ISA."""
-    return _plan(spec, _tuning_key(tuning), host_isa(), dpbf16=host_dpbf16())
+    return _plan(spec, _tuning_key(tuning), host_isa(),
+                 dpbf16=spec.compute == "bf16" and use_dpbf16())
 
 
 def gemm_num_tiles(spec: GemmSpec, tuning: dict | None = None) -> int:
