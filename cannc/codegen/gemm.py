@@ -261,6 +261,10 @@ class GemmPlan:
     # B[k,n], B[k+1,n]); A read as bf16 pairs (in place, or converted per block: cvt_a)
     dp: bool = False
     cvt_a: bool = False
+    # without vdpbf16ps, many rows: the panels of a narrow (or rounded) B and the rows of A
+    # are float32 in the workspace (B packed, or the prepacked narrow B widened, per block;
+    # A converted per block: cvt_a), so the fp32 micro-kernel runs at fp32 speed
+    f32_panels: bool = False
     # KC and NC at run time (a dynamic kernel of a prepacked B, see gemm_dims)
     rt_block: bool = False
 
@@ -559,7 +563,10 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
     # read in place or dot products widen to fp32: memory-bound, bf16 halves the bytes)
     dp = (dpbf16 and isa == "avx512" and spec.compute == "bf16"
           and b_mode in ("prepacked", "pack"))
-    cvt_a = dp and (pack_a or spec.trans_a or spec.a_type != "bfloat16")
+    f32p = (not dp and spec.compute != "f32" and b_mode != "dot" and
+            (b_mode == "pack" or (b_mode == "prepacked" and not spec.dyn and M > SMALL_M)))
+    cvt_a = ((dp and (pack_a or spec.trans_a or spec.a_type != "bfloat16"))
+             or (f32p and not pack_a))
     if dp:
         pack_a = False
     # a kernel for any M: full MR-row panels, then the last rows by a strip of
@@ -585,12 +592,14 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
         else:
             KC = KC_MAX // 2 if spec.dyn and b_mode == "pack" else KC_MAX
         KC = tun.get("KC", KC)
+        if cvt_a and not dp:
+            KC = min(KC, 1024)  # (the float32 A block stays in L2)
         if spec.c_type != "float32":
             KC = K  # the partial sums of K blocks live in C: only a float32 C holds them
         KC = _cdiv(K, _cdiv(K, KC))  # balanced K blocks
         if dp:
             KC = _rup(KC, 2)  # whole k-pairs
-    mc0 = (96 if cvt_a else 144) // MR * MR or MR
+    mc0 = (48 if cvt_a and not dp else 96 if cvt_a else 144) // MR * MR or MR
     MC = tun.get("MC", mc0 if spec.dyn else min(_rup(M, MR), mc0))
     if MC % MR:
         MC = _rup(MC, MR)
@@ -604,6 +613,12 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
     # N blocking: the KC x NC block of B stays in L2 next to the MC x KC block of A
     # while the row panels of A stream past it (1024^3: +10% over NC = N)
     NC = _nc_for(KC, NR) if b_mode != "dot" else 4096
+    if dp:
+        NC *= 2  # (bf16 panels: half the bytes)
+    if cvt_a:
+        # A converted per block is converted once per N block: few, large N blocks
+        # (1024^3 without vdpbf16ps: NC 32 -> 128: 101 -> 137 GFLOP/s, fp32 140)
+        NC = max(NC, 128)
     if strips and b_mode == "pack":
         # a multiple of every strip's width (see _Gen.strips); the workspace holds it
         NC = STRIP_NC
@@ -611,12 +626,12 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
     NC = _rup(NC, _grid_nr(NR, b_mode))
 
     ws_a = 0
-    wsz = _esize(COMPUTE[spec.compute])  # bytes of a packed element
+    wsz = 4 if f32p else _esize(COMPUTE[spec.compute])  # bytes of a packed element
     a_bytes = _rup(MC, MR) * KC * wsz if pack_a else 0
     if cvt_a:
-        a_bytes = _rup(MC, MR) * _rup(KC, 2) * 2
+        a_bytes = _rup(MC, MR) * _rup(KC, 2) * (2 if dp else 4)
     ws_b = _rup(a_bytes, 64)
-    b_bytes = _rup(NC, PANEL) * _rup(KC, 2) * wsz if b_mode == "pack" else 0
+    b_bytes = _rup(NC, PANEL) * _rup(KC, 2) * wsz if b_mode == "pack" or f32p else 0
     if b_mode == "dot" and _dot_b_source(spec) == "pack":
         b_bytes = N * K * wsz
     ws_bytes = _rup(ws_b + b_bytes, 64)
@@ -652,6 +667,7 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
         alt=alt,
         dp=dp,
         cvt_a=cvt_a,
+        f32_panels=f32p,
         rt_block=rt_block,
     )
 
@@ -897,10 +913,21 @@ class _Gen(VecBuilder):
         # and whether a float32 operand read in place is rounded to the compute precision
         packed_b = plan.b_mode in ("prepacked", "pack") or self.dot_src in ("prepacked",
                                                                              "pack")
-        self.b_src = self.wt if packed_b else spec.b_type
-        self.a_src = self.wt if plan.pack_a else spec.a_type
-        self.rnd_b = self.b_src == "float32" and spec.compute != "f32"
-        self.rnd_a = self.a_src == "float32" and spec.compute != "f32"
+        # the packed panels' type; the type of the A block convert_a writes
+        self.pw = "float32" if plan.f32_panels else self.wt
+        self.tpw = _ety(self.pw)
+        self.cvt_t = "bfloat16" if plan.dp else "float32"
+        self.b_src = ("float32" if plan.f32_panels else self.wt if packed_b
+                      else spec.b_type)
+        self.a_src = (self.cvt_t if plan.cvt_a else self.pw if plan.pack_a
+                      else spec.a_type)
+        narrow = spec.compute != "f32"
+        # a float32 operand read in place is rounded to the compute precision on load
+        self.rnd_b = self.b_src == "float32" and narrow and not plan.f32_panels
+        self.rnd_a = self.a_src == "float32" and narrow and not (plan.pack_a or plan.cvt_a)
+        # ... and when it is packed into float32
+        self.rnd_pack_a = spec.a_type == "float32" and narrow
+        self.rnd_pack_b = spec.b_type == "float32" and narrow and self.pw == "float32"
 
     # -- element conversions -------------------------------------------------
     def widen(self, x, t):
@@ -1104,18 +1131,18 @@ class _Gen(VecBuilder):
             if p.NV == 1:
                 off = b.add(off, b.mul(rem, i64(2)))
             return self.gep(B_b if p.b_mode == "prepacked" else self.ws_b, off, I16), pstride
-        if p.b_mode == "prepacked":
+        if p.b_mode == "prepacked" and not p.f32_panels:
             # panel q = n0/32 of [np][K][32]; + pc rows (+ 16 for the second half of a
             # panel: one-vector tiles)
             off = b.add(b.mul(b.sdiv(n0, i64(PANEL)), i64(s.K * PANEL)), b.mul(pc, i64(PANEL)))
             if p.NV == 1:
                 off = b.add(off, b.srem(n0, i64(PANEL)))
             return self.gep(B_b, off, self.tw), i64(s.K * PANEL)
-        if p.b_mode == "pack":
+        if p.b_mode == "pack" or p.f32_panels:
             # panel jr/32 of [q][kc][32] (jr: a multiple of 16)
             half = b.srem(jr, i64(PANEL))
             off = b.add(b.mul(b.sub(jr, half), kc), half) if p.NV == 1 else b.mul(jr, kc)
-            return self.gep(self.ws_b, off, self.tw), b.mul(kc, i64(PANEL))
+            return self.gep(self.ws_b, off, self.tpw), b.mul(kc, i64(PANEL))
         if p.b_mode == "dot":
             return self.gep(B_b, b.add(b.mul(n0, i64(self.dot_bns)), pc),
                             _ety(self.b_src)), None
@@ -1148,8 +1175,23 @@ class _Gen(VecBuilder):
         for r in range(rows):
             rr = i64(r) if isinstance(mr, int) and r < mr else (
                 i64(mr - 1) if isinstance(mr, int) else self.smin(i64(r), b.sub(mr, i64(1))))
-            out.append(self.gep(self.ws_a, b.mul(b.add(ir_, rr), i64(lda)), I16))
+            out.append(self.gep(self.ws_a, b.mul(b.add(ir_, rr), i64(lda)), _ety(self.cvt_t)))
         return out
+
+    def widen_panels(self, B_b, pc, kc, jc, nc):
+        """The KC x NC block of a prepacked narrow B as float32 panels in the workspace
+        ([q][kc][32], the layout of pack_b): widened once per block, not per load."""
+        s, b = self.s, self.b
+        nq = b.sdiv(b.add(nc, i64(PANEL - 1)), i64(PANEL))
+        with self.loop(0, nq, 1, "wbq") as q:
+            src = self.gep(B_b, b.add(b.mul(b.add(b.sdiv(jc, i64(PANEL)), q),
+                                            i64(s.K * PANEL)), b.mul(pc, i64(PANEL))), self.tw)
+            dst = self.gep(self.ws_b, b.mul(q, b.mul(kc, i64(PANEL))), F32)
+            with self.loop(0, kc, 1, "wbk") as k:
+                o = b.mul(k, i64(PANEL))
+                for v in range(2):
+                    x = self.ld16(self.gep(src, b.add(o, i64(16 * v)), self.tw), self.wt)
+                    self.store_v(x, self.gep(dst, b.add(o, i64(16 * v)), F32))
 
     def block(self, bi, m_lo, m_hi, n_lo, n_hi):
         s, p, b = self.s, self.p, self.b
@@ -1184,6 +1226,8 @@ class _Gen(VecBuilder):
                     last = b.icmp_signed("==", b.add(pc, kc), i64(K))
                 if p.b_mode == "pack":
                     (self.pack_b_pairs if p.dp else self.pack_b)(B_b, pc, kc, jc, nc)
+                elif p.f32_panels:
+                    self.widen_panels(B_b, pc, kc, jc, nc)
                 with self.loop(m_lo, m_hi, p.MC, "ic") as ic:
                     mc = self.smin(b.sub(m_hi, ic), i64(p.MC))
                     if p.pack_a:
@@ -1197,7 +1241,7 @@ class _Gen(VecBuilder):
                         n0 = b.add(jc, jr)
                         m0 = b.add(ic, ir_)
                         if p.pack_a:
-                            a_ptrs = [self.gep(self.ws_a, b.mul(ir_, kc), self.tw)]
+                            a_ptrs = [self.gep(self.ws_a, b.mul(ir_, kc), self.tpw)]
                         elif p.cvt_a:
                             a_ptrs = self.cvt_rows(ir_, mr, MR)
                         else:
@@ -1254,16 +1298,17 @@ class _Gen(VecBuilder):
         npan = b.sdiv(b.add(mc, i64(MR - 1)), i64(MR))
         with self.loop(0, npan, 1, "pa") as q:
             r0 = b.mul(q, i64(MR))
-            dst0 = self.gep(self.ws_a, b.mul(r0, kc), self.tw)
-            ta, tw, rnd = self.s.a_type, self.wt, self.s.a_type != self.wt
+            dst0 = self.gep(self.ws_a, b.mul(r0, kc), self.tpw)
+            ta, tw, TW, rp = self.s.a_type, self.pw, self.tpw, self.rnd_pack_a
+            rnd = ta != tw or rp
             if s.trans_a and MR <= 16:
                 # the MR rows of a k are contiguous: one masked vector copy per k
                 src0 = self.gep(A_b, b.add(b.mul(pc, i64(s.lda_)), b.add(ic, r0)), self.ta)
                 lmask = b.icmp_signed("<", self.iota, self.splat(b.sub(mc, r0), VI64))
                 smask = ir.Constant(VM, [1 if i < MR else 0 for i in range(16)])
                 with self.loop(0, kc, 1, "pak") as k:
-                    x = self.ld16(self.gep(src0, b.mul(k, i64(s.lda_)), self.ta), ta, lmask)
-                    self.st16(x, self.gep(dst0, b.mul(k, i64(MR)), self.tw), tw, smask)
+                    x = self.ld16(self.gep(src0, b.mul(k, i64(s.lda_)), self.ta), ta, lmask, rp)
+                    self.st16(x, self.gep(dst0, b.mul(k, i64(MR)), TW), tw, smask)
             else:
                 srcs = []
                 for r in range(MR):
@@ -1274,16 +1319,16 @@ class _Gen(VecBuilder):
                         srcs.append(self.gep(A_b, b.add(b.mul(row, i64(s.lda_)), pc), self.ta))
                 a_ks = s.lda_ if s.trans_a else 1
                 with self.loop(0, kc, 1, "pak") as k:
-                    dst = self.gep(dst0, b.mul(k, i64(MR)), self.tw)
+                    dst = self.gep(dst0, b.mul(k, i64(MR)), TW)
                     ko = b.mul(k, i64(a_ks)) if a_ks != 1 else k
                     for r in range(MR):
                         if not rnd:   # a copy of the bits
                             v = b.load(self.gep(srcs[r], ko, self.ta), typ=self.ta,
                                        align=_esize(ta))
-                            b.store(v, self.gep(dst, r, self.tw), align=_esize(ta))
+                            b.store(v, self.gep(dst, r, TW), align=_esize(ta))
                         else:
-                            v = self.ld1(self.gep(srcs[r], ko, self.ta), ta)
-                            self.st1(v, self.gep(dst, r, self.tw), tw)
+                            v = self.ld1(self.gep(srcs[r], ko, self.ta), ta, rp)
+                            self.st1(v, self.gep(dst, r, TW), tw)
 
     def pack_b(self, B_b, pc, kc, jc, nc):
         """Bp[q][k][32] = B(pc + k, jc + 32q + j), zero for columns >= nc."""
@@ -1291,7 +1336,7 @@ class _Gen(VecBuilder):
         nq = b.sdiv(b.add(nc, i64(PANEL - 1)), i64(PANEL))
         nc_s = self.splat(nc, VI64)
         ldb = s.ldb_
-        tb, tw, TB, TW = s.b_type, self.wt, self.tb, self.tw
+        tb, tw, TB, TW, rp = s.b_type, self.pw, self.tb, self.tpw, self.rnd_pack_b
         if not s.trans_b:
             with self.loop(0, kc, 1, "pbk") as k:
                 src = self.gep(B_b, b.add(b.mul(b.add(pc, k), i64(ldb)), jc), TB)
@@ -1302,7 +1347,7 @@ class _Gen(VecBuilder):
                     for v in range(2):
                         lanes = b.add(col_s, ir.Constant(VI64, list(range(16 * v, 16 * v + 16))))
                         mask = b.icmp_signed("<", lanes, nc_s)
-                        x = self.ld16(self.gep(src, b.add(col, i64(16 * v)), TB), tb, mask)
+                        x = self.ld16(self.gep(src, b.add(col, i64(16 * v)), TB), tb, mask, rp)
                         self.st16(
                             x, self.gep(dst, b.add(b.mul(q, b.mul(kc, i64(PANEL))), i64(16 * v)),
                                         TW), tw)
@@ -1332,7 +1377,7 @@ class _Gen(VecBuilder):
                         for j in range(16):
                             jj = 16 * half + j
                             mk = b.select(rowok[jj], kmask, self.zero_m)
-                            rows.append(self.ld16(self.gep(src, jj * ldb, TB), tb, mk))
+                            rows.append(self.ld16(self.gep(src, jj * ldb, TB), tb, mk, rp))
                         cols = self.transpose16(rows)
                         for i in range(16):
                             self.st16(cols[i], self.gep(dst, i * PANEL + 16 * half, TW), tw,
@@ -1513,6 +1558,8 @@ class _Gen(VecBuilder):
             b_masked = NV > 2
         if p.pack_a:
             a_ks, a_off = p.MR, [(0, r) for r in range(MR)]
+        elif p.cvt_a:
+            a_ks, a_off = 1, [(r, 0) for r in range(MR)]
         else:
             a_ks = s.lda_ if s.trans_a else 1
             a_off = [(r, 0) for r in range(MR)]
@@ -1667,18 +1714,20 @@ class _Gen(VecBuilder):
                 src = self.gep(A_b, b.add(b.mul(pc, i64(s.lda_)), row), self.ta)
             else:
                 src = self.gep(A_b, b.add(b.mul(row, i64(s.lda_)), pc), self.ta)
-            dst = self.gep(self.ws_a, b.mul(r, i64(lda)), I16)
+            dst = self.gep(self.ws_a, b.mul(r, i64(lda)), _ety(self.cvt_t))
             with self.loop(0, kce, 16, "cvk") as kk:
                 lmask = b.icmp_signed("<", self.iota, self.splat(b.sub(kc, kk), VI64))
                 smask = b.icmp_signed("<", self.iota, self.splat(b.sub(kce, kk), VI64))
+                rp = self.rnd_pack_a and self.cvt_t == "float32"
                 if stride == 1:
-                    x = self.ld16(self.gep(src, kk, self.ta), s.a_type, lmask)
+                    x = self.ld16(self.gep(src, kk, self.ta), s.a_type, lmask, rp)
                 else:
                     base = b.ptrtoint(self.gep(src, b.mul(kk, i64(stride)), self.ta), I64)
                     offs = b.mul(self.iota, ir.Constant(VI64, [stride * esz] * 16))
                     ptrs = b.inttoptr(b.add(self.splat(base, VI64), offs), VPTR)
                     x = self.gather16(ptrs, s.a_type, lmask)
-                self.st16(x, self.gep(dst, kk, I16), "bfloat16", smask)
+                    x = self.round_c(x) if rp else x
+                self.st16(x, self.gep(dst, kk, _ety(self.cvt_t)), self.cvt_t, smask)
 
     def pack_b_pairs(self, B_b, pc, kc, jc, nc):
         """Bp[q][k/2][32][2] (bf16) = B(pc + k, jc + 32q + j), B(pc + k + 1, ..): the
