@@ -222,6 +222,9 @@ def test_bias_alpha_transposed_a_kblocks(isa):
                                 b_type=tb, c_type=tc, compute=compute))
             check_spec(GemmSpec(17, 40, 33, bias=True, bias_row_stride=1, bias_type=bt,
                                 a_type=ta, b_type=tb, c_type=tc, compute=compute))
+        # A packed in MR-row panels (transposed, many columns)
+        check_spec(GemmSpec(20, 300, 40, trans_a=True, b_prepacked=True, a_type=ta, b_type=tb,
+                            c_type=tc, compute=compute))
         # K blocks (partial sums in a float32 C; a narrow C gets one K block)
         check_spec(GemmSpec(14, 70, 2501, a_type=ta, b_type=tb, c_type=tc, compute=compute))
 
@@ -287,6 +290,9 @@ def test_plans_and_notes(isa):
     note = precision_note(big)
     assert note == ("bf16 avx512_bf16" if isa == "dp"
                     else "bf16 widened to fp32 (no avx512_bf16)")
+    # without vdpbf16ps: float32 panels and A rows for many rows (the fp32 micro-kernel)
+    assert p.f32_panels == p.cvt_a == (isa != "dp")
+    assert not gemm_plan(dataclasses.replace(big, M=4)).f32_panels   # few rows: narrow B
     # few rows of a B that is not prepacked: read in place, widened (memory-bound)
     assert not gemm_plan(dataclasses.replace(big, M=3, b_prepacked=False)).dp
     assert precision_note(GemmSpec(4, 4, 4)) is None
