@@ -454,3 +454,19 @@ def test_dp_choice_is_measured():
     r = dpbf16_speedup(host().features)
     assert 0.1 < r < 10
     assert use_dpbf16() == (r >= 1.25)
+
+
+def test_cost_model_knows_the_precision():
+    """The GEMM record carries the compute precision; vdpbf16ps scales the modelled peak
+    by its measured speedup; the signature (tuning key) differs per element type."""
+    from cannc.codegen.plans import gemm_record, gemm_spec_of
+    from cannc.schedule.costmodel import predict_gemm_us
+
+    spec = GemmSpec(256, 512, 300, b_prepacked=True, a_type=BF, b_type=BF, c_type=BF,
+                    compute="bf16")
+    rec = gemm_record(spec)
+    assert rec["compute"] == "bf16" and rec["dp"] == gemm_plan(spec).dp
+    fast = dict(rec, dp=True, dp_speedup=2.0)
+    slow = dict(rec, dp=False)
+    assert predict_gemm_us(fast, 1) == pytest.approx(predict_gemm_us(slow, 1) / 2)
+    assert gemm_spec_of(rec["signature"]) == spec

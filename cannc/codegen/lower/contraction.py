@@ -46,7 +46,7 @@ from ..gemm import (
     prepack_b,
 )
 from ..kernel import ConstRef, LowerCtx
-from ..plans import gemm_notes, gemm_tuning
+from ..plans import gemm_notes, gemm_tuning, precision_record
 from .base import register_lowering
 
 
@@ -418,7 +418,7 @@ def gemm_tiling(n: Node, ins: list[TensorType | None], outs: list[TensorType],
                       "NC": p.NC, **dict(zip(GEMM_DIMS[2:], dims[2:])),
                       "b_mode": p.b_mode, "pack_a": p.pack_a, "pack_b": p.b_mode == "pack",
                       "tiles": tiles, "workspace_bytes": ws, "tuning": None,
-                      "dynamic": True, "compute": canon.compute, "dp": p.dp,
+                      "dynamic": True, **precision_record(canon, p),
                       # what `cannc tune` measures (B taken as a prepacked weight when 2-D)
                       "signature": gemm_signature(
                           _with(full, b_prepacked=len(ins[1].shape) <= 2), epilogue)}}
