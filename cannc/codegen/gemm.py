@@ -565,8 +565,10 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
           and b_mode in ("prepacked", "pack"))
     f32p = (not dp and spec.compute != "f32" and b_mode != "dot" and
             (b_mode == "pack" or (b_mode == "prepacked" and not spec.dyn and M > SMALL_M)))
+    # (a float32 A that a narrow product reads is rounded once per block, not per load)
     cvt_a = ((dp and (pack_a or spec.trans_a or spec.a_type != "bfloat16"))
-             or (f32p and not pack_a))
+             or (not dp and not pack_a and b_mode in ("prepacked", "pack")
+                 and (f32p or (spec.compute != "f32" and spec.a_type == "float32"))))
     if dp:
         pack_a = False
     # a kernel for any M: full MR-row panels, then the last rows by a strip of
