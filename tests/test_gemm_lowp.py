@@ -293,6 +293,11 @@ def test_plans_and_notes(isa):
     # without vdpbf16ps: float32 panels and A rows for many rows (the fp32 micro-kernel)
     assert p.f32_panels == p.cvt_a == (isa != "dp")
     assert not gemm_plan(dataclasses.replace(big, M=4)).f32_panels   # few rows: narrow B
+    # a kernel for any M: float32 panels for many rows, narrow ones for few (per call)
+    dyn = gemm_plan(dynamic_spec(big))
+    assert dyn.f32_panels == (isa != "dp") and (dyn.alt is not None) == (isa != "dp")
+    if dyn.alt is not None:
+        assert not dyn.alt.f32_panels and dyn.ws_bytes >= dyn.alt.ws_bytes
     # few rows of a B that is not prepacked: read in place, widened (memory-bound)
     assert not gemm_plan(dataclasses.replace(big, M=3, b_prepacked=False)).dp
     assert precision_note(GemmSpec(4, 4, 4)) is None

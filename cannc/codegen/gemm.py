@@ -563,8 +563,11 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
     # read in place or dot products widen to fp32: memory-bound, bf16 halves the bytes)
     dp = (dpbf16 and isa == "avx512" and spec.compute == "bf16"
           and b_mode in ("prepacked", "pack"))
+    # (a dynamic kernel of a prepacked B: float32 panels for many rows, and a few-rows
+    # variant that reads the narrow panels, chosen per call: GemmPlan.alt)
     f32p = (not dp and spec.compute != "f32" and b_mode != "dot" and
-            (b_mode == "pack" or (b_mode == "prepacked" and not spec.dyn and M > SMALL_M)))
+            (b_mode == "pack" or (b_mode == "prepacked" and (
+                not small if spec.dyn else M > SMALL_M))))
     # (a float32 A that a narrow product reads is rounded once per block, not per load)
     cvt_a = ((dp and (pack_a or spec.trans_a or spec.a_type != "bfloat16"))
              or (not dp and not pack_a and b_mode in ("prepacked", "pack")
@@ -621,7 +624,7 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
         # A converted per block is converted once per N block: few, large N blocks
         # (1024^3 without vdpbf16ps: NC 32 -> 128: 101 -> 137 GFLOP/s, fp32 140)
         NC = max(NC, 128)
-    if strips and b_mode == "pack":
+    if strips and (b_mode == "pack" or f32p):
         # a multiple of every strip's width (see _Gen.strips); the workspace holds it
         NC = STRIP_NC
     NC = tun.get("NC", min(_rup(N, NR), NC))
@@ -638,7 +641,7 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
         b_bytes = N * K * wsz
     ws_bytes = _rup(ws_b + b_bytes, 64)
     alt = None
-    if spec.dyn and not small and b_mode == "pack" and "b_mode" not in tun:
+    if spec.dyn and not small and (b_mode == "pack" or f32p) and "b_mode" not in tun:
         # B packed per block costs as much as the product when the rows are few:
         # the kernel also holds the plan that reads B in place, chosen per call
         alt = _plan(spec, tuning, isa, small=True, dpbf16=dpbf16)
