@@ -337,7 +337,10 @@ def _describe(spec: GemmSpec) -> str:
     s = f"{spec.M}x{spec.N}x{spec.K}"
     if spec.batch > 1:
         s = f"{spec.batch}x[{s}]"
-    return s + (" B-prepacked" if spec.b_prepacked else "")
+    s += " B-prepacked" if spec.b_prepacked else ""
+    if spec.compute != "f32" or {spec.a_type, spec.b_type, spec.c_type} != {"float32"}:
+        s += f" {spec.compute} (A {spec.a_type}, B {spec.b_type}, C {spec.c_type})"
+    return s
 
 
 # ---------------------------------------------------------------------------
