@@ -1,4 +1,4 @@
-"""Generator of fast fp32 GEMM kernels as LLVM IR (llvmlite.ir).
+"""Generator of fast fp32, bf16 and fp16 GEMM kernels as LLVM IR (llvmlite.ir).
 
 The emitted kernels follow the kernel ABI (``cannc/codegen/ABI.md``)::
 
@@ -42,6 +42,21 @@ its last ``M mod MR`` rows a strip of micro-kernels of exactly that many rows
 (chosen at run time; wider for fewer rows), so few rows cost what they cost a
 kernel made for them. A B that is not prepacked gets a second plan for at most
 ``SMALL_M`` rows (B read in place, or dot products), chosen per call.
+
+Reduced precision (``GemmSpec.compute`` "bf16" / "fp16", fp32 accumulation; A, B, bias
+and C each float32 or the narrow type, a float32 operand rounded to it where it is
+loaded or packed, C converted on store after the float32 epilogue):
+
+* bf16 with vdpbf16ps (avx512_bf16, where it beats fp32 FMA: `use_dpbf16`, measured):
+  B panels of k-pairs (each 32-bit lane B[k,n], B[k+1,n]; prepacked at compile time
+  or packed per block), one broadcast 32-bit pair A[i,k], A[i,k+1] per row (a bf16
+  row-major A read in place, else converted per block), the same MR x 2 zmm tile of
+  accumulators; an odd K ends with a zero partner;
+* otherwise (fp16 always: storage, fp32 FMA) the fp32 micro-kernel: with many rows on
+  float32 panels (B packed, or the prepacked narrow B widened, per block; A rows
+  converted per block), with few rows (memory-bound GEMV / dot kernels) on the narrow
+  data widened in registers (bf16: a shift; fp16: vcvtph2ps): half the bytes;
+* a narrow C gets one K block (partial sums need float32).
 
 With AVX2 only (no AVX-512, or ``CANNC_ISA=avx2``) the plans fit 16 ymm
 registers: a 6 x 16 micro-kernel (12 accumulators, each <16 x float> two ymm),
@@ -145,7 +160,8 @@ def np_elem(t: str) -> np.dtype:
 
 @dataclass(frozen=True)
 class GemmSpec:
-    """C[M,N] = alpha * op(A)[M,K] @ op(B)[K,N] + beta * bias (fp32)."""
+    """C[M,N] = alpha * op(A)[M,K] @ op(B)[K,N] + beta * bias (float32 accumulation;
+    element types and compute precision: the last fields)."""
 
     M: int
     N: int
