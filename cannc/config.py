@@ -7,6 +7,7 @@ CANNC_CACHE_DIR=D  where compiled objects are cached (default ~/.cache/cannc); '
 CANNC_TUNING_CACHE=F  the tuning cache written by `cannc tune` (default <cache dir>/tuning.json)
 CANNC_TUNING=0     ignore the tuning cache (every kernel gets its modelled default plan)
 CANNC_ISA=avx2     generate code for an AVX2 machine (no AVX-512) even on an AVX-512 host
+                   (avx512-nobf16: AVX-512 without avx512_bf16, avx512_fp16 and AMX)
 CANNC_WINOGRAD=0   never use the Winograd Conv path (default: where its cost model wins;
                    'force': every eligible 3x3 stride-1 Conv, for tests and experiments)
 CANNC_DEVICE_MEMORY=N  the device memory budget in bytes (suffixes K, M, G, T: 8G); default
@@ -44,7 +45,8 @@ def _choice(name: str, choices: dict[str, str | None]) -> str | None:
     return choices[v]
 
 
-ISA: str | None = _choice("CANNC_ISA", {"": None, "avx512": None, "avx2": "avx2"})
+ISA: str | None = _choice("CANNC_ISA", {"": None, "avx512": None, "avx2": "avx2",
+                                        "avx512-nobf16": "avx512-nobf16"})
 WINOGRAD: str = _choice("CANNC_WINOGRAD", {
     "": "auto", "auto": "auto", "1": "auto", "true": "auto", "yes": "auto", "on": "auto",
     "0": "off", "false": "off", "no": "off", "off": "off", "force": "force"}) or "auto"

@@ -1,4 +1,4 @@
-"""Generator of fast fp32 GEMM kernels as LLVM IR (llvmlite.ir).
+"""Generator of fast fp32, bf16 and fp16 GEMM kernels as LLVM IR (llvmlite.ir).
 
 The emitted kernels follow the kernel ABI (``cannc/codegen/ABI.md``)::
 
@@ -43,6 +43,21 @@ its last ``M mod MR`` rows a strip of micro-kernels of exactly that many rows
 kernel made for them. A B that is not prepacked gets a second plan for at most
 ``SMALL_M`` rows (B read in place, or dot products), chosen per call.
 
+Reduced precision (``GemmSpec.compute`` "bf16" / "fp16", fp32 accumulation; A, B, bias
+and C each float32 or the narrow type, a float32 operand rounded to it where it is
+loaded or packed, C converted on store after the float32 epilogue):
+
+* bf16 with vdpbf16ps (avx512_bf16, where it beats fp32 FMA: `use_dpbf16`, measured):
+  B panels of k-pairs (each 32-bit lane B[k,n], B[k+1,n]; prepacked at compile time
+  or packed per block), one broadcast 32-bit pair A[i,k], A[i,k+1] per row (a bf16
+  row-major A read in place, else converted per block), the same MR x 2 zmm tile of
+  accumulators; an odd K ends with a zero partner;
+* otherwise (fp16 always: storage, fp32 FMA) the fp32 micro-kernel: with many rows on
+  float32 panels (B packed, or the prepacked narrow B widened, per block; A rows
+  converted per block), with few rows (memory-bound GEMV / dot kernels) on the narrow
+  data widened in registers (bf16: a shift; fp16: vcvtph2ps): half the bytes;
+* a narrow C gets one K block (partial sums need float32).
+
 With AVX2 only (no AVX-512, or ``CANNC_ISA=avx2``) the plans fit 16 ymm
 registers: a 6 x 16 micro-kernel (12 accumulators, each <16 x float> two ymm),
 half-panel tiles, and no masks in the k loops.
@@ -66,15 +81,23 @@ from functools import lru_cache
 import numpy as np
 from llvmlite import ir
 
-from ..native.emit import F32, I8, I64, PTR, i64
+from ..native.emit import BF16, F32, I8, I16, I32, I64, PTR, VOID, i32, i64
 from ..native.target import host
 from ..schedule.split import cdiv as _cdiv
 from ..schedule.split import gemm_groups as _groups
 from ..schedule.split import rup as _rup
 from ..schedule.split import split_even as _split_even
-from .vec import VF, VI64, VM, VPTR, VecBuilder, abi_function
+from .elementwise import bf16_bits_to_f32, f32_to_bf16_bits
+from .vec import VF, VI32, VI64, VM, VPTR, VecBuilder, abi_function
+
+try:
+    import ml_dtypes as _mld
+except ImportError:  # pragma: no cover - ml_dtypes comes with onnx
+    _mld = None
 
 __all__ = [
+    "COMPUTE",
+    "ELEM_TYPES",
     "GEMM_DIMS",
     "GemmSpec",
     "dynamic_able",
@@ -84,9 +107,13 @@ __all__ = [
     "gemm_num_tiles",
     "gemm_plan",
     "gemm_workspace_bytes",
+    "dpbf16_speedup",
+    "host_dpbf16",
     "host_isa",
+    "precision_note",
     "prepack_b",
     "prepacked_b_size",
+    "use_dpbf16",
 ]
 
 PANEL = 32  # columns of a packed B panel
@@ -104,10 +131,37 @@ STRIP_NC = 384  # a multiple of the widths of all strip micro-kernels (128, 96, 
 
 Epilogue = Callable[[ir.IRBuilder, ir.Value, ir.Value, ir.Value], ir.Value]
 
+# element types of the operands (numpy dtype names) and the multiply precisions, with the
+# type the packed panels of a compute precision hold
+ELEM_TYPES = ("float32", "bfloat16", "float16")
+COMPUTE = {"f32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+V16I16 = ir.VectorType(I16, 16)
+V16H = ir.VectorType(ir.HalfType(), 16)
+V16BF = ir.VectorType(BF16, 16)
+V32BF = ir.VectorType(BF16, 32)
+
+
+def _esize(t: str) -> int:
+    return 4 if t == "float32" else 2
+
+
+def _ety(t: str) -> ir.Type:
+    """The LLVM storage type of one element (16-bit floats are stored as i16)."""
+    return F32 if t == "float32" else I16
+
+
+def np_elem(t: str) -> np.dtype:
+    """The numpy dtype of an element type name."""
+    if t == "bfloat16":
+        assert _mld is not None, "bfloat16 needs ml_dtypes"
+        return np.dtype(_mld.bfloat16)
+    return np.dtype(t)
+
 
 @dataclass(frozen=True)
 class GemmSpec:
-    """C[M,N] = alpha * op(A)[M,K] @ op(B)[K,N] + beta * bias (fp32)."""
+    """C[M,N] = alpha * op(A)[M,K] @ op(B)[K,N] + beta * bias (float32 accumulation;
+    element types and compute precision: the last fields)."""
 
     M: int
     N: int
@@ -130,6 +184,14 @@ class GemmSpec:
     # shape-polymorphic kernel (ABI.md "Runtime dimensions"): M and the batch count are
     # read at run time (``GEMM_DIMS``); the spec is the canonical one of `dynamic_spec`
     dyn: bool = False
+    # element types (ELEM_TYPES) of A, B, bias and C, and the precision of the products
+    # (COMPUTE; accumulation is float32): an operand of another type is rounded to it when
+    # it is loaded or packed, C is converted on store after alpha, bias and the epilogue
+    a_type: str = "float32"
+    b_type: str = "float32"
+    bias_type: str = "float32"
+    c_type: str = "float32"
+    compute: str = "f32"
 
     def __post_init__(self):
         for f in ("M", "N", "K", "batch"):
@@ -150,6 +212,13 @@ class GemmSpec:
             raise ValueError("ldb too small")
         if self.ldc is not None and self.ldc < self.N:
             raise ValueError("ldc too small")
+        for f in ("a_type", "b_type", "bias_type", "c_type"):
+            if getattr(self, f) not in ELEM_TYPES:
+                raise ValueError(f"GemmSpec.{f} must be one of {ELEM_TYPES}, "
+                                 f"got {getattr(self, f)!r}")
+        if self.compute not in COMPUTE:
+            raise ValueError(f"GemmSpec.compute must be one of {tuple(COMPUTE)}, "
+                             f"got {self.compute!r}")
         if self.dyn and (self.trans_a or self.lda is not None or self.c_batch_stride
                          or self.batch > 2 or self.a_batch_stride not in (0, 1)):
             raise ValueError("a dynamic GemmSpec is canonical (see dynamic_spec) and has "
@@ -204,6 +273,16 @@ class GemmPlan:
     # a dynamic kernel's variant for at most SMALL_M rows (B not prepacked: read in
     # place, or dot products), chosen per call by the runtime dim 'variant'
     alt: GemmPlan | None = None
+    # bf16 products by vdpbf16ps (avx512_bf16): B panels of k-pairs (each 32-bit lane
+    # B[k,n], B[k+1,n]); A read as bf16 pairs (in place, or converted per block: cvt_a)
+    dp: bool = False
+    cvt_a: bool = False
+    # without vdpbf16ps, many rows: the panels of a narrow (or rounded) B and the rows of A
+    # are float32 in the workspace (B packed, or the prepacked narrow B widened, per block;
+    # A converted per block: cvt_a), so the fp32 micro-kernel runs at fp32 speed
+    f32_panels: bool = False
+    # KC and NC at run time (a dynamic kernel of a prepacked B, see gemm_dims)
+    rt_block: bool = False
 
     def num_tiles(self, batch: int) -> int:
         assert self.mt, "the grid of a dynamic GEMM is chosen per call (gemm_dims)"
@@ -231,6 +310,106 @@ def host_isa() -> str:
     """The vector ISA the kernels are planned for: 'avx512' or 'avx2' (the host target's
     features, see native.target.host and CANNC_ISA)."""
     return "avx512" if host().has("avx512f") else "avx2"
+
+
+def host_dpbf16() -> bool:
+    """The host has vdpbf16ps (avx512_bf16; not under CANNC_ISA=avx512-nobf16 / avx2)."""
+    return host().has("avx512f") and host().has("avx512bf16")
+
+
+DP_MIN_SPEEDUP = 1.25  # vdpbf16ps kernels where their peak beats the fp32 FMA peak by this
+
+
+def use_dpbf16() -> bool:
+    """bf16 GEMMs use vdpbf16ps: the host has it and it is faster than fp32 FMA here.
+    (Zen 4/5: ~2x the FMA peak; some Intel cores run it at half the FMA rate, where
+    widening bf16 to fp32 in registers is as fast: measured once per process.)"""
+    return host_dpbf16() and dpbf16_speedup(host().features) >= DP_MIN_SPEEDUP
+
+
+@lru_cache(maxsize=4)
+def dpbf16_speedup(features: str) -> float:
+    """Peak GFLOP/s of 12 independent vdpbf16ps chains over that of 12 fp32 FMA chains on
+    this core (best of 5 short runs of each; the features key the host target)."""
+    import ctypes
+    import time
+
+    from ..native.target import JitLibrary, default_cache, new_module
+
+    m = new_module("dp_peak")
+    for kind in ("fma", "dp"):
+        fn = ir.Function(m, ir.FunctionType(F32, [I64]), name=f"cannc_{kind}_peak")
+        b = ir.IRBuilder(fn.append_basic_block("entry"))
+        entry, loop, done = b.block, fn.append_basic_block("loop"), fn.append_basic_block("x")
+        b.branch(loop)
+        b.position_at_end(loop)
+        i = b.phi(I64)
+        i.add_incoming(i64(0), entry)
+        accs = []
+        for c in range(12):
+            p = b.phi(VF)
+            p.add_incoming(ir.Constant(VF, [float(c)] * 16), entry)
+            accs.append(p)
+        if kind == "fma":
+            f = ir.Function(m, ir.FunctionType(VF, [VF, VF, VF]), name="llvm.fma.v16f32")
+            one = ir.Constant(VF, [1.0000001] * 16)
+            new = [b.call(f, [a, one, one]) for a in accs]
+        else:
+            f = ir.Function(m, ir.FunctionType(VF, [VF, V32BF, V32BF]),
+                            name="llvm.x86.avx512bf16.dpbf16ps.512")
+            x = b.bitcast(ir.Constant(VI32, [0x3F803F80] * 16), V32BF)
+            new = [b.call(f, [a, x, x]) for a in accs]
+        for p, v in zip(accs, new):
+            p.add_incoming(v, loop)
+        nxt = b.add(i, i64(1))
+        i.add_incoming(nxt, loop)
+        b.cbranch(b.icmp_signed("<", nxt, fn.args[0]), loop, done)
+        b.position_at_end(done)
+        t = new[0]
+        for v in new[1:]:
+            t = b.fadd(t, v)
+        b.ret(b.extract_element(t, i32(0)))
+    lib = JitLibrary([default_cache().compile(str(m), "dp_peak", speed_level=0)])
+    rate = {}
+    iters = 200_000
+    for kind, flops in (("fma", 32), ("dp", 64)):
+        f = ctypes.CFUNCTYPE(ctypes.c_float, ctypes.c_int64)(lib.address(f"cannc_{kind}_peak"))
+        f(iters // 10)
+        best = math.inf
+        for _ in range(5):
+            t0 = time.perf_counter()
+            f(iters)
+            best = min(best, time.perf_counter() - t0)
+        rate[kind] = 12 * flops * iters / best
+    return rate["dp"] / rate["fma"]
+
+
+def _pair_layout(spec: GemmSpec, dp: bool | None = None) -> bool:
+    """A prepacked B of ``spec`` is stored in k-pairs for vdpbf16ps (see prepack_b)."""
+    dp = use_dpbf16() if dp is None else dp
+    return dp and spec.compute == "bf16" and spec.b_prepacked and not _prepacked_dot(spec)
+
+
+def precision_note(spec: GemmSpec, tuning: dict | None = None) -> str | None:
+    """How a GEMM of narrow operands or products runs (kernel.notes['precision']), None
+    for a float32 GEMM."""
+    types = {spec.a_type, spec.b_type, spec.c_type, spec.bias_type if spec.bias else "float32"}
+    if spec.compute == "f32" and types == {"float32"}:
+        return None
+    if spec.compute == "fp16":
+        return "fp16 storage, fp32 FMA"
+    if spec.compute == "bf16":
+        p = gemm_plan(spec, tuning)
+        if p.dp and (p.alt is None or p.alt.dp):
+            return "bf16 avx512_bf16"
+        if p.dp:
+            return "bf16 avx512_bf16 (few rows: widened to fp32, fp32 FMA)"
+        if use_dpbf16():
+            return "bf16 widened to fp32 (few rows or columns: memory-bound)"
+        if host_dpbf16():
+            return "bf16 widened to fp32 (vdpbf16ps is not faster than fp32 FMA here)"
+        return "bf16 widened to fp32 (no avx512_bf16)"
+    return "narrow storage, fp32 FMA"
 
 
 def _grid_cost(spec: GemmSpec, MR, NR, MB, NB, mt, nt, pack_a, pack_b, cores=2):
@@ -336,8 +515,8 @@ def _choose_grid(spec: GemmSpec, MR: int, NR: int, pack_a: bool, pack_b: bool,
 
 
 @lru_cache(maxsize=256)
-def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool = False
-          ) -> GemmPlan:
+def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool = False,
+          dpbf16: bool = False) -> GemmPlan:
     """The plan of ``spec``; ``small``: of the few-rows variant of a dynamic kernel whose
     B is not prepacked (B read in place, see GemmPlan.alt)."""
     tun = dict(tuning)
@@ -396,6 +575,21 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
     # A packing: pays off when A is reused over many column panels
     # (measured: rows of a row-major A read in place are as fast as packed)
     pack_a = b_mode != "dot" and tun.get("pack_a", spec.trans_a and M > 8 and N > 256)
+    # vdpbf16ps: bf16 products with B panels of k-pairs (packed or prepacked B; few rows
+    # read in place or dot products widen to fp32: memory-bound, bf16 halves the bytes)
+    dp = (dpbf16 and isa == "avx512" and spec.compute == "bf16"
+          and b_mode in ("prepacked", "pack"))
+    # (a dynamic kernel of a prepacked B: float32 panels for many rows, and a few-rows
+    # variant that reads the narrow panels, chosen per call: GemmPlan.alt)
+    f32p = (not dp and spec.compute != "f32" and b_mode != "dot" and
+            (b_mode == "pack" or (b_mode == "prepacked" and (
+                not small if spec.dyn else M > SMALL_M))))
+    # (a float32 A that a narrow product reads is rounded once per block, not per load)
+    cvt_a = ((dp and (pack_a or spec.trans_a or spec.a_type != "bfloat16"))
+             or (not dp and not pack_a and b_mode in ("prepacked", "pack")
+                 and (f32p or (spec.compute != "f32" and spec.a_type == "float32"))))
+    if dp:
+        pack_a = False
     # a kernel for any M: full MR-row panels, then the last rows by a strip of
     # micro-kernels of exactly that many rows (see _Gen.block)
     strips = spec.dyn and b_mode != "dot"
@@ -419,9 +613,15 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
         else:
             KC = KC_MAX // 2 if spec.dyn and b_mode == "pack" else KC_MAX
         KC = tun.get("KC", KC)
+        if cvt_a and not dp:
+            KC = min(KC, 1024)  # (the float32 A block stays in L2)
+        if spec.c_type != "float32":
+            KC = K  # the partial sums of K blocks live in C: only a float32 C holds them
         KC = _cdiv(K, _cdiv(K, KC))  # balanced K blocks
-    MC = tun.get("MC", (144 // MR) * MR or MR if spec.dyn else
-                 min(_rup(M, MR), (144 // MR) * MR or MR))
+        if dp:
+            KC = _rup(KC, 2)  # whole k-pairs
+    mc0 = (48 if cvt_a and not dp else 96 if cvt_a else 144) // MR * MR or MR
+    MC = tun.get("MC", mc0 if spec.dyn else min(_rup(M, MR), mc0))
     if MC % MR:
         MC = _rup(MC, MR)
 
@@ -434,25 +634,36 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
     # N blocking: the KC x NC block of B stays in L2 next to the MC x KC block of A
     # while the row panels of A stream past it (1024^3: +10% over NC = N)
     NC = _nc_for(KC, NR) if b_mode != "dot" else 4096
-    if strips and b_mode == "pack":
+    if dp:
+        NC *= 2  # (bf16 panels: half the bytes)
+    if cvt_a:
+        # A converted per block is converted once per N block: few, large N blocks
+        # (1024^3 without vdpbf16ps: NC 32 -> 128: 101 -> 137 GFLOP/s, fp32 140)
+        NC = max(NC, 128)
+    if strips and (b_mode == "pack" or f32p):
         # a multiple of every strip's width (see _Gen.strips); the workspace holds it
         NC = STRIP_NC
     NC = tun.get("NC", min(_rup(N, NR), NC))
     NC = _rup(NC, _grid_nr(NR, b_mode))
 
     ws_a = 0
-    a_bytes = _rup(MC, MR) * KC * 4 if pack_a else 0
+    wsz = 4 if f32p else _esize(COMPUTE[spec.compute])  # bytes of a packed element
+    a_bytes = _rup(MC, MR) * KC * wsz if pack_a else 0
+    if cvt_a:
+        a_bytes = _rup(MC, MR) * _rup(KC, 2) * (2 if dp else 4)
     ws_b = _rup(a_bytes, 64)
-    b_bytes = _rup(NC, PANEL) * KC * 4 if b_mode == "pack" else 0
+    b_bytes = _rup(NC, PANEL) * _rup(KC, 2) * wsz if b_mode == "pack" or f32p else 0
     if b_mode == "dot" and _dot_b_source(spec) == "pack":
-        b_bytes = N * K * 4
+        b_bytes = N * K * wsz
     ws_bytes = _rup(ws_b + b_bytes, 64)
     alt = None
-    if spec.dyn and not small and b_mode == "pack" and "b_mode" not in tun:
+    if spec.dyn and not small and (b_mode == "pack" or f32p) and "b_mode" not in tun:
         # B packed per block costs as much as the product when the rows are few:
         # the kernel also holds the plan that reads B in place, chosen per call
-        alt = _plan(spec, tuning, isa, small=True)
+        alt = _plan(spec, tuning, isa, small=True, dpbf16=dpbf16)
         ws_bytes = max(ws_bytes, alt.ws_bytes)
+    rt_block = (spec.dyn and b_mode == "prepacked" and not pack_a and not cvt_a
+                and spec.c_type == "float32")
     return GemmPlan(
         MR=MR,
         NV=NV,
@@ -475,6 +686,10 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
         ws_b=ws_b,
         ws_bytes=ws_bytes,
         alt=alt,
+        dp=dp,
+        cvt_a=cvt_a,
+        f32_panels=f32p,
+        rt_block=rt_block,
     )
 
 
@@ -487,7 +702,8 @@ def _tuning_key(tuning):
 def gemm_plan(spec: GemmSpec, tuning: dict | None = None) -> GemmPlan:
     """The blocking/tiling decisions for ``spec`` (``tuning`` overrides them) on this
     host's vector ISA."""
-    return _plan(spec, _tuning_key(tuning), host_isa())
+    return _plan(spec, _tuning_key(tuning), host_isa(),
+                 dpbf16=spec.compute == "bf16" and use_dpbf16())
 
 
 def gemm_num_tiles(spec: GemmSpec, tuning: dict | None = None) -> int:
@@ -508,8 +724,9 @@ GEMM_DIMS = ("M", "batch", "mt", "nt", "MB", "NB", "KC", "NC", "variant")
 
 def _runtime_blocking(p: GemmPlan) -> bool:
     """A dynamic kernel of a prepacked B takes KC and NC at run time (they decide no
-    workspace, and they differ between few rows and many: see gemm_dims)."""
-    return p.b_mode == "prepacked" and not p.pack_a
+    workspace, and they differ between few rows and many: see gemm_dims); not with A
+    converted per block (its workspace) or a narrow C (one K block)."""
+    return p.rt_block
 
 
 def dynamic_able(spec: GemmSpec) -> str | None:
@@ -587,6 +804,8 @@ def gemm_dims(spec: GemmSpec, M: int, batch: int = 1,
     KC = tun.get("KC", min(K, 4096) if M == 1 else
                  min(K, FEW_ROWS_KC) if M <= FEW_ROWS else KC_MAX)
     KC = _cdiv(K, _cdiv(K, KC))
+    if spec.compute == "bf16":  # whole k-pairs (a vdpbf16ps kernel, B prepacked or not)
+        KC = _rup(KC, 2)
     _, wp = strip_width(p0, "prepacked")
     step = math.lcm(_grid_nr(p0.NR, p0.b_mode), wp)
     NC = tun.get("NC", max(step, _rup(_nc_for(KC, wp), _grid_nr(wp, p0.b_mode)) // step * step))
@@ -602,14 +821,17 @@ def _prepacked_batch(spec: GemmSpec) -> int:
     return spec.batch if spec.b_batch_stride else 1
 
 
-def _prepacked_batch_stride(spec: GemmSpec) -> int:
+def _prepacked_batch_stride(spec: GemmSpec, dp: bool | None = None) -> int:
     if _prepacked_dot(spec):
         return spec.N * spec.K
+    if _pair_layout(spec, dp):
+        return _cdiv(spec.N, PANEL) * _rup(spec.K, 2) * PANEL
     return _cdiv(spec.N, PANEL) * spec.K * PANEL
 
 
 def prepacked_b_size(spec: GemmSpec) -> int:
-    """Number of float32 elements of ``prepack_b(spec, B)``."""
+    """Number of elements (of the compute precision's type, ``COMPUTE[spec.compute]``)
+    of ``prepack_b(spec, B)``."""
     return _prepacked_batch(spec) * _prepacked_batch_stride(spec)
 
 
@@ -622,11 +844,17 @@ def prepack_b(spec: GemmSpec, b: np.ndarray) -> np.ndarray:
     ``[K,N]`` (``[N,K]`` when ``trans_b``), or ``[batch,K,N]``/``[batch,N,K]``
     when ``spec.b_batch_stride != 0``, or a flat array addressed with
     ``ldb``/``b_batch_stride``. ``batch_b`` is 1 when ``b_batch_stride == 0``.
-    Returns a flat float32 array of ``prepacked_b_size(spec)`` elements.
+    Returns a flat array of ``prepacked_b_size(spec)`` elements of the compute
+    precision's type (float32, or B rounded to bfloat16 / float16). With bf16 products
+    on a CPU with vdpbf16ps the panels hold k-pairs: ``[batch_b][ceil(N/32)][ceil(K/2)]
+    [32][2]`` (B[k,n], B[k+1,n] side by side; an odd K padded with a zero row).
     """
     K, N = spec.K, spec.N
     nb = _prepacked_batch(spec)
-    b = np.asarray(b, dtype=np.float32)
+    out_t = np_elem(COMPUTE[spec.compute])
+    b = np.asarray(b)
+    if b.dtype != np.float32:
+        b = b.astype(np.float32)
     rows, cols = (N, K) if spec.trans_b else (K, N)
     if b.ndim == 1:
         ld = spec.ldb_
@@ -653,14 +881,20 @@ def prepack_b(spec: GemmSpec, b: np.ndarray) -> np.ndarray:
         )
     if _prepacked_dot(spec):
         bt = mats if spec.trans_b else mats.transpose(0, 2, 1)  # -> [nb, N, K]
-        return np.ascontiguousarray(bt, dtype=np.float32).reshape(-1)
+        return np.ascontiguousarray(bt, dtype=np.float32).astype(out_t).reshape(-1)
     if spec.trans_b:
         mats = mats.transpose(0, 2, 1)  # -> [nb, K, N]
     npan = _cdiv(N, PANEL)
+    if _pair_layout(spec):
+        kp = _cdiv(K, 2)
+        out = np.zeros((nb, 2 * kp, npan * PANEL), dtype=np.float32)
+        out[:, :K, :N] = mats
+        out = out.reshape(nb, kp, 2, npan, PANEL).transpose(0, 3, 1, 4, 2)
+        return np.ascontiguousarray(out).astype(out_t).reshape(-1)
     out = np.zeros((nb, K, npan * PANEL), dtype=np.float32)
     out[:, :, :N] = mats
     out = out.reshape(nb, K, npan, PANEL).transpose(0, 2, 1, 3)
-    return np.ascontiguousarray(out).reshape(-1)
+    return np.ascontiguousarray(out).astype(out_t).reshape(-1)
 
 
 # ---------------------------------------------------------------------------
@@ -676,6 +910,11 @@ class _Gen(VecBuilder):
         self.epilogue = epilogue
         self.dims_slot = dims_slot
         self.iota = ir.Constant(VI64, list(range(16)))
+        # element types: storage of A, B, bias, C and of the packed panels (wt)
+        self.wt = COMPUTE[spec.compute]
+        self.ta, self.tb, self.tc = (_ety(t) for t in (spec.a_type, spec.b_type, spec.c_type))
+        self.tw = _ety(self.wt)
+        self.tbias = _ety(spec.bias_type)
         self.use_plan(plan)
         self._n = 0
 
@@ -691,6 +930,93 @@ class _Gen(VecBuilder):
             self.dot_bns = spec.ldb_
         else:  # N == 1, ldb == 1
             self.dot_bns = 0
+        # the type the micro-kernels read A and B in (packed panels: the compute type),
+        # and whether a float32 operand read in place is rounded to the compute precision
+        packed_b = plan.b_mode in ("prepacked", "pack") or self.dot_src in ("prepacked",
+                                                                             "pack")
+        # the packed panels' type; the type of the A block convert_a writes
+        self.pw = "float32" if plan.f32_panels else self.wt
+        self.tpw = _ety(self.pw)
+        self.cvt_t = "bfloat16" if plan.dp else "float32"
+        self.b_src = ("float32" if plan.f32_panels else self.wt if packed_b
+                      else spec.b_type)
+        self.a_src = (self.cvt_t if plan.cvt_a else self.pw if plan.pack_a
+                      else spec.a_type)
+        narrow = spec.compute != "f32"
+        # a float32 operand read in place is rounded to the compute precision on load
+        self.rnd_b = self.b_src == "float32" and narrow and not plan.f32_panels
+        self.rnd_a = self.a_src == "float32" and narrow and not (plan.pack_a or plan.cvt_a)
+        # ... and when it is packed into float32
+        self.rnd_pack_a = spec.a_type == "float32" and narrow
+        self.rnd_pack_b = spec.b_type == "float32" and narrow and self.pw == "float32"
+
+    # -- element conversions -------------------------------------------------
+    def widen(self, x, t):
+        """i16 bits (or <16 x i16>) of type t -> float (exact)."""
+        b = self.b
+        if t == "bfloat16":
+            return bf16_bits_to_f32(b, x)
+        vec = isinstance(x.type, ir.VectorType)
+        return b.fpext(b.bitcast(x, V16H if vec else ir.HalfType()), VF if vec else F32)
+
+    def narrow(self, v, t):
+        """float (or <16 x float>) -> the i16 bits of type t, rounding to nearest even."""
+        b = self.b
+        vec = isinstance(v.type, ir.VectorType)
+        if t == "bfloat16":
+            if vec and host_dpbf16():   # vcvtneps2bf16
+                return b.bitcast(b.fptrunc(v, V16BF), V16I16)
+            return f32_to_bf16_bits(b, v)
+        return b.bitcast(b.fptrunc(v, V16H if vec else ir.HalfType()), V16I16 if vec else I16)
+
+    def round_c(self, v):
+        """v rounded to the compute precision (kept as float)."""
+        return self.widen(self.narrow(v, self.wt), self.wt)
+
+    def ld16(self, ptr, t, mask=None, rnd=False):
+        """16 elements of type t at ptr as <16 x float> (masked-off lanes: 0); rnd: a
+        float32 rounded to the compute precision."""
+        b = self.b
+        if t == "float32":
+            v = self.load_v(ptr, mask)
+            return self.round_c(v) if rnd else v
+        if mask is None:
+            x = b.load(ptr, typ=V16I16, align=2)
+        else:
+            f = self.intr("llvm.masked.load.v16i16.p0", V16I16, [PTR, I32, VM, V16I16])
+            x = b.call(f, [ptr, i32(2), mask, ir.Constant(V16I16, None)])
+        return self.widen(x, t)
+
+    def st16(self, v, ptr, t, mask=None):
+        """Store <16 x float> v as 16 elements of type t (converted on store)."""
+        if t == "float32":
+            return self.store_v(v, ptr, mask)
+        x = self.narrow(v, t)
+        if mask is None:
+            self.b.store(x, ptr, align=2)
+        else:
+            f = self.intr("llvm.masked.store.v16i16.p0", VOID, [V16I16, PTR, I32, VM])
+            self.b.call(f, [x, ptr, i32(2), mask])
+
+    def ld1(self, ptr, t, rnd=False):
+        """One element of type t at ptr as a float."""
+        if t == "float32":
+            x = self.b.load(ptr, typ=F32, align=4)
+            return self.round_c(x) if rnd else x
+        return self.widen(self.b.load(ptr, typ=I16, align=2), t)
+
+    def st1(self, v, ptr, t):
+        if t == "float32":
+            self.b.store(v, ptr, align=4)
+        else:
+            self.b.store(self.narrow(v, t), ptr, align=2)
+
+    def gather16(self, ptrs, t, mask):
+        """Masked gather of 16 elements of type t as <16 x float>."""
+        if t == "float32":
+            return self.gather(ptrs, mask)
+        f = self.intr("llvm.masked.gather.v16i16.v16p0", V16I16, [VPTR, I32, VM, V16I16])
+        return self.widen(self.b.call(f, [ptrs, i32(2), mask, ir.Constant(V16I16, None)]), t)
 
     # -- small utilities ---------------------------------------------------
     def gep(self, ptr, idx, ty=F32):
@@ -810,21 +1136,38 @@ class _Gen(VecBuilder):
         32-column panels or None)."""
         s, p, b = self.s, self.p, self.b
         n0 = b.add(jc, jr)
-        if p.b_mode == "prepacked":
+        if p.dp:
+            # k-pair panels: 64 bf16 per pair (32 columns x 2); a half panel is 32 on
+            if p.b_mode == "prepacked":
+                kp = _cdiv(s.K, 2)
+                off = b.add(b.mul(b.sdiv(n0, i64(PANEL)), i64(kp * 2 * PANEL)),
+                            b.mul(pc, i64(PANEL)))     # (pc even: pc/2 pairs of 64)
+                pstride = i64(kp * 2 * PANEL)
+                rem = b.srem(n0, i64(PANEL))
+            else:
+                kcp2 = b.mul(b.sdiv(b.add(kc, i64(1)), i64(2)), i64(2))
+                rem = b.srem(jr, i64(PANEL))
+                off = b.mul(b.sub(jr, rem), kcp2)
+                pstride = b.mul(kcp2, i64(PANEL))
+            if p.NV == 1:
+                off = b.add(off, b.mul(rem, i64(2)))
+            return self.gep(B_b if p.b_mode == "prepacked" else self.ws_b, off, I16), pstride
+        if p.b_mode == "prepacked" and not p.f32_panels:
             # panel q = n0/32 of [np][K][32]; + pc rows (+ 16 for the second half of a
             # panel: one-vector tiles)
             off = b.add(b.mul(b.sdiv(n0, i64(PANEL)), i64(s.K * PANEL)), b.mul(pc, i64(PANEL)))
             if p.NV == 1:
                 off = b.add(off, b.srem(n0, i64(PANEL)))
-            return self.gep(B_b, off), i64(s.K * PANEL)
-        if p.b_mode == "pack":
+            return self.gep(B_b, off, self.tw), i64(s.K * PANEL)
+        if p.b_mode == "pack" or p.f32_panels:
             # panel jr/32 of [q][kc][32] (jr: a multiple of 16)
             half = b.srem(jr, i64(PANEL))
             off = b.add(b.mul(b.sub(jr, half), kc), half) if p.NV == 1 else b.mul(jr, kc)
-            return self.gep(self.ws_b, off), b.mul(kc, i64(PANEL))
+            return self.gep(self.ws_b, off, self.tpw), b.mul(kc, i64(PANEL))
         if p.b_mode == "dot":
-            return self.gep(B_b, b.add(b.mul(n0, i64(self.dot_bns)), pc)), None
-        return self.gep(B_b, b.add(b.mul(pc, i64(s.ldb_)), n0)), None
+            return self.gep(B_b, b.add(b.mul(n0, i64(self.dot_bns)), pc),
+                            _ety(self.b_src)), None
+        return self.gep(B_b, b.add(b.mul(pc, i64(s.ldb_)), n0), self.tb), None
 
     def a_rows(self, A_b, m0, mr, pc, rows):
         """Pointers to A(m0 + r, pc) for r < rows (rows past mr: the last row)."""
@@ -841,23 +1184,53 @@ class _Gen(VecBuilder):
                 off = b.add(b.mul(pc, i64(s.lda_)), row)
             else:
                 off = b.add(b.mul(row, i64(s.lda_)), pc)
-            out.append(self.gep(A_b, off))
+            out.append(self.gep(A_b, off, self.ta))
         return out
+
+    def cvt_rows(self, ir_, mr, rows):
+        """Pointers to the rows ir_ + r (r < rows; past mr: the last) of the bf16 A block
+        that convert_a wrote (row stride: KC rounded up to even)."""
+        b = self.b
+        lda = _rup(self.p.KC, 2)
+        out = []
+        for r in range(rows):
+            rr = i64(r) if isinstance(mr, int) and r < mr else (
+                i64(mr - 1) if isinstance(mr, int) else self.smin(i64(r), b.sub(mr, i64(1))))
+            out.append(self.gep(self.ws_a, b.mul(b.add(ir_, rr), i64(lda)), _ety(self.cvt_t)))
+        return out
+
+    def widen_panels(self, B_b, pc, kc, jc, nc):
+        """The KC x NC block of a prepacked narrow B as float32 panels in the workspace
+        ([q][kc][32], the layout of pack_b): widened once per block, not per load."""
+        s, b = self.s, self.b
+        nq = b.sdiv(b.add(nc, i64(PANEL - 1)), i64(PANEL))
+        with self.loop(0, nq, 1, "wbq") as q:
+            src = self.gep(B_b, b.add(b.mul(b.add(b.sdiv(jc, i64(PANEL)), q),
+                                            i64(s.K * PANEL)), b.mul(pc, i64(PANEL))), self.tw)
+            dst = self.gep(self.ws_b, b.mul(q, b.mul(kc, i64(PANEL))), F32)
+            with self.loop(0, kc, 1, "wbk") as k:
+                o = b.mul(k, i64(PANEL))
+                for v in range(2):
+                    x = self.ld16(self.gep(src, b.add(o, i64(16 * v)), self.tw), self.wt)
+                    self.store_v(x, self.gep(dst, b.add(o, i64(16 * v)), F32))
 
     def block(self, bi, m_lo, m_hi, n_lo, n_hi):
         s, p, b = self.s, self.p, self.b
-        A_b = self.gep(self.A, b.mul(bi, self.a_bs)) if self.a_bs is not None else self.A
+        A_b = (self.gep(self.A, b.mul(bi, self.a_bs), self.ta) if self.a_bs is not None
+               else self.A)
         if s.b_prepacked:
             B_b = (
-                self.gep(self.B, b.mul(bi, i64(_prepacked_batch_stride(s))))
+                self.gep(self.B, b.mul(bi, i64(_prepacked_batch_stride(s, p.dp))), self.tw)
                 if s.b_batch_stride
                 else self.B
             )
         else:
             B_b = (
-                self.gep(self.B, b.mul(bi, i64(s.b_batch_stride))) if s.b_batch_stride else self.B
+                self.gep(self.B, b.mul(bi, i64(s.b_batch_stride)), self.tb)
+                if s.b_batch_stride else self.B
             )
-        C_b = self.gep(self.C, b.mul(bi, self.c_bs)) if self.c_bs is not None else self.C
+        C_b = (self.gep(self.C, b.mul(bi, self.c_bs), self.tc) if self.c_bs is not None
+               else self.C)
         K = s.K
         if self.dot_src == "pack":
             self.pack_bt(B_b)
@@ -873,11 +1246,15 @@ class _Gen(VecBuilder):
                     first = b.icmp_signed("==", pc, i64(0))
                     last = b.icmp_signed("==", b.add(pc, kc), i64(K))
                 if p.b_mode == "pack":
-                    self.pack_b(B_b, pc, kc, jc, nc)
+                    (self.pack_b_pairs if p.dp else self.pack_b)(B_b, pc, kc, jc, nc)
+                elif p.f32_panels:
+                    self.widen_panels(B_b, pc, kc, jc, nc)
                 with self.loop(m_lo, m_hi, p.MC, "ic") as ic:
                     mc = self.smin(b.sub(m_hi, ic), i64(p.MC))
                     if p.pack_a:
                         self.pack_a(A_b, ic, mc, pc, kc)
+                    if p.cvt_a:
+                        self.convert_a(A_b, ic, mc, pc, kc)
 
                     def tile(jr, ir_, mr, nr, MR, NV, A_b=A_b, B_b=B_b, ic=ic, jc=jc, pc=pc,
                              kc=kc, first=first, last=last):
@@ -885,12 +1262,17 @@ class _Gen(VecBuilder):
                         n0 = b.add(jc, jr)
                         m0 = b.add(ic, ir_)
                         if p.pack_a:
-                            a_ptrs = [self.gep(self.ws_a, b.mul(ir_, kc))]
+                            a_ptrs = [self.gep(self.ws_a, b.mul(ir_, kc), self.tpw)]
+                        elif p.cvt_a:
+                            a_ptrs = self.cvt_rows(ir_, mr, MR)
                         else:
                             a_ptrs = self.a_rows(A_b, m0, mr, pc, MR)
-                        c_ptr = self.gep(C_b, b.add(b.mul(m0, i64(s.ldc_)), n0))
+                        c_ptr = self.gep(C_b, b.add(b.mul(m0, i64(s.ldc_)), n0), self.tc)
                         if p.b_mode == "dot":
                             self.micro_dot(a_ptrs, b_base, c_ptr, mr, nr, m0, n0)
+                        elif p.dp:
+                            self.micro_dp(a_ptrs, b_base, b_pstride, kc, c_ptr, mr, nr,
+                                          first, last, m0, n0, MR, NV)
                         else:
                             self.micro(a_ptrs, b_base, b_pstride, kc, c_ptr, mr, nr, first,
                                        last, m0, n0, MR, NV)
@@ -937,30 +1319,37 @@ class _Gen(VecBuilder):
         npan = b.sdiv(b.add(mc, i64(MR - 1)), i64(MR))
         with self.loop(0, npan, 1, "pa") as q:
             r0 = b.mul(q, i64(MR))
-            dst0 = self.gep(self.ws_a, b.mul(r0, kc))
+            dst0 = self.gep(self.ws_a, b.mul(r0, kc), self.tpw)
+            ta, tw, TW, rp = self.s.a_type, self.pw, self.tpw, self.rnd_pack_a
+            rnd = ta != tw or rp
             if s.trans_a and MR <= 16:
                 # the MR rows of a k are contiguous: one masked vector copy per k
-                src0 = self.gep(A_b, b.add(b.mul(pc, i64(s.lda_)), b.add(ic, r0)))
+                src0 = self.gep(A_b, b.add(b.mul(pc, i64(s.lda_)), b.add(ic, r0)), self.ta)
                 lmask = b.icmp_signed("<", self.iota, self.splat(b.sub(mc, r0), VI64))
                 smask = ir.Constant(VM, [1 if i < MR else 0 for i in range(16)])
                 with self.loop(0, kc, 1, "pak") as k:
-                    x = self.load_v(self.gep(src0, b.mul(k, i64(s.lda_))), lmask)
-                    self.store_v(x, self.gep(dst0, b.mul(k, i64(MR))), smask)
+                    x = self.ld16(self.gep(src0, b.mul(k, i64(s.lda_)), self.ta), ta, lmask, rp)
+                    self.st16(x, self.gep(dst0, b.mul(k, i64(MR)), TW), tw, smask)
             else:
                 srcs = []
                 for r in range(MR):
                     row = b.add(ic, self.smin(b.add(r0, i64(r)), b.sub(mc, i64(1))))
                     if s.trans_a:
-                        srcs.append(self.gep(A_b, b.add(b.mul(pc, i64(s.lda_)), row)))
+                        srcs.append(self.gep(A_b, b.add(b.mul(pc, i64(s.lda_)), row), self.ta))
                     else:
-                        srcs.append(self.gep(A_b, b.add(b.mul(row, i64(s.lda_)), pc)))
+                        srcs.append(self.gep(A_b, b.add(b.mul(row, i64(s.lda_)), pc), self.ta))
                 a_ks = s.lda_ if s.trans_a else 1
                 with self.loop(0, kc, 1, "pak") as k:
-                    dst = self.gep(dst0, b.mul(k, i64(MR)))
+                    dst = self.gep(dst0, b.mul(k, i64(MR)), TW)
                     ko = b.mul(k, i64(a_ks)) if a_ks != 1 else k
                     for r in range(MR):
-                        v = b.load(self.gep(srcs[r], ko), typ=F32, align=4)
-                        b.store(v, self.gep(dst, r), align=4)
+                        if not rnd:   # a copy of the bits
+                            v = b.load(self.gep(srcs[r], ko, self.ta), typ=self.ta,
+                                       align=_esize(ta))
+                            b.store(v, self.gep(dst, r, TW), align=_esize(ta))
+                        else:
+                            v = self.ld1(self.gep(srcs[r], ko, self.ta), ta, rp)
+                            self.st1(v, self.gep(dst, r, TW), tw)
 
     def pack_b(self, B_b, pc, kc, jc, nc):
         """Bp[q][k][32] = B(pc + k, jc + 32q + j), zero for columns >= nc."""
@@ -968,32 +1357,33 @@ class _Gen(VecBuilder):
         nq = b.sdiv(b.add(nc, i64(PANEL - 1)), i64(PANEL))
         nc_s = self.splat(nc, VI64)
         ldb = s.ldb_
+        tb, tw, TB, TW, rp = s.b_type, self.pw, self.tb, self.tpw, self.rnd_pack_b
         if not s.trans_b:
             with self.loop(0, kc, 1, "pbk") as k:
-                src = self.gep(B_b, b.add(b.mul(b.add(pc, k), i64(ldb)), jc))
-                dst = self.gep(self.ws_b, b.mul(k, i64(PANEL)))
+                src = self.gep(B_b, b.add(b.mul(b.add(pc, k), i64(ldb)), jc), TB)
+                dst = self.gep(self.ws_b, b.mul(k, i64(PANEL)), TW)
                 with self.loop(0, nq, 1, "pbq") as q:
                     col = b.mul(q, i64(PANEL))
                     col_s = self.splat(col, VI64)
                     for v in range(2):
                         lanes = b.add(col_s, ir.Constant(VI64, list(range(16 * v, 16 * v + 16))))
                         mask = b.icmp_signed("<", lanes, nc_s)
-                        x = self.load_v(self.gep(src, b.add(col, i64(16 * v))), mask)
-                        self.store_v(
-                            x, self.gep(dst, b.add(b.mul(q, b.mul(kc, i64(PANEL))), i64(16 * v)))
-                        )
+                        x = self.ld16(self.gep(src, b.add(col, i64(16 * v)), TB), tb, mask, rp)
+                        self.st16(
+                            x, self.gep(dst, b.add(b.mul(q, b.mul(kc, i64(PANEL))), i64(16 * v)),
+                                        TW), tw)
         else:
             # B stored [N,K]: 16x16 blocks loaded along K and transposed in registers
-            base = self.gep(B_b, b.add(b.mul(jc, i64(ldb)), pc))
+            base = self.gep(B_b, b.add(b.mul(jc, i64(ldb)), pc), TB)
             with self.loop(0, nq, 1, "pbq") as q:
                 col = b.mul(q, i64(PANEL))
-                qbase = self.gep(base, b.mul(col, i64(ldb)))
-                dstq = self.gep(self.ws_b, b.mul(q, b.mul(kc, i64(PANEL))))
+                qbase = self.gep(base, b.mul(col, i64(ldb)), TB)
+                dstq = self.gep(self.ws_b, b.mul(q, b.mul(kc, i64(PANEL))), TW)
                 rowok = [b.icmp_signed("<", b.add(col, i64(j)), nc) for j in range(PANEL)]
                 with self.loop(0, kc, 16, "pbk") as kk:
                     kmask = b.icmp_signed("<", self.iota, self.splat(b.sub(kc, kk), VI64))
-                    src = self.gep(qbase, kk)
-                    dst = self.gep(dstq, b.mul(kk, i64(PANEL)))
+                    src = self.gep(qbase, kk, TB)
+                    dst = self.gep(dstq, b.mul(kk, i64(PANEL)), TW)
                     full = b.icmp_signed("<=", b.add(kk, i64(16)), kc)
                     smask = [
                         b.select(
@@ -1008,10 +1398,11 @@ class _Gen(VecBuilder):
                         for j in range(16):
                             jj = 16 * half + j
                             mk = b.select(rowok[jj], kmask, self.zero_m)
-                            rows.append(self.load_v(self.gep(src, jj * ldb), mk))
+                            rows.append(self.ld16(self.gep(src, jj * ldb, TB), tb, mk, rp))
                         cols = self.transpose16(rows)
                         for i in range(16):
-                            self.store_v(cols[i], self.gep(dst, i * PANEL + 16 * half), smask[i])
+                            self.st16(cols[i], self.gep(dst, i * PANEL + 16 * half, TW), tw,
+                                      smask[i])
 
     def pack_bt(self, B_b):
         """ws_b[n][k] = B(k, n) for the whole (small-N) B: 16x16 register transposes."""
@@ -1027,13 +1418,14 @@ class _Gen(VecBuilder):
                 mk = b.select(
                     ok, nmask if nmask is not None else self.ones_m, self.zero_m
                 )
-                rows.append(
-                    self.load_v(self.gep(B_b, b.add(b.mul(kk, i64(ldb)), i64(i * ldb))), mk)
-                )
+                rows.append(self.ld16(
+                    self.gep(B_b, b.add(b.mul(kk, i64(ldb)), i64(i * ldb)), self.tb),
+                    s.b_type, mk))
             cols = self.transpose16(rows)
             kmask = b.icmp_signed("<", self.iota, self.splat(left, VI64))
             for n in range(N):
-                self.store_v(cols[n], self.gep(dst0, b.add(kk, i64(n * K))), kmask)
+                self.st16(cols[n], self.gep(dst0, b.add(kk, i64(n * K)), self.tw), self.wt,
+                          kmask)
 
     def micro_dot(self, a_ptrs, b_base, c_ptr, mr, nr, m0, n0):
         """C[m0:m0+MR, n0:n0+NR] from dot products of A rows and B rows (B [N,K])."""
@@ -1050,19 +1442,22 @@ class _Gen(VecBuilder):
         outs = []
         for bb, edge in ((full_bb, False), (edge_bb, True)):
             b.position_at_end(bb)
+            TA, TB = self.ta, _ety(self.b_src)
             if edge:
                 a_rows = a_ptrs
                 b_rows = [b_base] + [
-                    self.gep(b_base, b.mul(self.smin(i64(j), b.sub(nr, i64(1))), i64(ldb)))
+                    self.gep(b_base, b.mul(self.smin(i64(j), b.sub(nr, i64(1))), i64(ldb)), TB)
                     for j in range(1, NJ)
                 ]
             else:
-                a_rows = [a_ptrs[0]] + [self.gep(a_ptrs[0], r * lda) for r in range(1, MR)]
-                b_rows = [b_base] + [self.gep(b_base, j * ldb) for j in range(1, NJ)]
+                a_rows = [a_ptrs[0]] + [self.gep(a_ptrs[0], r * lda, TA) for r in range(1, MR)]
+                b_rows = [b_base] + [self.gep(b_base, j * ldb, TB) for j in range(1, NJ)]
 
-            def step(accs, k, mask, a_rows=a_rows, b_rows=b_rows):
-                av = [self.load_v(self.gep(a_rows[r], k), mask) for r in range(MR)]
-                bv = [self.load_v(self.gep(b_rows[j], k), mask) for j in range(NJ)]
+            def step(accs, k, mask, a_rows=a_rows, b_rows=b_rows, TA=TA, TB=TB):
+                av = [self.ld16(self.gep(a_rows[r], k, TA), s.a_type, mask, self.rnd_a)
+                      for r in range(MR)]
+                bv = [self.ld16(self.gep(b_rows[j], k, TB), self.b_src, mask, self.rnd_b)
+                      for j in range(NJ)]
                 return [
                     [self.fma(av[r], bv[j], accs[r][j]) for j in range(NJ)]
                     for r in range(MR)
@@ -1094,7 +1489,7 @@ class _Gen(VecBuilder):
             [colmask if r == 0 else b.select(b.icmp_signed("<", i64(r), mr), colmask, self.zero_m)]
             for r in range(MR)
         ]
-        c_rows = [c_ptr] + [self.gep(c_ptr, r * s.ldc_) for r in range(1, MR)]
+        c_rows = [c_ptr] + [self.gep(c_ptr, r * s.ldc_, self.tc) for r in range(1, MR)]
         self.store_final(red, c_rows, masks, m0, n0)
 
     # -- micro-kernel ----------------------------------------------------------
@@ -1102,9 +1497,17 @@ class _Gen(VecBuilder):
               MR=None, NV=None):
         """An MR x 16*NV micro-tile (default: the plan's) of which mr rows (an i64, or
         an int: all MR rows) and nr columns are stored."""
-        s, p, b = self.s, self.p, self.b
+        p = self.p
         MR, NV = MR or p.MR, NV or p.NV
         U = p.unroll if (MR, NV) == (p.MR, p.NV) else (4 if MR * NV <= 8 else 1)
+        colmask, masks, c_rows, accs = self.tile_setup(c_ptr, mr, nr, first, MR, NV)
+        self.micro_k(a_ptrs, b_base, b_pstride, kc, c_ptr, mr, nr, first, last, m0, n0,
+                     MR, NV, U, colmask, masks, c_rows, accs)
+
+    def tile_setup(self, c_ptr, mr, nr, first, MR, NV):
+        """A micro-tile's column masks, row x vector store masks, C row pointers (with a
+        write prefetch) and initial accumulators (0, or the partial sums in C)."""
+        s, p, b = self.s, self.p, self.b
         ldc = s.ldc_
         nr_s = self.splat(nr, VI64)
         colmask = [self.lane_mask(nr_s, 16 * v) for v in range(NV)]
@@ -1120,11 +1523,11 @@ class _Gen(VecBuilder):
                 ]
                 for r in range(MR)
             ]
-        c_rows = [c_ptr] + [self.gep(c_ptr, r * ldc) for r in range(1, MR)]
+        c_rows = [c_ptr] + [self.gep(c_ptr, r * ldc, self.tc) for r in range(1, MR)]
 
         if p.prefetch_c:
             for r in range(MR):
-                for line in range(NV):
+                for line in range(NV * _esize(s.c_type) // 4):
                     self.prefetch_w(self.gep(c_rows[r], 16 * line))
 
         # initial accumulators: 0, or the partial sums in C (K blocks after the first)
@@ -1135,9 +1538,18 @@ class _Gen(VecBuilder):
                 if first is True:
                     row.append(self.zero_v)
                 else:
+                    assert s.c_type == "float32", "partial sums need a float32 C"
                     mk = b.select(first, self.zero_m, masks[r][v])
                     row.append(self.load_v(self.gep(c_rows[r], 16 * v), mk))
             accs.append(row)
+        return colmask, masks, c_rows, accs
+
+    def micro_k(self, a_ptrs, b_base, b_pstride, kc, c_ptr, mr, nr, first, last, m0, n0,
+                MR, NV, U, colmask, masks, c_rows, accs):
+        """The k loop and the store of an fp32-FMA micro-tile (narrow operands widened in
+        registers)."""
+        s, p, b = self.s, self.p, self.b
+        TA, TB = _ety(self.a_src), _ety(self.b_src)
 
         # B streams: packed -> one pointer per 32-column panel, stride 32/k;
         # direct -> one pointer, stride ldb/k.
@@ -1152,7 +1564,7 @@ class _Gen(VecBuilder):
             # tile are read from the last one; those columns are not stored
             last_q = b.sdiv(b.sub(nr, i64(1)), i64(PANEL))
             b_ptrs = [b_base] + [
-                self.gep(b_base, b.mul(b_pstride, self.smin(last_q, i64(q))))
+                self.gep(b_base, b.mul(b_pstride, self.smin(last_q, i64(q))), TB)
                 for q in range(1, NV // 2)
             ]
             b_ks = PANEL
@@ -1160,13 +1572,15 @@ class _Gen(VecBuilder):
             b_masked = False
         else:
             b_ptrs = [b_base] + [
-                self.gep(b_base, b.mul(b_pstride, i64(q))) for q in range(1, NV // 2)
+                self.gep(b_base, b.mul(b_pstride, i64(q)), TB) for q in range(1, NV // 2)
             ]
             b_ks = PANEL
             b_off = [(v // 2, 16 * (v % 2)) for v in range(NV)]
             b_masked = NV > 2
         if p.pack_a:
             a_ks, a_off = p.MR, [(0, r) for r in range(MR)]
+        elif p.cvt_a:
+            a_ks, a_off = 1, [(r, 0) for r in range(MR)]
         else:
             a_ks = s.lda_ if s.trans_a else 1
             a_off = [(r, 0) for r in range(MR)]
@@ -1175,12 +1589,13 @@ class _Gen(VecBuilder):
             bv = []
             for v in range(NV):
                 q, o = b_off[v]
-                ptr = self.gep(b_ps[q], u * b_ks + o)
-                bv.append(self.load_v(ptr, colmask[v] if b_masked else None))
+                ptr = self.gep(b_ps[q], u * b_ks + o, TB)
+                bv.append(self.ld16(ptr, self.b_src, colmask[v] if b_masked else None,
+                                    self.rnd_b))
             new = []
             for r in range(MR):
                 q, o = a_off[r]
-                x = b.load(self.gep(a_ps[q], u * a_ks + o), typ=F32, align=4)
+                x = self.ld1(self.gep(a_ps[q], u * a_ks + o, TA), self.a_src, self.rnd_a)
                 xs = self.splat(x)
                 new.append([self.fma(xs, bv[v], accs[r][v]) for v in range(NV)])
             return new
@@ -1194,8 +1609,8 @@ class _Gen(VecBuilder):
                 a_phi, b_phi = ptrs[:na], ptrs[na:]
                 for u in range(nstep):
                     cur = step(cur, a_phi, b_phi, u)
-                return cur, [self.gep(x, nstep * a_ks) for x in a_phi] + [
-                    self.gep(x, nstep * b_ks) for x in b_phi
+                return cur, [self.gep(x, nstep * a_ks, TA) for x in a_phi] + [
+                    self.gep(x, nstep * b_ks, TB) for x in b_phi
                 ]
 
             ptrs = list(a_ps) + list(b_ps)
@@ -1209,8 +1624,12 @@ class _Gen(VecBuilder):
         else:
             _, accs, _, _ = kloop(i64(0), kc, accs, a_ptrs, b_ptrs, 1, "k")
 
-        # store
+        self.store_tile(accs, c_rows, masks, last, m0, n0, MR, NV)
+
+    def store_tile(self, accs, c_rows, masks, last, m0, n0, MR, NV):
+        """The final values (last K block) or the partial sums (float32 C) of a tile."""
         def partial():
+            assert self.s.c_type == "float32", "partial sums need a float32 C"
             for r in range(MR):
                 for v in range(NV):
                     self.store_v(accs[r][v], self.gep(c_rows[r], 16 * v), masks[r][v])
@@ -1218,6 +1637,156 @@ class _Gen(VecBuilder):
         self.finish_block(
             last, lambda: self.store_final(accs, c_rows, masks, m0, n0), partial, "st"
         )
+
+    def micro_dp(self, a_ptrs, b_base, b_pstride, kc, c_ptr, mr, nr, first, last, m0, n0,
+                 MR, NV):
+        """An MR x 16*NV micro-tile by vdpbf16ps: per k-pair, NV <16 x i32> loads of the
+        k-pair B panel (each lane B[k,n], B[k+1,n]) and one broadcast 32-bit pair
+        A[i,k], A[i,k+1] per row (bf16 A in place, or the block convert_a wrote); an odd
+        kc ends with a pair A[i,k], 0 (B's pad row is zero)."""
+        p, b = self.p, self.b
+        U = p.unroll if (MR, NV) == (p.MR, p.NV) else (4 if MR * NV <= 8 else 1)
+        colmask, masks, c_rows, accs = self.tile_setup(c_ptr, mr, nr, first, MR, NV)
+        dp = self.intr("llvm.x86.avx512bf16.dpbf16ps.512", VF, [VF, V32BF, V32BF])
+        b_ptrs = [b_base] + [self.gep(b_base, b.mul(b_pstride, i64(q)), I16)
+                             for q in range(1, NV // 2)]
+        b_off = [(v // 2, 32 * (v % 2)) for v in range(NV)]
+        b_masked = NV > 2
+        PAIR = 2 * PANEL  # bf16 per k-pair of a panel
+        mload = self.intr("llvm.masked.load.v16i32.p0", VI32, [PTR, I32, VM, VI32])
+        zero_i = ir.Constant(VI32, None)
+
+        def step(accs, a_ps, b_ps, u, tail=False):
+            bv = []
+            for v in range(NV):
+                q, o = b_off[v]
+                ptr = self.gep(b_ps[q], u * PAIR + o, I16)
+                if b_masked:
+                    x = b.call(mload, [ptr, i32(4), colmask[v], zero_i])
+                else:
+                    x = b.load(ptr, typ=VI32, align=4)
+                bv.append(b.bitcast(x, V32BF))
+            new = []
+            for r in range(MR):
+                ptr = self.gep(a_ps[r], 2 * u, I16)
+                if tail:
+                    x = b.zext(b.load(ptr, typ=I16, align=2), I32)
+                else:
+                    x = b.load(ptr, typ=I32, align=2)
+                xs = b.bitcast(self.splat(x, VI32), V32BF)
+                new.append([b.call(dp, [accs[r][v], xs, bv[v]]) for v in range(NV)])
+            return new
+
+        def kloop(k0, kend, accs, a_ps, b_ps, nstep, tag):
+            na = len(a_ps)
+
+            def body(k, cur, ptrs):
+                a_phi, b_phi = ptrs[:na], ptrs[na:]
+                for u in range(nstep):
+                    cur = step(cur, a_phi, b_phi, u)
+                return cur, [self.gep(x, 2 * nstep, I16) for x in a_phi] + [
+                    self.gep(x, PAIR * nstep, I16) for x in b_phi]
+
+            k, accs, ptrs = self.grid_loop(k0, kend, nstep, accs, list(a_ps) + list(b_ps),
+                                           body, tag, iv_name="k")
+            return k, accs, ptrs[:na], ptrs[na:]
+
+        kp = b.ashr(kc, i64(1))  # whole pairs
+        if U > 1:
+            kmain = b.sub(kp, b.srem(kp, i64(U)))
+            k, accs, a_ps, b_ps = kloop(i64(0), kmain, accs, a_ptrs, b_ptrs, U, "dku")
+            _, accs, a_ps, b_ps = kloop(k, kp, accs, a_ps, b_ps, 1, "dkr")
+        else:
+            _, accs, a_ps, b_ps = kloop(i64(0), kp, accs, a_ptrs, b_ptrs, 1, "dk")
+        # an odd kc: the last k with a zero partner
+        odd = b.icmp_signed("!=", b.and_(kc, i64(1)), i64(0))
+        pre = b.block
+        tail_bb = b.append_basic_block(self.name("dp.tail"))
+        join_bb = b.append_basic_block(self.name("dp.join"))
+        b.cbranch(odd, tail_bb, join_bb)
+        b.position_at_end(tail_bb)
+        taccs = step(accs, a_ps, b_ps, 0, tail=True)
+        tail_end = b.block
+        b.branch(join_bb)
+        b.position_at_end(join_bb)
+        out = []
+        for r in range(MR):
+            row = []
+            for v in range(NV):
+                ph = b.phi(VF)
+                ph.add_incoming(accs[r][v], pre)
+                ph.add_incoming(taccs[r][v], tail_end)
+                row.append(ph)
+            out.append(row)
+        self.store_tile(out, c_rows, masks, last, m0, n0, MR, NV)
+
+    def convert_a(self, A_b, ic, mc, pc, kc):
+        """The mc x kc block of A at (ic, pc) as row-major bf16 in the workspace (row
+        stride KC rounded up to even; an odd kc padded with a zero column): A converted on
+        load for vdpbf16ps."""
+        s, p, b = self.s, self.p, self.b
+        lda = _rup(p.KC, 2)
+        kce = b.mul(b.ashr(b.add(kc, i64(1)), i64(1)), i64(2))
+        stride = s.lda_ if s.trans_a else 1
+        esz = _esize(s.a_type)
+        with self.loop(0, mc, 1, "cva") as r:
+            row = b.add(ic, r)
+            if s.trans_a:
+                src = self.gep(A_b, b.add(b.mul(pc, i64(s.lda_)), row), self.ta)
+            else:
+                src = self.gep(A_b, b.add(b.mul(row, i64(s.lda_)), pc), self.ta)
+            dst = self.gep(self.ws_a, b.mul(r, i64(lda)), _ety(self.cvt_t))
+            with self.loop(0, kce, 16, "cvk") as kk:
+                lmask = b.icmp_signed("<", self.iota, self.splat(b.sub(kc, kk), VI64))
+                smask = b.icmp_signed("<", self.iota, self.splat(b.sub(kce, kk), VI64))
+                rp = self.rnd_pack_a and self.cvt_t == "float32"
+                if stride == 1:
+                    x = self.ld16(self.gep(src, kk, self.ta), s.a_type, lmask, rp)
+                else:
+                    base = b.ptrtoint(self.gep(src, b.mul(kk, i64(stride)), self.ta), I64)
+                    offs = b.mul(self.iota, ir.Constant(VI64, [stride * esz] * 16))
+                    ptrs = b.inttoptr(b.add(self.splat(base, VI64), offs), VPTR)
+                    x = self.gather16(ptrs, s.a_type, lmask)
+                    x = self.round_c(x) if rp else x
+                self.st16(x, self.gep(dst, kk, _ety(self.cvt_t)), self.cvt_t, smask)
+
+    def pack_b_pairs(self, B_b, pc, kc, jc, nc):
+        """Bp[q][k/2][32][2] (bf16) = B(pc + k, jc + 32q + j), B(pc + k + 1, ..): the
+        k-pair panels of vdpbf16ps, zero for columns >= nc and the row past an odd kc."""
+        s, b = self.s, self.b
+        nq = b.sdiv(b.add(nc, i64(PANEL - 1)), i64(PANEL))
+        nc_s = self.splat(nc, VI64)
+        kp = b.ashr(b.add(kc, i64(1)), i64(1))
+        ldb, TB, esz = s.ldb_, self.tb, _esize(s.b_type)
+        shuf = ir.Constant(ir.VectorType(I32, 32), [x for i in range(16) for x in (i, 16 + i)])
+        with self.loop(0, kp, 1, "pbp") as k2:
+            k = b.add(pc, b.mul(k2, i64(2)))
+            has2 = b.icmp_signed("<", b.add(b.mul(k2, i64(2)), i64(1)), kc)
+            dst = self.gep(self.ws_b, b.mul(k2, i64(2 * PANEL)), I16)
+            with self.loop(0, nq, 1, "pbq") as q:
+                col = b.mul(q, i64(PANEL))
+                col_s = self.splat(col, VI64)
+                for v in range(2):
+                    lanes = b.add(col_s, ir.Constant(VI64, list(range(16 * v, 16 * v + 16))))
+                    mask = b.icmp_signed("<", lanes, nc_s)
+                    n = b.add(jc, b.add(col, i64(16 * v)))
+                    rows = []
+                    for dk in range(2):
+                        kk = b.add(k, i64(dk))
+                        mk = mask if dk == 0 else b.select(has2, mask, self.zero_m)
+                        if not s.trans_b:
+                            x = self.ld16(self.gep(B_b, b.add(b.mul(kk, i64(ldb)), n), TB),
+                                          s.b_type, mk)
+                        else:
+                            base = b.ptrtoint(self.gep(B_b, b.add(b.mul(n, i64(ldb)), kk), TB),
+                                              I64)
+                            offs = b.mul(self.iota, ir.Constant(VI64, [ldb * esz] * 16))
+                            ptrs = b.inttoptr(b.add(self.splat(base, VI64), offs), VPTR)
+                            x = self.gather16(ptrs, s.b_type, mk)
+                        rows.append(self.narrow(x, "bfloat16"))
+                    pair = b.shuffle_vector(rows[0], rows[1], shuf)
+                    off = b.add(b.mul(q, b.mul(kp, i64(2 * PANEL))), i64(32 * v))
+                    b.store(pair, self.gep(dst, off, I16), align=2)
 
     def apply_epilogue(self, val, m, n):
         """The epilogue of one output vector: inline in a static kernel; in a dynamic one
@@ -1232,7 +1801,8 @@ class _Gen(VecBuilder):
             f.attributes.add("nounwind")
             f.attributes.add("noinline")   # once, not in every micro-kernel variant
             eb = ir.IRBuilder(f.append_basic_block("entry"))
-            eb.ret(self.epilogue(eb, *f.args[1:]))
+            r = self.epilogue(eb, *f.args[1:])
+            eb.ret(r if r.type == VF else eb.fpext(r, VF))  # (an epilogue ending in half)
             self._epi_fn = f
         return self.b.call(self._epi_fn, [self.fn.args[0], val, m, n])
 
@@ -1242,6 +1812,7 @@ class _Gen(VecBuilder):
         beta = float(np.float32(s.beta))
         use_bias = s.bias and beta != 0.0
         brs, bcs = s.bias_row_stride, s.bias_col_stride
+        bsz = _esize(s.bias_type)
         if use_bias and bcs not in (0, 1):
             bias_i = b.ptrtoint(self.bias, I64)
             col_off = [
@@ -1249,7 +1820,7 @@ class _Gen(VecBuilder):
                     b.add(
                         self.splat(n0, VI64), ir.Constant(VI64, list(range(16 * v, 16 * v + 16)))
                     ),
-                    ir.Constant(VI64, [4 * bcs] * 16),
+                    ir.Constant(VI64, [bsz * bcs] * 16),
                 )
                 for v in range(len(accs[0]))
             ]
@@ -1259,12 +1830,14 @@ class _Gen(VecBuilder):
             if use_bias:
                 if bcs == 0:
                     mm = self.smin(m, self.Mm1) if brs else i64(0)
-                    x = b.load(self.gep(self.bias, b.mul(mm, i64(brs))), typ=F32, align=4)
+                    x = self.ld1(self.gep(self.bias, b.mul(mm, i64(brs)), self.tbias),
+                                 s.bias_type)
                     bias_row = self.splat_f(x)
                 elif bcs == 1:
-                    bias_row_ptr = self.gep(self.bias, b.add(b.mul(m, i64(brs)), n0))
+                    bias_row_ptr = self.gep(self.bias, b.add(b.mul(m, i64(brs)), n0),
+                                            self.tbias)
                 else:
-                    row_i = self.splat(b.add(bias_i, b.mul(m, i64(4 * brs))), VI64)
+                    row_i = self.splat(b.add(bias_i, b.mul(m, i64(bsz * brs))), VI64)
             for v in range(len(accs[0])):
                 val = accs[r][v]
                 if alpha != 1.0:
@@ -1273,10 +1846,11 @@ class _Gen(VecBuilder):
                     if bcs == 0:
                         bv = bias_row
                     elif bcs == 1:
-                        bv = self.load_v(self.gep(bias_row_ptr, 16 * v), masks[r][v])
+                        bv = self.ld16(self.gep(bias_row_ptr, 16 * v, self.tbias), s.bias_type,
+                                       masks[r][v])
                     else:
                         ptrs = b.inttoptr(b.add(row_i, col_off[v]), VPTR)
-                        bv = self.gather(ptrs, masks[r][v])
+                        bv = self.gather16(ptrs, s.bias_type, masks[r][v])
                     if beta == 1.0:
                         val = b.fadd(val, bv)
                     else:
@@ -1284,7 +1858,9 @@ class _Gen(VecBuilder):
                 if self.epilogue is not None:
                     nv = b.add(n0, i64(16 * v)) if v else n0
                     val = self.apply_epilogue(val, m, nv)
-                self.store_v(val, self.gep(c_rows[r], 16 * v), masks[r][v])
+                    if val.type != VF:  # an epilogue that ends in half precision
+                        val = b.fpext(val, VF)
+                self.st16(val, self.gep(c_rows[r], 16 * v, self.tc), s.c_type, masks[r][v])
 
 
 def emit_gemm(

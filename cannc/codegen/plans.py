@@ -13,14 +13,15 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from ..native.target import host
 from ..schedule import tuning
 from ..schedule.costmodel import describe
 from ..schedule.tuning import gemm_signature
 from .attention import AttnSpec, attention_plan
-from .gemm import GemmSpec, gemm_plan
+from .gemm import GemmSpec, dpbf16_speedup, gemm_plan
 
 __all__ = ["attention_notes", "attention_record", "gemm_notes", "gemm_record",
-           "gemm_spec_of", "gemm_tuning"]
+           "gemm_spec_of", "gemm_tuning", "precision_record"]
 
 
 def gemm_record(spec: GemmSpec, tuning: dict[str, Any] | None = None,
@@ -32,7 +33,14 @@ def gemm_record(spec: GemmSpec, tuning: dict[str, Any] | None = None,
             "MB": p.MB, "NB": p.NB, "mt": p.mt, "nt": p.nt, "b_mode": p.b_mode,
             "pack_a": p.pack_a, "pack_b": p.b_mode == "pack", "tiles": p.num_tiles(spec.batch),
             "workspace_bytes": p.ws_bytes, "tuning": dict(tuning) if tuning else None,
-            "signature": gemm_signature(spec, epilogue)}
+            "signature": gemm_signature(spec, epilogue), **precision_record(spec, p)}
+
+
+def precision_record(spec: GemmSpec, p: Any) -> dict[str, Any]:
+    """The compute precision of a GEMM plan and, with vdpbf16ps, its measured speedup over
+    fp32 FMA (the cost model scales the GEMM's peak by it)."""
+    return {"compute": spec.compute, "dp": p.dp,
+            "dp_speedup": dpbf16_speedup(host().features) if p.dp else 1.0}
 
 
 def gemm_notes(spec: GemmSpec, tuning: dict[str, Any] | None = None,

@@ -10,6 +10,7 @@ import numpy as np
 
 I1 = ir.IntType(1)
 I8 = ir.IntType(8)
+I16 = ir.IntType(16)
 I32 = ir.IntType(32)
 I64 = ir.IntType(64)
 F32 = ir.FloatType()
@@ -18,21 +19,26 @@ PTR = ir.PointerType()
 VOID = ir.VoidType()
 
 
-class _BFloat(ir.Type):
-    """LLVM's ``bfloat`` (llvmlite.ir has no type for it): vectors of it are what the
-    avx512bf16 intrinsics take; values come from bitcasts (no bfloat constants)."""
+class BFloatType(ir.Type):
+    """LLVM's ``bfloat`` (llvmlite.ir has none): the element of the operands of
+    ``llvm.x86.avx512bf16.dpbf16ps.512`` and of ``fptrunc`` to bfloat16
+    (``vcvtneps2bf16``). Vectors of it work with ir.VectorType; values come from a
+    bitcast of i16 lanes (bfloat16 data is stored and loaded as i16)."""
+
+    null = "0xR0000"
+    intrinsic_name = "bf16"
 
     def _to_string(self) -> str:
         return "bfloat"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _BFloat)
+        return isinstance(other, BFloatType)
 
     def __hash__(self) -> int:
-        return hash("bfloat")
+        return hash(BFloatType)
 
 
-BF16 = _BFloat()
+BF16 = BFloatType()
 
 
 class X86AMXType(ir.Type):

@@ -78,14 +78,16 @@ def host() -> HostTarget:
 
 
 def restrict_isa(features: str, isa: str | None) -> str:
-    """The feature string without what ``isa`` ('avx2': every AVX-512 extension) does
-    not have, to generate and test the code of a smaller machine (CANNC_ISA)."""
-    if isa != "avx2":
+    """The feature string without what ``isa`` ('avx2': every AVX-512 extension;
+    'avx512-nobf16': avx512_bf16, avx512_fp16 and AMX) does not have, to generate and
+    test the code of a smaller machine (CANNC_ISA)."""
+    if isa not in ("avx2", "avx512-nobf16"):
         return features
+    drop = ("+amx-", "+avx512bf16", "+avx512fp16", "+avx10")
     out = []
     for f in features.split(","):
-        if f.startswith("+avx512") or f in ("+amx-bf16", "+amx-int8", "+amx-tile",
-                                             "+avx10.1-512", "+avx10.1-256", "+evex512"):
+        if f.startswith(drop) or (isa == "avx2" and (
+                f.startswith("+avx512") or f == "+evex512")):
             f = "-" + f[1:]
         out.append(f)
     return ",".join(out)

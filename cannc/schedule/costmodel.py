@@ -133,7 +133,9 @@ def _gemm_efficiency(rec: dict[str, Any]) -> float:
         return EFFICIENCY["gemm_dot"]
     # fewer accumulators than the 6x32 tile (12 zmm) hide less FMA latency
     accs = rec["MR"] * rec["NV"]
-    return EFFICIENCY["gemm"] * min(1.0, math.sqrt(accs / 12))
+    # bf16 products by vdpbf16ps: the measured peak over the fp32 FMA peak (plans.py)
+    dp = float(rec.get("dp_speedup", 1.0)) if rec.get("dp") else 1.0
+    return EFFICIENCY["gemm"] * min(1.0, math.sqrt(accs / 12)) * dp
 
 
 def predict_gemm_us(rec: dict[str, Any], cores: int, cpu: CpuModel | None = None) -> float:

@@ -1,7 +1,12 @@
 """Lowerings of MatMul and Gemm (cannc/ir/ops/contraction.py): the packed GEMM generator.
 
-float32 MatMul/Gemm go onto codegen/gemm.py; constant B is packed once at compile time.
-Other dtypes (float16, bfloat16, float64, int32/64, uint32/64), empty operands
+float32, bfloat16 and float16 MatMul/Gemm go onto codegen/gemm.py; constant B is packed
+once at compile time. A bf16/fp16-typed node, or one with ``attrs["cannc_precision"]``
+("bf16" / "fp16": each of A, B, bias and the output float32 or that type, see
+`gemm_types`), multiplies in that precision with float32 accumulation (vdpbf16ps where
+the CPU has it, else widened to fp32 in registers); the epilogue runs in float32 and
+the output is converted on store. ``kernel.notes["precision"]`` says how it ran.
+Other dtypes (float64, int32/64, uint32/64), mixed bf16/fp16 operands, empty operands
 and the integer contractions (MatMulInteger, QLinearMatMul in lower/quant.py)
 use `emit_matmul_nest`: a loop nest vectorised along N (one output row per
 tile, accumulators in registers), computing in an accumulator dtype (float32
@@ -26,6 +31,8 @@ from ...native.emit import for_range, i64
 from ...schedule.tuning import gemm_signature
 from ..elementwise import bf16_bits_to_f32, f32_to_bf16_bits, is_bf16
 from ..gemm import (
+    COMPUTE,
+    ELEM_TYPES,
     GEMM_DIMS,
     GemmSpec,
     dynamic_able,
@@ -35,10 +42,11 @@ from ..gemm import (
     gemm_num_tiles,
     gemm_plan,
     gemm_workspace_bytes,
+    precision_note,
     prepack_b,
 )
 from ..kernel import ConstRef, LowerCtx
-from ..plans import gemm_notes, gemm_tuning
+from ..plans import gemm_notes, gemm_tuning, precision_record
 from .base import register_lowering
 
 
@@ -210,9 +218,37 @@ def _lower_matmul_nest(ctx: LowerCtx) -> None:
     ctx.notes["matmul"] = "loop nest"
 
 
+PRECISIONS = ("bf16", "fp16")  # the values of attrs["cannc_precision"]
+
+
+def gemm_types(n: Node, ins: list[TensorType | None], out: TensorType | None
+               ) -> dict[str, str] | None:
+    """The element types and compute precision (GemmSpec fields a_type, b_type,
+    bias_type, c_type, compute) of a MatMul/Gemm node with inputs ``ins`` (A, B, C) and
+    output ``out``, or None where the GEMM generator does not take them. Products are in
+    the node's ``cannc_precision`` (each operand float32 or that narrow type), else in
+    the one narrow type among the operands (float32 when there is none)."""
+    names = [np.dtype(t.dtype).name if t is not None else "float32"
+             for t in (list(ins[:3]) + [None] * (3 - len(ins[:3])))[:3] + [out]]
+    if any(t not in ELEM_TYPES for t in names):
+        return None
+    narrow = {t for t in names if t != "float32"}
+    prec = n.attrs.get("cannc_precision")
+    if prec is not None:
+        if prec not in PRECISIONS or not narrow <= {COMPUTE[prec]}:
+            return None
+        compute = prec
+    elif len(narrow) > 1:
+        return None
+    else:
+        compute = {"bfloat16": "bf16", "float16": "fp16"}[narrow.pop()] if narrow else "f32"
+    return {"a_type": names[0], "b_type": names[1], "bias_type": names[2],
+            "c_type": names[3], "compute": compute}
+
+
 def _use_gemm(ctx: LowerCtx) -> bool:
     ins = ctx.in_types
-    if np.dtype(ins[0].dtype) != np.float32 or np.dtype(ins[1].dtype) != np.float32:
+    if gemm_types(ctx.node, ins, ctx.out_types[0]) is None:
         return False
     if any(int(d) == 0 for t in ins for d in t.shape):
         return False
@@ -242,11 +278,22 @@ def plan_contraction(ctx: LowerCtx, node: Node | None = None) -> GemmSpec:
         spec = _gemm_spec(ctx, n, ctx.in_types[:2] + ([ctx.in_types[2]] if present_c else []))
         if len(n.inputs) > 2 and not spec.bias:
             ctx.drop_input(2)  # absent, or beta == 0: C is not read
+    spec = _with(spec, **_types_of(n, ctx.in_types[:len(n.inputs)], ctx.out_types[0]))
     b = ctx.const(1)
     if b is not None:
         spec = _with(spec, b_prepacked=True)
         ctx.replace_const(1, _prepack_const_b, spec, n.op_type == "MatMul", ConstRef(1))
     return spec
+
+
+def _types_of(n: Node, ins: list[TensorType | None], out: TensorType) -> dict[str, str]:
+    """gemm_types of a node the GEMM generator takes (absent C: float32)."""
+    ins = list(ins[:3])
+    if n.op_type == "Gemm" and len(ins) > 2 and not n.inputs[2]:
+        ins[2] = None
+    t = gemm_types(n, ins if n.op_type == "Gemm" else ins[:2], out)
+    assert t is not None, "not a GEMM the generator takes"
+    return t
 
 
 def _prepack_const_b(spec: GemmSpec, matmul: bool, b: np.ndarray) -> np.ndarray:
@@ -272,6 +319,14 @@ def finish_contraction(ctx: LowerCtx, spec: GemmSpec, extra_ws: int = 0,
     ctx.flops = 2 * spec.batch * spec.M * spec.N * spec.K
     ctx.notes["gemm"] = _describe(spec)
     ctx.notes.update(gemm_notes(spec, tuning, epilogue))  # notes['plan'], notes['tiling']
+    note_precision(ctx, spec, tuning)
+
+
+def note_precision(ctx: LowerCtx, spec: GemmSpec, tuning: dict | None = None) -> None:
+    """ctx.notes['precision'] of a GEMM with narrow operands or products."""
+    note = precision_note(spec, tuning)
+    if note is not None:
+        ctx.notes["precision"] = note
 
 
 def _with(spec: GemmSpec, **kw: Any) -> GemmSpec:
@@ -282,29 +337,37 @@ def _describe(spec: GemmSpec) -> str:
     s = f"{spec.M}x{spec.N}x{spec.K}"
     if spec.batch > 1:
         s = f"{spec.batch}x[{s}]"
-    return s + (" B-prepacked" if spec.b_prepacked else "")
+    s += " B-prepacked" if spec.b_prepacked else ""
+    if spec.compute != "f32" or {spec.a_type, spec.b_type, spec.c_type} != {"float32"}:
+        s += f" {spec.compute} (A {spec.a_type}, B {spec.b_type}, C {spec.c_type})"
+    return s
 
 
 # ---------------------------------------------------------------------------
 # shape-polymorphic GEMMs: M (and the batch count) at run time
 # ---------------------------------------------------------------------------
 
-def dynamic_gemm(n: Node, ins: list[TensorType | None]
+def dynamic_gemm(n: Node, ins: list[TensorType | None], out: TensorType | None = None
                  ) -> tuple[GemmSpec, int, int, int | None, GemmSpec] | None:
     """The kernel of a float32 MatMul/Gemm node for any M (rows: batch x sequence of a
     [.., M, K] x [K, N] MatMul, whose batch folds into M) and any batch count (a batched
     MatMul): (canonical GemmSpec without prepacking, M, batch, batch items of B when B is
     batched, the static GemmSpec of these shapes), or None where the shapes are emitted
-    statically (other dtypes, A transposed, empty operands)."""
+    statically (other dtypes, A transposed, empty operands). ``out``: the output's type
+    (its element type is C's; default: A's)."""
     if ins[0] is None or ins[1] is None:
         return None
-    if any(np.dtype(t.dtype) != np.float32 for t in ins if t is not None):
+    gin = list(ins[:3]) if n.op_type == "Gemm" else list(ins[:2])
+    if n.op_type == "Gemm" and len(gin) > 2 and not (len(n.inputs) > 2 and n.inputs[2]):
+        gin[2] = None
+    types = gemm_types(n, gin, out if out is not None else ins[0])
+    if types is None:
         return None
     if any(not t.is_static or any(int(d) == 0 for d in t.shape) for t in ins if t is not None):
         return None
     if n.op_type == "Gemm":
         present_c = len(n.inputs) > 2 and bool(n.inputs[2])
-        spec = _gemm_spec(None, n, ins[:2] + ([ins[2]] if present_c else []))
+        spec = _with(_gemm_spec(None, n, ins[:2] + ([ins[2]] if present_c else [])), **types)
         if dynamic_able(spec):
             return None
         return dynamic_spec(spec), spec.M, 1, None, spec
@@ -314,13 +377,15 @@ def dynamic_gemm(n: Node, ins: list[TensorType | None]
     spec, _ = _matmul_spec(ins[0], ins[1])
     if spec is None:
         return None
+    spec = _with(spec, **types)
     if len(b) <= 2 or (nb > 1 and all(d == 1 for d in bb)):
         # B has no batch: A's batch dims fold into M
-        return dynamic_spec(GemmSpec(M=nb * M, N=N, K=K)), nb * M, 1, None, spec
+        return dynamic_spec(GemmSpec(M=nb * M, N=N, K=K, **types)), nb * M, 1, None, spec
     # batched; A is broadcast when it has no batch (at one item: when it is 2-D)
     a_one = len(a) <= 2 or (nb > 1 and all(d == 1 for d in ab))
     canon = dynamic_spec(GemmSpec(M=M, N=N, K=K, batch=2, a_batch_stride=0 if a_one else M * K,
-                                  b_batch_stride=K * N, c_batch_stride=M * N), batched=True)
+                                  b_batch_stride=K * N, c_batch_stride=M * N, **types),
+                         batched=True)
     return canon, M, nb, int(np.prod(bb)), spec
 
 
@@ -337,7 +402,7 @@ def gemm_tiling(n: Node, ins: list[TensorType | None], outs: list[TensorType],
     the key is the canonical GEMM (N, K, layouts, bias pattern, alpha, beta), the dims
     are GEMM_DIMS for these M and batch. Shapes that `cannc tune` measured get their
     tuned static kernel (None)."""
-    d = dynamic_gemm(n, ins)
+    d = dynamic_gemm(n, ins, outs[0] if outs else None)
     if d is None:
         return None
     canon, M, batch, _, full = d
@@ -356,10 +421,13 @@ def gemm_tiling(n: Node, ins: list[TensorType | None], outs: list[TensorType],
                       "NC": p.NC, **dict(zip(GEMM_DIMS[2:], dims[2:])),
                       "b_mode": p.b_mode, "pack_a": p.pack_a, "pack_b": p.b_mode == "pack",
                       "tiles": tiles, "workspace_bytes": ws, "tuning": None,
-                      "dynamic": True,
+                      "dynamic": True, **precision_record(canon, p),
                       # what `cannc tune` measures (B taken as a prepacked weight when 2-D)
                       "signature": gemm_signature(
                           _with(full, b_prepacked=len(ins[1].shape) <= 2), epilogue)}}
+    note = precision_note(guess)
+    if note is not None:
+        notes["precision"] = note
     return Tiling(key=("gemm", canon), dims=dims, num_tiles=tiles,
                   workspace_bytes=ws, flops=2 * batch * M * canon.N * canon.K, notes=notes)
 
@@ -370,7 +438,7 @@ def plan_dynamic(ctx: LowerCtx, node: Node | None = None) -> GemmSpec:
     only, so the recipe serves every M); drops an unread Gemm C."""
     n = node or ctx.node
     ncon = len(n.inputs)
-    d = dynamic_gemm(n, ctx.in_types[:ncon])
+    d = dynamic_gemm(n, ctx.in_types[:ncon], ctx.out_types[0])
     assert d is not None
     spec, _, _, b_items, _ = d
     if n.op_type == "Gemm" and len(n.inputs) > 2 and not spec.bias:
@@ -393,6 +461,7 @@ def _lower_dynamic(ctx: LowerCtx) -> None:
     spec = plan_dynamic(ctx)
     emit_gemm(ctx.module, ctx.symbol, spec, dims_slot=dims_slot(ctx))
     ctx.notes["gemm"] = _describe(spec) + " dynamic"
+    note_precision(ctx, spec)
 
 
 def _gemm_spec(ctx_or_types: Any, n: Node, ins: list[TensorType]) -> GemmSpec:

@@ -35,13 +35,19 @@ from ..attention import (
     attention_workspace_bytes,
     emit_attention,
 )
-from ..elementwise import TV, Expr, bf16_bits_to_f32, emit_map, map_tiling
+from ..elementwise import TV, Expr, bf16_bits_to_f32, emit_map, is_bf16, map_tiling
 from ..gemm import GEMM_DIMS, emit_gemm
 from ..kernel import LowerCtx
 from ..plans import attention_notes, attention_record, gemm_tuning
 from ..reduce import load_raw
 from .base import register_lowering, registered_lowering
-from .contraction import finish_contraction, gemm_tiling, plan_contraction, plan_dynamic
+from .contraction import (
+    finish_contraction,
+    gemm_tiling,
+    note_precision,
+    plan_contraction,
+    plan_dynamic,
+)
 from .conv import _lower_conv, conv_tiling
 
 
@@ -197,11 +203,18 @@ def _lower_fused_gemm(ctx: LowerCtx) -> None:
     final = ctx.node.outputs[0]
     nptr = ngemm + 1 + len(ext)      # the inner GEMM's pointers; then its runtime dims
 
+    mm_dt = np.dtype(types[mm_out].dtype) if mm_out in types else np.dtype(np.float32)
+
     def epilogue(b: ir.IRBuilder, val: ir.Value, m: ir.Value, n: ir.Value) -> ir.Value:
         lanes = val.type.count if isinstance(val.type, ir.VectorType) else 1
         E = Expr(b, lanes)
         args = b.function.args[0]
-        env = {mm_out: TV(val, np.dtype(np.float32))}
+        # the GEMM's float32 result as the expressions hold its type (bfloat16: as float,
+        # not rounded; float16: half); the GEMM converts the result on store
+        if mm_dt == np.float16:
+            env = {mm_out: TV(b.fptrunc(val, ir.VectorType(ir.HalfType(), lanes)), mm_dt)}
+        else:
+            env = {mm_out: TV(val, mm_dt if is_bf16(mm_dt) else np.dtype(np.float32))}
         env.update({ctx.node.inputs[i]: _immediate(E, c) for i, c in imm.items()})
         if dyn:   # GEMM_DIMS[0]: M
             M = b.load(emit.gep(b, args, nptr, emit.I64), typ=emit.I64)
@@ -211,7 +224,10 @@ def _lower_fused_gemm(ctx: LowerCtx) -> None:
         for k, (i, pat) in enumerate(zip(ext, patterns)):
             ptr = emit.load_arg(b, args, ngemm + 1 + k)
             dt = np.dtype(ctx.in_types[i].dtype)
-            env[ctx.node.inputs[i]] = _load_operand(b, E, ptr, dt, pat, m_safe, n, N, lanes)
+            tv = _load_operand(b, E, ptr, dt, pat, m_safe, n, N, lanes)
+            if is_bf16(dt):   # bits -> float, as expressions hold bfloat16
+                tv = TV(bf16_bits_to_f32(b, tv.v), dt)
+            env[ctx.node.inputs[i]] = tv
         eval_body(E, epi, env, types, consts)
         return env[final].v
 
@@ -231,6 +247,8 @@ def _lower_fused_gemm(ctx: LowerCtx) -> None:
         b.store(ctx.rt_dim(b, k), emit.gep(b, arr, nptr + k, emit.I64))
     b.call(inner, [arr, ctx.tile_begin, ctx.tile_end, ctx.workspace])
     b.ret_void()
+    if dyn:
+        note_precision(ctx, spec)
     if not dyn:
         finish_contraction(ctx, spec, tuning=tun, epilogue=True)
         ctx.flops += sum(out_t.numel * _flops_per_elem(lookup(n.op_type))

@@ -14,7 +14,7 @@ from ..epilogue import gemm_operand, matmul_fit, matmul_operand
 from ..graph import Node
 from ..registry import Category, Fusion, OpDef, register
 
-F32 = frozenset({"float32"})
+GEMM_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 MATMUL_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "int32", "int64",
                            "uint32", "uint64"})
 
@@ -26,8 +26,9 @@ def _check_matmul(n: Node, ins: list[Any], outs: list[Any]) -> str | None:
 register(OpDef(name="MatMul", category=Category.CONTRACTION,
                dtypes=MATMUL_DTYPES, check=_check_matmul,
                epilogue=Fusion(rule="gemm_epilogue", fused_op="FusedGemm",
-                               operand=matmul_operand, node=matmul_fit),
-               doc="float32: packed, register-blocked GEMM; other dtypes: a loop nest"))
+                               operand=matmul_operand, node=matmul_fit, dtypes=GEMM_DTYPES),
+               doc="float32, bfloat16, float16: packed, register-blocked GEMM (16-bit floats: "
+                   "fp32 accumulation); other dtypes: a loop nest"))
 
 
 def _check_gemm(n: Node, ins: list[Any], outs: list[Any]) -> str | None:
@@ -36,7 +37,8 @@ def _check_gemm(n: Node, ins: list[Any], outs: list[Any]) -> str | None:
     return None
 
 
-register(OpDef(name="Gemm", category=Category.CONTRACTION, dtypes=F32,
+register(OpDef(name="Gemm", category=Category.CONTRACTION, dtypes=GEMM_DTYPES,
                check=_check_gemm,
-               epilogue=Fusion(rule="gemm_epilogue", fused_op="FusedGemm", operand=gemm_operand),
+               epilogue=Fusion(rule="gemm_epilogue", fused_op="FusedGemm", operand=gemm_operand,
+                               dtypes=GEMM_DTYPES),
                doc="packed, register-blocked GEMM with fused bias"))
