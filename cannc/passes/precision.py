@@ -293,9 +293,13 @@ def _cast_fusion(graph: Graph) -> None:
             out = c.outputs[0]
             graph.remove_node(c.name)
             graph.values[v] = TensorType(np.dtype(np.float32), graph.values[v].shape)
-            graph.replace_uses(out, v)
-            if out in graph.outputs:    # (a graph output keeps its name)
-                _rename_output(graph, v, out)
+            if out in graph.outputs:    # a graph output keeps its name: n writes it
+                del graph.values[v]
+                n = graph.node(n.name)
+                graph.replace_node(n.name, n.replace(outputs=tuple(
+                    out if x == v else x for x in n.outputs), proto=None))
+            else:
+                graph.replace_uses(out, v)
     # narrowing Casts nobody reads any more
     for n in list(graph.nodes()):
         if n.op_type == "Cast" and n.name.endswith(("::to_bf16", "::to_fp16")) \

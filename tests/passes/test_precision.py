@@ -237,4 +237,4 @@ def test_cli_compile_precision_with_accuracy_feeds(tmp_path, capsys):
     assert rc == 0
     assert "moved 1 node(s) to fp32 (plant)" in out and "precision: bf16" in out
     rc = main(["inspect", str(tmp_path / "p.cnc"), "--shape", "x=8x32"])
-    assert rc == 0 and "fp32 6 node(s)" in capsys.readouterr().out
+    assert rc == 0 and "fp32 5 node(s): plant, tr, unplant, relu, tr2" in capsys.readouterr().out
