@@ -46,7 +46,10 @@ LAUNCH_US = 0.3
 SYNC_US = 1.0
 # fraction of peak reached by code that is not a register-blocked contraction
 EFFICIENCY = {"gemm": 0.88, "gemm_dot": 0.45, "conv": 0.75, "attention": 0.55,
-              "loop_nest": 0.25, "other": 0.15}
+              "loop_nest": 0.25, "other": 0.15,
+              # bf16 on AMX tiles: 700-980 GFLOP/s measured on a Xeon whose fp32 FMA peak
+              # is ~240 (codegen/amx.py), i.e. ~3.5x the fp32 peak
+              "amx": 3.5}
 
 # ---------------------------------------------------------------------------
 # plans as the lowerings record them (codegen.plans)
@@ -157,7 +160,7 @@ def _bandwidth_gbps(nbytes: int, cores: int, cpu: CpuModel) -> float:
 
 def _kind(k: Any) -> str:
     rec = k.notes.get("plan")
-    if isinstance(rec, dict) and rec.get("kind") in ("gemm", "attention"):
+    if isinstance(rec, dict) and rec.get("kind") in ("gemm", "attention", "amx"):
         return "gemm_dot" if rec["kind"] == "gemm" and rec["b_mode"] == "dot" else rec["kind"]
     if "gemm" in str(k.notes.get("path", "")) or "Conv" in k.op_types[:1]:
         return "conv"

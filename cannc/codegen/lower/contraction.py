@@ -29,6 +29,15 @@ from ...ir.types import TensorType
 from ...native import emit
 from ...native.emit import for_range, i64
 from ...schedule.tuning import gemm_signature
+from ..amx import (
+    amx_num_tiles,
+    amx_plan,
+    amx_prepack_b,
+    amx_supports,
+    amx_usable,
+    amx_workspace_bytes,
+    emit_amx_gemm,
+)
 from ..elementwise import bf16_bits_to_f32, f32_to_bf16_bits, is_bf16
 from ..gemm import (
     COMPUTE,
@@ -261,8 +270,8 @@ def _lower_matmul(ctx: LowerCtx) -> None:
     if not _use_gemm(ctx):
         return _lower_matmul_nest(ctx)
     spec = plan_contraction(ctx)
-    tun = gemm_tuning(spec)  # measured by `cannc tune` (None: the modelled default plan)
-    emit_gemm(ctx.module, ctx.symbol, spec, tuning=tun)
+    tun = contraction_tuning(spec)
+    emit_contraction(ctx.module, ctx.symbol, spec, tuning=tun)
     finish_contraction(ctx, spec, tuning=tun)
 
 
@@ -282,8 +291,49 @@ def plan_contraction(ctx: LowerCtx, node: Node | None = None) -> GemmSpec:
     b = ctx.const(1)
     if b is not None:
         spec = _with(spec, b_prepacked=True)
-        ctx.replace_const(1, _prepack_const_b, spec, n.op_type == "MatMul", ConstRef(1))
+        ctx.replace_const(1, _prepack_const_b, spec, n.op_type == "MatMul", ConstRef(1),
+                          use_amx(spec))
     return spec
+
+
+# ---------------------------------------------------------------------------
+# the AMX kernels (codegen/amx.py): bf16 products where the CPU has tiles
+# ---------------------------------------------------------------------------
+
+_AMX_TYPES = frozenset({"float32", "bfloat16"})
+
+
+def use_amx(spec: GemmSpec) -> bool:
+    """Whether this GEMM runs on AMX tiles: bf16 products on a CPU (and process) with
+    AMX, a constant B, the operand types the AMX kernel takes. Shape-polymorphic
+    kernels stay on gemm.py (their tiling function cannot tell a constant B)."""
+    return (spec.compute == "bf16" and not spec.dyn and spec.b_prepacked
+            and {spec.a_type, spec.b_type, spec.c_type} <= _AMX_TYPES
+            and (not spec.bias or spec.bias_type in _AMX_TYPES)
+            and amx_usable() is None and amx_supports(spec) is None)
+
+
+def amx_candidate(spec: GemmSpec) -> bool:
+    """Whether a GEMM of these types and layout would run on AMX if its B is a constant
+    (what a tiling function, which sees types only, can tell)."""
+    return use_amx(_with(spec, dyn=False, b_prepacked=True))
+
+
+def contraction_tuning(spec: GemmSpec, epilogue: bool = False) -> dict | None:
+    """`cannc tune`'s measured plan of a gemm.py kernel (None: the modelled plan; AMX
+    kernels are not tuned)."""
+    return None if use_amx(spec) else gemm_tuning(spec, epilogue)
+
+
+def emit_contraction(module: ir.Module, name: str, spec: GemmSpec, epilogue: Any = None, *,
+                     tuning: dict | None = None, dims_slot: int | None = None
+                     ) -> ir.Function:
+    """The GEMM kernel of `spec`: on AMX tiles where `use_amx`, else gemm.py's."""
+    if use_amx(spec):
+        return emit_amx_gemm(module, name, spec, epilogue, a_dtype=spec.a_type,
+                             c_dtype=spec.c_type,
+                             bias_dtype=spec.bias_type if spec.bias else "float32")
+    return emit_gemm(module, name, spec, epilogue, tuning=tuning, dims_slot=dims_slot)
 
 
 def _types_of(n: Node, ins: list[TensorType | None], out: TensorType) -> dict[str, str]:
@@ -296,7 +346,8 @@ def _types_of(n: Node, ins: list[TensorType | None], out: TensorType) -> dict[st
     return t
 
 
-def _prepack_const_b(spec: GemmSpec, matmul: bool, b: np.ndarray) -> np.ndarray:
+def _prepack_const_b(spec: GemmSpec, matmul: bool, b: np.ndarray, amx: bool = False
+                     ) -> np.ndarray:
     """The packed constant B. A MatMul's B brings its own batch count: a memoised
     (shape-polymorphic) kernel is shared by B of one item and B of several, so the
     recipe replayed on another graph's B must not assume the count it was made for."""
@@ -309,11 +360,25 @@ def _prepack_const_b(spec: GemmSpec, matmul: bool, b: np.ndarray) -> np.ndarray:
         else:
             spec = _with(spec, batch=1, b_batch_stride=0)
             b = b.reshape(spec.K, spec.N)
-    return prepack_b(spec, b)
+    return amx_prepack_b(spec, b) if amx else prepack_b(spec, b)
 
 
 def finish_contraction(ctx: LowerCtx, spec: GemmSpec, extra_ws: int = 0,
                        tuning: dict | None = None, epilogue: bool = False) -> None:
+    if use_amx(spec):
+        p = amx_plan(spec, spec.a_type)
+        ctx.num_tiles = amx_num_tiles(spec, spec.a_type)
+        ctx.workspace_bytes = amx_workspace_bytes(spec, spec.a_type) + extra_ws
+        ctx.flops = 2 * spec.batch * spec.M * spec.N * spec.K
+        ctx.notes["gemm"] = _describe(spec) + " AMX"
+        rec = {"kind": "amx", "M": spec.M, "N": spec.N, "K": spec.K, "batch": spec.batch,
+               "MB": p.MB, "NB": p.NB, "mt": p.mt, "nt": p.nt, "pack_a": p.pack_a,
+               "tiles": ctx.num_tiles, "workspace_bytes": ctx.workspace_bytes,
+               "path": f"AMX 2x2 16x16 tiles, grid {p.mt}x{p.nt} of {p.MB}x{p.NB}"}
+        ctx.notes["plan"] = rec
+        ctx.notes["tiling"] = rec["path"]
+        ctx.notes["precision"] = "bf16 AMX (fp32 sums)"
+        return
     ctx.num_tiles = gemm_num_tiles(spec, tuning)
     ctx.workspace_bytes = gemm_workspace_bytes(spec, tuning) + extra_ws
     ctx.flops = 2 * spec.batch * spec.M * spec.N * spec.K
@@ -408,6 +473,8 @@ def gemm_tiling(n: Node, ins: list[TensorType | None], outs: list[TensorType],
     canon, M, batch, _, full = d
     if _tuned(full, epilogue):
         return None
+    if len(ins[1].shape) <= 2 and amx_candidate(full):
+        return None    # a static AMX kernel once B proves a constant (plan_contraction)
     # B may be a constant (prepacked: no workspace) or not (packed per block): the
     # workspace of the latter serves both, the dims serve both (gemm_dims); the grid
     # is the one of a prepacked B when B is 2-D (a weight, most likely)
@@ -487,8 +554,8 @@ def _lower_gemm(ctx: LowerCtx) -> None:
     if ctx.tiling is not None:
         return _lower_dynamic(ctx)
     spec = plan_contraction(ctx)
-    tun = gemm_tuning(spec)  # measured by `cannc tune` (None: the modelled default plan)
-    emit_gemm(ctx.module, ctx.symbol, spec, tuning=tun)
+    tun = contraction_tuning(spec)
+    emit_contraction(ctx.module, ctx.symbol, spec, tuning=tun)
     finish_contraction(ctx, spec, tuning=tun)
 
 

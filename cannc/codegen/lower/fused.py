@@ -36,12 +36,14 @@ from ..attention import (
     emit_attention,
 )
 from ..elementwise import TV, Expr, bf16_bits_to_f32, emit_map, is_bf16, map_tiling
-from ..gemm import GEMM_DIMS, emit_gemm
+from ..gemm import GEMM_DIMS
 from ..kernel import LowerCtx
-from ..plans import attention_notes, attention_record, gemm_tuning
+from ..plans import attention_notes, attention_record
 from ..reduce import load_raw
 from .base import register_lowering, registered_lowering
 from .contraction import (
+    contraction_tuning,
+    emit_contraction,
     finish_contraction,
     gemm_tiling,
     note_precision,
@@ -232,9 +234,9 @@ def _lower_fused_gemm(ctx: LowerCtx) -> None:
         return env[final].v
 
     # measured by `cannc tune`, else None (a kernel for any M: the modelled plan)
-    tun = None if dyn else gemm_tuning(spec, epilogue=True)
-    inner = emit_gemm(ctx.module, "gemm_with_epilogue", spec, epilogue=epilogue, tuning=tun,
-                      dims_slot=nptr if dyn else None)
+    tun = None if dyn else contraction_tuning(spec, epilogue=True)
+    inner = emit_contraction(ctx.module, "gemm_with_epilogue", spec, epilogue=epilogue,
+                             tuning=tun, dims_slot=nptr if dyn else None)
     inner.linkage = "internal"
     fn, b = ctx.begin()
     ndims = len(GEMM_DIMS) if dyn else 0
