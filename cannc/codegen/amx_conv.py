@@ -1,0 +1,336 @@
+"""bf16 convolution on Intel AMX tiles (``tdpbf16ps``): an implicit GEMM.
+
+Activations are NCHW (normalised to 3 spatial dims, `conv.ConvGeom`), so per image
+and group the convolution is
+
+    Y[Mg, pixels] = W[Mg, K] @ col[K, pixels]
+
+with the OUTPUT CHANNELS as the rows of the tile GEMM and the pixels as its columns:
+
+* A = the weights, a constant prepacked at compile time (`pack_amx_conv_weights`) in
+  the A-tile layout ``[G][Mp/32][kb][2][16][16]`` of 32-bit units (each a bf16 pair):
+  per 32-channel panel and K step of 32 bf16 two 1 KiB tiles (16 channels x 64 bytes)
+  side by side; Mp = Mg rounded up to 32 (zero rows), K zero padded.
+* B = the col buffer of a pixel block, built per tile in the workspace by the
+  reduced-precision im2col of ``conv.py`` (mode "dp"): row ``u = tap*CU + cu`` holds,
+  per pixel, the 32-bit unit (bf16 of channel 2cu low, 2cu+1 high) -- which IS the
+  VNNI layout ``tdpbf16ps`` reads for B (a row of a B tile = one K pair, 16 pixels x
+  4 bytes). So B tiles are loaded straight from the col buffer with its row stride:
+  no second packing pass. The K padding rows (up to a multiple of 16 units) are
+  zeroed per tile. An fp32 X is rounded to bf16 (nearest even) while the col buffer
+  is built; a bf16 X is copied.
+* C: a 32-channel x 32-pixel block is a 2 x 2 grid of 16 x 16 fp32 tiles (4 tile
+  registers) fed by 2 A and 2 B tiles per K step (all 8 registers), over the whole K.
+  Per 32-channel panel the micro-kernel (a ``noinline`` function: one tile shape,
+  16 x 64 bytes, for every register) runs over all the 32-pixel columns of the pixel
+  block, the weight panel staying in L1/L2 and the col buffer in L2, and stores the
+  tiles to a 32 x P fp32 scratch; then vector code adds the bias, applies the fused
+  epilogue (FusedConv: Relu, residual add, ...) in fp32 and stores each channel row
+  of Y (contiguous pixels, masked at the end) as Y's dtype.
+
+Why this orientation: Y rows (channels) are contiguous pixels, so the C tiles are
+stored row by row with plain vector stores and the bias is one broadcast per row; the
+pixels-as-rows formulation would need an X transpose into A tiles and a C transpose
+back to NCHW. Costs: pixel columns are computed in 32s (7x7: 64 for 49) and channels
+in 32s.
+
+Tiles: ``(image, group, pixel block, channel block)``, channel block fastest, as the
+other reduced-precision kernel's; the pixel block is sized so that its col buffer
+stays in L2 and the grid split evenly over two cores.
+
+Numerics: bf16 products (round to nearest even), fp32 accumulation; ``tdpbf16ps``
+treats denormal inputs as zero and flushes denormal results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import llvmlite.ir as ir
+import numpy as np
+
+from ..native.emit import I8, I64, PTR, VOID, X86_AMX, i64
+from ..schedule.split import split_even
+from .conv import (
+    VB,
+    VI,
+    ConvGeom,
+    Epilogue,
+    LowpTypes,
+    Slots,
+    _LowpGen,
+    _round_np,
+    bf16_bits,
+    cdiv,
+    elem_type,
+    rup,
+    sload_dt,
+    vstore_dt,
+)
+from .vec import VF, abi_function
+
+I16 = ir.IntType(16)
+
+__all__ = [
+    "AmxConvPlan",
+    "amx_conv_supports",
+    "emit_amx_conv",
+    "pack_amx_conv_weights",
+    "plan_amx_conv",
+]
+
+TILE = 1024          # bytes of a full tile (16 rows x 64 bytes)
+UNITS = 16           # 32-bit units (bf16 pairs) per tile row: one K step of 32 bf16
+COL_BYTES = 768 * 1024   # col buffer of a pixel block (L2 is 2 MiB on the AMX cores)
+P_MAX = 512          # pixels per block (the C scratch is 32 x P fp32)
+
+
+def amx_conv_supports(geom: ConvGeom, types: LowpTypes) -> str | None:
+    """Why this reduced-precision Conv cannot run on the AMX kernel (None: it can)."""
+    if types.prec != "bf16":
+        return f"{types.prec} (AMX here multiplies bf16 only)"
+    if geom.transposed:
+        return "a transposed convolution"
+    for dt in (types.x, types.w, types.b, types.y):
+        if dt not in ("float32", "bfloat16"):
+            return f"a {dt} operand"
+    return None
+
+
+@dataclass(frozen=True)
+class AmxConvPlan:
+    mode: str        # "amx" (the path note; the im2col reads ``pairs``)
+    CU: int          # channel pairs per tap
+    KU: int          # reduction units (bf16 pairs): KK*CU
+    KUp: int         # KU rounded up to 16
+    P: int           # pixels per pixel block (a multiple of 32)
+    PB: int
+    CH: int          # output channels per channel block (a multiple of 32)
+    MB: int
+    Mp: int          # Mg rounded up to 32
+    NCP: int         # col row stride (units)
+    CSS: int         # C scratch row stride (bytes)
+    ws_cs: int       # byte offset of the 32 x P fp32 C scratch
+    ws_bytes: int
+    num_tiles: int
+
+    pairs = True
+
+    @property
+    def kb(self) -> int:
+        return self.KUp // UNITS
+
+
+def _tile_cost(P: int, CH: int, KUp: int) -> float:
+    """Crude time of one tile (ns): im2col at ~4 units/ns, AMX at ~1 TFLOP/s on whole
+    32 x 32 blocks, weights streamed at ~20 B/ns, a fixed overhead."""
+    return P * KUp / 4.0 + 4.0 * rup(P, 32) * CH * KUp / 1000.0 + CH * KUp * 4 / 20.0 + 500
+
+
+def plan_amx_conv(geom: ConvGeom, cores: int = 2) -> AmxConvPlan:
+    OHW, Mg = geom.OHW, geom.Mg
+    CU = cdiv(geom.Cg, 2)
+    KU = geom.KK * CU
+    KUp = rup(KU, UNITS)
+    Mp = rup(Mg, 32)
+    pmax = min(P_MAX, max(32, (COL_BYTES // (4 * KUp)) // 32 * 32), rup(OHW, 32))
+    best = None
+    pb0 = cdiv(OHW, pmax)
+    for pb in range(pb0, pb0 + 4):
+        P = rup(cdiv(OHW, pb), 32)
+        PB = cdiv(OHW, P)
+        for mb in range(1, min(Mp // 32, 8) + 1):
+            CH = rup(cdiv(Mp, mb), 32)
+            MB = cdiv(Mp, CH)
+            T = geom.G * PB * MB     # per image: a batch runs these N times
+            costs = [_tile_cost(min(P, OHW - i * P), min(CH, Mp - j * CH), KUp)
+                     for _ in range(geom.G) for i in range(PB) for j in range(MB)]
+            worst = max(sum(costs[a:b]) for a, b in split_even(T, cores))
+            key = (worst, T)
+            if best is None or key < best[0]:
+                best = (key, P, PB, CH, MB)
+    _, P, PB, CH, MB = best
+    NCP = P + 16                     # row stride not a multiple of 4 KiB apart
+    CSS = P * 4 + 64
+    col = rup(KUp * NCP * 4, 64)
+    return AmxConvPlan(mode="amx", CU=CU, KU=KU, KUp=KUp, P=P, PB=PB, CH=CH, MB=MB, Mp=Mp,
+                       NCP=NCP, CSS=CSS, ws_cs=col, ws_bytes=col + 32 * CSS,
+                       num_tiles=geom.N * geom.G * PB * MB)
+
+
+def pack_amx_conv_weights(geom: ConvGeom, plan: AmxConvPlan, w: np.ndarray) -> np.ndarray:
+    """Weights [M, Cg, k...] (any float dtype) rounded to bf16, as A tiles
+    ``[G][Mp/32][kb][2][16][16]`` of 32-bit units (the bf16 of channel 2cu in the low
+    half, 2cu+1 in the high half, unit ``u = tap*CU + cu``), zero padded; a float32
+    array of the unit bits."""
+    G, Mg, Cg, KK, CU = geom.G, geom.Mg, geom.Cg, geom.KK, plan.CU
+    Mp, KUp, kb = plan.Mp, plan.KUp, plan.kb
+    a = _round_np(np.asarray(w).reshape(G, Mg, Cg, KK), "bfloat16").astype(np.float32)
+    full = np.zeros((G, Mp, 2 * CU, KK), np.float32)
+    full[:, :Mg, :Cg] = a
+    bits = (_round_np(full.transpose(0, 1, 3, 2), "bfloat16").view(np.uint16)
+            .astype(np.uint32).reshape(G, Mp, KK, CU, 2))
+    units = np.zeros((G, Mp, KUp), np.uint32)
+    units[:, :, :KK * CU] = (bits[..., 0] | (bits[..., 1] << 16)).reshape(G, Mp, KK * CU)
+    # (g, panel, half, row, kk, unit) -> (g, panel, kk, half, row, unit)
+    units = units.reshape(G, Mp // 32, 2, 16, kb, UNITS).transpose(0, 1, 4, 2, 3, 5)
+    return np.ascontiguousarray(units).reshape(-1).view(np.float32)
+
+
+def _i16(v: int) -> ir.Constant:
+    return ir.Constant(I16, v)
+
+
+class _AmxConvGen(_LowpGen):
+    """The tile loop and im2col of the reduced-precision kernel (mode "dp" units), a
+    tile GEMM over the col buffer."""
+
+    def __init__(self, module, fn, geom: ConvGeom, plan: AmxConvPlan, types: LowpTypes,
+                 slots: Slots, epilogue: Epilogue | None):
+        super().__init__(module, fn, geom, plan, types, slots, True, epilogue)
+        self._mk = None
+
+    def emit(self):
+        v, g, p = self.v, self.g, self.p
+        b = v.b
+        args, tb, te, ws = v.fn.args
+        sl = self.slots
+        self.X, self.W, self.Y = v.arg(args, sl.x), v.arg(args, sl.w), v.arg(args, sl.y)
+        self.Bias = v.arg(args, sl.b) if g.bias else None
+        self.col = ws
+        self.cs = b.gep(ws, [i64(p.ws_cs)], source_etype=I8)
+        with v.loop(tb, te, 1, "tile") as t:
+            r, mb = v.divmod_c(t, p.MB)
+            r, pb = v.divmod_c(r, p.PB)
+            n, gi = v.divmod_c(r, g.G)
+            p0 = b.mul(pb, i64(p.P))
+            p1 = v.smin(b.add(p0, i64(p.P)), g.OHW)
+            m_lo = b.mul(mb, i64(p.CH))
+            m_hi = v.smin(b.add(m_lo, i64(p.CH)), g.Mg)
+            x_ng = v.gep(self.X, b.mul(b.add(b.mul(n, i64(g.C)), b.mul(gi, i64(g.Cg))),
+                                       i64(g.DHW)), self.xt)
+            ch0 = b.mul(gi, i64(g.Mg))
+            y_off = b.mul(b.add(b.mul(n, i64(g.M)), ch0), i64(g.OHW))
+            self.im2col(x_ng, p0, p1)
+            self.zero_pad_rows()
+            self.gemm(gi, ch0, y_off, p0, b.sub(p1, p0), m_lo, m_hi)
+        f = v.intr("llvm.x86.tilerelease", VOID, [])
+        b.call(f, [])
+        b.ret_void()
+
+    def zero_pad_rows(self):
+        """Col rows KU .. KUp-1 (K padding; zero weights there) to 0: stale workspace
+        bits could be NaN."""
+        v, p = self.v, self.p
+        if p.KUp == p.KU:
+            return
+        base = v.gep(self.col, p.KU * p.NCP)
+        with v.loop(0, (p.KUp - p.KU) * p.NCP, 16, "zp") as i:
+            v.store_v(v.zero_v, v.gep(base, i))
+
+    # -- tiles ----------------------------------------------------------------------
+    def micro(self) -> ir.Function:
+        """``void mk(ptr a, ptr col, ptr cs, i64 npp)``: C[32 channels, 32 pixels] for
+        ``npp`` consecutive 32-pixel columns of the col buffer against the weight panel
+        ``a`` (over the whole K), stored to the scratch ``cs`` (rows CSS bytes apart)."""
+        if self._mk is not None:
+            return self._mk
+        p = self.p
+        m = self.v.m
+        f = ir.Function(m, ir.FunctionType(VOID, [PTR, PTR, PTR, I64]),
+                        name=m.get_unique_name(f"{self.v.fn.name}.mk"))
+        f.linkage = "internal"
+        f.attributes.add("nounwind")
+        f.attributes.add("noinline")
+        a, col, cs, npp = f.args
+        u = VB(m, f)
+        b = u.b
+        r16, c64 = _i16(16), _i16(64)
+        bstride = p.NCP * 4
+
+        def tload(ptr, stride):
+            fn = u.intr("llvm.x86.tileloadd64.internal", X86_AMX, [I16, I16, PTR, I64])
+            return b.call(fn, [r16, c64, ptr, i64(stride)])
+
+        def tdp(c, x, y):
+            fn = u.intr("llvm.x86.tdpbf16ps.internal", X86_AMX, [I16] * 3 + [X86_AMX] * 3)
+            return b.call(fn, [r16, c64, c64, c, x, y])
+
+        def by(ptr, off):
+            return b.gep(ptr, [off if not isinstance(off, int) else i64(off)],
+                         source_etype=I8)
+
+        with u.loop(0, npp, 1, "pp") as pp:
+            bcol = by(col, b.mul(pp, i64(128)))
+            zf = u.intr("llvm.x86.tilezero.internal", X86_AMX, [I16, I16])
+            init = [b.call(zf, [r16, c64]) for _ in range(4)]
+
+            def body(kk, accs):
+                ak = by(a, b.mul(kk, i64(2 * TILE)))
+                bk = by(bcol, b.mul(kk, i64(UNITS * bstride)))
+                at = [tload(ak, 64), tload(by(ak, TILE), 64)]
+                bt = [tload(bk, bstride), tload(by(bk, 64), bstride)]
+                return [tdp(accs[2 * i + j], at[i], bt[j]) for i in range(2) for j in range(2)]
+
+            _, accs = u.carry_loop(0, p.kb, 1, init, body, "k")
+            sf = u.intr("llvm.x86.tilestored64.internal", VOID, [I16, I16, PTR, I64, X86_AMX])
+            for i in range(2):
+                for j in range(2):
+                    ptr = by(cs, b.add(b.mul(pp, i64(128)), i64(i * 16 * p.CSS + j * 64)))
+                    b.call(sf, [r16, c64, ptr, i64(p.CSS), accs[2 * i + j]])
+        b.ret_void()
+        self._mk = f
+        return f
+
+    def gemm(self, gi, ch0, y_off, p0, npix, m_lo, m_hi):
+        v, g, p, t = self.v, self.g, self.p, self.t
+        b = v.b
+        npp = b.udiv(b.add(npix, i64(31)), i64(32))
+        mk = self.micro()
+        yt = elem_type(t.y)
+        panel_bytes = p.kb * 2 * TILE
+        with v.loop(m_lo, m_hi, 32, "mp") as mp:
+            panel = b.add(b.mul(gi, i64(p.Mp // 32)), b.udiv(mp, i64(32)))
+            a = b.gep(self.W, [b.mul(panel, i64(panel_bytes))], source_etype=I8)
+            b.call(mk, [a, self.col, self.cs, npp])
+            rows = v.smin(b.sub(m_hi, mp), 32)
+            with v.loop(0, rows, 1, "r") as r:
+                ch = b.add(ch0, b.add(mp, r))
+                if self.Bias is not None:
+                    bias = v.splat(sload_dt(v, v.gep(self.Bias, ch, elem_type(t.b)), t.b), VF)
+                srow = b.gep(self.cs, [b.mul(r, i64(p.CSS))], source_etype=I8)
+                yrow = b.add(y_off, b.add(b.mul(b.add(mp, r), i64(g.OHW)), p0))
+                with v.loop(0, npix, 16, "px") as j:
+                    msk = v.lanes_lt(j, npix)
+                    val = b.load(v.gep(srow, j), typ=VF, align=64)
+                    if self.Bias is not None:
+                        val = b.fadd(val, bias)
+                    idx = b.add(yrow, j)
+                    if self.epilogue is not None:
+                        val = self.epilogue(b, val, idx, 1, msk)
+                        if val.type != VF:
+                            val = b.fpext(val, VF)
+                    dst = v.gep(self.Y, idx, yt)
+                    if t.y == "bfloat16":
+                        # a masked truncating store (vpmovdw): see amx.store_bf16 (LLVM 22)
+                        bits = bf16_bits(b, val)
+                        fn = v.intr("llvm.x86.avx512.mask.pmov.dw.mem.512", VOID,
+                                    [PTR, VI, I16])
+                        b.call(fn, [dst, bits, b.bitcast(msk, I16)])
+                    else:
+                        vstore_dt(v, val, dst, t.y, msk)
+
+
+def emit_amx_conv(module: ir.Module, name: str, geom: ConvGeom, plan: AmxConvPlan,
+                  types: LowpTypes, slots: Slots | None = None,
+                  epilogue: Epilogue | None = None) -> ir.Function:
+    """The AMX implicit GEMM (see above) as an ABI kernel ``name`` of
+    ``plan.num_tiles`` tiles and ``plan.ws_bytes`` of workspace; the weight argument
+    holds ``pack_amx_conv_weights(geom, plan, W)``. Run it only where
+    `amx.amx_usable` is None."""
+    if amx_conv_supports(geom, types):
+        raise ValueError(f"AMX conv: {amx_conv_supports(geom, types)}")
+    fn = abi_function(module, name)
+    _AmxConvGen(module, fn, geom, plan, types, slots or Slots(), epilogue).emit()
+    return fn
+
