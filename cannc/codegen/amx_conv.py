@@ -49,7 +49,8 @@ from dataclasses import dataclass
 import llvmlite.ir as ir
 import numpy as np
 
-from ..native.emit import I8, I64, PTR, VOID, X86_AMX, i64
+from ..native import target
+from ..native.emit import BF16, I8, I32, I64, PTR, VOID, X86_AMX, i64
 from ..schedule.split import split_even
 from .conv import (
     VB,
@@ -189,6 +190,18 @@ class _AmxConvGen(_LowpGen):
                  slots: Slots, epilogue: Epilogue | None):
         super().__init__(module, fn, geom, plan, types, slots, True, epilogue)
         self._mk = None
+        self.cvt_native = target.host().has("avx512bf16")
+
+    def unit(self, x0, x1):
+        """The bf16 pair units of channel values x0, x1: with avx512_bf16 one
+        ``vcvtne2ps2bf16`` and an interleave (round to nearest even, as `bf16_bits`;
+        denormals flushed, which ``tdpbf16ps`` does anyway)."""
+        if x1 is None or not self.cvt_native:
+            return super().unit(x0, x1)
+        b = self.v.b
+        inter = ir.Constant(ir.VectorType(I32, 32), [i // 2 + 16 * (i % 2) for i in range(32)])
+        v = b.shuffle_vector(x0, x1, inter)
+        return b.bitcast(b.fptrunc(v, ir.VectorType(BF16, 32)), VF)
 
     def emit(self):
         v, g, p = self.v, self.g, self.p
