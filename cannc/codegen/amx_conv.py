@@ -66,6 +66,7 @@ from .conv import (
     elem_type,
     rup,
     sload_dt,
+    vload_dt,
     vstore_dt,
 )
 from .vec import VF, abi_function
@@ -101,15 +102,19 @@ def amx_conv_supports(geom: ConvGeom, types: LowpTypes) -> str | None:
 @dataclass(frozen=True)
 class AmxConvPlan:
     mode: str        # "amx" (the path note; the im2col reads ``pairs``)
-    CU: int          # channel pairs per tap
+    direct: bool     # B tiles read from a padded bf16-pair copy of X (no im2col)
+    CU: int          # channel pairs per tap (direct: rounded up to 16)
     KU: int          # reduction units (bf16 pairs): KK*CU
     KUp: int         # KU rounded up to 16
+    Q: int           # output pixels computed (direct: OH*Wp, the padded row width)
     P: int           # pixels per pixel block (a multiple of 32)
     PB: int
     CH: int          # output channels per channel block (a multiple of 32)
     MB: int
     Mp: int          # Mg rounded up to 32
-    NCP: int         # col row stride (units)
+    NCP: int         # im2col: col row stride; direct: plane stride of the X copy (units)
+    Hp: int          # direct: the padded input's height and width
+    Wp: int
     CSS: int         # C scratch row stride (bytes)
     ws_cs: int       # byte offset of the 32 x P fp32 C scratch
     ws_bytes: int
@@ -122,41 +127,118 @@ class AmxConvPlan:
         return self.KUp // UNITS
 
 
-def _tile_cost(P: int, CH: int, KUp: int) -> float:
-    """Crude time of one tile (ns): im2col at ~4 units/ns, AMX at ~1 TFLOP/s on whole
-    32 x 32 blocks, weights streamed at ~20 B/ns, a fixed overhead."""
-    return P * KUp / 4.0 + 4.0 * rup(P, 32) * CH * KUp / 1000.0 + CH * KUp * 4 / 20.0 + 500
+def _tile_cost(P: int, CH: int, KUp: int, copy_units: int) -> float:
+    """Crude time of one tile (ns): the col buffer / X copy at ~4 units/ns, AMX at
+    ~1 TFLOP/s on whole 32 x 32 blocks, weights streamed at ~20 B/ns, an overhead."""
+    return (copy_units / 4.0 + 4.0 * rup(P, 32) * CH * KUp / 1000.0 + CH * KUp * 4 / 20.0
+            + 500)
 
 
-def plan_amx_conv(geom: ConvGeom, cores: int = 2) -> AmxConvPlan:
-    OHW, Mg = geom.OHW, geom.Mg
+def direct_ok(geom: ConvGeom) -> bool:
+    """Stride 1, no depth axis: each tap is a constant offset into a zero-padded copy
+    of X (output pixels counted over the padded row width Wp, the extra columns
+    discarded)."""
+    return (geom.s == (1, 1, 1) and not geom.transposed and geom.isz[0] == 1
+            and geom.k[0] == 1 and geom.pb[0] == 0 and geom.osz[0] == 1)
+
+
+def _direct_dims(geom: ConvGeom) -> tuple[int, int, int]:
+    """(Hp, Wp, max tap offset) of the padded X copy."""
+    _, H, W = geom.isz
+    _, OH, OW = geom.osz
+    _, KH, KW = geom.k
+    _, dh, dw = geom.d
+    Hp = OH + (KH - 1) * dh
+    Wp = OW + (KW - 1) * dw
+    return Hp, Wp, (KH - 1) * dh * Wp + (KW - 1) * dw
+
+
+def _rows_of(geom: ConvGeom, q0: int, npix: int) -> tuple[int, int]:
+    """The padded X rows [r0, r1) a direct pixel block [q0, q0 + npix) reads."""
+    Hp, Wp, off = _direct_dims(geom)
+    r0 = q0 // Wp
+    return r0, (q0 + rup(npix, 32) - 1 + off) // Wp + 1
+
+
+def plan_amx_conv(geom: ConvGeom, cores: int = 2, direct: bool | None = None) -> AmxConvPlan:
+    """The blocking of ``geom``'s AMX kernel; ``direct`` None: the modelled cheaper of
+    direct (where `direct_ok`) and im2col."""
+    if direct is None:
+        if not direct_ok(geom):
+            direct = False
+        else:
+            a, b = (plan_amx_conv(geom, cores, d) for d in (False, True))
+            return a if _plan_cost(geom, a) < _plan_cost(geom, b) else b
+    if direct and not direct_ok(geom):
+        raise ValueError("AMX conv: the direct mode needs stride 1 and no depth axis")
+    Mg = geom.Mg
     CU = cdiv(geom.Cg, 2)
+    Hp = Wp = 0
+    if direct:
+        CU = rup(CU, UNITS)
+        Hp, Wp, _ = _direct_dims(geom)
+        Q = geom.osz[1] * Wp
+    else:
+        Q = geom.OHW
     KU = geom.KK * CU
     KUp = rup(KU, UNITS)
     Mp = rup(Mg, 32)
-    pmax = min(P_MAX, max(32, (COL_BYTES // (4 * KUp)) // 32 * 32), rup(OHW, 32))
+    pmax = min(P_MAX, rup(Q, 32))
+    if not direct:
+        pmax = min(pmax, max(32, (COL_BYTES // (4 * KUp)) // 32 * 32))
     best = None
-    pb0 = cdiv(OHW, pmax)
+    pb0 = cdiv(Q, pmax)
     for pb in range(pb0, pb0 + 4):
-        P = rup(cdiv(OHW, pb), 32)
-        PB = cdiv(OHW, P)
+        P = rup(cdiv(Q, pb), 32)
+        PB = cdiv(Q, P)
         for mb in range(1, min(Mp // 32, 8) + 1):
             CH = rup(cdiv(Mp, mb), 32)
             MB = cdiv(Mp, CH)
             T = geom.G * PB * MB     # per image: a batch runs these N times
-            costs = [_tile_cost(min(P, OHW - i * P), min(CH, Mp - j * CH), KUp)
-                     for _ in range(geom.G) for i in range(PB) for j in range(MB)]
+            costs = []
+            for _ in range(geom.G):
+                for i in range(PB):
+                    npix = min(P, Q - i * P)
+                    if direct:
+                        r0, r1 = _rows_of(geom, i * P, npix)
+                        copy = CU * (min(r1, Hp) - r0) * Wp
+                    else:
+                        copy = npix * KU
+                    costs += [_tile_cost(npix, min(CH, Mp - j * CH), KUp, copy)
+                              for j in range(MB)]
             worst = max(sum(costs[a:b]) for a, b in split_even(T, cores))
             key = (worst, T)
             if best is None or key < best[0]:
                 best = (key, P, PB, CH, MB)
-    _, P, PB, CH, MB = best
-    NCP = P + 16                     # row stride not a multiple of 4 KiB apart
+    (cost, _), P, PB, CH, MB = best
+    if direct:
+        rows = max(r1 - r0 for r0, r1 in (_rows_of(geom, i * P, min(P, Q - i * P))
+                                          for i in range(PB)))
+        NCP = rup(rows * Wp, 16)
+        if (NCP * 4) % 4096 == 0:
+            NCP += 16              # planes not a multiple of 4 KiB apart
+    else:
+        NCP = P + 16               # row stride not a multiple of 4 KiB apart
     CSS = P * 4 + 64
-    col = rup(KUp * NCP * 4, 64)
-    return AmxConvPlan(mode="amx", CU=CU, KU=KU, KUp=KUp, P=P, PB=PB, CH=CH, MB=MB, Mp=Mp,
-                       NCP=NCP, CSS=CSS, ws_cs=col, ws_bytes=col + 32 * CSS,
-                       num_tiles=geom.N * geom.G * PB * MB)
+    col = rup(KUp * NCP * 4 if not direct else CU * NCP * 4, 64)
+    return AmxConvPlan(mode="amx", direct=direct, CU=CU, KU=KU, KUp=KUp, Q=Q, P=P, PB=PB,
+                       CH=CH, MB=MB, Mp=Mp, NCP=NCP, Hp=Hp, Wp=Wp, CSS=CSS, ws_cs=col,
+                       ws_bytes=col + 32 * CSS, num_tiles=geom.N * geom.G * PB * MB)
+
+
+def _plan_cost(geom: ConvGeom, p: AmxConvPlan) -> float:
+    """The modelled time of one image (both modes, for the choice)."""
+    t = 0.0
+    for i in range(p.PB):
+        npix = min(p.P, p.Q - i * p.P)
+        if p.direct:
+            r0, r1 = _rows_of(geom, i * p.P, npix)
+            copy = p.CU * (min(r1, p.Hp) - r0) * p.Wp
+        else:
+            copy = npix * p.KU
+        t += sum(_tile_cost(npix, min(p.CH, p.Mp - j * p.CH), p.KUp, copy)
+                 for j in range(p.MB))
+    return t * geom.G
 
 
 def pack_amx_conv_weights(geom: ConvGeom, plan: AmxConvPlan, w: np.ndarray) -> np.ndarray:
@@ -217,16 +299,20 @@ class _AmxConvGen(_LowpGen):
             r, pb = v.divmod_c(r, p.PB)
             n, gi = v.divmod_c(r, g.G)
             p0 = b.mul(pb, i64(p.P))
-            p1 = v.smin(b.add(p0, i64(p.P)), g.OHW)
+            p1 = v.smin(b.add(p0, i64(p.P)), p.Q)
             m_lo = b.mul(mb, i64(p.CH))
             m_hi = v.smin(b.add(m_lo, i64(p.CH)), g.Mg)
             x_ng = v.gep(self.X, b.mul(b.add(b.mul(n, i64(g.C)), b.mul(gi, i64(g.Cg))),
                                        i64(g.DHW)), self.xt)
             ch0 = b.mul(gi, i64(g.Mg))
             y_off = b.mul(b.add(b.mul(n, i64(g.M)), ch0), i64(g.OHW))
-            self.im2col(x_ng, p0, p1)
-            self.zero_pad_rows()
-            self.gemm(gi, ch0, y_off, p0, b.sub(p1, p0), m_lo, m_hi)
+            if p.direct:
+                bbase = self.pack_x(x_ng, p0, p1)
+            else:
+                self.im2col(x_ng, p0, p1)
+                self.zero_pad_rows()
+                bbase = self.col
+            self.gemm(gi, ch0, y_off, p0, b.sub(p1, p0), m_lo, m_hi, bbase)
         f = v.intr("llvm.x86.tilerelease", VOID, [])
         b.call(f, [])
         b.ret_void()
@@ -241,6 +327,50 @@ class _AmxConvGen(_LowpGen):
         with v.loop(0, (p.KUp - p.KU) * p.NCP, 16, "zp") as i:
             v.store_v(v.zero_v, v.gep(base, i))
 
+    def pack_x(self, x_ng, q0, q1):
+        """Direct mode: the rows of the zero-padded input that the pixels [q0, q1)
+        (over the padded width) read, as bf16 pair units, into planes ``[CU][NCP]``
+        (channel pairs 2cu, 2cu+1; pairs past the channels zero); returns the address of
+        pixel q0's unit in plane 0."""
+        v, g, p = self.v, self.g, self.p
+        b = v.b
+        _, H, W = g.isz
+        _, KH, _ = g.k
+        _, ph, pw = g.pb
+        Wp = p.Wp
+        r0 = b.udiv(q0, i64(Wp))
+        npp32 = b.and_(b.add(b.sub(q1, q0), i64(31)), i64(-32))
+        off = (KH - 1) * g.d[1] * Wp + (g.k[2] - 1) * g.d[2]
+        r1 = v.smin(b.add(b.udiv(b.add(b.add(q0, npp32), i64(off - 1)), i64(Wp)), i64(1)),
+                    p.Hp)
+        npair = g.Cg // 2
+        with v.loop(r0, r1, 1, "xr") as r:
+            ih = b.sub(r, i64(ph))
+            ok = b.icmp_unsigned("<", ih, i64(H))
+            src_row = v.gep(x_ng, b.mul(b.select(ok, ih, i64(0)), i64(W)), self.xt)
+            dst_row = v.gep(self.col, b.mul(b.sub(r, r0), i64(Wp)))
+            with v.loop(0, Wp, 16, "xw") as w:
+                iw = b.sub(w, i64(pw))
+                lanes = b.add(v.splat_i(iw), v.iota)
+                m = v.mask_and(b.icmp_unsigned("<", lanes, v.splat_i(W)), ok)
+                sm = v.lanes_lt(w, Wp)
+
+                def load(src, iw=iw, m=m):
+                    return vload_dt(v, v.gep(src, iw, self.xt), self.t.x, m)
+
+                dst0 = v.gep(dst_row, w)
+                with v.loop(0, npair, 1, "xc") as cu:
+                    src = v.gep(src_row, b.mul(cu, i64(2 * g.DHW)), self.xt)
+                    x0 = load(src)
+                    x1 = load(v.gep(src, g.DHW, self.xt))
+                    v.store_v(self.unit(x0, x1), v.gep(dst0, b.mul(cu, i64(p.NCP))), sm)
+                if g.Cg % 2:
+                    src = v.gep(src_row, (g.Cg - 1) * g.DHW, self.xt)
+                    v.store_v(self.unit(load(src), None), v.gep(dst0, npair * p.NCP), sm)
+                for cu in range(cdiv(g.Cg, 2), p.CU):
+                    v.store_v(v.zero_v, v.gep(dst0, cu * p.NCP), sm)
+        return v.gep(self.col, b.sub(q0, b.mul(r0, i64(Wp))))
+
     # -- tiles ----------------------------------------------------------------------
     def micro(self) -> ir.Function:
         """``void mk(ptr a, ptr col, ptr cs, i64 npp)``: C[32 channels, 32 pixels] for
@@ -248,7 +378,7 @@ class _AmxConvGen(_LowpGen):
         ``a`` (over the whole K), stored to the scratch ``cs`` (rows CSS bytes apart)."""
         if self._mk is not None:
             return self._mk
-        p = self.p
+        p, g = self.p, self.g
         m = self.v.m
         f = ir.Function(m, ir.FunctionType(VOID, [PTR, PTR, PTR, I64]),
                         name=m.get_unique_name(f"{self.v.fn.name}.mk"))
@@ -280,7 +410,14 @@ class _AmxConvGen(_LowpGen):
 
             def body(kk, accs):
                 ak = by(a, b.mul(kk, i64(2 * TILE)))
-                bk = by(bcol, b.mul(kk, i64(UNITS * bstride)))
+                if p.direct:     # K step kk: tap kk // ncb, channel pairs 16 (kk % ncb)..
+                    ncb = p.CU // UNITS
+                    tap, cb = b.udiv(kk, i64(ncb)), b.urem(kk, i64(ncb))
+                    kh, kw = b.udiv(tap, i64(g.k[2])), b.urem(tap, i64(g.k[2]))
+                    off = b.add(b.mul(kh, i64(g.d[1] * p.Wp * 4)), b.mul(kw, i64(g.d[2] * 4)))
+                    bk = by(bcol, b.add(off, b.mul(cb, i64(UNITS * bstride))))
+                else:
+                    bk = by(bcol, b.mul(kk, i64(UNITS * bstride)))
                 at = [tload(ak, 64), tload(by(ak, TILE), 64)]
                 bt = [tload(bk, bstride), tload(by(bk, 64), bstride)]
                 return [tdp(accs[2 * i + j], at[i], bt[j]) for i in range(2) for j in range(2)]
@@ -295,43 +432,68 @@ class _AmxConvGen(_LowpGen):
         self._mk = f
         return f
 
-    def gemm(self, gi, ch0, y_off, p0, npix, m_lo, m_hi):
-        v, g, p, t = self.v, self.g, self.p, self.t
+    def gemm(self, gi, ch0, y_off, p0, npix, m_lo, m_hi, bbase):
+        v, g, p = self.v, self.g, self.p
         b = v.b
         npp = b.udiv(b.add(npix, i64(31)), i64(32))
         mk = self.micro()
-        yt = elem_type(t.y)
         panel_bytes = p.kb * 2 * TILE
         with v.loop(m_lo, m_hi, 32, "mp") as mp:
             panel = b.add(b.mul(gi, i64(p.Mp // 32)), b.udiv(mp, i64(32)))
             a = b.gep(self.W, [b.mul(panel, i64(panel_bytes))], source_etype=I8)
-            b.call(mk, [a, self.col, self.cs, npp])
+            b.call(mk, [a, bbase, self.cs, npp])
             rows = v.smin(b.sub(m_hi, mp), 32)
             with v.loop(0, rows, 1, "r") as r:
                 ch = b.add(ch0, b.add(mp, r))
+                bias = None
                 if self.Bias is not None:
-                    bias = v.splat(sload_dt(v, v.gep(self.Bias, ch, elem_type(t.b)), t.b), VF)
+                    bias = v.splat(sload_dt(v, v.gep(self.Bias, ch, elem_type(self.t.b)),
+                                            self.t.b), VF)
                 srow = b.gep(self.cs, [b.mul(r, i64(p.CSS))], source_etype=I8)
-                yrow = b.add(y_off, b.add(b.mul(b.add(mp, r), i64(g.OHW)), p0))
-                with v.loop(0, npix, 16, "px") as j:
-                    msk = v.lanes_lt(j, npix)
-                    val = b.load(v.gep(srow, j), typ=VF, align=64)
-                    if self.Bias is not None:
-                        val = b.fadd(val, bias)
-                    idx = b.add(yrow, j)
-                    if self.epilogue is not None:
-                        val = self.epilogue(b, val, idx, 1, msk)
-                        if val.type != VF:
-                            val = b.fpext(val, VF)
-                    dst = v.gep(self.Y, idx, yt)
-                    if t.y == "bfloat16":
-                        # a masked truncating store (vpmovdw): see amx.store_bf16 (LLVM 22)
-                        bits = bf16_bits(b, val)
-                        fn = v.intr("llvm.x86.avx512.mask.pmov.dw.mem.512", VOID,
-                                    [PTR, VI, I16])
-                        b.call(fn, [dst, bits, b.bitcast(msk, I16)])
-                    else:
-                        vstore_dt(v, val, dst, t.y, msk)
+                ybase = b.add(y_off, b.mul(b.add(mp, r), i64(g.OHW)))
+                if not p.direct:
+                    self.store_seg(srow, bias, b.add(ybase, p0), i64(0), npix, 64)
+                else:
+                    self.store_rows(srow, bias, ybase, p0, npix)
+
+    def store_rows(self, srow, bias, ybase, p0, npix):
+        """Direct mode: pixels [p0, p0 + npix) over the padded width Wp; per output row
+        its OW columns: scratch pixel (oh*Wp + ow - p0) to Y pixel oh*OW + ow."""
+        v, g, p = self.v, self.g, self.p
+        b = v.b
+        Wp, OW = p.Wp, g.osz[2]
+        p1 = b.add(p0, npix)
+        with v.loop(b.udiv(p0, i64(Wp)),
+                    b.add(b.udiv(b.sub(p1, i64(1)), i64(Wp)), i64(1)), 1, "oh") as oh:
+            rs = b.mul(oh, i64(Wp))
+            lo = b.sub(v.smax(p0, rs), rs)
+            hi = v.smin(b.sub(p1, rs), OW)
+            self.store_seg(v.gep(srow, b.sub(rs, p0)), bias,
+                           b.add(ybase, b.mul(oh, i64(OW))), lo, hi, 4)
+
+    def store_seg(self, srow, bias, yrow, lo, hi, align):
+        """Y[yrow + j] for j in [lo, hi) from the scratch row ``srow[j]``: bias, the
+        epilogue (fp32), the store as Y's dtype (masked at the end)."""
+        v, t = self.v, self.t
+        b = v.b
+        yt = elem_type(t.y)
+        with v.loop(lo, hi, 16, "px") as j:
+            msk = v.lanes_lt(j, hi)
+            val = b.load(v.gep(srow, j), typ=VF, align=align)
+            if bias is not None:
+                val = b.fadd(val, bias)
+            idx = b.add(yrow, j)
+            if self.epilogue is not None:
+                val = self.epilogue(b, val, idx, 1, msk)
+                if val.type != VF:
+                    val = b.fpext(val, VF)
+            dst = v.gep(self.Y, idx, yt)
+            if t.y == "bfloat16":
+                # a masked truncating store (vpmovdw): see amx.store_bf16 (LLVM 22)
+                fn = v.intr("llvm.x86.avx512.mask.pmov.dw.mem.512", VOID, [PTR, VI, I16])
+                b.call(fn, [dst, bf16_bits(b, val), b.bitcast(msk, I16)])
+            else:
+                vstore_dt(v, val, dst, t.y, msk)
 
 
 def emit_amx_conv(module: ir.Module, name: str, geom: ConvGeom, plan: AmxConvPlan,

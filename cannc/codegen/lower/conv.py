@@ -109,7 +109,8 @@ def conv_geom_of(node: Any, ins: list[Any], outs: list[Any]) -> tuple[ConvGeom, 
     return geom, depthwise
 
 
-# tests: force the mode of bf16 convs ("amx" | "dp" | "f32") instead of the CPU's
+# tests: force the mode of bf16 convs instead of the CPU's: "dp" | "f32" (vector kernels),
+# "amx" (AMX, its cost model choosing direct or im2col), "amx-direct", "amx-im2col"
 FORCE_LOWP_MODE: str | None = None
 
 
@@ -117,11 +118,11 @@ def _use_amx(geom: ConvGeom, types: LowpTypes) -> bool:
     """bf16 convs run on AMX tiles where the host has them (and the OS grants them):
     ~5x the fp32 FMA rate; else the vdpbf16ps / widened-fp32 modes (``lowp_mode``)."""
     forced = FORCE_LOWP_MODE if types.prec == "bf16" else None
-    if forced is not None and forced != "amx":
+    if forced is not None and not forced.startswith("amx"):
         return False
     if amx_conv_supports(geom, types) is not None:
         return False
-    return forced == "amx" or amx_usable() is None
+    return forced is not None or amx_usable() is None
 
 
 def _vec_lowp_plan(geom: ConvGeom, types: LowpTypes, const_weights: bool) -> Any:
@@ -135,7 +136,8 @@ def lowp_plan_of(geom: ConvGeom, types: LowpTypes, const_weights: bool) -> Any:
     """The plan of a reduced-precision conv: an AmxConvPlan (constant weights only:
     they are prepacked in the A-tile layout) or a LowpPlan."""
     if const_weights and _use_amx(geom, types):
-        return plan_amx_conv(geom)
+        direct = {"amx-direct": True, "amx-im2col": False}.get(FORCE_LOWP_MODE or "")
+        return plan_amx_conv(geom, direct=direct)
     return _vec_lowp_plan(geom, types, const_weights)
 
 
@@ -147,7 +149,8 @@ def _lowp_note(plan: Any, types: LowpTypes) -> str:
 
 def _lowp_path(plan: Any) -> str:
     if isinstance(plan, AmxConvPlan):
-        return (f"amx-conv 32x32 tiles K{2 * plan.KUp} P{plan.P}x{plan.PB} "
+        return (f"amx-conv {'direct' if plan.direct else 'im2col'} K{2 * plan.KUp} "
+                f"P{plan.P}x{plan.PB} "
                 f"CH{plan.CH}x{plan.MB}")
     return (f"lowp-gemm {plan.mode} MR{plan.MR}x{plan.NR} P{plan.P}x{plan.PB} "
             f"CH{plan.CH}x{plan.MB}")
