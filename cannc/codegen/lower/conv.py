@@ -196,6 +196,16 @@ def _emit_lowp(ctx: LowerCtx, geom: ConvGeom, plan: Any, types: LowpTypes, slots
     ctx.notes["precision"] = _lowp_note(plan, types)
 
 
+def conv_store_type(node: Any, ins: list[Any], conv_t: Any, final_t: Any) -> Any:
+    """The output type a FusedConv's conv kernel is lowered with: a reduced-precision conv
+    stores its epilogue's result (float32 registers) as the FUSED output's dtype (e.g. a
+    Cast to bfloat16 or float32 folded into it), so its type is the conv's with that dtype;
+    the float32 kernels store float32."""
+    if final_t.dtype == conv_t.dtype or lowp_types(node, ins, [conv_t]) is None:
+        return conv_t
+    return dc_replace(conv_t, dtype=final_t.dtype)
+
+
 def _dts(ins: list[Any], outs: list[Any]) -> tuple:
     """(X, W, bias, Y) dtype names of a Conv (the window kernel's WindowSpec.dts)."""
     b = np.dtype(ins[2].dtype).name if len(ins) > 2 and ins[2] is not None else "float32"
