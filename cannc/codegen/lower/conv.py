@@ -265,8 +265,10 @@ def conv_tiling(node: Any, ins: list[Any], outs: list[Any]) -> Tiling | None:
         key = ("conv", "lowp", one, (lplan, types))
         tiles = lplan.num_tiles
         ws = _lowp_ws(one, lplan, types)
-        notes["path"] = _lowp_path(lplan)
-        notes["precision"] = _lowp_note(lplan, types)
+        if not isinstance(lplan, AmxConvPlan):
+            # (AMX: from the lowering, which runs runtime weights on the vector kernel)
+            notes["path"] = _lowp_path(lplan)
+            notes["precision"] = _lowp_note(lplan, types)
     elif (wplan := winograd.choose(one, config.WINOGRAD)) is not None:
         gplan = plan_conv(one, const_weights=True)
         key = ("conv", "winograd", one, (wplan, gplan))
