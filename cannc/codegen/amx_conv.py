@@ -326,6 +326,50 @@ class _AmxConvGen(_LowpGen):
         b.call(f, [])
         b.ret_void()
 
+    def im2col(self, x_ng, p0, p1):
+        """The col buffer ``[tap*CU + cu][pixel]`` of the pixels [p0, p1), as the
+        vector kernel's (mode "dp" units) but channel pairs outermost: the inner loops
+        read two planes of X and write one col row, sequentially (the vector kernel's
+        channel-innermost order touches 2*CU pages of X per 16 pixels: TLB misses)."""
+        v, g, p = self.v, self.g, self.p
+        b = v.b
+        D, H, W = g.isz
+        OD, OH, OW = g.osz
+        KD, KH, KW = g.k
+        sd, sh, sw = g.s
+        dd, dh, dw = g.d
+        pd, ph, pw = g.pb
+        row_first = b.udiv(p0, i64(OW))
+        row_last = b.udiv(b.sub(p1, i64(1)), i64(OW))
+        with v.loop(0, p.CU, 1, "cu") as cu:
+            c0 = b.mul(cu, i64(2))
+            has1 = b.icmp_signed("<", b.add(c0, i64(1)), i64(g.Cg))
+            x_c0 = v.gep(x_ng, b.mul(c0, i64(g.DHW)), self.xt)
+            # channel 2cu+1, or (odd Cg, last pair) channel 2cu again, multiplied by 0
+            x_c1 = v.gep(x_c0, b.select(has1, i64(g.DHW), i64(0)), self.xt)
+            with v.loop(0, g.KK, 1, "tap") as tap:
+                rem, kw = v.divmod_c(tap, KW)
+                kd, kh = v.divmod_c(rem, KH)
+                dst_u = v.gep(self.col, b.mul(b.add(b.mul(tap, i64(p.CU)), cu), i64(p.NCP)))
+                offw = b.sub(b.mul(kw, i64(dw)), i64(pw))
+                with v.loop(row_first, b.add(row_last, i64(1)), 1, "row") as row:
+                    od, oh = v.divmod_c(row, OH)
+                    idv = b.add(b.mul(od, i64(sd)), b.sub(b.mul(kd, i64(dd)), i64(pd)))
+                    ihv = b.add(b.mul(oh, i64(sh)), b.sub(b.mul(kh, i64(dh)), i64(ph)))
+                    ok = b.and_(b.icmp_unsigned("<", idv, i64(D)),
+                                b.icmp_unsigned("<", ihv, i64(H)))
+                    rowoff = b.mul(b.select(ok, b.add(b.mul(idv, i64(H)), ihv), i64(0)), i64(W))
+                    rs = b.mul(row, i64(OW))
+                    a = b.sub(v.smax(p0, rs), rs)
+                    e = b.sub(v.smin(p1, b.add(rs, i64(OW))), rs)
+                    dst_row = v.gep(dst_u, b.sub(rs, p0))
+                    with v.loop(a, e, 16, "ow") as ow:
+                        load = self.loader(ow, offw, ok, W, sw)
+                        x0 = load(v.gep(x_c0, rowoff, self.xt))
+                        x1 = load(v.gep(x_c1, rowoff, self.xt))
+                        x1 = b.select(has1, x1, v.zero_v)
+                        v.store_v(self.unit(x0, x1), v.gep(dst_row, ow))
+
     def zero_pad_rows(self):
         """Col rows KU .. KUp-1 (K padding; zero weights there) to 0: stale workspace
         bits could be NaN."""
