@@ -149,6 +149,32 @@ def test_fp32_graph_with_cannc_precision(case):
     assert _notes(sess)[0]["precision"] == "bf16 AMX"
 
 
+def test_stem_kwpairs_and_inf_past_odd_kw():
+    """A 7x7 stride-2 conv on 3 channels pairs taps (kw, kw+1): 84 units, not 98. An Inf
+    in X reaches exactly the outputs whose window holds it (the element past the odd
+    last tap pair is masked, not multiplied by a zero weight)."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, 3, 15, 17)).astype(BF16).astype(np.float32)
+    x[0, 1, 6, 8] = np.inf     # even column: the element past tap 6 of output column 2
+    w = (rng.standard_normal((8, 3, 7, 7)) / 12).astype(BF16).astype(np.float32)
+    from tests.helpers import single_node_model
+    attrs = dict(strides=[2, 2], pads=[3, 3, 3, 3])
+    m, feeds = single_node_model("Conv", [x, w], const_inputs=(1,), **attrs)
+    lconv.FORCE_LOWP_MODE = "amx"
+    try:
+        sess = _with_precision(m, "bf16", cores=2)
+        got = sess.run(None, feeds)[0]
+    finally:
+        lconv.FORCE_LOWP_MODE = None
+    assert "kwpairs" in _notes(sess)[0]["path"], _notes(sess)
+    want = _conv_ref([x, w], (1,), **attrs)
+    assert np.array_equal(np.isfinite(got), np.isfinite(want))
+    assert np.isfinite(want).sum() > want.size // 2 and not np.isfinite(want).all()
+    fin = np.isfinite(want)
+    absref = _abs_ref([np.where(np.isfinite(x), x, 0), w], (1,), **attrs)
+    _check(got[fin], want[fin], 147, np.float32, absref[fin])
+
+
 def test_cost_model_picks_direct_for_resnet_3x3():
     g = ConvGeom(N=1, C=64, M=64, G=1, isz=(1, 56, 56), osz=(1, 56, 56), k=(1, 3, 3),
                  pb=(0, 1, 1), bias=True)

@@ -69,7 +69,7 @@ from .conv import (
     vload_dt,
     vstore_dt,
 )
-from .vec import VF, abi_function
+from .vec import VF, VM, abi_function
 
 I16 = ir.IntType(16)
 
@@ -107,6 +107,7 @@ def amx_conv_supports(geom: ConvGeom, types: LowpTypes) -> str | None:
 class AmxConvPlan:
     mode: str        # "amx" (the path note; the im2col reads ``pairs``)
     direct: bool     # B tiles read from a padded bf16-pair copy of X (no im2col)
+    kwpairs: bool    # im2col units pair taps (kw, kw+1) of a channel, not channels
     CU: int          # channel pairs per tap (direct: rounded up to 16)
     KU: int          # reduction units (bf16 pairs): KK*CU
     KUp: int         # KU rounded up to 16
@@ -190,6 +191,10 @@ def plan_amx_conv(geom: ConvGeom, cores: int = 2, direct: bool | None = None) ->
     else:
         Q = geom.OHW
     KU = geom.KK * CU
+    kwpairs = not direct and kwpairs_ok(geom) and \
+        rup(kwpairs_units(geom), UNITS) <= rup(KU, UNITS)
+    if kwpairs:
+        KU = kwpairs_units(geom)
     KUp = rup(KU, UNITS)
     Mp = rup(Mg, 32)
     pmax = min(P_MAX, rup(Q, 32))
@@ -230,9 +235,23 @@ def plan_amx_conv(geom: ConvGeom, cores: int = 2, direct: bool | None = None) ->
         NCP = P + 16               # row stride not a multiple of 4 KiB apart
     CSS = P * 4 + 64
     col = rup(KUp * NCP * 4 if not direct else CU * NCP * 4, 64)
-    return AmxConvPlan(mode="amx", direct=direct, CU=CU, KU=KU, KUp=KUp, Q=Q, P=P, PB=PB,
-                       CH=CH, MB=MB, Mp=Mp, NCP=NCP, Hp=Hp, Wp=Wp, CSS=CSS, ws_cs=col,
+    return AmxConvPlan(mode="amx", direct=direct, kwpairs=kwpairs, CU=CU, KU=KU, KUp=KUp,
+                       Q=Q, P=P, PB=PB, CH=CH, MB=MB, Mp=Mp, NCP=NCP, Hp=Hp, Wp=Wp, CSS=CSS,
+                       ws_cs=col,
                        ws_bytes=col + 32 * CSS, num_tiles=geom.N * geom.G * PB * MB)
+
+
+def kwpairs_ok(geom: ConvGeom) -> bool:
+    """Stride 2 along W, dilation 1, no depth axis: the taps kw, kw+1 of 16 output
+    pixels are 32 consecutive elements of an X row, which converted to bf16 in order ARE
+    the 16 units (kw low, kw+1 high): no shuffles. Used where it multiplies no more
+    (padded) K than channel pairs, e.g. a 7x7 stem on 3 channels (K 168 vs 196)."""
+    return (geom.s[2] == 2 and geom.d[2] == 1 and geom.k[2] >= 2 and geom.isz[0] == 1
+            and geom.k[0] == 1 and not geom.transposed)
+
+
+def kwpairs_units(geom: ConvGeom) -> int:
+    return geom.Cg * geom.k[1] * cdiv(geom.k[2], 2)
 
 
 def _plan_cost(geom: ConvGeom, p: AmxConvPlan) -> float:
@@ -257,6 +276,18 @@ def pack_amx_conv_weights(geom: ConvGeom, plan: AmxConvPlan, w: np.ndarray) -> n
     array of the unit bits."""
     G, Mg, Cg, KK, CU = geom.G, geom.Mg, geom.Cg, geom.KK, plan.CU
     Mp, KUp, kb = plan.Mp, plan.KUp, plan.kb
+    if plan.kwpairs:    # unit (c*KH + kh)*KWP + kwp: taps kw = 2kwp (low), 2kwp+1 (high)
+        KH, KW = geom.k[1], geom.k[2]
+        KWP = cdiv(KW, 2)
+        a = _round_np(np.asarray(w).reshape(G, Mg, Cg * KH, KW), "bfloat16")
+        full = np.zeros((G, Mp, Cg * KH, 2 * KWP), np.float32)
+        full[:, :Mg, :, :KW] = a.astype(np.float32)
+        bits = (_round_np(full, "bfloat16").view(np.uint16).astype(np.uint32)
+                .reshape(G, Mp, Cg * KH * KWP, 2))
+        units = np.zeros((G, Mp, KUp), np.uint32)
+        units[:, :, :plan.KU] = bits[..., 0] | (bits[..., 1] << 16)
+        units = units.reshape(G, Mp // 32, 2, 16, kb, UNITS).transpose(0, 1, 4, 2, 3, 5)
+        return np.ascontiguousarray(units).reshape(-1).view(np.float32)
     a = _round_np(np.asarray(w).reshape(G, Mg, Cg, KK), "bfloat16").astype(np.float32)
     full = np.zeros((G, Mp, 2 * CU, KK), np.float32)
     full[:, :Mg, :Cg] = a
@@ -318,7 +349,10 @@ class _AmxConvGen(_LowpGen):
             if p.direct:
                 bbase = self.pack_x(x_ng, p0, p1)
             else:
-                self.im2col(x_ng, p0, p1)
+                if p.kwpairs:
+                    self.im2col_kwpairs(x_ng, p0, p1)
+                else:
+                    self.im2col(x_ng, p0, p1)
                 self.zero_pad_rows()
                 bbase = self.col
             self.gemm(gi, ch0, y_off, p0, b.sub(p1, p0), m_lo, m_hi, bbase)
@@ -369,6 +403,59 @@ class _AmxConvGen(_LowpGen):
                         x1 = load(v.gep(x_c1, rowoff, self.xt))
                         x1 = b.select(has1, x1, v.zero_v)
                         v.store_v(self.unit(x0, x1), v.gep(dst_row, ow))
+
+    def im2col_kwpairs(self, x_ng, p0, p1):
+        """The col buffer of `kwpairs_ok` convs: row ``(c*KH + kh)*KWP + kwp`` holds, per
+        output pixel, the bf16 of X at taps kw = 2kwp (low) and 2kwp+1 (high): for 16
+        pixels, 32 consecutive elements of an X row (stride 2) converted in order; the
+        element past an odd KW is masked to 0 (its weight is 0, but it may be an Inf)."""
+        v, g, p = self.v, self.g, self.p
+        b = v.b
+        _, H, W = g.isz
+        _, OH, OW = g.osz
+        _, KH, KW = g.k
+        _, sh, _ = g.s
+        _, dh, _ = g.d
+        _, ph, pw = g.pb
+        KWP = cdiv(KW, 2)
+        even = ir.Constant(VM, [1, 0] * 8)
+        row_first = b.udiv(p0, i64(OW))
+        row_last = b.udiv(b.sub(p1, i64(1)), i64(OW))
+        with v.loop(0, g.Cg * KH, 1, "ck") as ck:
+            c, kh = v.divmod_c(ck, KH)
+            x_c = v.gep(x_ng, b.mul(c, i64(g.DHW)), self.xt)
+            dst_ck = v.gep(self.col, b.mul(ck, i64(KWP * p.NCP)))
+            with v.loop(row_first, b.add(row_last, i64(1)), 1, "row") as row:
+                ih = b.add(b.mul(row, i64(sh)), b.sub(b.mul(kh, i64(dh)), i64(ph)))
+                ok = b.icmp_unsigned("<", ih, i64(H))
+                src = v.gep(x_c, b.mul(b.select(ok, ih, i64(0)), i64(W)), self.xt)
+                rs = b.mul(row, i64(OW))
+                a = b.sub(v.smax(p0, rs), rs)
+                e = b.sub(v.smin(p1, b.add(rs, i64(OW))), rs)
+                dst_row = v.gep(dst_ck, b.sub(rs, p0))
+                with v.loop(a, e, 16, "ow") as ow:
+                    for kwp in range(KWP):
+                        base = b.add(b.mul(ow, i64(2)), i64(2 * kwp - pw))
+                        halves = []
+                        for h in range(2):
+                            lanes = b.add(v.splat_i(b.add(base, i64(16 * h))), v.iota)
+                            m = v.mask_and(b.icmp_unsigned("<", lanes, v.splat_i(W)), ok)
+                            if KW % 2 and kwp == KWP - 1:
+                                m = b.and_(m, even)
+                            halves.append(vload_dt(v, v.gep(src, b.add(base, i64(16 * h)),
+                                                         self.xt), self.t.x, m))
+                        v.store_v(self.units_in_order(*halves),
+                                  v.gep(dst_row, b.add(ow, i64(kwp * p.NCP))))
+
+    def units_in_order(self, lo, hi):
+        """32 floats (lo, hi) as bf16 in order, read as 16 units."""
+        b = self.v.b
+        cat = ir.Constant(ir.VectorType(I32, 32), list(range(32)))
+        if self.cvt_native:
+            v = b.shuffle_vector(lo, hi, cat)
+            return b.bitcast(b.fptrunc(v, ir.VectorType(BF16, 32)), VF)
+        h = [b.trunc(bf16_bits(b, x), ir.VectorType(I16, 16)) for x in (lo, hi)]
+        return b.bitcast(b.shuffle_vector(h[0], h[1], cat), VF)
 
     def zero_pad_rows(self):
         """Col rows KU .. KUp-1 (K padding; zero weights there) to 0: stale workspace

@@ -149,7 +149,8 @@ def _lowp_note(plan: Any, types: LowpTypes) -> str:
 
 def _lowp_path(plan: Any) -> str:
     if isinstance(plan, AmxConvPlan):
-        return (f"amx-conv {'direct' if plan.direct else 'im2col'} K{2 * plan.KUp} "
+        kind = "direct" if plan.direct else "im2col-kwpairs" if plan.kwpairs else "im2col"
+        return (f"amx-conv {kind} K{2 * plan.KUp} "
                 f"P{plan.P}x{plan.PB} "
                 f"CH{plan.CH}x{plan.MB}")
     return (f"lowp-gemm {plan.mode} MR{plan.MR}x{plan.NR} P{plan.P}x{plan.PB} "
