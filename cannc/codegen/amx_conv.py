@@ -11,14 +11,27 @@ with the OUTPUT CHANNELS as the rows of the tile GEMM and the pixels as its colu
   the A-tile layout ``[G][Mp/32][kb][2][16][16]`` of 32-bit units (each a bf16 pair):
   per 32-channel panel and K step of 32 bf16 two 1 KiB tiles (16 channels x 64 bytes)
   side by side; Mp = Mg rounded up to 32 (zero rows), K zero padded.
-* B = the col buffer of a pixel block, built per tile in the workspace by the
-  reduced-precision im2col of ``conv.py`` (mode "dp"): row ``u = tap*CU + cu`` holds,
-  per pixel, the 32-bit unit (bf16 of channel 2cu low, 2cu+1 high) -- which IS the
-  VNNI layout ``tdpbf16ps`` reads for B (a row of a B tile = one K pair, 16 pixels x
-  4 bytes). So B tiles are loaded straight from the col buffer with its row stride:
-  no second packing pass. The K padding rows (up to a multiple of 16 units) are
-  zeroed per tile. An fp32 X is rounded to bf16 (nearest even) while the col buffer
-  is built; a bf16 X is copied.
+* B: 32-bit units ``[K pair][pixel]`` in the workspace -- exactly the VNNI layout
+  ``tdpbf16ps`` reads for B (a row of a B tile = one K pair, 16 pixels x 4 bytes), so B
+  tiles are loaded in place with the buffer's row stride: no second packing pass. One
+  of three modes builds it per tile (an fp32 X rounded to bf16, nearest even, on the
+  way; a bf16 X copied):
+
+  - direct (stride 1, no depth axis: 3x3 "same" and 1x1 convs): a zero-padded copy of
+    X's rows that the pixel block reads, as planes of channel pairs ``[CU][rows*Wp]``
+    (CU rounded up to 16); the output pixels are counted over the padded row width
+    Wp, so tap (kh, kw) is the constant offset ``kh*dh*Wp + kw*dw`` into every plane
+    and each K step (16 channel pairs of one tap) is a B tile at that offset. The
+    Wp - OW extra columns per row are computed and discarded. ~9x less copying than
+    an im2col of a 3x3.
+  - im2col: the col buffer ``[tap*CU + cu][pixel]`` of the reduced-precision vector
+    kernel's mode "dp" (channels 2cu low, 2cu+1 high), channel pairs outermost.
+  - kw-pairs (stride 2 along W, where it pads K no more: the 7x7 stem on 3 channels,
+    K 192 instead of 224): units pair the taps kw, kw+1 of one channel, which for 16
+    output pixels are 32 consecutive X elements converted in order.
+
+  The K padding rows (to a multiple of 16 units) are zeroed per tile (stale
+  workspace bits may be NaN); so is an element past an odd last tap pair.
 * C: a 32-channel x 32-pixel block is a 2 x 2 grid of 16 x 16 fp32 tiles (4 tile
   registers) fed by 2 A and 2 B tiles per K step (all 8 registers), over the whole K.
   Per 32-channel panel the micro-kernel (a ``noinline`` function: one tile shape,
@@ -35,8 +48,11 @@ back to NCHW. Costs: pixel columns are computed in 32s (7x7: 64 for 49) and chan
 in 32s.
 
 Tiles: ``(image, group, pixel block, channel block)``, channel block fastest, as the
-other reduced-precision kernel's; the pixel block is sized so that its col buffer
-stays in L2 and the grid split evenly over two cores.
+other reduced-precision kernel's (so a tile index carries the image: any batch); the
+pixel block is sized so that its col buffer stays in L2, the grid so that two cores
+get balanced work (a crude cost model, `plan_amx_conv`, which also picks direct or
+im2col). Runtime (non-constant) weights are not handled here: the lowering runs the
+vector kernel for them.
 
 Numerics: bf16 products (round to nearest even), fp32 accumulation; ``tdpbf16ps``
 treats denormal inputs as zero and flushes denormal results.
@@ -86,8 +102,9 @@ UNITS = 16           # 32-bit units (bf16 pairs) per tile row: one K step of 32 
 COL_BYTES = 768 * 1024   # col buffer of a pixel block (L2 is 2 MiB on the AMX cores)
 P_MAX = 512          # pixels per block (the C scratch is 32 x P fp32)
 # K steps (2 KiB of weights each) per K chunk (C tiles spilled to the scratch between
-# chunks, the chunk's weights staying in L1 over the pixel columns): 20 (40 KiB) measured
-# within noise of unchunked on ResNet-18's 3x3 convs (loaded machine), so unchunked
+# chunks, the chunk's weights staying in L1 over the pixel columns): 12 and 20 measured
+# slower than unchunked on ResNet-18's 3x3 convs at 28/14/7 (kernel time, one core,
+# 0.28/0.20/0.38 ms unchunked vs 0.28-0.31/0.25-0.28/0.42-0.45), so unchunked
 KSTEPS_L1 = 1 << 20
 
 
