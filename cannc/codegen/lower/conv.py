@@ -33,6 +33,14 @@ from ...ir.ops.conv import _auto_pad, _ints, _to3, window_pads
 from ...native.emit import i64
 from ...native.target import host
 from .. import winograd
+from ..amx import amx_usable
+from ..amx_conv import (
+    AmxConvPlan,
+    amx_conv_supports,
+    emit_amx_conv,
+    pack_amx_conv_weights,
+    plan_amx_conv,
+)
 from ..conv import (
     VB,
     ConvGeom,
@@ -101,39 +109,102 @@ def conv_geom_of(node: Any, ins: list[Any], outs: list[Any]) -> tuple[ConvGeom, 
     return geom, depthwise
 
 
-# tests: force the mode of bf16 convs ("dp" | "f32") instead of the CPU's
+# tests: force the mode of bf16 convs instead of the CPU's: "dp" | "f32" (vector kernels),
+# "amx" (AMX, its cost model choosing direct or im2col), "amx-direct", "amx-im2col"
 FORCE_LOWP_MODE: str | None = None
 
 
-def lowp_plan_of(geom: ConvGeom, types: LowpTypes, const_weights: bool) -> Any:
+def _use_amx(geom: ConvGeom, types: LowpTypes) -> bool:
+    """bf16 convs run on AMX tiles where the host has them (and the OS grants them):
+    ~5x the fp32 FMA rate; else the vdpbf16ps / widened-fp32 modes (``lowp_mode``)."""
+    forced = FORCE_LOWP_MODE if types.prec == "bf16" else None
+    if forced is not None and not forced.startswith("amx"):
+        return False
+    if amx_conv_supports(geom, types) is not None:
+        return False
+    return forced is not None or amx_usable() is None
+
+
+def _vec_lowp_plan(geom: ConvGeom, types: LowpTypes, const_weights: bool) -> Any:
     mode = lowp_mode(types.prec, host().has("avx512bf16"), host().has("amx-bf16"))
-    if FORCE_LOWP_MODE and types.prec == "bf16":
+    if FORCE_LOWP_MODE in ("dp", "f32") and types.prec == "bf16":
         mode = FORCE_LOWP_MODE
     return plan_lowp(geom, mode, const_weights)
 
 
+def lowp_plan_of(geom: ConvGeom, types: LowpTypes, const_weights: bool) -> Any:
+    """The plan of a reduced-precision conv: an AmxConvPlan (constant weights only:
+    they are prepacked in the A-tile layout) or a LowpPlan."""
+    if const_weights and _use_amx(geom, types):
+        direct = {"amx-direct": True, "amx-im2col": False}.get(FORCE_LOWP_MODE or "")
+        return plan_amx_conv(geom, direct=direct)
+    return _vec_lowp_plan(geom, types, const_weights)
+
+
 def _lowp_note(plan: Any, types: LowpTypes) -> str:
+    if isinstance(plan, AmxConvPlan):
+        return "bf16 AMX"
     return lowp_note(plan, types.prec, host().has("avx512bf16"))
 
 
 def _lowp_path(plan: Any) -> str:
+    if isinstance(plan, AmxConvPlan):
+        kind = "direct" if plan.direct else "im2col-kwpairs" if plan.kwpairs else "im2col"
+        return (f"amx-conv {kind} K{2 * plan.KUp} "
+                f"P{plan.P}x{plan.PB} "
+                f"CH{plan.CH}x{plan.MB}")
     return (f"lowp-gemm {plan.mode} MR{plan.MR}x{plan.NR} P{plan.P}x{plan.PB} "
             f"CH{plan.CH}x{plan.MB}")
+
+
+def _lowp_ws(one: ConvGeom, plan: Any, types: LowpTypes) -> int:
+    """The workspace of conv_tiling's reduced-precision kernel, whose weights may be
+    constant or not (the tiling function cannot tell)."""
+    if isinstance(plan, AmxConvPlan):
+        return max(plan.ws_bytes, _vec_lowp_plan(one, types, False).ws_bytes)
+    return plan_lowp(one, plan.mode, const_weights=False).ws_bytes
 
 
 def _emit_lowp(ctx: LowerCtx, geom: ConvGeom, plan: Any, types: LowpTypes, slots: Slots,
                epilogue: Any) -> None:
     const_w = ctx.is_const(1)
-    if not const_w:
-        plan = plan_lowp(geom, plan.mode, const_weights=False)
+    if isinstance(plan, AmxConvPlan) and const_w:
+        ctx.replace_const(1, pack_amx_conv_weights, geom, plan, ConstRef(1))
+        emit_amx_conv(ctx.module, ctx.symbol, geom, plan, types, slots, epilogue=epilogue)
+    elif isinstance(plan, AmxConvPlan):
+        # runtime weights (conv_tiling planned AMX not knowing): the vector kernel,
+        # packing them per tile, in the AMX kernel's tile grid
+        inner_plan = _vec_lowp_plan(geom, types, False)
+        inner = emit_conv_lowp(ctx.module, "conv_lowp", geom, inner_plan, types, slots,
+                               const_weights=False, epilogue=epilogue)
+        outer = plan.num_tiles // geom.N
+        _emit_regrid(ctx.module, ctx.symbol, inner, outer, inner_plan.num_tiles // geom.N)
+        ctx.num_tiles = plan.num_tiles
+        ctx.workspace_bytes = inner_plan.ws_bytes
+        ctx.notes["path"] = _lowp_path(inner_plan) + f" in {outer} tiles/image"
+        ctx.notes["precision"] = _lowp_note(inner_plan, types)
+        return
     else:
-        ctx.replace_const(1, pack_lowp_weights, geom, plan, ConstRef(1), types.narrow)
-    emit_conv_lowp(ctx.module, ctx.symbol, geom, plan, types, slots, const_weights=const_w,
-                   epilogue=epilogue)
+        if not const_w:
+            plan = plan_lowp(geom, plan.mode, const_weights=False)
+        else:
+            ctx.replace_const(1, pack_lowp_weights, geom, plan, ConstRef(1), types.narrow)
+        emit_conv_lowp(ctx.module, ctx.symbol, geom, plan, types, slots, const_weights=const_w,
+                       epilogue=epilogue)
     ctx.num_tiles = plan.num_tiles
     ctx.workspace_bytes = plan.ws_bytes
     ctx.notes["path"] = _lowp_path(plan)
     ctx.notes["precision"] = _lowp_note(plan, types)
+
+
+def conv_store_type(node: Any, ins: list[Any], conv_t: Any, final_t: Any) -> Any:
+    """The output type a FusedConv's conv kernel is lowered with: a reduced-precision conv
+    stores its epilogue's result (float32 registers) as the FUSED output's dtype (e.g. a
+    Cast to bfloat16 or float32 folded into it), so its type is the conv's with that dtype;
+    the float32 kernels store float32."""
+    if final_t.dtype == conv_t.dtype or lowp_types(node, ins, [conv_t]) is None:
+        return conv_t
+    return dc_replace(conv_t, dtype=final_t.dtype)
 
 
 def _dts(ins: list[Any], outs: list[Any]) -> tuple:
@@ -194,9 +265,11 @@ def conv_tiling(node: Any, ins: list[Any], outs: list[Any]) -> Tiling | None:
         lplan = lowp_plan_of(one, types, True)
         key = ("conv", "lowp", one, (lplan, types))
         tiles = lplan.num_tiles
-        ws = plan_lowp(one, lplan.mode, const_weights=False).ws_bytes
-        notes["path"] = _lowp_path(lplan)
-        notes["precision"] = _lowp_note(lplan, types)
+        ws = _lowp_ws(one, lplan, types)
+        if not isinstance(lplan, AmxConvPlan):
+            # (AMX: from the lowering, which runs runtime weights on the vector kernel)
+            notes["path"] = _lowp_path(lplan)
+            notes["precision"] = _lowp_note(lplan, types)
     elif (wplan := winograd.choose(one, config.WINOGRAD)) is not None:
         gplan = plan_conv(one, const_weights=True)
         key = ("conv", "winograd", one, (wplan, gplan))

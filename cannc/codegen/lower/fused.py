@@ -50,7 +50,7 @@ from .contraction import (
     plan_contraction,
     plan_dynamic,
 )
-from .conv import _lower_conv, conv_tiling
+from .conv import _lower_conv, conv_store_type, conv_tiling
 
 
 def _flops_per_elem(op: OpDef | None) -> int:
@@ -359,8 +359,8 @@ def _lower_fused_conv(ctx: LowerCtx) -> None:
     # the conv's own tiling key (any batch: the epilogue's indices are flat offsets into
     # the output, or channels of it, which do not depend on N)
     tkey = ctx.tiling.key[1] if ctx.tiling is not None else None
-    _lower_conv(_NodeView(ctx, conv, types[conv_out]), epilogue=epilogue, y_slot=n_in,
-                tkey=tkey)
+    conv_t = conv_store_type(conv, ctx.in_types[:ncon], types[conv_out], types[final])
+    _lower_conv(_NodeView(ctx, conv, conv_t), epilogue=epilogue, y_slot=n_in, tkey=tkey)
     ctx.flops += sum(int(np.prod(out_shape)) * _flops_per_elem(lookup(n.op_type))
                      for n in epi)
     ctx.notes["epilogue"] = "+".join(n.op_type for n in epi)
@@ -385,7 +385,8 @@ def _fused_conv_tiling(node: Node, in_types: list, out_types: list) -> Any:
     types = node.attrs["types"]
     conv, epi = body[0], body[1:]
     ncon = len(conv.inputs)
-    out_t = types[conv.outputs[0]]
+    out_t = conv_store_type(conv, in_types[:ncon], types[conv.outputs[0]],
+                            types[node.outputs[0]])
     t = conv_tiling(conv, in_types[:ncon], [out_t])
     if t is None:
         return None
