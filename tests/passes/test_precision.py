@@ -204,9 +204,9 @@ def test_guard_within_tolerance_moves_nothing():
 def test_search_finds_each_culprit():
     cands = [f"n{i}" for i in range(40)]
     for culprits in ({"n3"}, {"n0", "n39"}, {"n7", "n8", "n30"}):
-        seen = []
+        seen: list[set[str]] = []
 
-        def passes(keep, culprits=culprits):
+        def passes(keep, culprits=culprits, seen=seen):
             seen.append(keep)
             return culprits <= keep
         keep, trials, ok = search(cands, passes, budget=200)
