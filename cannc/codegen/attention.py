@@ -315,8 +315,8 @@ def _chunks(nvec: int, max_nv: int) -> tuple:
     return tuple(out)
 
 
-AMX_MQ = 32   # dot 'amx': query rows per tile (a multiple of 32)
-AMX_KB = 64   # keys per block (a multiple of 32)
+AMX_MQ = 64   # dot 'amx': query rows per tile (a multiple of 32)
+AMX_KB = 128  # keys per block (a multiple of 32)
 
 
 def _krows(D: int, dot: str) -> int:
