@@ -89,7 +89,24 @@ The multiply (``AttnPlan.dot``):
   (``ws_p``; the row sum l adds the rounded weights, so O stays a convex combination
   of V's rows) and V is packed as pairs of keys interleaved per Dv lane. The
   default only where vdpbf16ps is the faster multiply: not on CPUs with AMX, where
-  it measured 0.5-0.65x the two-port fp32 FMA rate (see `_default_dot`).
+  it measured 0.5-0.65x the two-port fp32 FMA rate (see `_default_dot`);
+* ``'amx'`` (precision "bf16", the default where `amx.amx_usable` says yes; the
+  layouts of 'bf16'; static specs with at least 16 query rows, and forms): Q K^T and
+  P V on AMX tiles (``tdpbf16ps``, fp32 accumulation in tiles), in internal noinline
+  functions whose tiles are all 16 rows x 64 bytes (``tile_scores``, ``tile_pv``:
+  2 x 2 C tiles fed by 2 A and 2 B tiles, the 8 tile registers). The VNNI B operands
+  are the 'bf16' mode's packed layouts: K^T as pairs of d (its rows padded with zeros
+  to whole tiles of 32 d, in panels of KB keys, also for a static spec), V as pairs of
+  keys (zero padded to whole key blocks, Dv to 32); the A operands are Q's bf16 rows
+  (ws_q, d padded) and P rounded to bf16 (ws_p, [MQ][KB]). Per key block: the score
+  tiles go to the fp32 scratch ws_s, a vector pass applies scale, mask, causal limit
+  and -inf past the keys and takes the row maxima, the online softmax above runs
+  unchanged (P rounded to bf16, l summing the rounded weights), the P V tiles go to
+  ws_t and a vector pass merges them into Oacc (alpha * Oacc + T) or, on the last
+  block, stores O. Query blocks of 64 rows, key blocks of 128 (AMX_MQ, AMX_KB);
+  tiles always compute whole 32-row / 32-key blocks (rows past Sq are never stored).
+  Measured 1x12x128x64 / 1x12x512x64, one thread: 2.5x / 2.7x the fp32 kernel
+  (~290 / ~340 GFLOP/s); the fp32 vector softmax is then ~40% of the time.
 
 Shape-polymorphic kernels (``ABI.md`` "Runtime dimensions"): emitted for an
 `AttnForm` (a spec without B, Sq, Sk, see :func:`attention_tiling`), the kernel
