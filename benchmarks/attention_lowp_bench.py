@@ -13,6 +13,8 @@ range on one thread; the machines are shared and noisy):
 
 * fp32: the float32 kernel;
 * bf16 dp: bf16 Q, K, V, O with vdpbf16ps (tuning dot='bf16'; needs avx512bf16);
+* bf16 amx / f32->bf16 amx: Q K^T and P V on AMX tiles (dot='amx'; where
+  `amx.amx_usable()` says yes), bf16 or float32 operands;
 * bf16 wide: bf16 operands widened to float32 (dot='f32');
 * f32->bf16 dp: float32 Q, K, V, O with precision bf16 (converted on load);
 * fp16: float16 operands, float32 FMA;
@@ -37,6 +39,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")
 
 from llvmlite import ir
 
+from cannc.codegen.amx import amx_usable
 from cannc.codegen.attention import (
     attention_num_tiles,
     attention_precision_note,
@@ -107,6 +110,10 @@ def main():
         if host().has("avx512bf16"):
             variants["bf16 dp"] = Variant(shape, bf, "bf16", {"dot": "bf16"}, raw, a.bert)
             variants["f32->bf16 dp"] = Variant(shape, f32, "bf16", {"dot": "bf16"}, raw, a.bert)
+        if amx_usable() is None:
+            variants["bf16 amx"] = Variant(shape, bf, "bf16", {"dot": "amx"}, raw, a.bert)
+            variants["f32->bf16 amx"] = Variant(shape, f32, "bf16", {"dot": "amx"}, raw,
+                                                a.bert)
         variants["bf16 wide"] = Variant(shape, bf, "bf16", {"dot": "f32"}, raw, a.bert)
         variants["host bf16"] = Variant(shape, bf, "bf16", None, raw, a.bert)
         variants["fp16"] = Variant(shape, ("float16",) * 4, "fp16", None, raw, a.bert)

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.abspath(os.path.dirname(os.path.dirname(__file__))))
 
 from llvmlite import ir
 
+from cannc.codegen.amx import amx_usable
 from cannc.codegen.attention import (
     attention_num_tiles,
     attention_plan,
@@ -151,9 +152,9 @@ class Case:
         s = self.spec
         dot = attention_plan(s, tuning).dot
         got = self.run(tuning, form)
-        ref, span = self.reference("bfloat16" if dot == "bf16" else None)
+        ref, span = self.reference("bfloat16" if dot in ("bf16", "amx") else None)
         rt = OUT_RTOL[s.dtypes[3]]
-        if dot == "bf16":
+        if dot in ("bf16", "amx"):
             atol = 1.05 * 2.0 ** -8 * (1 + 2.0 ** -8) * span + 1e-6
         else:
             atol = 1e-5 + 1e-4 * np.abs(ref)
@@ -287,7 +288,9 @@ def test_bf16_dot_products_round_p():
     assert attention_plan(s, dp).dot == "bf16"
     assert attention_precision_note(s, dp).startswith("bf16 avx512_bf16")
     # the default: vdpbf16ps unless the CPU has AMX (there it is slower than fp32 FMA)
-    assert attention_plan(s).dot == ("f32" if host().has("amx-bf16") else "bf16")
+    # (and AMX tiles where they are usable: tests/test_attention_amx.py)
+    assert attention_plan(s).dot == ("amx" if amx_usable() is None else
+                                     "f32" if host().has("amx-bf16") else "bf16")
     got, ref = c.check(dp)
     assert np.abs(got - ref).max() > 1e-6
     exact, _ = c.reference(None)
@@ -358,7 +361,8 @@ def _close(got, ref, span, out_dt, note):
     """The P-rounding bound (module docstring) when the note says vdpbf16ps, else fp32."""
     got = np.asarray(got, np.float64)
     assert np.isfinite(got).all() and np.isfinite(ref).all()
-    atol = 1.05 * 2.0 ** -8 * span + 1e-6 if "avx512_bf16" in note else 1e-5 + 1e-4 * abs(ref)
+    lowp = "avx512_bf16" in note or "AMX" in note
+    atol = 1.05 * 2.0 ** -8 * span + 1e-6 if lowp else 1e-5 + 1e-4 * abs(ref)
     err = np.abs(got - ref) - atol - OUT_RTOL[np.dtype(out_dt).name] * np.abs(ref)
     assert err.max() <= 0, f"max excess {err.max():.3g} ({note})"
 

@@ -89,7 +89,24 @@ The multiply (``AttnPlan.dot``):
   (``ws_p``; the row sum l adds the rounded weights, so O stays a convex combination
   of V's rows) and V is packed as pairs of keys interleaved per Dv lane. The
   default only where vdpbf16ps is the faster multiply: not on CPUs with AMX, where
-  it measured 0.5-0.65x the two-port fp32 FMA rate (see `_default_dot`).
+  it measured 0.5-0.65x the two-port fp32 FMA rate (see `_default_dot`);
+* ``'amx'`` (precision "bf16", the default where `amx.amx_usable` says yes; the
+  layouts of 'bf16'; static specs with at least 16 query rows, and forms): Q K^T and
+  P V on AMX tiles (``tdpbf16ps``, fp32 accumulation in tiles), in internal noinline
+  functions whose tiles are all 16 rows x 64 bytes (``tile_scores``, ``tile_pv``:
+  2 x 2 C tiles fed by 2 A and 2 B tiles, the 8 tile registers). The VNNI B operands
+  are the 'bf16' mode's packed layouts: K^T as pairs of d (its rows padded with zeros
+  to whole tiles of 32 d, in panels of KB keys, also for a static spec), V as pairs of
+  keys (zero padded to whole key blocks, Dv to 32); the A operands are Q's bf16 rows
+  (ws_q, d padded) and P rounded to bf16 (ws_p, [MQ][KB]). Per key block: the score
+  tiles go to the fp32 scratch ws_s, a vector pass applies scale, mask, causal limit
+  and -inf past the keys and takes the row maxima, the online softmax above runs
+  unchanged (P rounded to bf16, l summing the rounded weights), the P V tiles go to
+  ws_t and a vector pass merges them into Oacc (alpha * Oacc + T) or, on the last
+  block, stores O. Query blocks of 64 rows, key blocks of 128 (AMX_MQ, AMX_KB);
+  tiles always compute whole 32-row / 32-key blocks (rows past Sq are never stored).
+  Measured 1x12x128x64 / 1x12x512x64, one thread: 2.5x / 2.7x the fp32 kernel
+  (~290 / ~340 GFLOP/s); the fp32 vector softmax is then ~40% of the time.
 
 Shape-polymorphic kernels (``ABI.md`` "Runtime dimensions"): emitted for an
 `AttnForm` (a spec without B, Sq, Sk, see :func:`attention_tiling`), the kernel
@@ -114,12 +131,13 @@ import numpy as np
 from llvmlite import ir
 
 from ..ir.attnspec import AttnSpec, check_dtypes
-from ..native.emit import BF16, F32, I8, I32, I64, PTR, VOID, i32, i64
+from ..native.emit import BF16, F32, I8, I32, I64, PTR, VOID, X86_AMX, i32, i64
 from ..native.emit import mangle as _mangle
 from . import vmath
 from .vec import VF, VI8, VI32, VI64, VM, VPTR, VecBuilder, abi_function, declare
 
-VI16 = ir.VectorType(ir.IntType(16), 16)
+I16 = ir.IntType(16)
+VI16 = ir.VectorType(I16, 16)
 VH = ir.VectorType(ir.HalfType(), 16)
 VBF32 = ir.VectorType(BF16, 32)
 VI32x32 = ir.VectorType(I32, 32)
@@ -275,7 +293,7 @@ class AttnPlan:
     prefetch_o: bool
     unroll_d: int
     unroll_j: int
-    dot: str  # 'f32' (FMA; narrow operands widened on load) | 'bf16' (vdpbf16ps)
+    dot: str  # 'f32' (FMA; narrow operands widened on load) | 'bf16' (vdpbf16ps) | 'amx'
     ws_q: int  # narrow Q or dot 'bf16': the query block's rows, float32 [MQ][D] or bf16 pairs
     #            [MQ][D2]
     ws_p: int  # dot 'bf16': P rounded to bf16 [MQ][KB]
@@ -290,6 +308,7 @@ class AttnPlan:
     ws_y: int  # [16][16] row sums of one 16-row group
     ws_u: int  # [16] the maxima used for exp
     ws_bytes: int
+    ws_t: int = 0  # dot 'amx': the block's P @ V tiles, float32 [MQ][Dv_pad]
 
     def num_tiles(self, spec: AttnSpec) -> int:
         return spec.B * spec.H * self.nq
@@ -313,6 +332,16 @@ def _chunks(nvec: int, max_nv: int) -> tuple:
     return tuple(out)
 
 
+AMX_MQ = 64   # dot 'amx': query rows per tile (a multiple of 32)
+AMX_KB = 128  # keys per block (a multiple of 32)
+
+
+def _krows(D: int, dot: str) -> int:
+    """Rows of packed K^T: D floats, D/2 bf16 pairs, or for AMX the pairs padded to whole
+    tiles (16 pairs, zeros)."""
+    return D if dot == "f32" else _rup(_cdiv(D, 2), 16) if dot == "amx" else _cdiv(D, 2)
+
+
 def _has_bf16_dot() -> bool:
     from ..native.target import host
     return host().has("avx512bf16")
@@ -325,13 +354,34 @@ def _bf16_dot_ok(spec) -> bool:
             and (spec.v_strides[3] == 1 or spec.Dv == 1) and _has_bf16_dot())
 
 
+def _amx_why_not(spec) -> str | None:
+    """Why Q K^T and P V cannot run on AMX tiles (None: they can): the layouts of the
+    'bf16' mode (Q, K, V float32 or bf16, unit d strides or K stored transposed), a CPU
+    with avx512bf16 and usable AMX tiles (`amx.amx_usable`)."""
+    if not all(d in ("float32", "bfloat16") for d in spec.dtypes[:3]):
+        return "Q, K, V not float32/bfloat16"
+    if not (spec.q_strides[3] == 1 and (spec.k_strides[3] == 1 or spec.k_strides[2] == 1)
+            and (spec.v_strides[3] == 1 or spec.Dv == 1)):
+        return "Q, K or V without a unit d stride (K: or key stride)"
+    if not _has_bf16_dot():
+        return "no avx512bf16"
+    from .amx import amx_usable
+    return amx_usable()
+
+
 def _default_dot(spec) -> str:
-    """vdpbf16ps where it is the faster multiply: not on CPUs with AMX (Sapphire Rapids
-    and later), whose bf16 lever is the tile unit: there vdpbf16ps (one port) measured
-    0.5-0.65x the fp32 FMA rate (two ports), so bf16 operands are widened instead."""
+    """With precision bf16: AMX tiles where they are usable (and the layouts allow:
+    `_amx_why_not`; a static spec with at least 16 query rows, as a tile computes 32),
+    else vdpbf16ps where it is the faster multiply: not on CPUs with AMX (Sapphire Rapids
+    and later), where vdpbf16ps (one port) measured 0.5-0.65x the fp32 FMA rate (two
+    ports), so bf16 operands are widened instead."""
     from ..native.target import host
+    if spec.precision != "bf16":
+        return "f32"
+    if _amx_why_not(spec) is None and (isinstance(spec, AttnForm) or spec.Sq >= 16):
+        return "amx"
     fast = not host().has("amx-bf16")
-    return "bf16" if spec.precision == "bf16" and _bf16_dot_ok(spec) and fast else "f32"
+    return "bf16" if _bf16_dot_ok(spec) and fast else "f32"
 
 
 PRECISION_ATTR = "cannc_precision"   # node attribute set by the mixed-precision pass
@@ -363,6 +413,8 @@ def attention_precision_note(spec, tuning: dict | None = None) -> str:
     plan = attention_plan(spec, tuning)
     narrow = sorted({d for d in spec.dtypes if d != "float32"})
     store = f" ({'/'.join(narrow)} storage)" if narrow else ""
+    if plan.dot == "amx":
+        return "bf16 AMX (P rounded to bf16), fp32 softmax" + store
     if plan.dot == "bf16":
         return "bf16 avx512_bf16 (P rounded to bf16), fp32 softmax" + store
     if spec.precision == "bf16":
@@ -397,7 +449,25 @@ def _plan(spec: AttnSpec | AttnForm, tuning: tuple = ()) -> AttnPlan:
     KB = tun.get("KB", 64)
     KB = _rup(KB if poly else min(KB, _rup(spec.Sk, 16 * NV_s)), 16 * NV_s)
     step = math.lcm(MR_s, MR_v)
-    MQ = tun.get("MQ", max(16, step))
+    dot = tun.get("dot", _default_dot(spec))
+    if dot not in ("f32", "bf16", "amx"):
+        raise ValueError(f"dot must be 'f32', 'bf16' or 'amx', got {dot!r}")
+    if dot == "bf16" and not _bf16_dot_ok(spec):
+        raise ValueError("dot 'bf16' needs float32/bfloat16 Q, K, V with unit d strides "
+                         "and a CPU with avx512bf16")
+    amx = dot == "amx"
+    if amx:
+        why = _amx_why_not(spec)
+        if why:
+            raise ValueError(f"dot 'amx': {why}")
+        # tiles of 16 rows x 32 bf16: the query block, the key block and Dv in pairs of
+        # tiles (32), Q/K^T d padded to 32 (zeros)
+        KB = _rup(tun.get("KB", AMX_KB), 32)
+        if not poly:
+            KB = min(KB, _rup(spec.Sk, 32))
+        NV_s = KB // 16   # the softmax reads every vector of a block (no stale chunks)
+        step = 32
+    MQ = tun.get("MQ", max(16, step) if not amx else AMX_MQ)
     if not poly:
         MQ = max(1, min(MQ, _rup(spec.Sq, step)))
         if "MQ" not in tun:
@@ -405,18 +475,12 @@ def _plan(spec: AttnSpec | AttnForm, tuning: tuple = ()) -> AttnPlan:
             while (spec.B * spec.H * _cdiv(spec.Sq, MQ) < 4 and MQ > step
                    and MQ % (2 * step) == 0):
                 MQ //= 2
-    elif MQ % step:
+    if (poly or amx) and MQ % step:
         raise ValueError(f"MQ {MQ} is not a multiple of the micro-kernel rows {step}")
     nq = 0 if poly else _cdiv(spec.Sq, MQ)
 
-    dot = tun.get("dot", _default_dot(spec))
-    if dot not in ("f32", "bf16"):
-        raise ValueError(f"dot must be 'f32' or 'bf16', got {dot!r}")
-    if dot == "bf16" and not _bf16_dot_ok(spec):
-        raise ValueError("dot 'bf16' needs float32/bfloat16 Q, K, V with unit d strides "
-                         "and a CPU with avx512bf16")
     qdt, kdt, vdt, _ = spec.dtypes
-    pair = dot == "bf16"
+    pair = dot in ("bf16", "amx")
     # K^T / V packed in float32 (widened), or in bf16 pairs (dot 'bf16'); read in place
     # only when they are float32 already
     k_mode = "direct" if spec.k_strides[2] == 1 and kdt == "float32" and not pair else "pack"
@@ -431,19 +495,20 @@ def _plan(spec: AttnSpec | AttnForm, tuning: tuple = ()) -> AttnPlan:
         raise ValueError("v_mode 'direct' needs float32 V rows contiguous along Dv")
     # rows of packed K^T: D (floats) or D2 (bf16 pairs of d); V: one row per key, or per
     # pair of keys (16 lanes of Dv x 2 keys per vector)
-    krows = _cdiv(spec.D, 2) if pair else spec.D
+    krows = _krows(spec.D, dot)
     vdiv = 2 if pair else 1
-    Dv_pad = 16 * nvd
+    Dv_pad = _rup(spec.Dv, 32) if amx else 16 * nvd
     if poly:
         scope = tun.get("scope", spec.scope)
         ldk = KB
     else:
-        Sk_pad = _rup(spec.Sk, 16)
+        Sk_pad = _rup(spec.Sk, KB if amx else 16)
         bh_bytes = (krows * Sk_pad if k_mode == "pack" else 0) * 4 + (
             Sk_pad // vdiv * Dv_pad if v_mode == "pack" else 0
         ) * 4
         scope = tun.get("scope", "bh" if bh_bytes <= PACK_BH_BYTES else "block")
-        ldk = Sk_pad if scope == "bh" else KB
+        # dot 'amx' packs K^T in panels of KB keys (a form's layout) also for a spec
+        ldk = Sk_pad if scope == "bh" and not amx else KB
 
     off = 0
 
@@ -457,12 +522,13 @@ def _plan(spec: AttnSpec | AttnForm, tuning: tuple = ()) -> AttnPlan:
 
     if not poly:
         rows_k = Sk_pad if scope == "bh" else KB
-        ws_k = take(krows * ldk * 4 if k_mode == "pack" else 0)
+        ws_k = take(krows * rows_k * 4 if k_mode == "pack" else 0)
         ws_v = take(rows_k // vdiv * Dv_pad * 4 if v_mode == "pack" else 0)
     ws_s = take(MQ * KB * 4, 1)
     ws_q = take(MQ * krows * 4 if pair or qdt != "float32" else 0)
     ws_p = take(MQ * KB * 2 if pair else 0)
     ws_o = take(MQ * Dv_pad * 4, 2)
+    ws_t = take(MQ * Dv_pad * 4 if amx else 0)
     MQp = _rup(MQ, 16)
     ws_m = take(MQp * 4, 3)
     ws_l = take(MQp * 4)
@@ -507,6 +573,7 @@ def _plan(spec: AttnSpec | AttnForm, tuning: tuple = ()) -> AttnPlan:
         ws_y=ws_y,
         ws_u=ws_u,
         ws_bytes=max(64, off),
+        ws_t=ws_t,
     )
 
 
@@ -515,8 +582,8 @@ def _bh_pack_bytes(form: AttnForm, plan: AttnPlan, Sk: int) -> tuple[int, int]:
     if plan.scope != "bh":
         return 0, 0
     rows = _rup(Sk, plan.KB)
-    pair = plan.dot == "bf16"
-    krows = _cdiv(form.D, 2) if pair else form.D
+    pair = plan.dot in ("bf16", "amx")
+    krows = _krows(form.D, plan.dot)
     kb = krows * rows * 4 if plan.k_mode == "pack" else 0
     vb = rows // (2 if pair else 1) * plan.Dv_pad * 4 if plan.v_mode == "pack" else 0
     return kb, vb
@@ -590,14 +657,18 @@ class _Gen(VecBuilder):
         )
         self.iota32 = ir.Constant(VI32, list(range(16)))
         self.iota64 = ir.Constant(VI64, list(range(16)))
-        self.pair = plan.dot == "bf16"
+        # bf16 pairs (K^T pairs of d, V pairs of keys, Q pairs, P rounded to bf16): dot
+        # 'bf16' (vdpbf16ps) and 'amx' (the same layouts are the tiles' VNNI layouts)
+        self.pair = plan.dot in ("bf16", "amx")
+        self.amx = plan.dot == "amx"
+        self._tile_fns: dict = {}
         # element types of Q, K, V, O and a float mask (narrow ones converted on load/store)
         self.dt = dict(zip("qkvo", spec.dtypes))
         self.dt["m"] = spec.mask_dtype
         self.ety = {k: _ETY[d] for k, d in self.dt.items() if d != "bool"}
         self.ety["m"] = I8 if spec.mask_dtype == "bool" else self.ety["m"]
-        self.krows = _cdiv(spec.D, 2) if self.pair else spec.D
-        if self.pair:
+        self.krows = _krows(spec.D, plan.dot)
+        if plan.dot == "bf16":
             self.dpbf16 = declare(module, "llvm.x86.avx512bf16.dpbf16ps.512", VF,
                                   [VF, VBF32, VBF32])
 
@@ -815,8 +886,10 @@ class _Gen(VecBuilder):
         self.ws_k = self.gep(ws, p.ws_k, I8)
         self.ws_v = self.gep(ws, p.ws_v, I8)
         # a form's K^T panels: key block kb0 starts at ws_k + kb0 * D, rows of KB keys
-        self.panels = self.poly and p.scope == "bh"
-        if self.panels and p.k_mode == "pack":
+        # (dot 'amx': also a static spec's, so that a block's tiles have row stride KB)
+        self.panels = (self.poly or self.amx) and p.scope == "bh"
+        self.ws_t = self.gep(ws, p.ws_t, I8)
+        if self.poly and self.panels and p.k_mode == "pack":
             nkb = b.sdiv(b.add(self.Sk, i64(p.KB - 1)), i64(p.KB))
             self.ws_v = self.gep(self.ws_v, b.mul(nkb, i64(p.KB * self.krows * 4)), I8)
         self.ws_s = self.gep(ws, p.ws_s, I8)
@@ -900,14 +973,23 @@ class _Gen(VecBuilder):
                 else:
                     self.pack_v(self.gep(V_bh, self.mul(kb0, vst[2]), ety["v"]), kbl)
                     vb, ldv = self.ws_v, p.Dv_pad
-                self.scores(Q_bh, M_bh, q0, mq, kt, ldk, kb0, kbl)
-                self.softmax_rows(mq, kbl)
                 first = b.icmp_signed("==", kb0, i64(0))
                 last = b.icmp_signed(">=", b.add(kb0, i64(p.KB)), kend)
-                self.pv(vb, ldv, mq, kbl, first, last, O_bh, q0)
+                if self.amx:
+                    b.call(self.tile_scores(), [self.ws_q, kt, self.ws_s])
+                    self.amx_score_epilogue(M_bh, q0, mq, kb0, kbl)
+                    self.softmax_rows(mq, kbl)
+                    b.call(self.tile_pv(), [self.ws_p, vb, self.ws_t])
+                    self.amx_merge(mq, first, last, O_bh, q0)
+                else:
+                    self.scores(Q_bh, M_bh, q0, mq, kt, ldk, kb0, kbl)
+                    self.softmax_rows(mq, kbl)
+                    self.pv(vb, ldv, mq, kbl, first, last, O_bh, q0)
             if s.causal and (self.poly or s.Sq > s.Sk):
                 with self.if_then(b.icmp_signed("<=", kend, i64(0))):
                     self.store_nan_rows(O_bh, q0, mq)
+        if self.amx:
+            b.call(self.intr("llvm.x86.tilerelease", VOID, []), [])
         b.ret_void()
 
     # -- per-tile state ------------------------------------------------------
@@ -1050,6 +1132,9 @@ class _Gen(VecBuilder):
             base = self.gep(src, a0, ety)
             dst = self.gep(self.ws_k, col)
             for i in range(self.krows):
+                if 2 * i >= s.D:   # dot 'amx': d padded to whole tiles with zeros
+                    self.store_v(self.zero_v, self.gep(dst, i * p.ldk))
+                    continue
                 lo = self.load_cvt(self.gep(base, self.imul(2 * i, ds), ety), m, dt)
                 hi = self.load_cvt(self.gep(base, self.imul(2 * i + 1, ds), ety), m, dt) \
                     if 2 * i + 1 < s.D else self.zero_v
@@ -1060,16 +1145,28 @@ class _Gen(VecBuilder):
         even < count (V(count, e) = 0); lanes e >= Dv are 0."""
         s, p, b = self.s, self.p, self.b
         ety, dt = self.ety["v"], self.dt["v"]
-        with self.loop(0, b.ashr(b.add(count, i64(1)), i64(1)), 1, "pvp") as jp:
+        if self.amx:
+            # whole key blocks (the tiles read KB keys): keys count.. zero, Dv_pad columns
+            npairs = b.mul(b.sdiv(b.add(count, i64(p.KB - 1)), i64(p.KB)), i64(p.KB // 2))
+        else:
+            npairs = b.ashr(b.add(count, i64(1)), i64(1))
+        with self.loop(0, npairs, 1, "pvp") as jp:
             j = b.shl(jp, i64(1))
             r0 = self.gep(src, self.mul(j, rs), ety)
             r1 = self.gep(r0, rs, ety)
+            ok0 = b.icmp_signed("<", j, count) if self.amx else None
             ok1 = b.icmp_signed("<", b.add(j, i64(1)), count)
             dst = self.gep(self.ws_v, self.mul(jp, p.Dv_pad))
-            for v in range(_cdiv(s.Dv, 16)):
+            for v in range(p.Dv_pad // 16 if self.amx else _cdiv(s.Dv, 16)):
+                if 16 * v >= s.Dv:
+                    self.store_v(self.zero_v, self.gep(dst, 16 * v))
+                    continue
                 m = self.lanes_lt(s.Dv, 16 * v)
                 full = all(c.constant for c in m.constant)
-                lo = self.load_cvt(self.gep(r0, 16 * v, ety), None if full else m, dt)
+                m0 = None if full else m
+                if ok0 is not None:
+                    m0 = b.select(ok0, m, self.zero_m)
+                lo = self.load_cvt(self.gep(r0, 16 * v, ety), m0, dt)
                 hi = self.load_cvt(self.gep(r1, 16 * v, ety), b.select(ok1, m, self.zero_m), dt)
                 self.store_v(self.interleave_bf16(lo, hi), self.gep(dst, 16 * v))
 
@@ -1340,7 +1437,9 @@ class _Gen(VecBuilder):
         p, b = self.p, self.b
         KB = p.KB
         NVk = KB // 16
-        skip = self.poly and NVk > 1   # a form's short blocks: skip the vectors past kbl
+        # a form's short blocks: skip the vectors past kbl (not with AMX: its P @ V tiles
+        # read the whole block, whose weights past kbl must be 0)
+        skip = self.poly and NVk > 1 and not self.amx
         nvec = b.sdiv(b.add(kbl, i64(15)), i64(16)) if NVk > p.NV_s or skip else None
         with self.loop(0, mq, 16, "sg") as g0:
             mblk = self.reduce16(self.gep(self.ws_x, self.mul(g0, 16)), self.fmax)
@@ -1493,6 +1592,136 @@ class _Gen(VecBuilder):
                             self.store_out(b.fmul(accs[k][v], invs), orow, 16 * v, omask[v])
 
                 self.finish_block(last, final, partial, "pv")
+
+    # -- dot 'amx': Q K^T and P V on tiles (tdpbf16ps) ---------------------------------
+    def tile_fn(self, key: str, body) -> ir.Function:
+        """An internal noinline ``void f(ptr a, ptr b, ptr c)`` whose body ``body(b, a,
+        bt, c)`` uses tiles: LLVM configures the tiles per function (ldtilecfg on entry,
+        one shape per tile register); here every tile is 16 rows x 64 bytes."""
+        if key in self._tile_fns:
+            return self._tile_fns[key]
+        f = ir.Function(self.m, ir.FunctionType(VOID, [PTR, PTR, PTR]),
+                        name=self.m.get_unique_name(f"{self.fn.name}.{key}"))
+        f.linkage = "internal"
+        f.attributes.add("nounwind")
+        f.attributes.add("noinline")
+        bld = ir.IRBuilder(f.append_basic_block("entry"))
+        body(bld, *f.args)
+        bld.ret_void()
+        self._tile_fns[key] = f
+        return f
+
+    def _tiles(self, bld):
+        """Tile helpers (16 x 64-byte tiles) on the builder ``bld``."""
+        r16, c64 = ir.Constant(ir.IntType(16), 16), ir.Constant(ir.IntType(16), 64)
+        ld = self.intr("llvm.x86.tileloadd64.internal", X86_AMX, [I16, I16, PTR, I64])
+        zero = self.intr("llvm.x86.tilezero.internal", X86_AMX, [I16, I16])
+        dp = self.intr("llvm.x86.tdpbf16ps.internal", X86_AMX, [I16] * 3 + [X86_AMX] * 3)
+        st = self.intr("llvm.x86.tilestored64.internal", VOID, [I16, I16, PTR, I64, X86_AMX])
+
+        def at(ptr, off):
+            return bld.gep(ptr, [i64(off)], source_etype=I8) if off else ptr
+
+        return (lambda ptr, off, stride: bld.call(ld, [r16, c64, at(ptr, off), i64(stride)]),
+                lambda: bld.call(zero, [r16, c64]),
+                lambda c, a, bt: bld.call(dp, [r16, c64, c64, c, a, bt]),
+                lambda ptr, off, stride, t: bld.call(st, [r16, c64, at(ptr, off), i64(stride),
+                                                          t]))
+
+    def _tile_grid(self, bld, a, bt, c, rows, cols, steps, a_ld, a_step, b_ld, b_step, b_col,
+                   c_ld):
+        """C[rows][cols] (bytes offsets of 16 x 16 fp32 tiles) = sum over ``steps`` of
+        A tiles (16 rows x 32 bf16) times B tiles (16 pairs x 16 columns, VNNI), 32 x 32
+        blocks of C at a time (4 C + 2 A + 2 B tiles: the 8 tile registers)."""
+        load, zero, dp, store = self._tiles(bld)
+        for r0 in range(0, rows, 32):
+            for c0 in range(0, cols, 32):
+                acc = [[zero(), zero()], [zero(), zero()]]
+                for k in range(steps):
+                    at = [load(a, (r0 + 16 * i) * a_ld + k * a_step, a_ld) for i in range(2)]
+                    bt_ = [load(bt, k * b_step + (c0 + 16 * j) * b_col, b_ld)
+                           for j in range(2)]
+                    acc = [[dp(acc[i][j], at[i], bt_[j]) for j in range(2)] for i in range(2)]
+                for i in range(2):
+                    for j in range(2):
+                        store(c, (r0 + 16 * i) * c_ld + (c0 + 16 * j) * 4, c_ld, acc[i][j])
+
+    def tile_scores(self) -> ir.Function:
+        """``(ws_q, K^T panel, ws_s)``: S[MQ][KB] (fp32, row stride KB) = Q K^T of the
+        block, unscaled: A = Q's bf16 rows (stride 4 * D2p bytes, 32 d per tile), B = the
+        K^T panel (rows of 16-bit pairs of d, KB keys: stride 4 * KB bytes)."""
+        p = self.p
+
+        def body(bld, q, kt, sc):
+            self._tile_grid(bld, q, kt, sc, p.MQ, p.KB, self.krows // 16,
+                            a_ld=4 * self.krows, a_step=64, b_ld=4 * p.KB,
+                            b_step=16 * 4 * p.KB, b_col=4, c_ld=4 * p.KB)
+
+        return self.tile_fn("amx_qk", body)
+
+    def tile_pv(self) -> ir.Function:
+        """``(ws_p, V pair rows, ws_t)``: T[MQ][Dv_pad] (fp32) = P V of the block: A = P
+        in bf16 (row stride 2 * KB bytes, 32 keys per tile), B = V's rows of key pairs
+        (stride 4 * Dv_pad bytes), over the whole block (weights past the keys are 0 and
+        the rows of V past Sk are zero)."""
+        p = self.p
+
+        def body(bld, pp, vb, t):
+            self._tile_grid(bld, pp, vb, t, p.MQ, p.Dv_pad, p.KB // 32,
+                            a_ld=2 * p.KB, a_step=64, b_ld=4 * p.Dv_pad,
+                            b_step=16 * 4 * p.Dv_pad, b_col=4, c_ld=4 * p.Dv_pad)
+
+        return self.tile_fn("amx_pv", body)
+
+    def amx_score_epilogue(self, M_bh, q0, mq, kb0, kbl):
+        """Scale, mask, causal limit and key padding (-inf past kbl, over the whole block)
+        applied to the raw scores in ws_s, in place; the row maxima to ws_x."""
+        p, b = self.p, self.b
+        NV, KB = p.KB // 16, p.KB
+        valid = [self.lanes_lt(kbl, 16 * v) for v in range(NV)]
+        with self.loop(0, mq, 1, "ae") as r:
+            srow = self.gep(self.ws_s, self.mul(r, KB))
+            raw = [self.load_v(self.gep(srow, 16 * v)) for v in range(NV)]
+            sv = self.score_epilogue(raw, M_bh, b.add(q0, r), kb0, valid)
+            mx = sv[0]
+            for v in range(NV):
+                self.store_v(sv[v], self.gep(srow, 16 * v))
+                if v:
+                    mx = self.fmax(mx, sv[v])
+            self.store_v(mx, self.gep(self.ws_x, self.mul(r, 16)))
+
+    def amx_merge(self, mq, first, last, O_bh, q0):
+        """Oacc = alpha * Oacc + T (T alone on the first block); on the last block
+        O = (alpha * Oacc + T) / l is stored instead."""
+        s, p, b = self.s, self.p, self.b
+        Dvp = p.Dv_pad
+        oi, od = self.st["o_strides"][2:]
+        nvd = _cdiv(s.Dv, 16)
+        omask = [self.lanes_lt(s.Dv, 16 * v) for v in range(nvd)]
+        omask = [None if all(c.constant for c in m.constant) else m for m in omask]
+        with self.loop(0, mq, 1, "am") as r:
+            al = self.splat(self.load_f(self.gep(self.ws_a, r)))
+            trow = self.gep(self.ws_t, self.mul(r, Dvp))
+            orow_acc = self.gep(self.ws_o, self.mul(r, Dvp))
+            accs = []
+            for v in range(nvd):
+                t = self.load_v(self.gep(trow, 16 * v))
+                old = self.load_v(self.gep(orow_acc, 16 * v))
+                accs.append(b.select(first, t, self.fma(old, al, t)))
+
+            def partial():
+                for v in range(nvd):
+                    self.store_v(accs[v], self.gep(orow_acc, 16 * v))
+
+            def final():
+                inv = self.splat(b.fdiv(ir.Constant(F32, 1.0),
+                                        self.load_f(self.gep(self.ws_l, r))))
+                orow = self.gep(O_bh, self.mul(b.add(q0, r), oi), self.ety["o"])
+                for v in range(nvd):
+                    self.store_out(b.fmul(accs[v], inv), orow, 16 * v,
+                                   omask[v])
+
+            self.finish_block(last, final, partial, "am")
 
     def store_out(self, val, orow, e0: int, mask):
         """O elements e0 + lane of the row at orow (mask: lanes inside Dv)."""
