@@ -95,7 +95,13 @@ class _Lowering:
         lowering = lowering_for(op)
         if lowering is None:
             raise CompileError(f"no native lowering of {n.op_type} (node '{n.name}')")
-        tiling = lowering.tiling(n, in_types, out_types) if lowering.tiling is not None else None
+        if lowering.tiling is None:
+            tiling = None
+        elif lowering.tiling_consts:
+            tiling = lowering.tiling(n, in_types, out_types,
+                                     consts=tuple(c is not None for c in consts))
+        else:
+            tiling = lowering.tiling(n, in_types, out_types)
         key = node_key(n, in_types, out_types, consts, tiling.key if tiling else None, self.salt,
                        op.tiling_attrs)
         entry = self._lookup(key, consts)

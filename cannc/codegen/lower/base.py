@@ -33,22 +33,26 @@ TilingFn = Callable[["Node", list["TensorType | None"], list["TensorType"]], "Ti
 class Lowering:
     lower: LowerFn
     tiling: TilingFn | None = None
+    # the tiling function also takes consts=(input i is a compile-time constant, ...): a
+    # kernel whose form depends on it (an AMX GEMM needs its B prepacked) says so
+    tiling_consts: bool = False
 
 
 _LOWERINGS: dict[tuple[str, str], Lowering] = {}
 _MAP_LOWERING: list[Lowering] = []     # the shared lowering of ops with an `expr`
 
 
-def register_lowering(name: str, domain: str = "", tiling: TilingFn | None = None
-                      ) -> Callable[[LowerFn], LowerFn]:
-    """Decorator: `fn` lowers op `name` (in `domain`); `tiling` is its host tiling function."""
+def register_lowering(name: str, domain: str = "", tiling: TilingFn | None = None,
+                      tiling_consts: bool = False) -> Callable[[LowerFn], LowerFn]:
+    """Decorator: `fn` lowers op `name` (in `domain`); `tiling` is its host tiling function
+    (`tiling_consts`: called with ``consts=`` too, see `Lowering`)."""
 
     def deco(fn: LowerFn) -> LowerFn:
         key = (domain, name)
         if key in _LOWERINGS:
             raise ValueError(f"lowering of {domain + '::' if domain else ''}{name} "
                              "registered twice")
-        _LOWERINGS[key] = Lowering(fn, tiling)
+        _LOWERINGS[key] = Lowering(fn, tiling, tiling_consts)
         return fn
 
     return deco

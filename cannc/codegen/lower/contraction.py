@@ -30,6 +30,7 @@ from ...native import emit
 from ...native.emit import for_range, i64
 from ...schedule.tuning import gemm_signature
 from ..amx import (
+    amx_dims,
     amx_num_tiles,
     amx_plan,
     amx_prepack_b,
@@ -301,13 +302,13 @@ def plan_contraction(ctx: LowerCtx, node: Node | None = None) -> GemmSpec:
 # ---------------------------------------------------------------------------
 
 _AMX_TYPES = frozenset({"float32", "bfloat16"})
+AMX_NOTE = "bf16 AMX (fp32 sums)"
 
 
 def use_amx(spec: GemmSpec) -> bool:
     """Whether this GEMM runs on AMX tiles: bf16 products on a CPU (and process) with
-    AMX, a constant B, the operand types the AMX kernel takes. Shape-polymorphic
-    kernels stay on gemm.py (their tiling function cannot tell a constant B)."""
-    return (spec.compute == "bf16" and not spec.dyn and spec.b_prepacked
+    AMX, a constant B, the operand types the AMX kernel takes."""
+    return (spec.compute == "bf16" and spec.b_prepacked
             and {spec.a_type, spec.b_type, spec.c_type} <= _AMX_TYPES
             and (not spec.bias or spec.bias_type in _AMX_TYPES)
             and amx_usable() is None and amx_supports(spec) is None)
@@ -332,7 +333,8 @@ def emit_contraction(module: ir.Module, name: str, spec: GemmSpec, epilogue: Any
     if use_amx(spec):
         return emit_amx_gemm(module, name, spec, epilogue, a_dtype=spec.a_type,
                              c_dtype=spec.c_type,
-                             bias_dtype=spec.bias_type if spec.bias else "float32")
+                             bias_dtype=spec.bias_type if spec.bias else "float32",
+                             dims_slot=dims_slot)
     return emit_gemm(module, name, spec, epilogue, tuning=tuning, dims_slot=dims_slot)
 
 
@@ -377,7 +379,7 @@ def finish_contraction(ctx: LowerCtx, spec: GemmSpec, extra_ws: int = 0,
                "path": f"AMX 2x2 16x16 tiles, grid {p.mt}x{p.nt} of {p.MB}x{p.NB}"}
         ctx.notes["plan"] = rec
         ctx.notes["tiling"] = rec["path"]
-        ctx.notes["precision"] = "bf16 AMX (fp32 sums)"
+        ctx.notes["precision"] = AMX_NOTE
         return
     ctx.num_tiles = gemm_num_tiles(spec, tuning)
     ctx.workspace_bytes = gemm_workspace_bytes(spec, tuning) + extra_ws
@@ -389,7 +391,7 @@ def finish_contraction(ctx: LowerCtx, spec: GemmSpec, extra_ws: int = 0,
 
 def note_precision(ctx: LowerCtx, spec: GemmSpec, tuning: dict | None = None) -> None:
     """ctx.notes['precision'] of a GEMM with narrow operands or products."""
-    note = precision_note(spec, tuning)
+    note = AMX_NOTE if use_amx(spec) else precision_note(spec, tuning)
     if note is not None:
         ctx.notes["precision"] = note
 
@@ -462,19 +464,25 @@ def _tuned(spec: GemmSpec, epilogue: bool) -> bool:
 
 
 def gemm_tiling(n: Node, ins: list[TensorType | None], outs: list[TensorType],
-                epilogue: bool = False) -> Tiling | None:
+                epilogue: bool = False, consts: tuple[bool, ...] | None = None
+                ) -> Tiling | None:
     """The host tiling function of MatMul and Gemm (codegen/ABI.md "Runtime dimensions"):
     the key is the canonical GEMM (N, K, layouts, bias pattern, alpha, beta), the dims
-    are GEMM_DIMS for these M and batch. Shapes that `cannc tune` measured get their
-    tuned static kernel (None)."""
+    are GEMM_DIMS for these M and batch (AMX_DIMS for an AMX kernel, which needs a
+    constant B: ``consts``, which inputs are constants; not known: AMX candidates are
+    emitted statically). Shapes that `cannc tune` measured get their tuned static
+    kernel (None)."""
     d = dynamic_gemm(n, ins, outs[0] if outs else None)
     if d is None:
         return None
     canon, M, batch, _, full = d
     if _tuned(full, epilogue):
         return None
-    if len(ins[1].shape) <= 2 and amx_candidate(full):
-        return None    # a static AMX kernel once B proves a constant (plan_contraction)
+    b_const = consts[1] if consts is not None and len(consts) > 1 else None
+    if amx_candidate(full) and b_const is not False:
+        if b_const is None:
+            return None    # a static AMX kernel once B proves a constant
+        return _amx_tiling(_with(canon, b_prepacked=True), M, batch)
     # B may be a constant (prepacked: no workspace) or not (packed per block): the
     # workspace of the latter serves both, the dims serve both (gemm_dims); the grid
     # is the one of a prepacked B when B is 2-D (a weight, most likely)
@@ -499,6 +507,21 @@ def gemm_tiling(n: Node, ins: list[TensorType | None], outs: list[TensorType],
                   workspace_bytes=ws, flops=2 * batch * M * canon.N * canon.K, notes=notes)
 
 
+def _amx_tiling(canon: GemmSpec, M: int, batch: int) -> Tiling:
+    """The tiling of a shape-polymorphic AMX GEMM (B a constant, prepacked)."""
+    dims, tiles = amx_dims(canon, M, batch, canon.a_type)
+    ws = amx_workspace_bytes(canon, canon.a_type)
+    mt, nt, MB, NB = dims[2:6]
+    path = f"AMX 2x2 16x16 tiles, grid {mt}x{nt} of {MB}x{NB}"
+    notes = {"gemm": _describe(_with(canon, M=M, batch=batch, dyn=False)) + " AMX dynamic",
+             "plan": {"kind": "amx", "M": M, "N": canon.N, "K": canon.K, "batch": batch,
+                      "MB": MB, "NB": NB, "mt": mt, "nt": nt, "tiles": tiles,
+                      "workspace_bytes": ws, "dynamic": True, "path": path},
+             "tiling": path, "precision": AMX_NOTE}
+    return Tiling(key=("amx", canon), dims=dims, num_tiles=tiles, workspace_bytes=ws,
+                  flops=2 * batch * M * canon.N * canon.K, notes=notes)
+
+
 def plan_dynamic(ctx: LowerCtx, node: Node | None = None) -> GemmSpec:
     """plan_contraction for a kernel of any M and batch count (ctx.tiling is set): the
     canonical GemmSpec (prepacked when B is a constant: the packing depends on N and K
@@ -515,7 +538,10 @@ def plan_dynamic(ctx: LowerCtx, node: Node | None = None) -> GemmSpec:
         # the packing spec: B's own batch items (when batched), no M
         pack = _with(spec, dyn=False, batch=b_items or 1, a_batch_stride=0,
                      b_batch_stride=spec.b_batch_stride if b_items and b_items > 1 else 0)
-        ctx.replace_const(1, _prepack_const_b, pack, n.op_type == "MatMul", ConstRef(1))
+        ctx.replace_const(1, _prepack_const_b, pack, n.op_type == "MatMul", ConstRef(1),
+                          use_amx(spec))
+    # the tiling function chose the kernel (its dims are that kernel's)
+    assert use_amx(spec) == (ctx.tiling.key[0] == "amx"), ctx.tiling.key[0]
     return spec
 
 
@@ -526,7 +552,7 @@ def dims_slot(ctx: LowerCtx) -> int:
 
 def _lower_dynamic(ctx: LowerCtx) -> None:
     spec = plan_dynamic(ctx)
-    emit_gemm(ctx.module, ctx.symbol, spec, dims_slot=dims_slot(ctx))
+    emit_contraction(ctx.module, ctx.symbol, spec, dims_slot=dims_slot(ctx))
     ctx.notes["gemm"] = _describe(spec) + " dynamic"
     note_precision(ctx, spec)
 
@@ -559,5 +585,5 @@ def _lower_gemm(ctx: LowerCtx) -> None:
     finish_contraction(ctx, spec, tuning=tun)
 
 
-register_lowering("MatMul", tiling=gemm_tiling)(_lower_matmul)
-register_lowering("Gemm", tiling=gemm_tiling)(_lower_gemm)
+register_lowering("MatMul", tiling=gemm_tiling, tiling_consts=True)(_lower_matmul)
+register_lowering("Gemm", tiling=gemm_tiling, tiling_consts=True)(_lower_gemm)

@@ -36,7 +36,6 @@ from ..attention import (
     emit_attention,
 )
 from ..elementwise import TV, Expr, bf16_bits_to_f32, emit_map, is_bf16, map_tiling
-from ..gemm import GEMM_DIMS
 from ..kernel import LowerCtx
 from ..plans import attention_notes, attention_record
 from ..reduce import load_raw
@@ -157,13 +156,15 @@ def _operand_pattern(mm: Node, in_types: list, i: int, out_shape: tuple[int, ...
     return operand_pattern(in_types[i], out_shape, batched)
 
 
-def _fused_gemm_tiling(node: Node, in_types: list, out_types: list) -> Any:
+def _fused_gemm_tiling(node: Node, in_types: list, out_types: list,
+                       consts: tuple[bool, ...] | None = None) -> Any:
     """The GEMM's tiling (M and the batch count at run time) with the indexing pattern
     of every epilogue operand in the key; None where the GEMM or an operand is static."""
     body: list[Node] = node.attrs["body"]
     mm = body[0]
     ncon = len(mm.inputs)
-    t = gemm_tiling(mm, in_types[:ncon], out_types[:1], epilogue=True)
+    t = gemm_tiling(mm, in_types[:ncon], out_types[:1], epilogue=True,
+                    consts=consts[:ncon] if consts is not None else None)
     if t is None:
         return None
     batched = t.key[1].batch > 1
@@ -239,7 +240,7 @@ def _lower_fused_gemm(ctx: LowerCtx) -> None:
                              tuning=tun, dims_slot=nptr if dyn else None)
     inner.linkage = "internal"
     fn, b = ctx.begin()
-    ndims = len(GEMM_DIMS) if dyn else 0
+    ndims = len(ctx.tiling.dims) if dyn else 0     # GEMM_DIMS, or AMX_DIMS
     arr = b.alloca(emit.PTR, size=emit.i64(nptr + ndims))
     ptrs = [ctx.in_ptr(b, i) for i in gemm_in] + [ctx.out_ptr(b, 0)] + \
            [ctx.in_ptr(b, i) for i in ext]
@@ -598,7 +599,8 @@ def _lower_fused_softmax(ctx: LowerCtx) -> None:
 
 
 register_lowering("FusedMap", domain=DOMAIN, tiling=_fused_map_tiling)(_lower_fused_map)
-register_lowering("FusedGemm", domain=DOMAIN, tiling=_fused_gemm_tiling)(_lower_fused_gemm)
+register_lowering("FusedGemm", domain=DOMAIN, tiling=_fused_gemm_tiling,
+                  tiling_consts=True)(_lower_fused_gemm)
 register_lowering("FusedConv", domain=DOMAIN, tiling=_fused_conv_tiling)(_lower_fused_conv)
 register_lowering("FusedAttention", domain=DOMAIN,
                   tiling=_fused_attention_tiling)(_lower_fused_attention)
