@@ -238,3 +238,30 @@ def test_cli_compile_precision_with_accuracy_feeds(tmp_path, capsys):
     assert "moved 1 node(s) to fp32 (plant)" in out and "precision: bf16" in out
     rc = main(["inspect", str(tmp_path / "p.cnc"), "--shape", "x=8x32"])
     assert rc == 0 and "fp32 5 node(s): plant, tr, unplant, relu, tr2" in capsys.readouterr().out
+
+
+def test_bf16_new_sequence_lengths_generate_no_code():
+    """Narrow GEMMs (AMX tiles where the CPU has them, else gemm.py) are shape-polymorphic
+    like float32 ones: after the first shape, new batch/sequence sizes compile nothing."""
+    from cannc.codegen.amx import amx_usable
+    from cannc.compiler import codegen_counts
+
+    nodes = _mlp_nodes()[:4]
+    nodes[-1] = helper.make_node("MatMul", ["h3", "W2"], ["y"], name="mm2")
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, ["b", "s", 32])],
+                          [helper.make_tensor_value_info("y", F, ["b", "s", 16])],
+                          [numpy_helper.from_array(a, k) for k, a in _inits().items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    ref, s = cannc.compile(m), cannc.compile(m, precision="bf16")
+    for i, shp in enumerate([(1, 7), (2, 33), (3, 70), (1, 129)]):
+        x = R.standard_normal(shp + (32,)).astype(np.float32)
+        before = codegen_counts()
+        y = s.run(None, {"x": x})[0]
+        if i:
+            assert codegen_counts() == before, shp
+        e = output_error(y, ref.run(None, {"x": x})[0])
+        assert e["cosine"] > 0.9995 and e["max_abs"] < 3e-2, (shp, e)
+    ks = s.inspect({"x": (2, 33, 32)}, without_fusion=False)["kernels"]
+    assert [k["shape_polymorphic"] for k in ks] == [True, True]
+    want = "bf16 AMX" if amx_usable() is None else "bf16"
+    assert all(k["notes"]["precision"].startswith(want) for k in ks), ks
