@@ -265,3 +265,32 @@ def test_bf16_new_sequence_lengths_generate_no_code():
     assert [k["shape_polymorphic"] for k in ks] == [True, True]
     want = "bf16 AMX" if amx_usable() is None else "bf16"
     assert all(k["notes"]["precision"].startswith(want) for k in ks), ks
+
+
+def test_cpu_without_bf16_instructions_runs_bf16_widened(tmp_path):
+    """CANNC_ISA=avx512-nobf16 (no avx512_bf16, avx512_fp16, AMX): the bf16 model still
+    runs, on fp32 FMA with bf16 widened in registers, and inspect says so."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    onnx.save(MLP, tmp_path / "mlp.onnx")
+    code = (
+        "import json, sys, numpy as np, cannc\n"
+        "x = np.random.default_rng(0).standard_normal((8, 32)).astype(np.float32)\n"
+        "ref = cannc.compile(sys.argv[1]).run(None, {'x': x})[0]\n"
+        "s = cannc.compile(sys.argv[1], precision='bf16')\n"
+        "y = s.run(None, {'x': x})[0]\n"
+        "ks = s.inspect({'x': (8, 32)}, without_fusion=False)['kernels']\n"
+        "print(json.dumps({'err': float(np.abs(y - ref).max()),"
+        " 'notes': [k['notes'].get('precision') for k in ks]}))\n")
+    env = {**os.environ, "CANNC_ISA": "avx512-nobf16",
+           "CANNC_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "mlp.onnx")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["err"] < 2e-2
+    gemms = [n for n in res["notes"] if n is not None]
+    assert len(gemms) == 2 and all("widened" in n for n in gemms), res["notes"]
