@@ -25,22 +25,19 @@ from .. import config
 from ..errors import CanncError, CompileError
 from ..ir.graph import Graph, verify
 
-Precision = str   # "fp32" (the only policy so far; the mixed-precision pass will read it)
-
 
 @dataclass(frozen=True)
 class PassContext:
     """What every pass is handed: the compile options, read-only.
 
     ``fusion`` is True (every rule), False (none) or per-rule switches
-    ``{"gemm_epilogue": False, ...}`` (rules not named are on); ``precision`` is the
-    precision policy; ``target`` the CPU compiled for (None: this host); ``tuning``
-    whether measured tuning results may be used; ``pass_options`` per-pass options by
+    ``{"gemm_epilogue": False, ...}`` (rules not named are on); ``target`` the CPU
+    compiled for (None: this host); ``tuning`` whether measured tuning results may be
+    used; ``pass_options`` per-pass options by
     pass name (checked against each pass's declared options when the manager is built);
     ``options`` the running pass's own options (set by the manager)."""
 
     fusion: bool | Mapping[str, bool] = True
-    precision: Precision = "fp32"
     target: str | None = None
     tuning: bool = True
     pass_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
