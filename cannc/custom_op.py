@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from . import te
+import cannc.te as te
+
 from .codegen.lower.base import register_lowering
 from .codegen.lower.te import te_lowering
 from .errors import CanncError, UnsupportedOpError
@@ -300,8 +301,8 @@ class _Eager:
         import onnx
         from onnx import helper
 
-        from . import compile as cannc_compile
         from .ir.types import NP_TO_ONNX
+        from .session import Session
 
         ver = self.op.versions[self.version]
         names = [ver.params[i] if i < len(ver.params) else f"input{i}" for i in range(len(arrs))]
@@ -323,7 +324,7 @@ class _Eager:
                                                 helper.make_opsetid(self.op.domain,
                                                                     self.version)])
         m.ir_version = min(m.ir_version, onnx.IR_VERSION)
-        sess = cannc_compile(m)
+        sess = Session(m)
         sess._te_inputs = names
         return sess
 
