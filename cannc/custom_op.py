@@ -259,6 +259,9 @@ def custom_op(name: str, domain: str = DEFAULT_DOMAIN, version: int = 1,
                                  f"{_where(fn)})")
             if old is None:
                 op.versions[version] = new
+                op.opdef.revision = hashlib.sha256("".join(
+                    f"{k}:{v.digest};" for k, v in sorted(op.versions.items())).encode()
+                ).hexdigest()[:16]
         return _Eager(op, version, fn)
 
     return deco
