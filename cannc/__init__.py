@@ -10,10 +10,12 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
+from . import te
 from ._version import __version__
 from .compiler.pipeline import DEFAULT_PIPELINE
 from .compiler.report import NodeSupport, SupportReport, support_report
 from .compiler.support import supported_ops
+from .custom_op import custom_op
 from .errors import (
     CacheError,
     CanncError,
@@ -54,6 +56,7 @@ def check(model: Any, shapes: dict[str, Sequence[int]] | None = None,
     return support_report(model, given, pipeline)
 
 
-__all__ = ["compile", "load", "check", "Session", "NodeArg", "SupportReport", "NodeSupport",
+__all__ = ["compile", "custom_op", "te", "load", "check", "Session", "NodeArg", "SupportReport",
+           "NodeSupport",
            "supported_ops", "CanncError", "ModelError", "UnsupportedOpError", "InputError",
            "ShapeError", "CompileError", "CacheError", "__version__"]

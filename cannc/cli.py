@@ -42,6 +42,7 @@ from .compiler.shapes import Shapes, complete_input_shapes, type_string
 from .compiler.support import supported_ops
 from .compiler.tune import tune_gemms
 from .config import fmt_bytes
+from .custom_op import load_ops_file
 from .errors import CacheError, CanncError, InputError, ModelError
 from .export import save_fused_graph
 from .passes.precision import PRECISIONS
@@ -736,6 +737,10 @@ def _parser() -> argparse.ArgumentParser:
         p.set_defaults(func=fn)
         return p
 
+    def ops_opt(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--ops", action="append", default=[], metavar="FILE.py",
+                       help="import custom op registrations (@cannc.custom_op) first")
+
     def shape_opt(p: argparse.ArgumentParser) -> None:
         p.add_argument("--shape", action="append", type=_shape_arg, metavar="NAME=DIMS",
                        help="concrete shape of an input, e.g. x=1x256 (repeatable); symbolic "
@@ -771,6 +776,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="random int inputs are uniform in [0, H) (default 2)")
 
     p = verb("compile", cmd_compile, "compile a model and save a .cnc artifact")
+    ops_opt(p)
     p.add_argument("model", help="ONNX model")
     p.add_argument("-o", "--output", required=True, help="the .cnc file to write")
     fusion_opts(p)
@@ -808,6 +814,7 @@ def _parser() -> argparse.ArgumentParser:
     fusion_opts(p)
 
     p = verb("check", cmd_check, "report, before compiling, whether every node is supported")
+    ops_opt(p)
     p.add_argument("model", help="ONNX model (or .cnc artifact)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     shape_opt(p)
@@ -885,6 +892,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     debug = bool(getattr(args, "debug", False)) or config.DEBUG
     try:
+        for f in getattr(args, "ops", None) or ():
+            load_ops_file(f)
         return int(args.func(args))
     except CanncError as e:
         if debug:

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1] / "cannc"
 LAYER_OF = {
     "cannc.errors": "base", "cannc.config": "base", "cannc._version": "base",
     "cannc.ir": "ir",
+    "cannc.te": "ir",            # tensor expressions of custom ops: no LLVM
     "cannc.native": "native",
     "cannc.artifact": "artifact",
     "cannc.schedule": "schedule",

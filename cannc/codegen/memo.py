@@ -38,6 +38,7 @@ import numpy as np
 
 from .. import config
 from ..ir.graph import Node
+from ..ir.ops import lookup
 from ..ir.types import TensorType, dtype_key
 from ..native.target import host, read_checksummed, write_checksummed
 from ..schedule import tuning
@@ -179,6 +180,9 @@ def node_key(node: Node, in_types: list[TensorType | None], out_types: list[Tens
     canon = _Canon(node, polymorphic=poly)
     attrs = {k: v for k, v in node.attrs.items() if not (poly and k in tiling_attrs)}
     parts = [salt, node.op_type, node.domain, str(node.opset), canon.attrs(attrs)]
+    revs = [_revision(n) for n in [node, *(node.attrs.get("body") or ())]]
+    if any(revs):
+        parts.append("rev:" + ",".join(revs))
     parts.append(canon(list(in_types)) + "->" + canon(list(out_types)))
     if poly:
         parts.append("tiling:" + canon(tiling_key))
@@ -187,6 +191,12 @@ def node_key(node: Node, in_types: list[TensorType | None], out_types: list[Tens
             shape = f"r{c.ndim}" if poly else str(tuple(c.shape))
             parts.append(f"C{i}:{dtype_key(c.dtype)}{shape}")
     return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()
+
+
+def _revision(n: Any) -> str:
+    """A custom op's body digest (OpDef.revision): a changed body is new code."""
+    op = lookup(getattr(n, "op_type", ""), getattr(n, "domain", ""))
+    return op.revision if op is not None else ""
 
 
 def baked_key(key: str, consts: list[np.ndarray | None], baked: tuple[int, ...]) -> str:

@@ -12,7 +12,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..config import check_size
-from ..errors import CanncError, ModelError
+from ..errors import CanncError, ModelError, UnsupportedOpError
 from ..ir.graph import Graph, Node
 from ..ir.ops import lookup
 from ..ir.types import Dim, TensorType, np_dtype
@@ -291,6 +291,8 @@ def _infer_untyped(g: Graph) -> None:
             continue
         try:
             types = op.infer(n, ins)
+        except UnsupportedOpError:   # (a custom op the model asks for at another version)
+            raise
         except Exception:      # (an op's inference may need concrete shapes: later, then)
             continue
         for v, t in zip(n.outputs, types):

@@ -137,6 +137,9 @@ class OpDef:
     control: Control | None = None            # how a control-flow op runs them
     branch: BranchFn | None = None            # control flow: the subgraph taken, if known
     amp: Amp | None = None                    # mixed-precision class (None: by category)
+    # what the generated code depends on beyond name and attributes (a custom op's body
+    # digest): part of the lowering memo's persistent key
+    revision: str = ""
 
     def schema_reason(self, node: Node, ins: list[TensorType],
                       outs: list[TensorType]) -> str | None:

@@ -87,6 +87,9 @@ def infer_node(graph: Graph, n: Node) -> list[TensorType]:
     ONNX's own inference first; an op may supply `infer` where ONNX has none."""
     op = lookup(n.op_type, n.domain)
     own = op.infer if op is not None else None
+    if own is not None and op.domain and not onnx.defs.has(n.op_type, n.domain):
+        # an op ONNX has no schema for (a custom op): its own inference only
+        return own(n, [graph.values[v] if v else None for v in n.inputs])
     if own is not None:
         try:
             return _onnx_infer(graph, n)

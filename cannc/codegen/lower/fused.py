@@ -129,7 +129,7 @@ def _lower_fused_map(ctx: LowerCtx) -> None:
 
     emit_map(ctx, operand_types, ctx.out_types, expr, operand_slots=present,
              folded_types=[ctx.in_types[i] for i in imm])
-    ctx.flops = sum(ctx.out_types[0].numel * _flops_per_elem(lookup(n.op_type))
+    ctx.flops = sum(ctx.out_types[0].numel * _flops_per_elem(lookup(n.op_type, n.domain))
                     for n in body)
 
 
@@ -177,7 +177,7 @@ def _fused_gemm_tiling(node: Node, in_types: list, out_types: list,
                 return None
             pats.append((i, pat))
     numel = int(np.prod(out_shape))
-    flops = (t.flops or 0) + sum(numel * _flops_per_elem(lookup(n.op_type))
+    flops = (t.flops or 0) + sum(numel * _flops_per_elem(lookup(n.op_type, n.domain))
                                  for n in body[1:])
     return dataclasses.replace(t, key=t.key + (("epilogue", tuple(pats)),), flops=flops)
 
@@ -254,7 +254,7 @@ def _lower_fused_gemm(ctx: LowerCtx) -> None:
         note_precision(ctx, spec)
     if not dyn:
         finish_contraction(ctx, spec, tuning=tun, epilogue=True)
-        ctx.flops += sum(out_t.numel * _flops_per_elem(lookup(n.op_type))
+        ctx.flops += sum(out_t.numel * _flops_per_elem(lookup(n.op_type, n.domain))
                          for n in epi)
     ctx.notes["epilogue"] = "+".join(n.op_type for n in epi)
 
@@ -362,7 +362,7 @@ def _lower_fused_conv(ctx: LowerCtx) -> None:
     tkey = ctx.tiling.key[1] if ctx.tiling is not None else None
     conv_t = conv_store_type(conv, ctx.in_types[:ncon], types[conv_out], types[final])
     _lower_conv(_NodeView(ctx, conv, conv_t), epilogue=epilogue, y_slot=n_in, tkey=tkey)
-    ctx.flops += sum(int(np.prod(out_shape)) * _flops_per_elem(lookup(n.op_type))
+    ctx.flops += sum(int(np.prod(out_shape)) * _flops_per_elem(lookup(n.op_type, n.domain))
                      for n in epi)
     ctx.notes["epilogue"] = "+".join(n.op_type for n in epi)
 
@@ -395,7 +395,7 @@ def _fused_conv_tiling(node: Node, in_types: list, out_types: list) -> Any:
     pats = tuple(conv_operand_pattern(in_types[i], out_shape) if v else None
                  for i, v in enumerate(node.inputs) if i >= ncon)
     numel = int(np.prod(out_shape))
-    flops = (t.flops or 0) + sum(numel * _flops_per_elem(lookup(n.op_type))
+    flops = (t.flops or 0) + sum(numel * _flops_per_elem(lookup(n.op_type, n.domain))
                                  for n in epi)
     return dataclasses.replace(t, key=("fused_conv", t.key, pats), flops=flops)
 
@@ -508,7 +508,7 @@ def _fused_softmax_tiling(n: Node, ins: list, outs: list) -> Any:
         extra += st[:-1]
         per_row.append(st[-1] == 0)
     numel = int(np.prod(shape))
-    flops = (t.flops or 0) + sum(numel * _flops_per_elem(lookup(b.op_type))
+    flops = (t.flops or 0) + sum(numel * _flops_per_elem(lookup(b.op_type, b.domain))
                                  for b in n.attrs["body"][:-1])
     return dataclasses.replace(t, key=("fused_softmax", rank, t.key, tuple(per_row)),
                                dims=t.dims + tuple(extra), flops=flops)
@@ -593,7 +593,7 @@ def _lower_fused_softmax(ctx: LowerCtx) -> None:
     low = registered_lowering(lookup(sm.op_type))
     assert low is not None, sm.op_type
     low.lower(view)
-    ctx.flops += sum(int(np.prod(shape)) * _flops_per_elem(lookup(n.op_type))
+    ctx.flops += sum(int(np.prod(shape)) * _flops_per_elem(lookup(n.op_type, n.domain))
                      for n in pro)
     ctx.notes["prologue"] = "+".join(n.op_type for n in pro)
 
