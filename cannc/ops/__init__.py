@@ -97,7 +97,7 @@ add = _binary("Add", "add", "a + b")
 sub = _binary("Sub", "sub", "a - b")
 mul = _binary("Mul", "mul", "a * b")
 div = _binary("Div", "div", "a / b")
-pow = _binary("Pow", "pow", "a ** b")  # noqa: A001
+pow = _binary("Pow", "pow", "a ** b")
 maximum = _binary("Max", "maximum", "The elementwise maximum")
 minimum = _binary("Min", "minimum", "The elementwise minimum")
 equal = _binary("Equal", "equal", "a == b")
@@ -110,7 +110,7 @@ tanh = _unary("Tanh", "tanh(x)")
 exp = _unary("Exp", "exp(x)")
 log = _unary("Log", "log(x)")
 sqrt = _unary("Sqrt", "sqrt(x)")
-abs = _unary("Abs", "|x|")  # noqa: A001
+abs = _unary("Abs", "|x|")
 neg = _unary("Neg", "-x")
 erf = _unary("Erf", "erf(x)")
 reciprocal = _unary("Reciprocal", "1 / x")
@@ -238,7 +238,7 @@ def where(cond: Any, a: Any, b: Any, *, output_dtype: Any = None,
     return _run("Where", "where", ("cond", "a", "b"), (cond, a, b), {}, output_dtype, precision)
 
 
-def clip(x: Any, min: Any = None, max: Any = None, *, output_dtype: Any = None,  # noqa: A002
+def clip(x: Any, min: Any = None, max: Any = None, *, output_dtype: Any = None,
          precision: str | None = None) -> Any:
     """x limited to [min, max] (ONNX Clip-13; either bound may be left out)."""
     return _run("Clip", "clip", ("x", "min", "max"), (x, min, max), {}, output_dtype,

@@ -200,7 +200,10 @@ def build_model(op: str, domain: str, inputs: tuple, attrs: dict[str, Any], outp
                 arg_names: tuple[str, ...] | None) -> onnx.ModelProto:
     """The one-node graph of an eager call, checked: a wrong dtype, shape, attribute or
     argument count is a cannc error naming the op and the argument."""
-    precision = precision_name(precision)
+    try:
+        precision = precision_name(precision)
+    except CanncError as e:
+        raise CanncError(f"cannc.ops.{name}: {e}") from e
     opset = _opset_for(op, domain)
     opdef = lookup(op, domain)
     schema = _schema(op, opset, domain)

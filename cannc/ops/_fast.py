@@ -59,7 +59,7 @@ MULTICORE_WORK = 1 << 21
 class _Slots:
     """One caller's private argument table, schedule, arena and workspace."""
 
-    __slots__ = ("table", "tab", "sched", "arena", "ws", "counters", "cptr")
+    __slots__ = ("table", "tab", "sched", "arena", "ws", "counters", "cptr", "sptr", "wptr")
 
     def __init__(self, prog: Program, ncores: int) -> None:
         ctx = prog._new_context()        # the program's own layout, freshly allocated
@@ -70,6 +70,8 @@ class _Slots:
         # reused by single-core launches only (nobody else reads them)
         self.counters = np.zeros(len(prog.spec.kernels) * dispatch.COUNTER_WORDS + 16, np.int64)
         self.cptr = (self.counters.ctypes.data + 63) // 64 * 64
+        self.sptr = self.sched.ctypes.data
+        self.wptr = self.ws.ctypes.data
 
 
 class FastLaunch:
@@ -172,8 +174,7 @@ class FastLaunch:
             pool.append(s)
 
     def _launch(self, s: _Slots) -> None:
-        sched = s.sched.ctypes.data
-        ws = s.ws.ctypes.data
+        sched, ws = s.sptr, s.wptr
         if self.ncores == 1:
             s.counters.fill(0)
             self._run(sched, self.nk, 0, 1, s.cptr, ws, self.stride, None)
