@@ -186,7 +186,7 @@ def test_cache_is_thread_safe() -> None:
                 x = r.standard_normal(shapes[i % 2]).astype(np.float32) + 1000.0
                 y = ops.matmul(x, w)
                 np.testing.assert_allclose(y, x @ w, rtol=1e-5, atol=1e-2)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
