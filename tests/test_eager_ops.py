@@ -73,6 +73,17 @@ def _conv_ref(x: np.ndarray, w: np.ndarray, b: np.ndarray, stride: int, pad: int
     return (out + b[None, :, None, None]).astype(np.float32)
 
 
+def test_attention() -> None:
+    q, k, v = rand(2, 3, 8, 16), rand(2, 3, 8, 16), rand(2, 3, 8, 16)
+    for causal in (0, 1):
+        s = q @ k.transpose(0, 1, 3, 2) / 4.0
+        if causal:
+            s = s + np.triu(np.full((8, 8), -np.inf, np.float32), 1)
+        e = np.exp(s - s.max(-1, keepdims=True))
+        np.testing.assert_allclose(ops.attention(q, k, v, is_causal=causal),
+                                   e / e.sum(-1, keepdims=True) @ v, rtol=1e-5, atol=1e-5)
+
+
 def test_conv_and_gemm() -> None:
     x, w, b = rand(2, 3, 11, 11), rand(8, 3, 3, 3), rand(8)
     y = ops.conv(x, w, b, strides=(2, 2), pads=(1, 1, 1, 1))
@@ -134,6 +145,15 @@ def test_auto_mixed_precision_seed_example() -> None:
     mu, var = y.mean(-1, keepdims=True), y.var(-1, keepdims=True)
     np.testing.assert_allclose(z, (y - mu) / np.sqrt(var + 1e-5) * scale + bias, rtol=1e-4,
                                atol=1e-4)
+    with ops.auto_mixed_precision(dtype="bf16"):
+        sm = ops.softmax(yb)                        # DENY: a bf16 input is widened
+        rb = ops.relu(yb)                           # FOLLOW: bf16 in, bf16 out
+        rf = ops.relu(y)
+    assert sm.dtype == np.float32 and rb.dtype == ml_dtypes.bfloat16 and rf.dtype == np.float32
+    yf = yb.astype(np.float32)
+    e = np.exp(yf - yf.max(-1, keepdims=True))
+    np.testing.assert_allclose(sm, e / e.sum(-1, keepdims=True), rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(rb.astype(np.float32), np.maximum(yf, 0))
     with ops.auto_mixed_precision(dtype="bf16"), ops.auto_mixed_precision(enabled=False):
         assert ops.matmul(x, w).dtype == np.float32
 
@@ -159,6 +179,13 @@ def test_errors_name_op_and_argument() -> None:
         ops.matmul(x, w, precision="fp8")
     with pytest.raises(InputError, match="missing input"):
         ops.call("MatMul", x)
+    with pytest.raises(InputError, match="argument 'x' has non-native byte order"):
+        ops.relu(x.astype(">f4"))
+    # a list is a runtime array (float64 here), never silently narrowed
+    with pytest.raises(InputError, match="'b' .*float64"):
+        ops.matmul(x, [[1.0]] * 8)
+    np.testing.assert_allclose(ops.matmul(x.astype(np.float64), [[1.0]] * 8),
+                               x.sum(1, keepdims=True), rtol=1e-6)
 
 
 def test_call_generic_and_multiple_outputs() -> None:

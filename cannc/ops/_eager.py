@@ -88,6 +88,10 @@ _STATS = {"hits": 0, "compiles": 0}
 _VALUE_INPUTS: dict[tuple[str, str], tuple[int, ...]] = {}
 
 
+def _arg(arg_names: tuple[str, ...] | None, i: int) -> str:
+    return arg_names[i] if arg_names and i < len(arg_names) else f"input {i}"
+
+
 def _value_inputs(op: str, domain: str) -> tuple[int, ...]:
     vi = _VALUE_INPUTS.get((op, domain))
     if vi is None:
@@ -105,15 +109,34 @@ def invoke(op: str, domain: str, inputs: tuple, attrs: dict[str, Any], *,
     vi = _value_inputs(op, domain)
     arrays = []
     sig: list[Any] = []
+    converted = None
     for i, x in enumerate(inputs):
         if type(x) is np.ndarray and i not in vi:
             arrays.append(x)
             sig.append((x.dtype, x.shape))
         elif x is None:
             sig.append(None)
+        elif i in vi or isinstance(x, (bool, int, float, complex, np.generic)):
+            # a compile-time constant: a value-deciding input, or a Python/NumPy number
+            sig.append(("const", _freeze(np.asarray(x)), type(x).__name__))
         else:
-            sig.append(("const", _freeze(np.asarray(x)) if not isinstance(x, np.ndarray)
-                        else _freeze(x), type(x).__name__))
+            # another array-like (a list, an ndarray subclass...): a runtime input
+            try:
+                a = np.asarray(x)
+            except Exception as e:
+                raise InputError(f"cannc.ops.{name or _snake(op)}: input {i} is not "
+                                 f"array-like: {type(e).__name__}: {e}") from e
+            if a.dtype == object or a.dtype.kind in "USV":
+                raise InputError(f"cannc.ops.{name or _snake(op)}: argument "
+                                 f"'{_arg(arg_names, i)}' is not an array or a number: "
+                                 f"{x!r:.80}")
+            if converted is None:
+                converted = list(inputs)
+            converted[i] = a
+            arrays.append(a)
+            sig.append((a.dtype, a.shape))
+    if converted is not None:
+        inputs = tuple(converted)
     if attrs:
         akey: Any = tuple(sorted(attrs.items()))
         try:
@@ -147,7 +170,7 @@ def _compile(key: tuple, op: str, domain: str, inputs: tuple, attrs: dict[str, A
         model = build_model(op, domain, inputs, attrs, output_dtype, precision, num_results,
                             name, arg_names)
         try:
-            sess = Session(model, precision=precision)
+            sess = Session(model, precision=precision, fusion=_fusion_for(model, op, domain))
         except CanncError as e:
             raise _rethrow(e, name) from e
         progs = list(sess.programs.values())
@@ -169,6 +192,17 @@ def _rethrow(e: CanncError, name: str) -> CanncError:
         return type(e)(f"cannc.ops.{name}: {e}")
     except TypeError:           # an error class with its own constructor
         return CanncError(f"cannc.ops.{name}: {e}")
+
+
+def _fusion_for(model: onnx.ModelProto, op: str, domain: str) -> bool | dict[str, bool]:
+    """Fusion as for any model, except: a Softmax/LogSoftmax prologue that would read a
+    bfloat16/float16 input through a widening Cast fails to lower (codegen/reduce.py
+    `_fmax`: a select over mixed element types), so that Cast stays a kernel of its own."""
+    d = lookup(op, domain)
+    widened = any(n.op_type == "Cast" and n.name.startswith("widen_") for n in model.graph.node)
+    if widened and d is not None and d.prologue is not None:
+        return {"softmax_prologue": False}
+    return True
 
 
 # -- the one-node graph ------------------------------------------------------------------
@@ -253,7 +287,8 @@ def build_model(op: str, domain: str, inputs: tuple, attrs: dict[str, Any], outp
 
     # inputs: arrays are graph inputs, the rest constants
     vi = _value_inputs(op, domain)
-    ref = next((x.dtype for i, x in enumerate(inputs) if isinstance(x, np.ndarray)
+    # a Python number takes the dtype of the first array (or NumPy scalar) among the inputs
+    ref = next((x.dtype for i, x in enumerate(inputs) if isinstance(x, (np.ndarray, np.generic))
                 and i not in vi and x.dtype != np.bool_), None)
     nodes: list[onnx.NodeProto] = []
     g_inputs, inits, node_ins = [], [], []
@@ -269,6 +304,10 @@ def build_model(op: str, domain: str, inputs: tuple, attrs: dict[str, Any], outp
             continue
         if isinstance(x, np.ndarray) and i not in vi:
             a = x
+            if not a.dtype.isnative:
+                raise InputError(f"cannc.ops.{name}: argument '{arg}' has non-native byte "
+                                 f"order ({a.dtype.str}); convert it with "
+                                 "a.astype(a.dtype.newbyteorder('='))")
             try:
                 elem = helper.np_dtype_to_tensor_dtype(a.dtype)
             except Exception as e:
@@ -300,9 +339,13 @@ def build_model(op: str, domain: str, inputs: tuple, attrs: dict[str, Any], outp
                 c = np.asarray(x)
                 if c.dtype == object or c.dtype.kind in "US":
                     raise ValueError("not numeric")
-                if ref is not None and c.dtype.kind in "biuf":
+                if isinstance(x, np.generic):
+                    pass
+                elif ref is not None and c.dtype.kind in "biuf":
                     c = c.astype(np.float32 if amp and ref.name in ("bfloat16", "float16")
                                  else ref)
+                elif c.dtype == np.float64:
+                    c = c.astype(np.float32)    # a bare Python float: float32, like ONNX
         except (ValueError, TypeError) as e:
             raise InputError(f"cannc.ops.{name}: argument '{arg}' is not an array or a "
                              f"number: {x!r}") from e
