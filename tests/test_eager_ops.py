@@ -171,6 +171,10 @@ def test_errors_name_op_and_argument() -> None:
         ops.matmul(x, "w")
     with pytest.raises(CanncError, match="unknown attribute 'axes'.*softmax takes: axis"):
         ops.call("Softmax", x, axes=1)
+    with pytest.raises(CanncError, match="cannc.ops.softmax: unknown attribute 'axes'"):
+        ops.softmax(x, axes=1)
+    with pytest.raises(CanncError, match="unknown attribute 'alpha'; matmul takes no attr"):
+        ops.matmul(x, w, alpha=2.0)
     with pytest.raises(CanncError, match="no op com.example::Nope is registered"):
         ops.call("Nope", x, domain="com.example")
     with pytest.raises(CanncError, match="output_dtype 'nope'"):

@@ -122,127 +122,134 @@ swish = _unary("Swish", "x * sigmoid(alpha * x)")
 
 
 def _run(op_type: str, name: str, names: tuple[str, ...], inputs: tuple, attrs: dict,
-         output_dtype: Any, precision: str | None) -> Any:
-    return invoke(op_type, "", inputs, attrs, output_dtype=output_dtype, precision=precision,
-                  name=name, arg_names=names)
+         output_dtype: Any, precision: str | None, extra: dict | None = None) -> Any:
+    # (`extra`: keyword arguments a function does not name: ONNX attributes it leaves out,
+    # checked against the op's schema, so a misspelt one is a CanncError naming the op)
+    return invoke(op_type, "", inputs, {**attrs, **extra} if extra else attrs,
+                  output_dtype=output_dtype, precision=precision, name=name, arg_names=names)
 
 
 def gelu(x: Any, *, approximate: str | None = None, output_dtype: Any = None,
-         precision: str | None = None) -> Any:
+         precision: str | None = None, **extra: Any) -> Any:
     """GELU (ONNX Gelu-20): x * Phi(x); ``approximate="tanh"`` for the tanh form."""
     return _run("Gelu", "gelu", ("x",), (x,), _attrs(approximate=approximate),
-                output_dtype, precision)
+                output_dtype, precision, extra)
 
 
-def matmul(a: Any, b: Any, *, output_dtype: Any = None, precision: str | None = None) -> Any:
+def matmul(a: Any, b: Any, *, output_dtype: Any = None, precision: str | None = None,
+           **extra: Any) -> Any:
     """a @ b with NumPy's matmul semantics (ONNX MatMul: batched, broadcasting)."""
-    return _run("MatMul", "matmul", ("a", "b"), (a, b), {}, output_dtype, precision)
+    return _run("MatMul", "matmul", ("a", "b"), (a, b), {}, output_dtype, precision, extra)
 
 
 def gemm(a: Any, b: Any, c: Any = None, *, alpha: float | None = None,
          beta: float | None = None, trans_a: int | None = None, trans_b: int | None = None,
-         output_dtype: Any = None, precision: str | None = None) -> Any:
+         output_dtype: Any = None, precision: str | None = None, **extra: Any) -> Any:
     """alpha * op(a) @ op(b) + beta * c (ONNX Gemm; op = transpose when trans_a/trans_b)."""
     return _run("Gemm", "gemm", ("a", "b", "c"), (a, b, c),
                 _attrs(alpha=alpha, beta=beta, transA=trans_a, transB=trans_b),
-                output_dtype, precision)
+                output_dtype, precision, extra)
 
 
 def conv(x: Any, w: Any, b: Any = None, *, strides: Sequence[int] | None = None,
          pads: Sequence[int] | None = None, dilations: Sequence[int] | None = None,
          group: int | None = None, auto_pad: str | None = None,
          kernel_shape: Sequence[int] | None = None, output_dtype: Any = None,
-         precision: str | None = None) -> Any:
+         precision: str | None = None, **extra: Any) -> Any:
     """N-d convolution (ONNX Conv): x [N, C, ...], w [M, C/group, k...], b [M]."""
     return _run("Conv", "conv", ("x", "w", "b"), (x, w, b),
                 _attrs(strides=strides, pads=pads, dilations=dilations, group=group,
-                       auto_pad=auto_pad, kernel_shape=kernel_shape), output_dtype, precision)
+                       auto_pad=auto_pad, kernel_shape=kernel_shape), output_dtype, precision,
+                extra)
 
 
 def softmax(x: Any, *, axis: int = -1, output_dtype: Any = None,
-            precision: str | None = None) -> Any:
+            precision: str | None = None, **extra: Any) -> Any:
     """Softmax over `axis` (ONNX Softmax-13)."""
-    return _run("Softmax", "softmax", ("x",), (x,), {"axis": axis}, output_dtype, precision)
+    return _run("Softmax", "softmax", ("x",), (x,), {"axis": axis}, output_dtype, precision, extra)
 
 
 def log_softmax(x: Any, *, axis: int = -1, output_dtype: Any = None,
-                precision: str | None = None) -> Any:
+                precision: str | None = None, **extra: Any) -> Any:
     """log(softmax(x)) over `axis` (ONNX LogSoftmax-13)."""
     return _run("LogSoftmax", "log_softmax", ("x",), (x,), {"axis": axis}, output_dtype,
-                precision)
+                precision, extra)
 
 
 def layer_norm(x: Any, scale: Any, bias: Any = None, *, axis: int | None = None,
                epsilon: float | None = None, output_dtype: Any = None,
-               precision: str | None = None) -> Any:
+               precision: str | None = None, **extra: Any) -> Any:
     """(x - mean) / sqrt(var + epsilon) * scale + bias over the axes from `axis` (default
     -1) on (ONNX LayerNormalization-17); returns Y only."""
     return _run("LayerNormalization", "layer_norm", ("x", "scale", "bias"), (x, scale, bias),
-                _attrs(axis=axis, epsilon=epsilon), output_dtype, precision)
+                _attrs(axis=axis, epsilon=epsilon), output_dtype, precision, extra)
 
 
 def rms_norm(x: Any, scale: Any, *, axis: int | None = None, epsilon: float | None = None,
-             output_dtype: Any = None, precision: str | None = None) -> Any:
+             output_dtype: Any = None, precision: str | None = None, **extra: Any) -> Any:
     """x / sqrt(mean(x^2) + epsilon) * scale (ONNX RMSNormalization-23)."""
     return _run("RMSNormalization", "rms_norm", ("x", "scale"), (x, scale),
-                _attrs(axis=axis, epsilon=epsilon), output_dtype, precision)
+                _attrs(axis=axis, epsilon=epsilon), output_dtype, precision, extra)
 
 
 def attention(q: Any, k: Any, v: Any, attn_mask: Any = None, *, is_causal: int | None = None,
               scale: float | None = None, q_num_heads: int | None = None,
               kv_num_heads: int | None = None, softcap: float | None = None,
-              output_dtype: Any = None, precision: str | None = None) -> Any:
+              output_dtype: Any = None, precision: str | None = None, **extra: Any) -> Any:
     """softmax(q @ k^T * scale + mask) @ v (ONNX Attention-23): q [B, H, S, D], k and v
     [B, Hkv, L, D] (or 3-d with q_num_heads / kv_num_heads); returns Y."""
     return _run("Attention", "attention", ("q", "k", "v", "attn_mask"), (q, k, v, attn_mask),
                 _attrs(is_causal=is_causal, scale=scale, q_num_heads=q_num_heads,
-                       kv_num_heads=kv_num_heads, softcap=softcap), output_dtype, precision)
+                       kv_num_heads=kv_num_heads, softcap=softcap), output_dtype, precision, extra)
 
 
 def transpose(x: Any, perm: Sequence[int] | None = None, *, output_dtype: Any = None,
-              precision: str | None = None) -> Any:
+              precision: str | None = None, **extra: Any) -> Any:
     """Permute the axes (ONNX Transpose; default: reversed)."""
     return _run("Transpose", "transpose", ("x",), (x,), _attrs(perm=perm), output_dtype,
-                precision)
+                precision, extra)
 
 
 def reshape(x: Any, shape: Sequence[int], *, allowzero: int | None = None,
-            output_dtype: Any = None, precision: str | None = None) -> Any:
+            output_dtype: Any = None, precision: str | None = None, **extra: Any) -> Any:
     """x with a new shape (ONNX Reshape: 0 copies a dimension, -1 is inferred); a copy."""
     return _run("Reshape", "reshape", ("x", "shape"), (x, np.asarray(shape, np.int64)),
-                _attrs(allowzero=allowzero), output_dtype, precision)
+                _attrs(allowzero=allowzero), output_dtype, precision, extra)
 
 
 def flatten(x: Any, *, axis: int | None = None, output_dtype: Any = None,
-            precision: str | None = None) -> Any:
+            precision: str | None = None, **extra: Any) -> Any:
     """x as 2-d: [prod(shape[:axis]), prod(shape[axis:])] (ONNX Flatten, axis=1)."""
-    return _run("Flatten", "flatten", ("x",), (x,), _attrs(axis=axis), output_dtype, precision)
+    return _run("Flatten", "flatten", ("x",), (x,), _attrs(axis=axis), output_dtype, precision,
+                extra)
 
 
-def concat(*xs: Any, axis: int, output_dtype: Any = None, precision: str | None = None) -> Any:
+def concat(*xs: Any, axis: int, output_dtype: Any = None, precision: str | None = None,
+           **extra: Any) -> Any:
     """The arrays joined along `axis` (ONNX Concat)."""
     if len(xs) == 1 and isinstance(xs[0], (list, tuple)):
         xs = tuple(xs[0])
     return _run("Concat", "concat", tuple(f"x{i}" for i in range(len(xs))), xs,
-                {"axis": axis}, output_dtype, precision)
+                {"axis": axis}, output_dtype, precision, extra)
 
 
-def cast(x: Any, to: Any, *, precision: str | None = None) -> Any:
+def cast(x: Any, to: Any, *, precision: str | None = None, **extra: Any) -> Any:
     """x converted to dtype `to` (ONNX Cast)."""
-    return _run("Cast", "cast", ("x",), (x,), {"to": to}, None, precision)
+    return _run("Cast", "cast", ("x",), (x,), {"to": to}, None, precision, extra)
 
 
 def where(cond: Any, a: Any, b: Any, *, output_dtype: Any = None,
-          precision: str | None = None) -> Any:
+          precision: str | None = None, **extra: Any) -> Any:
     """a where cond else b (ONNX Where, broadcasting)."""
-    return _run("Where", "where", ("cond", "a", "b"), (cond, a, b), {}, output_dtype, precision)
+    return _run("Where", "where", ("cond", "a", "b"), (cond, a, b), {}, output_dtype, precision,
+                extra)
 
 
 def clip(x: Any, min: Any = None, max: Any = None, *, output_dtype: Any = None,
-         precision: str | None = None) -> Any:
+         precision: str | None = None, **extra: Any) -> Any:
     """x limited to [min, max] (ONNX Clip-13; either bound may be left out)."""
     return _run("Clip", "clip", ("x", "min", "max"), (x, min, max), {}, output_dtype,
-                precision)
+                precision, extra)
 
 
 def _reduce(op_type: str, name: str) -> Any:
@@ -266,32 +273,32 @@ reduce_min = _reduce("ReduceMin", "reduce_min")
 
 
 def gather(data: Any, indices: Any, *, axis: int | None = None, output_dtype: Any = None,
-           precision: str | None = None) -> Any:
+           precision: str | None = None, **extra: Any) -> Any:
     """data indexed by `indices` along `axis` (ONNX Gather; negative indices count back)."""
     return _run("Gather", "gather", ("data", "indices"), (data, indices), _attrs(axis=axis),
-                output_dtype, precision)
+                output_dtype, precision, extra)
 
 
 def max_pool(x: Any, *, kernel_shape: Sequence[int], strides: Sequence[int] | None = None,
              pads: Sequence[int] | None = None, dilations: Sequence[int] | None = None,
              ceil_mode: int | None = None, auto_pad: str | None = None,
-             output_dtype: Any = None, precision: str | None = None) -> Any:
+             output_dtype: Any = None, precision: str | None = None, **extra: Any) -> Any:
     """Max pooling (ONNX MaxPool); returns Y."""
     return _run("MaxPool", "max_pool", ("x",), (x,),
                 _attrs(kernel_shape=kernel_shape, strides=strides, pads=pads,
                        dilations=dilations, ceil_mode=ceil_mode, auto_pad=auto_pad),
-                output_dtype, precision)
+                output_dtype, precision, extra)
 
 
 def average_pool(x: Any, *, kernel_shape: Sequence[int], strides: Sequence[int] | None = None,
                  pads: Sequence[int] | None = None, ceil_mode: int | None = None,
                  count_include_pad: int | None = None, auto_pad: str | None = None,
-                 output_dtype: Any = None, precision: str | None = None) -> Any:
+                 output_dtype: Any = None, precision: str | None = None, **extra: Any) -> Any:
     """Average pooling (ONNX AveragePool)."""
     return _run("AveragePool", "average_pool", ("x",), (x,),
                 _attrs(kernel_shape=kernel_shape, strides=strides, pads=pads,
                        ceil_mode=ceil_mode, count_include_pad=count_include_pad,
-                       auto_pad=auto_pad), output_dtype, precision)
+                       auto_pad=auto_pad), output_dtype, precision, extra)
 
 
 __all__ += ["add", "sub", "mul", "div", "pow", "maximum", "minimum", "equal", "less",

@@ -260,9 +260,10 @@ def build_model(op: str, domain: str, inputs: tuple, attrs: dict[str, Any], outp
         known.update({a: a for a in schema.attributes})
         bad = [k for k in attrs if k not in known]
         if bad:
-            listing = ", ".join(sorted({_snake(a) for a in schema.attributes})) or "none"
+            listing = ", ".join(sorted({_snake(a) for a in schema.attributes}))
+            takes = f"{name} takes: {listing}" if listing else f"{name} takes no attributes"
             raise CanncError(f"cannc.ops.{name}: unknown attribute{'s' if len(bad) > 1 else ''}"
-                             f" {', '.join(map(repr, bad))}; {name} takes: {listing}")
+                             f" {', '.join(map(repr, bad))}; {takes}")
         for k, v in attrs.items():
             onnx_attrs[known[k]] = v
         if len(inputs) > len(schema.inputs) and not (
