@@ -10,7 +10,10 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
-from . import te
+from . import (
+    ops,  # noqa: F401  (eager ops: cannc.ops.matmul(x, w), ...)
+    te,
+)
 from ._version import __version__
 from .compiler.pipeline import DEFAULT_PIPELINE
 from .compiler.report import NodeSupport, SupportReport, support_report
