@@ -170,7 +170,7 @@ def _compile(key: tuple, op: str, domain: str, inputs: tuple, attrs: dict[str, A
         model = build_model(op, domain, inputs, attrs, output_dtype, precision, num_results,
                             name, arg_names)
         try:
-            sess = Session(model, precision=precision, fusion=_fusion_for(model, op, domain))
+            sess = Session(model, precision=precision)
         except CanncError as e:
             raise _rethrow(e, name) from e
         progs = list(sess.programs.values())
@@ -192,17 +192,6 @@ def _rethrow(e: CanncError, name: str) -> CanncError:
         return type(e)(f"cannc.ops.{name}: {e}")
     except TypeError:           # an error class with its own constructor
         return CanncError(f"cannc.ops.{name}: {e}")
-
-
-def _fusion_for(model: onnx.ModelProto, op: str, domain: str) -> bool | dict[str, bool]:
-    """Fusion as for any model, except: a Softmax/LogSoftmax prologue that would read a
-    bfloat16/float16 input through a widening Cast fails to lower (codegen/reduce.py
-    `_fmax`: a select over mixed element types), so that Cast stays a kernel of its own."""
-    d = lookup(op, domain)
-    widened = any(n.op_type == "Cast" and n.name.startswith("widen_") for n in model.graph.node)
-    if widened and d is not None and d.prologue is not None:
-        return {"softmax_prologue": False}
-    return True
 
 
 # -- the one-node graph ------------------------------------------------------------------

@@ -294,3 +294,26 @@ def test_cpu_without_bf16_instructions_runs_bf16_widened(tmp_path):
     assert res["err"] < 2e-2
     gemms = [n for n in res["notes"] if n is not None]
     assert len(gemms) == 2 and all("widened" in n for n in gemms), res["notes"]
+
+
+@pytest.mark.parametrize("elem", [TensorProto.BFLOAT16, TensorProto.FLOAT16])
+def test_narrow_value_widened_into_a_softmax_prologue(elem):
+    """A Cast from bfloat16/float16 to float32 feeding Softmax fuses into its prologue
+    (the fused kernel widens the bits as expressions hold them)."""
+    import ml_dtypes
+
+    g = helper.make_graph([helper.make_node("Cast", ["x"], ["c"], to=F),
+                           helper.make_node("Mul", ["c", "c"], ["c2"]),
+                           helper.make_node("Softmax", ["c2"], ["y"], axis=-1)], "g",
+                          [helper.make_tensor_value_info("x", elem, ["n", 16])],
+                          [helper.make_tensor_value_info("y", F, ["n", 16])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    s = cannc.compile(m)
+    dt = ml_dtypes.bfloat16 if elem == TensorProto.BFLOAT16 else np.float16
+    x = R.standard_normal((4, 16)).astype(dt)
+    xf = x.astype(np.float32) ** 2
+    ref = np.exp(xf - xf.max(-1, keepdims=True))
+    np.testing.assert_allclose(s.run(None, {"x": x})[0], ref / ref.sum(-1, keepdims=True),
+                               rtol=1e-5, atol=1e-6)
+    ks = s.inspect({"x": (4, 16)}, without_fusion=False)["kernels"]
+    assert [k["op_types"] for k in ks] == [["Cast", "Mul", "Softmax"]]

@@ -273,6 +273,13 @@ def _operand(b: ir.IRBuilder, ptr: ir.Value, off: ir.Value, dt: np.dtype, lanes:
     return TV(v, dt)
 
 
+def _expr_operand(b: ir.IRBuilder, ptr: ir.Value, off: ir.Value, dt: np.dtype, lanes: int,
+                  broadcast: bool, mask: ir.Value | None = None) -> TV:
+    """`_operand` as expressions hold it: bfloat16 bits widened to float."""
+    tv = _operand(b, ptr, off, dt, lanes, broadcast, mask)
+    return TV(bf16_bits_to_f32(b, tv.v), dt) if is_bf16(dt) else tv
+
+
 def _load_operand(b: ir.IRBuilder, E: Expr, ptr: ir.Value, dt: np.dtype, pat: str,
                   m: ir.Value, n: ir.Value, N: int, lanes: int) -> TV:
     if pat == "scalar" or pat == "col":
@@ -543,9 +550,9 @@ def _lower_fused_softmax(ctx: LowerCtx) -> None:
                 idx = b.urem(b.udiv(off, emit.i64(dense[d])), emit.i64(shape[d]))
                 base = b.add(base, b.mul(idx, emit.i64(st[d])))
             # broadcast along the vector (last stride 0): one element, splat
-            env[ctx.node.inputs[i]] = _operand(b, ctx.in_ptr(b, i), base,
-                                               np.dtype(ctx.in_types[i].dtype), lanes,
-                                               st[-1] == 0, mask)
+            env[ctx.node.inputs[i]] = _expr_operand(b, ctx.in_ptr(b, i), base,
+                                                    np.dtype(ctx.in_types[i].dtype), lanes,
+                                                    st[-1] == 0, mask)
         eval_body(E, pro, env, types, consts)
         return env[x_name]
 
@@ -578,8 +585,8 @@ def _lower_fused_softmax(ctx: LowerCtx) -> None:
             for i in ext:
                 dt = np.dtype(ctx.in_types[i].dtype)
                 env[ctx.node.inputs[i]] = (
-                    _operand(b, ptrs[i], bases[i], dt, lanes, True) if per_row[i] else
-                    _operand(b, ptrs[i], b.add(bases[i], pos), dt, lanes, False, mask))
+                    _expr_operand(b, ptrs[i], bases[i], dt, lanes, True) if per_row[i] else
+                    _expr_operand(b, ptrs[i], b.add(bases[i], pos), dt, lanes, False, mask))
             eval_body(E, pro, env, types, consts)
             return env[x_name]
         return load
