@@ -65,7 +65,7 @@ from llvmlite import ir
 
 from .. import config
 from ..native import target
-from ..native.emit import F32, I32, I64, PTR, VOID, X86_AMX, i32, i64
+from ..native.emit import BF16, F32, I32, I64, PTR, VOID, X86_AMX, i32, i64
 from ..schedule.split import cdiv, rup, split_even
 from .elementwise import bf16_bits_to_f32, f32_to_bf16_bits
 from .gemm import Epilogue, GemmSpec
@@ -92,7 +92,6 @@ TILE = 1024  # bytes of a full tile
 A_BLOCK = 1 << 20  # bytes of packed (or read-in-place) A a row block keeps in L2 (half of 2 MiB)
 MB_MAX = 256  # rows of a row block (its C scratch: MB x 32 fp32)
 I16 = ir.IntType(16)
-BF16 = ir.BFloatType() if hasattr(ir, "BFloatType") else None
 CS_STRIDE = 2 * TC * 4  # bytes per row of the 32 x 32 fp32 C scratch
 
 
@@ -344,7 +343,8 @@ class _Gen(VecBuilder):
         self.a_bf16 = a_dtype == "bfloat16"
         self.c_bf16 = c_dtype == "bfloat16"
         self.bias_bf16 = bias_dtype == "bfloat16"
-        self.cvt_native = target.host().has("avx512bf16") and BF16 is not None
+        # vcvtneps2bf16 (llvmlite has no bfloat type of its own: native.emit.BF16)
+        self.cvt_native = target.host().has("avx512bf16")
         self.iota = ir.Constant(VI32, list(range(16)))
         self._micro: dict[tuple, ir.Function] = {}
         # A tile (i, kk) at a + i * a_rt + kk * a_ks, rows a_stride bytes apart
@@ -487,7 +487,11 @@ class _Gen(VecBuilder):
         ``masked.store.v16i16`` of a ``trunc`` whose constant mask has one lane to a
         4-byte store, clobbering the next element."""
         b = self.b
-        bits = b.zext(f32_to_bf16_bits(b, val), VI32)
+        if self.cvt_native:       # vcvtneps2bf16 (NaN quiet, like f32_to_bf16_bits)
+            h = b.bitcast(b.fptrunc(val, ir.VectorType(BF16, 16)), ir.VectorType(I16, 16))
+        else:
+            h = f32_to_bf16_bits(b, val)
+        bits = b.zext(h, VI32)
         f = self.intr("llvm.x86.avx512.mask.pmov.dw.mem.512", VOID, [PTR, VI32, I16])
         b.call(f, [ptr, bits, b.bitcast(mask, I16)])
 
