@@ -558,11 +558,21 @@ class _Gen(VecBuilder):
         masks = [self.lane_mask(cols), self.lane_mask(b.sub(cols, i64(16)))]
         esz = 2 if self.c_bf16 else 4
         besz = 2 if self.bias_bf16 else 4
+        col_bias = None
+        if use_bias and brs == 0 and bcs != 0:     # a bias row: loaded once per block
+            bias_ptr = self.bytes_gep(bias, b.mul(n, i64(besz)))
+            if self.bias_bf16:
+                col_bias = [bf16_bits_to_f32(
+                    b, self.mload_i16(self.bytes_gep(bias_ptr, 32 * v), masks[v]))
+                    for v in range(2)]
+            else:
+                col_bias = [self.load_v(self.bytes_gep(bias_ptr, 64 * v), masks[v])
+                            for v in range(2)]
         with self.loop(0, rows, 1, "st") as r:
             mm = b.add(m, r)
             crow = self.bytes_gep(c_base, b.mul(b.add(b.mul(mm, i64(s.ldc_)), n), i64(esz)))
             srow = self.bytes_gep(cs, b.mul(r, i64(CS_STRIDE)))
-            if use_bias:
+            if use_bias and col_bias is None:
                 boff = b.mul(mm, i64(brs)) if brs else i64(0)
                 if bcs == 0:
                     bptr = self.bytes_gep(bias, b.mul(boff, i64(besz)))
@@ -578,7 +588,9 @@ class _Gen(VecBuilder):
                 if alpha != 1.0:
                     val = b.fmul(val, self.splat_f(alpha))
                 if use_bias:
-                    if bcs == 0:
+                    if col_bias is not None:
+                        bv = col_bias[v]
+                    elif bcs == 0:
                         bv = bias_row
                     elif self.bias_bf16:
                         bv = bf16_bits_to_f32(

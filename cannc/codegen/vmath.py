@@ -462,8 +462,7 @@ def _gelu_erf_f32(e: _E, x: ir.Value) -> ir.Value:
     # a^2 is taken as x^2 / 2 in two parts (see _erf_parts_f32: erfc is ill-conditioned
     # in a). erfc(a >= 4) < ulp(1)/4 is taken as 0 (gelu is -0 below x = -5.657).
     ax = e.fabs(x)
-    a = e.mul(ax, e.c(0.7071067811865476))
-    t = e.recip(e.fma(a, e.c(_GELU_T_P), e.c(1.0)))     # argument in [1, inf]
+    t = e.recip(e.fma(ax, e.c(_GELU_T_P * 0.7071067811865476), e.c(1.0)))  # 1 + p |z|
     q = e.mul(t, e.horner(t, _GELU_T))              # erfc(a) e^(a^2)
     vc = e.min_c(ax, _ERFC_U * _SQRT2)
     hi = e.mul(vc, vc)
