@@ -198,6 +198,37 @@ def test_epilogue_sees_rows_and_columns():
 
 
 @needs_amx
+@pytest.mark.parametrize("M,K", [(70, 160), (96, 128), (32, 1024), (33, 200)])
+def test_overlapped_stores(M, K):
+    """N a multiple of 32 and K >= 128: each full row pair's stores (bias, epilogue,
+    narrow C) run inside the next pair's K loop (amx._Gen.pairs_overlapped); K = 160
+    spreads 32 rows over 5 steps (7 a step, the last ones guarded), M = 70 and 33 end
+    with an edge pair stored at once; every tile split sees the pending pair flushed."""
+    def epi(b, v, m, n):                 # v + 0.25 m - 0.125 (n + lane)
+        from llvmlite import ir
+        vt = v.type
+        sp = ir.Constant(vt, ir.Undefined)
+        idx = ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16)
+
+        def splat(x):
+            return b.shuffle_vector(b.insert_element(sp, b.sitofp(x, F32),
+                                                     ir.Constant(ir.IntType(32), 0)), sp, idx)
+        lane = ir.Constant(vt, [float(i) for i in range(16)])
+        r = b.fadd(v, b.fmul(splat(m), ir.Constant(vt, [0.25] * 16)))
+        return b.fsub(r, b.fmul(b.fadd(splat(n), lane), ir.Constant(vt, [0.125] * 16)))
+
+    def ref(r, m, n):
+        return r + 0.25 * m - 0.125 * n
+
+    spec = GemmSpec(M=M, N=64, K=K, b_prepacked=True, bias=True, bias_col_stride=1)
+    c = Case(spec, epilogue=epi, ref_epilogue=ref)
+    c.run(splits=list(range(amx.amx_num_tiles(spec) + 1)))
+    Case(spec, a_dtype="bfloat16", c_dtype="bfloat16", epilogue=epi, ref_epilogue=ref).run()
+    spec = GemmSpec(M=M, N=96, K=K, b_prepacked=True, bias=True, bias_row_stride=1)
+    Case(spec, c_dtype="bfloat16").run()
+
+
+@needs_amx
 def test_batch_strides_and_trans_b():
     spec = GemmSpec(M=20, N=40, K=50, batch=3, a_batch_stride=20 * 60, b_batch_stride=1,
                     lda=60, ldc=48, b_prepacked=True)

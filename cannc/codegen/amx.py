@@ -65,7 +65,7 @@ from llvmlite import ir
 
 from .. import config
 from ..native import target
-from ..native.emit import F32, I32, I64, PTR, VOID, X86_AMX, i32, i64
+from ..native.emit import BF16, F32, I32, I64, PTR, VOID, X86_AMX, i32, i64
 from ..schedule.split import cdiv, rup, split_even
 from .elementwise import bf16_bits_to_f32, f32_to_bf16_bits
 from .gemm import Epilogue, GemmSpec
@@ -92,7 +92,6 @@ TILE = 1024  # bytes of a full tile
 A_BLOCK = 1 << 20  # bytes of packed (or read-in-place) A a row block keeps in L2 (half of 2 MiB)
 MB_MAX = 256  # rows of a row block (its C scratch: MB x 32 fp32)
 I16 = ir.IntType(16)
-BF16 = ir.BFloatType() if hasattr(ir, "BFloatType") else None
 CS_STRIDE = 2 * TC * 4  # bytes per row of the 32 x 32 fp32 C scratch
 
 
@@ -224,8 +223,10 @@ def _plan(spec: GemmSpec, a_dtype: str, tuning: tuple = ()) -> AmxPlan:
     ws_a = 0
     a_bytes = max_mb * Kp * 2 if pack_a else 0
     ws_c = rup(a_bytes, 64)
+    # + two 32-row C slots: the overlapped stores (see _Gen.pairs_overlapped)
     return AmxPlan(Kp=Kp, kb=Kp // TK, pack_a=pack_a, max_mb=max_mb, mt=mt, nt=nt, MB=MB,
-                   NB=NB, ws_a=ws_a, ws_c=ws_c, ws_bytes=ws_c + max_mb * CS_STRIDE)
+                   NB=NB, ws_a=ws_a, ws_c=ws_c,
+                   ws_bytes=ws_c + max_mb * CS_STRIDE + 2 * 2 * TR * CS_STRIDE)
 
 
 def amx_plan(spec: GemmSpec, a_dtype="float32", tuning: dict | None = None) -> AmxPlan:
@@ -330,6 +331,11 @@ def amx_prepack_b(spec: GemmSpec, b: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------
 
 
+# full row pairs store while the next pair's products run (_Gen.pairs_overlapped); False:
+# each block's stores after all its products (the A/B reference of the measurements)
+OVERLAP_STORES = True
+
+
 def _i16(v: int) -> ir.Constant:
     return ir.Constant(I16, v)
 
@@ -344,7 +350,8 @@ class _Gen(VecBuilder):
         self.a_bf16 = a_dtype == "bfloat16"
         self.c_bf16 = c_dtype == "bfloat16"
         self.bias_bf16 = bias_dtype == "bfloat16"
-        self.cvt_native = target.host().has("avx512bf16") and BF16 is not None
+        # vcvtneps2bf16 (llvmlite has no bfloat type of its own: native.emit.BF16)
+        self.cvt_native = target.host().has("avx512bf16")
         self.iota = ir.Constant(VI32, list(range(16)))
         self._micro: dict[tuple, ir.Function] = {}
         # A tile (i, kk) at a + i * a_rt + kk * a_ks, rows a_stride bytes apart
@@ -487,7 +494,11 @@ class _Gen(VecBuilder):
         ``masked.store.v16i16`` of a ``trunc`` whose constant mask has one lane to a
         4-byte store, clobbering the next element."""
         b = self.b
-        bits = b.zext(f32_to_bf16_bits(b, val), VI32)
+        if self.cvt_native:       # vcvtneps2bf16 (NaN quiet, like f32_to_bf16_bits)
+            h = b.bitcast(b.fptrunc(val, ir.VectorType(BF16, 16)), ir.VectorType(I16, 16))
+        else:
+            h = f32_to_bf16_bits(b, val)
+        bits = b.zext(h, VI32)
         f = self.intr("llvm.x86.avx512.mask.pmov.dw.mem.512", VOID, [PTR, VI32, I16])
         b.call(f, [ptr, bits, b.bitcast(mask, I16)])
 
@@ -542,55 +553,153 @@ class _Gen(VecBuilder):
                 b.store(v, dp, align=64)
 
     # -- the output of one 32 x 32 block ----------------------------------------------
-    def store_block(self, cs, c_base, bias, m, rows, n):
-        """C[m .. m+rows-1, n .. n+31] (clipped to N) from the scratch ``cs``: alpha,
-        bias, epilogue in fp32, stored as c_dtype."""
+    def store_block(self, cs, c_base, bias, m, rows, n, r0=0):
+        """C[m+r0 .. m+rows-1, n .. n+31] (clipped to N) from the scratch ``cs`` (row r
+        of the block at cs + r * CS_STRIDE): alpha, bias, epilogue in fp32, stored as
+        c_dtype."""
+        st = self.store_setup(bias, n)
+        with self.loop(r0, rows, 1, "st") as r:
+            self.store_row(st, cs, c_base, bias, m, r, n)
+
+    def store_setup(self, bias, n):
+        """What every row of the 32 columns at ``n`` shares: lane masks, a bias row."""
         s, b = self.s, self.b
+        use_bias = s.bias and float(np.float32(s.beta)) != 0.0
+        brs, bcs = s.bias_row_stride, s.bias_col_stride
+        cols = b.sub(i64(s.N), n)
+        masks = [self.lane_mask(cols), self.lane_mask(b.sub(cols, i64(16)))]
+        besz = 2 if self.bias_bf16 else 4
+        col_bias = None
+        if use_bias and brs == 0 and bcs != 0:     # a bias row: loaded once per block
+            bias_ptr = self.bytes_gep(bias, b.mul(n, i64(besz)))
+            if self.bias_bf16:
+                col_bias = [bf16_bits_to_f32(
+                    b, self.mload_i16(self.bytes_gep(bias_ptr, 32 * v), masks[v]))
+                    for v in range(2)]
+            else:
+                col_bias = [self.load_v(self.bytes_gep(bias_ptr, 64 * v), masks[v])
+                            for v in range(2)]
+        return masks, col_bias
+
+    def store_row(self, st, cs, c_base, bias, m, r, n):
+        """Row r of the block at (m, n) (see `store_block`); ``st`` from `store_setup`."""
+        s, b = self.s, self.b
+        masks, col_bias = st
         alpha = float(np.float32(s.alpha))
         beta = float(np.float32(s.beta))
         use_bias = s.bias and beta != 0.0
         brs, bcs = s.bias_row_stride, s.bias_col_stride
-        cols = b.sub(i64(s.N), n)
-        masks = [self.lane_mask(cols), self.lane_mask(b.sub(cols, i64(16)))]
         esz = 2 if self.c_bf16 else 4
         besz = 2 if self.bias_bf16 else 4
-        with self.loop(0, rows, 1, "st") as r:
-            mm = b.add(m, r)
-            crow = self.bytes_gep(c_base, b.mul(b.add(b.mul(mm, i64(s.ldc_)), n), i64(esz)))
-            srow = self.bytes_gep(cs, b.mul(r, i64(CS_STRIDE)))
+        mm = b.add(m, r)
+        crow = self.bytes_gep(c_base, b.mul(b.add(b.mul(mm, i64(s.ldc_)), n), i64(esz)))
+        srow = self.bytes_gep(cs, b.mul(r, i64(CS_STRIDE)))
+        if use_bias and col_bias is None:
+            boff = b.mul(mm, i64(brs)) if brs else i64(0)
+            if bcs == 0:
+                bptr = self.bytes_gep(bias, b.mul(boff, i64(besz)))
+                if self.bias_bf16:
+                    x = bf16_bits_to_f32(b, b.load(bptr, typ=I16, align=2))
+                else:
+                    x = b.load(bptr, typ=F32, align=4)
+                bias_row = self.splat_f(x)
+            else:
+                bias_ptr = self.bytes_gep(bias, b.mul(b.add(boff, n), i64(besz)))
+        for v in range(2):
+            val = b.load(self.bytes_gep(srow, 64 * v), typ=VF, align=64)
+            if alpha != 1.0:
+                val = b.fmul(val, self.splat_f(alpha))
             if use_bias:
-                boff = b.mul(mm, i64(brs)) if brs else i64(0)
-                if bcs == 0:
-                    bptr = self.bytes_gep(bias, b.mul(boff, i64(besz)))
-                    if self.bias_bf16:
-                        x = bf16_bits_to_f32(b, b.load(bptr, typ=I16, align=2))
-                    else:
-                        x = b.load(bptr, typ=F32, align=4)
-                    bias_row = self.splat_f(x)
+                if col_bias is not None:
+                    bv = col_bias[v]
+                elif bcs == 0:
+                    bv = bias_row
+                elif self.bias_bf16:
+                    bv = bf16_bits_to_f32(
+                        b, self.mload_i16(self.bytes_gep(bias_ptr, 32 * v), masks[v]))
                 else:
-                    bias_ptr = self.bytes_gep(bias, b.mul(b.add(boff, n), i64(besz)))
-            for v in range(2):
-                val = b.load(self.bytes_gep(srow, 64 * v), typ=VF, align=64)
-                if alpha != 1.0:
-                    val = b.fmul(val, self.splat_f(alpha))
-                if use_bias:
-                    if bcs == 0:
-                        bv = bias_row
-                    elif self.bias_bf16:
-                        bv = bf16_bits_to_f32(
-                            b, self.mload_i16(self.bytes_gep(bias_ptr, 32 * v), masks[v]))
-                    else:
-                        bv = self.load_v(self.bytes_gep(bias_ptr, 64 * v), masks[v])
-                    val = b.fadd(val, bv) if beta == 1.0 else self.fma(bv, self.splat_f(beta),
-                                                                      val)
-                nv = b.add(n, i64(16 * v)) if v else n
-                if self.epilogue is not None:
-                    val = self.epilogue(b, val, mm, nv)
-                dst = self.bytes_gep(crow, 16 * v * esz)
-                if self.c_bf16:
-                    self.store_bf16(val, dst, masks[v])
-                else:
-                    self.store_v(val, dst, masks[v])
+                    bv = self.load_v(self.bytes_gep(bias_ptr, 64 * v), masks[v])
+                val = b.fadd(val, bv) if beta == 1.0 else self.fma(bv, self.splat_f(beta),
+                                                                  val)
+            nv = b.add(n, i64(16 * v)) if v else n
+            if self.epilogue is not None:
+                val = self.epilogue(b, val, mm, nv)
+            dst = self.bytes_gep(crow, 16 * v * esz)
+            if self.c_bf16:
+                self.store_bf16(val, dst, masks[v])
+            else:
+                self.store_v(val, dst, masks[v])
+
+    # -- full row pairs with their stores overlapped ------------------------------------
+    def pairs_overlapped(self, a_blk, bp, nfull, c_b, bias, m0, n, st, slots):
+        """The ``nfull`` full 32-row pairs of a block at the columns ``n`` (two column
+        tiles), each over the whole K in this function, and the stores of the pair
+        before: tdpbf16ps runs on the AMX unit while the vector units are idle, so the
+        previous pair's epilogue (`store_row`, ``R`` rows per K step) is interleaved with
+        the tile loads and products of the K loop (two C slots alternate). ``st``: i64
+        [pending, slot, m, n] of the pair whose C waits in slot 1 - slot; flushed by
+        `flush_pending`."""
+        b, p = self.b, self.p
+        c64, r16 = _i16(64), _i16(TR)
+        R = -(-2 * TR // p.kb)
+        slot_bytes = 2 * TR * CS_STRIDE
+
+        def st_at(i):
+            return b.gep(st, [i64(i)], source_etype=I64)
+
+        with self.loop(0, nfull, 1, "pp") as pi:
+            a = self.bytes_gep(a_blk, b.mul(pi, i64(self.a_pair)))
+            valid = b.icmp_signed("!=", b.load(st_at(0), typ=I64), i64(0))
+            slot = b.load(st_at(1), typ=I64)
+            pm = b.load(st_at(2), typ=I64)
+            pn = b.load(st_at(3), typ=I64)
+            dst = self.bytes_gep(slots, b.mul(slot, i64(slot_bytes)))
+            src = self.bytes_gep(slots, b.mul(b.sub(i64(1), slot), i64(slot_bytes)))
+            stp = self.store_setup(bias, pn)
+            init = [self.t_zero(b, r16, c64) for _ in range(4)]
+
+            def body(kk, accs):
+                at = [self.t_load(b, r16, c64, self.bytes_gep(
+                    a, b.add(b.mul(kk, i64(self.a_ks)), i64(i * self.a_rt))), self.a_stride)
+                    for i in range(2)]
+                bt = [self.t_load(b, r16, c64, self.bytes_gep(
+                    bp, b.add(b.mul(kk, i64(2 * TILE)), i64(j * TILE))), 64)
+                    for j in range(2)]
+                new = [self.t_dp(b, r16, c64, c64, accs[2 * i + j], at[i], bt[j])
+                       for i in range(2) for j in range(2)]
+                with self.if_then(valid):
+                    for i in range(R):
+                        r = b.add(b.mul(kk, i64(R)), i64(i))
+                        if R * p.kb > 2 * TR:
+                            with self.if_then(b.icmp_signed("<", r, i64(2 * TR))):
+                                self.store_row(stp, src, c_b, bias, pm, r, pn)
+                        else:
+                            self.store_row(stp, src, c_b, bias, pm, r, pn)
+                return new
+
+            _, accs = self.carry_loop(0, p.kb, 1, init, body, "kq")
+            for i in range(2):
+                for j in range(2):
+                    ptr = self.bytes_gep(dst, i * TR * CS_STRIDE + j * 64)
+                    self.t_store(b, r16, c64, ptr, CS_STRIDE, accs[2 * i + j])
+            b.store(i64(1), st_at(0))
+            b.store(b.sub(i64(1), slot), st_at(1))
+            b.store(b.add(m0, b.mul(pi, i64(2 * TR))), st_at(2))
+            b.store(n, st_at(3))
+
+    def flush_pending(self, c_b, bias, st, slots):
+        """The stores of the last pair `pairs_overlapped` left pending."""
+        b = self.b
+
+        def st_at(i):
+            return b.gep(st, [i64(i)], source_etype=I64)
+
+        with self.if_then(b.icmp_signed("!=", b.load(st_at(0), typ=I64), i64(0))):
+            slot = b.load(st_at(1), typ=I64)
+            src = self.bytes_gep(slots, b.mul(b.sub(i64(1), slot), i64(2 * TR * CS_STRIDE)))
+            pn = b.load(st_at(3), typ=I64)
+            self.store_block(src, c_b, bias, b.load(st_at(2), typ=I64), i64(2 * TR), pn)
+        b.store(i64(0), st_at(0))
 
     # -- the kernel -------------------------------------------------------------------
     def emit(self):
@@ -621,6 +730,11 @@ class _Gen(VecBuilder):
         per_b = b.mul(mt, nt)
         Nrem = s.N % 32
         Mfull = b.sub(M, Mrem if s.dyn else i64(Mrem))
+        # the stores of each full pair overlap the next pair's K loop (pairs_overlapped)
+        overlap = Nrem == 0 and p.kb >= 4 and OVERLAP_STORES
+        if overlap:
+            st = b.alloca(I64, size=i64(4), name="pending")
+            slots = self.bytes_gep(cs, p.max_mb * CS_STRIDE)
         with self.loop(t0, t1, 1, "t") as t:
             bi = b.udiv(t, per_b)
             rr = b.urem(t, per_b)
@@ -641,10 +755,16 @@ class _Gen(VecBuilder):
                 a_blk = self.bytes_gep(a_b, b.mul(m0, i64(s.lda_ * 2)))
             # the full 32-row pairs of the block, then the last rows of A (if here)
             nfull = b.udiv(b.sub(self.smin(m1, Mfull), m0), i64(2 * TR))
+            if overlap:
+                for i, v in enumerate((i64(0), i64(0), m0, n0)):
+                    b.store(v, b.gep(st, [i64(i)], source_etype=I64))
             with self.loop(n0, n1, 32, "n") as n:
                 bp = self.bytes_gep(b_b, b.mul(b.udiv(n, i64(2 * TC)), i64(p.kb * 2 * TILE)))
-                with self.if_then(b.icmp_signed(">", nfull, i64(0))):
-                    self.call_micro(32, a_blk, bp, cs, nfull, i64(32), n, Nrem)
+                if overlap:
+                    self.pairs_overlapped(a_blk, bp, nfull, c_b, bias, m0, n, st, slots)
+                else:
+                    with self.if_then(b.icmp_signed(">", nfull, i64(0))):
+                        self.call_micro(32, a_blk, bp, cs, nfull, i64(32), n, Nrem)
                 if s.dyn or Mrem:
                     edge = b.icmp_signed("==", m1, M)
                     if s.dyn:
@@ -661,7 +781,13 @@ class _Gen(VecBuilder):
                                     self.call_micro("lo", ap, bp, cp, i64(1), Mrem, n, Nrem)
                                 with other:
                                     self.call_micro("hi", ap, bp, cp, i64(1), Mrem, n, Nrem)
-                self.store_block(cs, c_b, bias, m0, b.sub(m1, m0), n)
+                if overlap:     # the last rows (an edge pair) at once
+                    self.store_block(cs, c_b, bias, m0, b.sub(m1, m0), n,
+                                     r0=b.mul(nfull, i64(2 * TR)))
+                else:
+                    self.store_block(cs, c_b, bias, m0, b.sub(m1, m0), n)
+            if overlap:
+                self.flush_pending(c_b, bias, st, slots)
         f = self.intr("llvm.x86.tilerelease", VOID, [])
         b.call(f, [])
         b.ret_void()

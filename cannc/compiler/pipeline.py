@@ -47,6 +47,7 @@ PIPELINES: dict[str, list[str]] = {
         "legalize_attention",
         "fold_conv_bn",               # BatchNormalization after Conv folded into its weights
         "fuse_layernorm",             # decomposed LayerNorm (older exporters) -> one op
+        "fuse_gelu",                  # decomposed erf GELU (BERT exporters) -> Gelu
         "fuse_attention",             # QKᵀ/scale/mask/Softmax/·V (+ head transposes) -> one op
         "mixed_precision",            # precision="bf16"/"fp16": narrow nodes by policy
         "fusion",                     # one kernel per elementwise chain / GEMM + epilogue

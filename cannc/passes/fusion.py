@@ -35,8 +35,8 @@ from ..ir.registry import MAP_CATEGORIES, Fusion
 from .manager import PassContext, graph_pass
 from .rules import Refusal, Rule, log
 
-RULES = ("conv_bn", "layernorm", "attention", "elementwise", "gemm_epilogue", "conv_epilogue",
-         "softmax_prologue", "precision_casts")
+RULES = ("conv_bn", "layernorm", "gelu", "attention", "elementwise", "gemm_epilogue",
+         "conv_epilogue", "softmax_prologue", "precision_casts")
 
 
 def is_map(graph: Graph, n: Node) -> str | None:

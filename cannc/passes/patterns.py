@@ -8,6 +8,8 @@ pattern; a switched-off rule (`fusion={"layernorm": False}`) does not even match
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..ir.attnspec import AttnSpec
@@ -168,6 +170,85 @@ def _fits(shape: tuple[int, ...], norm_shape: tuple[int, ...]) -> bool:
         shape = shape[1:]
     return len(shape) <= len(norm_shape) and all(
         a in (1, b) for a, b in zip(shape[::-1], norm_shape[::-1]))
+
+
+@graph_pass("fuse_gelu")
+def fuse_gelu(graph: Graph, ctx: PassContext) -> bool:
+    """x * 0.5 * (1 + Erf(x / sqrt2)) (BERT's exported gelu: Div or Mul by 1/sqrt2, Erf,
+    Add 1, the two Muls in either order) -> Gelu (approximate='none'): one vector
+    function (codegen/vmath gelu_erf) instead of a division and a two-branch erf."""
+    return GELU.run(graph, None, ctx)
+
+
+def _near(c: float | None, want: float) -> bool:
+    return c is not None and abs(c - want) <= 2e-7 * abs(want)
+
+
+def _gelu_pattern(graph: Graph, _: None, erf: Node):
+    if erf.op_type != "Erf":
+        return None
+    scale = graph.producer(erf.inputs[0])
+    if scale is None or scale.op_type not in ("Div", "Mul") or not _single_use(
+            graph, erf.inputs[0], {erf.name}):
+        return None
+    x = None
+    for i in ((0,) if scale.op_type == "Div" else (0, 1)):
+        c = _scalar_const(graph, scale.inputs[1 - i])
+        if _near(c, math.sqrt(2.0) if scale.op_type == "Div" else math.sqrt(0.5)):
+            x = scale.inputs[i]
+    add = _only_consumer(graph, erf.outputs[0], ("Add",))
+    if x is None or add is None or not _near(_scalar_const(graph, _other(add, erf.outputs[0])),
+                                             1.0):
+        return None
+    # (x * (1 + erf)) * 0.5, or (x * 0.5) * (1 + erf)
+    m1 = _only_consumer(graph, add.outputs[0], ("Mul",))
+    if m1 is None:
+        return None
+    other = _other(m1, add.outputs[0])
+    if other == x:
+        m2 = _only_consumer(graph, m1.outputs[0], ("Mul",))
+        if m2 is None or not _near(_scalar_const(graph, _other(m2, m1.outputs[0])), 0.5):
+            return None
+        nodes = [scale, erf, add, m1, m2]
+        out = m2.outputs[0]
+    else:
+        half = graph.producer(other)
+        if half is None or half.op_type != "Mul" or x not in half.inputs or not _near(
+                _scalar_const(graph, _other(half, x)), 0.5) or not _single_use(
+                graph, other, {m1.name}):
+            return None
+        nodes = [half, scale, erf, add, m1]
+        out = m1.outputs[0]
+    xt, ot = graph.values[x], graph.values[out]
+    if tuple(xt.shape) != tuple(ot.shape) or np.dtype(xt.dtype) != np.dtype(ot.dtype) or \
+            np.dtype(xt.dtype).kind != "f":
+        return None
+    return nodes, x, out
+
+
+def _gelu_check(graph: Graph, _: None, m) -> Refusal | None:
+    nodes, _x, _out = m
+    for n in nodes[:-1]:
+        if n.outputs[0] in graph.outputs:
+            return Refusal(f"intermediate '{n.outputs[0]}' is a graph output",
+                           ((n.name, "(gelu pattern)"),))
+    return None
+
+
+def _gelu_rewrite(graph: Graph, _: None, m) -> None:
+    nodes, x, out = m
+    erf = next(n for n in nodes if n.op_type == "Erf")
+    order = min(graph.g.nodes[n.name]["order"] for n in nodes)
+    for n in nodes:
+        graph.remove_node(n.name)
+    graph.add_node(Node(name=f"{erf.name}::Gelu", op_type="Gelu", inputs=(x,), outputs=(out,),
+                        attrs={"approximate": "none",
+                               "fused_from": [n.name for n in nodes],
+                               "fused_ops": [n.op_type for n in nodes]}, opset=20),
+                   order=order)
+
+
+GELU: Rule = Rule("gelu", _gelu_pattern, _gelu_check, _gelu_rewrite)
 
 
 @graph_pass("fold_conv_bn")

@@ -461,7 +461,7 @@ def _fused_attention_tiling(node: Node, in_types: list, out_types: list) -> Any:
     rec = attention_record(spec, dataclasses.replace(plan, nq=-(-spec.Sq // plan.MQ)))
     notes = {"attention": f"B{spec.B} H{spec.H} Sq{spec.Sq} Sk{spec.Sk} D{spec.D} "
                           f"mask={spec.mask}", "plan": rec, "tiling": describe(rec),
-             "precision": attention_precision_note(spec)}
+             "precision": attention_precision_note(t.form)}   # what the kernel runs
     return Tiling(key=("attention", t.form), dims=t.dims, num_tiles=t.num_tiles,
                   workspace_bytes=t.workspace_bytes,
                   flops=2 * spec.B * spec.H * spec.Sq * spec.Sk * (spec.D + spec.Dv),
