@@ -246,8 +246,10 @@ def plan_amx_conv(geom: ConvGeom, cores: int = 2, direct: bool | None = None) ->
         rows = max(r1 - r0 for r0, r1 in (_rows_of(geom, i * P, min(P, Q - i * P))
                                           for i in range(PB)))
         NCP = rup(rows * Wp, 16)
-        if (NCP * 4) % 4096 == 0:
-            NCP += 16              # planes not a multiple of 4 KiB apart
+        if (NCP // 16) % 2 == 0:
+            # an odd number of cache lines apart: the 16 planes a B tile reads (and the
+            # taps' overlapping rows) spread over all L1 sets, not two of them
+            NCP += 16
     else:
         NCP = P + 16               # row stride not a multiple of 4 KiB apart
     CSS = P * 4 + 64
