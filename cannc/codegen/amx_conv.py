@@ -503,31 +503,35 @@ class _AmxConvGen(_LowpGen):
         r1 = v.smin(b.add(b.udiv(b.add(b.add(q0, npp32), i64(off - 1)), i64(Wp)), i64(1)),
                     p.Hp)
         npair = g.Cg // 2
-        with v.loop(r0, r1, 1, "xr") as r:
-            ih = b.sub(r, i64(ph))
-            ok = b.icmp_unsigned("<", ih, i64(H))
-            src_row = v.gep(x_ng, b.mul(b.select(ok, ih, i64(0)), i64(W)), self.xt)
-            dst_row = v.gep(self.col, b.mul(b.sub(r, r0), i64(Wp)))
-            with v.loop(0, Wp, 16, "xw") as w:
-                iw = b.sub(w, i64(pw))
-                lanes = b.add(v.splat_i(iw), v.iota)
-                m = v.mask_and(b.icmp_unsigned("<", lanes, v.splat_i(W)), ok)
-                sm = v.lanes_lt(w, Wp)
 
-                def load(src, iw=iw, m=m):
-                    return vload_dt(v, v.gep(src, iw, self.xt), self.t.x, m)
+        def plane(dst, srcs):
+            """One plane [r0, r1) x Wp of units from the channel planes ``srcs`` (two,
+            one: the high half 0, none: zeros), row by row: sequential streams."""
+            with v.loop(r0, r1, 1, "xr") as r:
+                ih = b.sub(r, i64(ph))
+                ok = b.icmp_unsigned("<", ih, i64(H))
+                rowoff = b.mul(b.select(ok, ih, i64(0)), i64(W))
+                dst_row = v.gep(dst, b.mul(b.sub(r, r0), i64(Wp)))
+                with v.loop(0, Wp, 16, "xw") as w:
+                    sm = v.lanes_lt(w, Wp)
+                    val = v.zero_v
+                    if srcs:
+                        iw = b.sub(w, i64(pw))
+                        lanes = b.add(v.splat_i(iw), v.iota)
+                        m = v.mask_and(b.icmp_unsigned("<", lanes, v.splat_i(W)), ok)
+                        xs = [vload_dt(v, v.gep(src, b.add(rowoff, iw), self.xt), self.t.x,
+                                       m) for src in srcs]
+                        val = self.unit(xs[0], xs[1] if len(xs) > 1 else None)
+                    v.store_v(val, v.gep(dst_row, w), sm)
 
-                dst0 = v.gep(dst_row, w)
-                with v.loop(0, npair, 1, "xc") as cu:
-                    src = v.gep(src_row, b.mul(cu, i64(2 * g.DHW)), self.xt)
-                    x0 = load(src)
-                    x1 = load(v.gep(src, g.DHW, self.xt))
-                    v.store_v(self.unit(x0, x1), v.gep(dst0, b.mul(cu, i64(p.NCP))), sm)
-                if g.Cg % 2:
-                    src = v.gep(src_row, (g.Cg - 1) * g.DHW, self.xt)
-                    v.store_v(self.unit(load(src), None), v.gep(dst0, npair * p.NCP), sm)
-                for cu in range(cdiv(g.Cg, 2), p.CU):
-                    v.store_v(v.zero_v, v.gep(dst0, cu * p.NCP), sm)
+        with v.loop(0, npair, 1, "xc") as cu:
+            src = v.gep(x_ng, b.mul(cu, i64(2 * g.DHW)), self.xt)
+            plane(v.gep(self.col, b.mul(cu, i64(p.NCP))), [src, v.gep(src, g.DHW, self.xt)])
+        if g.Cg % 2:
+            plane(v.gep(self.col, npair * p.NCP), [v.gep(x_ng, (g.Cg - 1) * g.DHW, self.xt)])
+        if cdiv(g.Cg, 2) < p.CU:
+            with v.loop(cdiv(g.Cg, 2), p.CU, 1, "xz") as cu:
+                plane(v.gep(self.col, b.mul(cu, i64(p.NCP))), [])
         return v.gep(self.col, b.sub(q0, b.mul(r0, i64(Wp))))
 
     # -- tiles ----------------------------------------------------------------------
