@@ -154,11 +154,19 @@ class AmxConvPlan:
         return cdiv(self.kb, KSTEPS_L1)
 
 
-def _tile_cost(P: int, CH: int, KUp: int, copy_units: int) -> float:
+# AMX time factor of the direct mode, whose B tile rows at taps kw > 0 are not 64-byte
+# aligned (a split-line tileloadd from L1 measured ~3.5x an aligned one on this Xeon,
+# mostly hidden behind tdpbf16ps): with it the model takes im2col for ResNet-18's 3x3
+# convs at 7x7 (49 pixels: a small col buffer), 0.33 vs 0.36 ms (one core, medians)
+MISALIGNED = 1.3
+
+
+def _tile_cost(P: int, CH: int, KUp: int, copy_units: int, amx: float = 1.0) -> float:
     """Crude time of one tile (ns): the col buffer / X copy at ~4 units/ns, AMX at
-    ~1 TFLOP/s on whole 32 x 32 blocks, weights streamed at ~20 B/ns, an overhead."""
-    return (copy_units / 4.0 + 4.0 * rup(P, 32) * CH * KUp / 1000.0 + CH * KUp * 4 / 20.0
-            + 500)
+    ~1 TFLOP/s on whole 32 x 32 blocks (times ``amx``), weights streamed at ~20 B/ns,
+    an overhead."""
+    return (copy_units / 4.0 + amx * 4.0 * rup(P, 32) * CH * KUp / 1000.0
+            + CH * KUp * 4 / 20.0 + 500)
 
 
 def direct_ok(geom: ConvGeom) -> bool:
@@ -235,8 +243,8 @@ def plan_amx_conv(geom: ConvGeom, cores: int = 2, direct: bool | None = None) ->
                         copy = CU * (min(r1, Hp) - r0) * Wp
                     else:
                         copy = npix * KU
-                    costs += [_tile_cost(npix, min(CH, Mp - j * CH), KUp, copy)
-                              for j in range(MB)]
+                    costs += [_tile_cost(npix, min(CH, Mp - j * CH), KUp, copy,
+                                         MISALIGNED if direct else 1.0) for j in range(MB)]
             worst = max(sum(costs[a:b]) for a, b in split_even(T, cores))
             key = (worst, T)
             if best is None or key < best[0]:
@@ -283,8 +291,8 @@ def _plan_cost(geom: ConvGeom, p: AmxConvPlan) -> float:
             copy = p.CU * (min(r1, p.Hp) - r0) * p.Wp
         else:
             copy = npix * p.KU
-        t += sum(_tile_cost(npix, min(p.CH, p.Mp - j * p.CH), p.KUp, copy)
-                 for j in range(p.MB))
+        t += sum(_tile_cost(npix, min(p.CH, p.Mp - j * p.CH), p.KUp, copy,
+                            MISALIGNED if p.direct else 1.0) for j in range(p.MB))
     return t * geom.G
 
 
