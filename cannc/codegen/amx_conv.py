@@ -159,33 +159,45 @@ class AmxConvPlan:
 # mostly hidden behind tdpbf16ps): with it the model takes im2col for ResNet-18's 3x3
 # convs at 7x7 (49 pixels: a small col buffer), 0.33 vs 0.36 ms (one core, medians)
 MISALIGNED = 1.3
+# col buffer units per ns of the im2col (measured ~1.9 on ResNet-18's 3x3 stride-2 convs:
+# the direct mode's phases, 0.17 vs 0.19 ms at 56x56 -> 28x28, take them)
+IM2COL_RATE = 2.0
 
 
-def _tile_cost(P: int, CH: int, KUp: int, copy_units: int, amx: float = 1.0) -> float:
-    """Crude time of one tile (ns): the col buffer / X copy at ~4 units/ns, AMX at
-    ~1 TFLOP/s on whole 32 x 32 blocks (times ``amx``), weights streamed at ~20 B/ns,
-    an overhead."""
-    return (copy_units / 4.0 + amx * 4.0 * rup(P, 32) * CH * KUp / 1000.0
+def _tile_cost(P: int, CH: int, KUp: int, copy_units: int, amx: float = 1.0,
+               rate: float = 4.0) -> float:
+    """Crude time of one tile (ns): the X copy at ~4 units/ns (the col buffer at
+    ``rate``: ~2 measured for 3x3 stride-2 im2cols), AMX at ~1 TFLOP/s on whole
+    32 x 32 blocks (times ``amx``), weights streamed at ~20 B/ns, an overhead."""
+    return (copy_units / rate + amx * 4.0 * rup(P, 32) * CH * KUp / 1000.0
             + CH * KUp * 4 / 20.0 + 500)
 
 
 def direct_ok(geom: ConvGeom) -> bool:
-    """Stride 1, no depth axis: each tap is a constant offset into a zero-padded copy
-    of X (output pixels counted over the padded row width Wp, the extra columns
-    discarded)."""
-    return (geom.s == (1, 1, 1) and not geom.transposed and geom.isz[0] == 1
-            and geom.k[0] == 1 and geom.pb[0] == 0 and geom.osz[0] == 1)
+    """No depth axis, each of H and W strided 1 or (dilation 1) 2: each tap is a
+    constant offset into a zero-padded copy of X (output pixels counted over the padded
+    row width Wp, the extra columns discarded); stride 2 splits the copy into phases
+    (even/odd rows x even/odd columns of the padded X), tap (kh, kw) reading phase
+    (kh % 2, kw % 2) at offset (kh // 2, kw // 2) with stride 1."""
+    return (not geom.transposed and geom.isz[0] == 1 and geom.k[0] == 1
+            and geom.pb[0] == 0 and geom.osz[0] == 1 and geom.s[0] == 1
+            and all(s == 1 or (s == 2 and d == 1) for s, d in zip(geom.s[1:], geom.d[1:])))
+
+
+def _phases(geom: ConvGeom) -> tuple[int, int]:
+    """The direct mode's phases along H and W (1: stride 1)."""
+    return min(geom.s[1], geom.k[1]), min(geom.s[2], geom.k[2])
 
 
 def _direct_dims(geom: ConvGeom) -> tuple[int, int, int]:
-    """(Hp, Wp, max tap offset) of the padded X copy."""
-    _, H, W = geom.isz
+    """(Hp, Wp, max tap offset) of a phase of the padded X copy."""
     _, OH, OW = geom.osz
     _, KH, KW = geom.k
+    _, sh, sw = geom.s
     _, dh, dw = geom.d
-    Hp = OH + (KH - 1) * dh
-    Wp = OW + (KW - 1) * dw
-    return Hp, Wp, (KH - 1) * dh * Wp + (KW - 1) * dw
+    eh, ew = (KH - 1) * dh // sh, (KW - 1) * dw // sw
+    Hp, Wp = OH + eh, OW + ew
+    return Hp, Wp, eh * Wp + ew
 
 
 def _rows_of(geom: ConvGeom, q0: int, npix: int) -> tuple[int, int]:
@@ -209,6 +221,7 @@ def plan_amx_conv(geom: ConvGeom, cores: int = 2, direct: bool | None = None) ->
     Mg = geom.Mg
     CU = cdiv(geom.Cg, 2)
     Hp = Wp = 0
+    nph = _phases(geom)[0] * _phases(geom)[1] if direct else 1
     if direct:
         CU = rup(CU, UNITS)
         Hp, Wp, _ = _direct_dims(geom)
@@ -240,11 +253,12 @@ def plan_amx_conv(geom: ConvGeom, cores: int = 2, direct: bool | None = None) ->
                     npix = min(P, Q - i * P)
                     if direct:
                         r0, r1 = _rows_of(geom, i * P, npix)
-                        copy = CU * (min(r1, Hp) - r0) * Wp
+                        copy = nph * CU * (min(r1, Hp) - r0) * Wp
                     else:
                         copy = npix * KU
                     costs += [_tile_cost(npix, min(CH, Mp - j * CH), KUp, copy,
-                                         MISALIGNED if direct else 1.0) for j in range(MB)]
+                                         MISALIGNED if direct else 1.0,
+                                         4.0 if direct else IM2COL_RATE) for j in range(MB)]
             worst = max(sum(costs[a:b]) for a, b in split_even(T, cores))
             key = (worst, T)
             if best is None or key < best[0]:
@@ -261,7 +275,7 @@ def plan_amx_conv(geom: ConvGeom, cores: int = 2, direct: bool | None = None) ->
     else:
         NCP = P + 16               # row stride not a multiple of 4 KiB apart
     CSS = P * 4 + 64
-    col = rup(KUp * NCP * 4 if not direct else CU * NCP * 4, 64)
+    col = rup(KUp * NCP * 4 if not direct else nph * CU * NCP * 4, 64)
     return AmxConvPlan(mode="amx", direct=direct, kwpairs=kwpairs, CU=CU, KU=KU, KUp=KUp,
                        Q=Q, P=P, PB=PB, CH=CH, MB=MB, Mp=Mp, NCP=NCP, Hp=Hp, Wp=Wp, CSS=CSS,
                        ws_cs=col,
@@ -288,11 +302,12 @@ def _plan_cost(geom: ConvGeom, p: AmxConvPlan) -> float:
         npix = min(p.P, p.Q - i * p.P)
         if p.direct:
             r0, r1 = _rows_of(geom, i * p.P, npix)
-            copy = p.CU * (min(r1, p.Hp) - r0) * p.Wp
+            copy = _phases(geom)[0] * _phases(geom)[1] * p.CU * (min(r1, p.Hp) - r0) * p.Wp
         else:
             copy = npix * p.KU
         t += sum(_tile_cost(npix, min(p.CH, p.Mp - j * p.CH), p.KUp, copy,
-                            MISALIGNED if p.direct else 1.0) for j in range(p.MB))
+                            MISALIGNED if p.direct else 1.0,
+                            4.0 if p.direct else IM2COL_RATE) for j in range(p.MB))
     return t * geom.G
 
 
@@ -496,27 +511,31 @@ class _AmxConvGen(_LowpGen):
 
     def pack_x(self, x_ng, q0, q1):
         """Direct mode: the rows of the zero-padded input that the pixels [q0, q1)
-        (over the padded width) read, as bf16 pair units, into planes ``[CU][NCP]``
-        (channel pairs 2cu, 2cu+1; pairs past the channels zero); returns the address of
-        pixel q0's unit in plane 0."""
+        (over the padded width) read, as bf16 pair units, into planes
+        ``[phase][CU][NCP]`` (channel pairs 2cu, 2cu+1; pairs past the channels zero;
+        phase (a, c): the padded rows r*sh + a, columns w*sw + c); returns the address
+        of pixel q0's unit in plane 0."""
         v, g, p = self.v, self.g, self.p
         b = v.b
         _, H, W = g.isz
-        _, KH, _ = g.k
+        _, sh, sw = g.s
         _, ph, pw = g.pb
+        nh, nw = _phases(g)
         Wp = p.Wp
         r0 = b.udiv(q0, i64(Wp))
         npp32 = b.and_(b.add(b.sub(q1, q0), i64(31)), i64(-32))
-        off = (KH - 1) * g.d[1] * Wp + (g.k[2] - 1) * g.d[2]
+        off = _direct_dims(g)[2]
         r1 = v.smin(b.add(b.udiv(b.add(b.add(q0, npp32), i64(off - 1)), i64(Wp)), i64(1)),
                     p.Hp)
         npair = g.Cg // 2
+        even = ir.Constant(VI, list(range(0, 32, 2)))
 
-        def plane(dst, srcs):
-            """One plane [r0, r1) x Wp of units from the channel planes ``srcs`` (two,
-            one: the high half 0, none: zeros), row by row: sequential streams."""
+        def plane(dst, srcs, a, c):
+            """One plane [r0, r1) x Wp of phase (a, c) of units from the channel planes
+            ``srcs`` (two, one: the high half 0, none: zeros), row by row: sequential
+            streams."""
             with v.loop(r0, r1, 1, "xr") as r:
-                ih = b.sub(r, i64(ph))
+                ih = b.sub(b.mul(r, i64(sh)), i64(ph - a))
                 ok = b.icmp_unsigned("<", ih, i64(H))
                 rowoff = b.mul(b.select(ok, ih, i64(0)), i64(W))
                 dst_row = v.gep(dst, b.mul(b.sub(r, r0), i64(Wp)))
@@ -524,22 +543,37 @@ class _AmxConvGen(_LowpGen):
                     sm = v.lanes_lt(w, Wp)
                     val = v.zero_v
                     if srcs:
-                        iw = b.sub(w, i64(pw))
+                        iw = b.sub(b.mul(w, i64(sw)), i64(pw - c))
                         lanes = b.add(v.splat_i(iw), v.iota)
-                        m = v.mask_and(b.icmp_unsigned("<", lanes, v.splat_i(W)), ok)
-                        xs = [vload_dt(v, v.gep(src, b.add(rowoff, iw), self.xt), self.t.x,
-                                       m) for src in srcs]
+                        ms = [v.mask_and(b.icmp_unsigned(
+                            "<", b.add(lanes, v.splat_i(16 * h)) if h else lanes,
+                            v.splat_i(W)), ok) for h in range(sw)]
+
+                        def load(src, iw=iw, ms=ms):
+                            s0 = v.gep(src, b.add(rowoff, iw), self.xt)
+                            if sw == 1:
+                                return vload_dt(v, s0, self.t.x, ms[0])
+                            return b.shuffle_vector(    # stride 2: the even elements
+                                vload_dt(v, s0, self.t.x, ms[0]),
+                                vload_dt(v, v.gep(s0, 16, self.xt), self.t.x, ms[1]), even)
+
+                        xs = [load(src) for src in srcs]
                         val = self.unit(xs[0], xs[1] if len(xs) > 1 else None)
                     v.store_v(val, v.gep(dst_row, w), sm)
 
-        with v.loop(0, npair, 1, "xc") as cu:
-            src = v.gep(x_ng, b.mul(cu, i64(2 * g.DHW)), self.xt)
-            plane(v.gep(self.col, b.mul(cu, i64(p.NCP))), [src, v.gep(src, g.DHW, self.xt)])
-        if g.Cg % 2:
-            plane(v.gep(self.col, npair * p.NCP), [v.gep(x_ng, (g.Cg - 1) * g.DHW, self.xt)])
-        if cdiv(g.Cg, 2) < p.CU:
-            with v.loop(cdiv(g.Cg, 2), p.CU, 1, "xz") as cu:
-                plane(v.gep(self.col, b.mul(cu, i64(p.NCP))), [])
+        for a in range(nh):
+            for c in range(nw):
+                base = v.gep(self.col, (a * nw + c) * p.CU * p.NCP)
+                with v.loop(0, npair, 1, "xc") as cu:
+                    src = v.gep(x_ng, b.mul(cu, i64(2 * g.DHW)), self.xt)
+                    plane(v.gep(base, b.mul(cu, i64(p.NCP))),
+                          [src, v.gep(src, g.DHW, self.xt)], a, c)
+                if g.Cg % 2:
+                    plane(v.gep(base, npair * p.NCP),
+                          [v.gep(x_ng, (g.Cg - 1) * g.DHW, self.xt)], a, c)
+                if cdiv(g.Cg, 2) < p.CU:
+                    with v.loop(cdiv(g.Cg, 2), p.CU, 1, "xz") as cu:
+                        plane(v.gep(base, b.mul(cu, i64(p.NCP))), [], a, c)
         return v.gep(self.col, b.sub(q0, b.mul(r0, i64(Wp))))
 
     # -- tiles ----------------------------------------------------------------------
@@ -591,7 +625,13 @@ class _AmxConvGen(_LowpGen):
                     ncb = p.CU // UNITS
                     tap, cb = b.udiv(kk, i64(ncb)), b.urem(kk, i64(ncb))
                     kh, kw = b.udiv(tap, i64(g.k[2])), b.urem(tap, i64(g.k[2]))
-                    off = b.add(b.mul(kh, i64(g.d[1] * p.Wp * 4)), b.mul(kw, i64(g.d[2] * 4)))
+                    # stride 2: tap (kh, kw) reads phase (kh % 2, kw % 2) at (kh // 2, kw // 2)
+                    (_, sh, sw), (_, dh, dw) = g.s, g.d
+                    nw = _phases(g)[1]
+                    phase = b.add(b.mul(b.urem(kh, i64(sh)), i64(nw)), b.urem(kw, i64(sw)))
+                    off = b.add(b.mul(b.udiv(b.mul(kh, i64(dh)), i64(sh)), i64(p.Wp * 4)),
+                                b.mul(b.udiv(b.mul(kw, i64(dw)), i64(sw)), i64(4)))
+                    off = b.add(off, b.mul(phase, i64(p.CU * p.NCP * 4)))
                     bk = by(bcol, b.add(off, b.mul(cb, i64(UNITS * bstride))))
                 else:
                     bk = by(bcol, b.mul(kk, i64(UNITS * bstride)))
