@@ -17,13 +17,15 @@ with the OUTPUT CHANNELS as the rows of the tile GEMM and the pixels as its colu
   of three modes builds it per tile (an fp32 X rounded to bf16, nearest even, on the
   way; a bf16 X copied):
 
-  - direct (stride 1, no depth axis: 3x3 "same" and 1x1 convs): a zero-padded copy of
+  - direct (stride 1 or 2, no depth axis: 3x3 and 1x1 convs): a zero-padded copy of
     X's rows that the pixel block reads, as planes of channel pairs ``[CU][rows*Wp]``
     (CU rounded up to 16); the output pixels are counted over the padded row width
     Wp, so tap (kh, kw) is the constant offset ``kh*dh*Wp + kw*dw`` into every plane
     and each K step (16 channel pairs of one tap) is a B tile at that offset. The
     Wp - OW extra columns per row are computed and discarded. ~9x less copying than
-    an im2col of a 3x3.
+    an im2col of a 3x3. Stride 2 (along H and/or W, dilation 1): the copy is split
+    into phases (padded rows r*2 + a, columns w*2 + c); tap (kh, kw) reads phase
+    (kh % 2, kw % 2) at offset ((kh // 2)*Wp + kw // 2), a stride-1 access.
   - im2col: the col buffer ``[tap*CU + cu][pixel]`` of the reduced-precision vector
     kernel's mode "dp" (channels 2cu low, 2cu+1 high), channel pairs outermost.
   - kw-pairs (stride 2 along W, where it pads K no more: the 7x7 stem on 3 channels,
