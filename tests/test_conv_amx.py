@@ -151,13 +151,17 @@ def test_fp32_graph_with_cannc_precision(case):
     assert _notes(sess)[0]["precision"] == "bf16 AMX"
 
 
-def test_stem_kwpairs_and_inf_past_odd_kw():
+# (X width, Inf column): an even column, the element past tap 6 of output column
+# (col - 4) / 2: 2 (near the left edge: the bounds-masked path), 18 (the 16 output
+# columns from 16 read inside the row: the unmasked path)
+@pytest.mark.parametrize("width,col", [(17, 8), (70, 40)])
+def test_stem_kwpairs_and_inf_past_odd_kw(width, col):
     """A 7x7 stride-2 conv on 3 channels pairs taps (kw, kw+1): 84 units, not 98. An Inf
     in X reaches exactly the outputs whose window holds it (the element past the odd
     last tap pair is masked, not multiplied by a zero weight)."""
     rng = np.random.default_rng(2)
-    x = rng.standard_normal((1, 3, 15, 17)).astype(BF16).astype(np.float32)
-    x[0, 1, 6, 8] = np.inf     # even column: the element past tap 6 of output column 2
+    x = rng.standard_normal((1, 3, 15, width)).astype(BF16).astype(np.float32)
+    x[0, 1, 6, col] = np.inf
     w = (rng.standard_normal((8, 3, 7, 7)) / 12).astype(BF16).astype(np.float32)
     from tests.helpers import single_node_model
     attrs = dict(strides=[2, 2], pads=[3, 3, 3, 3])

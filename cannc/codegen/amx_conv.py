@@ -478,18 +478,37 @@ class _AmxConvGen(_LowpGen):
                 e = b.sub(v.smin(p1, b.add(rs, i64(OW))), rs)
                 dst_row = v.gep(dst_ck, b.sub(rs, p0))
                 with v.loop(a, e, 16, "ow") as ow:
-                    for kwp in range(KWP):
-                        base = b.add(b.mul(ow, i64(2)), i64(2 * kwp - pw))
-                        halves = []
-                        for h in range(2):
-                            lanes = b.add(v.splat_i(b.add(base, i64(16 * h))), v.iota)
-                            m = v.mask_and(b.icmp_unsigned("<", lanes, v.splat_i(W)), ok)
-                            if KW % 2 and kwp == KWP - 1:
-                                m = b.and_(m, even)
-                            halves.append(vload_dt(v, v.gep(src, b.add(base, i64(16 * h)),
-                                                         self.xt), self.t.x, m))
-                        v.store_v(self.units_in_order(*halves),
-                                  v.gep(dst_row, b.add(ow, i64(kwp * p.NCP))))
+                    # inside the row (most of a wide image): no bounds masks
+                    lo = b.sub(b.mul(ow, i64(2)), i64(pw))
+                    inside = b.and_(ok, b.and_(
+                        b.icmp_signed(">=", lo, i64(0)),
+                        b.icmp_signed("<=", lo, i64(W - 32 - 2 * (KWP - 1)))))
+                    with b.if_else(inside) as (then, other):
+                        with then:
+                            self._kwpairs_units(src, dst_row, ow, KWP, KW, pw, W, None,
+                                                even)
+                        with other:
+                            self._kwpairs_units(src, dst_row, ow, KWP, KW, pw, W, ok, even)
+
+    def _kwpairs_units(self, src, dst_row, ow, KWP, KW, pw, W, ok, even):
+        """The KWP col rows of 16 output pixels from ow: ``ok`` None: every element
+        read is inside the row (no bounds masks)."""
+        v, p = self.v, self.p
+        b = v.b
+        for kwp in range(KWP):
+            base = b.add(b.mul(ow, i64(2)), i64(2 * kwp - pw))
+            halves = []
+            for h in range(2):
+                m = None
+                if ok is not None:
+                    lanes = b.add(v.splat_i(b.add(base, i64(16 * h))), v.iota)
+                    m = v.mask_and(b.icmp_unsigned("<", lanes, v.splat_i(W)), ok)
+                if KW % 2 and kwp == KWP - 1:
+                    m = even if m is None else b.and_(m, even)
+                halves.append(vload_dt(v, v.gep(src, b.add(base, i64(16 * h)), self.xt),
+                                       self.t.x, m))
+            v.store_v(self.units_in_order(*halves),
+                      v.gep(dst_row, b.add(ow, i64(kwp * p.NCP))))
 
     def units_in_order(self, lo, hi):
         """32 floats (lo, hi) as bf16 in order, read as 16 units."""
