@@ -195,24 +195,28 @@ def test_cost_model_picks_direct_for_resnet_3x3():
     assert amx_conv.amx_conv_supports(g, t16)
 
 
-@pytest.mark.parametrize("direct,stride", [(True, 1), (False, 1), (True, 2)])
+@pytest.mark.parametrize("direct,stride,cb_outer", [(True, 1, False), (True, 1, True),
+                                                     (False, 1, False), (True, 2, False),
+                                                     (True, 2, True)])
 @pytest.mark.parametrize("chunk", [None, 2])
-def test_kernel_nan_workspace_and_k_chunks(direct, stride, chunk, monkeypatch):
+def test_kernel_nan_workspace_and_k_chunks(direct, stride, cb_outer, chunk, monkeypatch):
     """The kernel alone: a NaN-filled workspace (the K padding rows must be zeroed, the
     pixel columns past the image must not leak; stride 2: the direct mode's phases),
     tiles split over two cores, and the K-chunked micro-kernel (C tiles carried through
-    the scratch)."""
+    the scratch); the direct mode's K steps in either order."""
     if chunk:
         monkeypatch.setattr(amx_conv, "KSTEPS_L1", chunk)
+    monkeypatch.setattr(amx_conv, "CB_OUTER_MIN_NCB", 1 if cb_outer else 1 << 20)
     oh, ow = (9, 11) if stride == 1 else (5, 6)
-    g = ConvGeom(N=2, C=21, M=40, G=1, isz=(1, 9, 11), osz=(1, oh, ow), k=(1, 3, 3),
+    g = ConvGeom(N=2, C=37, M=40, G=1, isz=(1, 9, 11), osz=(1, oh, ow), k=(1, 3, 3),
                  s=(1, stride, stride), pb=(0, 1, 1), bias=True)
     t = LowpTypes(x="float32", w="float32", b="float32", y="float32", prec="bf16")
     p = amx_conv.plan_amx_conv(g, direct=direct)
-    assert p.kb > 2 and p.direct == direct
+    assert p.kb > 2 and p.direct == direct and p.cb_outer == cb_outer
+    assert not direct or p.CU // 16 == 2     # two channel blocks: the K orders differ
     rng = np.random.default_rng(5)
-    x = rng.standard_normal((2, 21, 9, 11)).astype(np.float32)
-    w = (rng.standard_normal((40, 21, 3, 3)) / 14).astype(np.float32)
+    x = rng.standard_normal((2, 37, 9, 11)).astype(np.float32)
+    w = (rng.standard_normal((40, 37, 3, 3)) / 18).astype(np.float32)
     bias = rng.standard_normal(40).astype(np.float32)
     m = target.new_module("amxconv_test")
     amx_conv.emit_amx_conv(m, "k", g, p, t, Slots(x=0, w=1, b=2, y=3))
@@ -227,7 +231,7 @@ def test_kernel_nan_workspace_and_k_chunks(direct, stride, chunk, monkeypatch):
     r = [x.astype(BF16).astype(np.float32), w.astype(BF16).astype(np.float32), bias]
     attrs = dict(pads=[1, 1, 1, 1], strides=[stride, stride])
     want = _conv_ref(r, (1, 2), **attrs)
-    _check(got, want, 21 * 9, np.float32, _abs_ref(r, (1, 2), **attrs))
+    _check(got, want, 37 * 9, np.float32, _abs_ref(r, (1, 2), **attrs))
 
 
 def test_force_mode_restored():
