@@ -37,17 +37,19 @@ pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"AMX not usable: {_WHY
 # (X shape, W shape, attrs, direct possible)
 CASES = [
     ((1, 16, 10, 12), (24, 16, 3, 3), dict(pads=[1, 1, 1, 1]), True),     # M < 32
-    ((2, 7, 9, 9), (10, 7, 3, 3), dict(strides=[2, 2]), False),           # odd C, batch 2
+    ((2, 7, 9, 9), (10, 7, 3, 3), dict(strides=[2, 2]), True),            # odd C, batch 2
     ((1, 7, 9, 11), (10, 7, 3, 3), dict(pads=[0, 1, 2, 1]), True),        # odd C, pads
     ((1, 8, 11, 13), (16, 4, 1, 1), dict(group=2), True),                 # groups, 1x1
     ((1, 5, 17, 19), (9, 5, 3, 3), dict(pads=[2, 1, 0, 1], dilations=[1, 2]), True),
     ((1, 5, 17, 19), (9, 5, 3, 3), dict(strides=[3, 2], pads=[2, 1, 0, 1],
                                         dilations=[1, 2]), False),        # gathers
-    ((1, 3, 23, 23), (8, 3, 7, 7), dict(strides=[2, 2], pads=[3, 3, 3, 3]), False),  # stem
+    ((1, 3, 23, 23), (8, 3, 7, 7), dict(strides=[2, 2], pads=[3, 3, 3, 3]), True),  # stem
     ((1, 12, 40), (6, 12, 5), dict(pads=[2, 2]), True),                   # 1-D
     ((1, 40, 9, 7), (70, 40, 3, 3), dict(pads=[1, 1, 1, 1]), True),       # 3 panels, K 360
     ((1, 33, 7, 9), (48, 33, 1, 1), {}, True),                            # 1x1 stride 1
     ((1, 3, 2, 4, 5), (4, 3, 2, 3, 3), dict(pads=[1, 1, 1, 1, 1, 1]), False),  # 3-D
+    ((1, 6, 10, 13), (8, 6, 1, 1), dict(strides=[2, 2]), True),           # 1x1 stride 2
+    ((1, 5, 11, 12), (7, 5, 3, 2), dict(strides=[1, 2], pads=[1, 0, 1, 1]), True),  # phases
 ]
 
 
@@ -149,13 +151,17 @@ def test_fp32_graph_with_cannc_precision(case):
     assert _notes(sess)[0]["precision"] == "bf16 AMX"
 
 
-def test_stem_kwpairs_and_inf_past_odd_kw():
+# (X width, Inf column): an even column, the element past tap 6 of output column
+# (col - 4) / 2: 2 (near the left edge: the bounds-masked path), 18 (the 16 output
+# columns from 16 read inside the row: the unmasked path)
+@pytest.mark.parametrize("width,col", [(17, 8), (70, 40)])
+def test_stem_kwpairs_and_inf_past_odd_kw(width, col):
     """A 7x7 stride-2 conv on 3 channels pairs taps (kw, kw+1): 84 units, not 98. An Inf
     in X reaches exactly the outputs whose window holds it (the element past the odd
     last tap pair is masked, not multiplied by a zero weight)."""
     rng = np.random.default_rng(2)
-    x = rng.standard_normal((1, 3, 15, 17)).astype(BF16).astype(np.float32)
-    x[0, 1, 6, 8] = np.inf     # even column: the element past tap 6 of output column 2
+    x = rng.standard_normal((1, 3, 15, width)).astype(BF16).astype(np.float32)
+    x[0, 1, 6, col] = np.inf
     w = (rng.standard_normal((8, 3, 7, 7)) / 12).astype(BF16).astype(np.float32)
     from tests.helpers import single_node_model
     attrs = dict(strides=[2, 2], pads=[3, 3, 3, 3])
@@ -181,41 +187,51 @@ def test_cost_model_picks_direct_for_resnet_3x3():
     assert amx_conv.plan_amx_conv(g).direct
     s2 = ConvGeom(N=1, C=64, M=128, G=1, isz=(1, 56, 56), osz=(1, 28, 28), k=(1, 3, 3),
                   s=(1, 2, 2), pb=(0, 1, 1), bias=True)
-    assert not amx_conv.plan_amx_conv(s2).direct
+    assert amx_conv.plan_amx_conv(s2).direct     # stride 2: four phases of X
+    s2_14 = ConvGeom(N=1, C=256, M=512, G=1, isz=(1, 14, 14), osz=(1, 7, 7), k=(1, 3, 3),
+                     s=(1, 2, 2), pb=(0, 1, 1), bias=True)
+    assert not amx_conv.plan_amx_conv(s2_14).direct   # 49 pixels: a small col buffer
     t16 = LowpTypes(x="float16", w="float16", b="float16", y="float16", prec="fp16")
     assert amx_conv.amx_conv_supports(g, t16)
 
 
-@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("direct,stride,cb_outer", [(True, 1, False), (True, 1, True),
+                                                     (False, 1, False), (True, 2, False),
+                                                     (True, 2, True)])
 @pytest.mark.parametrize("chunk", [None, 2])
-def test_kernel_nan_workspace_and_k_chunks(direct, chunk, monkeypatch):
+def test_kernel_nan_workspace_and_k_chunks(direct, stride, cb_outer, chunk, monkeypatch):
     """The kernel alone: a NaN-filled workspace (the K padding rows must be zeroed, the
-    pixel columns past the image must not leak), tiles split over two cores, and the
-    K-chunked micro-kernel (C tiles carried through the scratch)."""
+    pixel columns past the image must not leak; stride 2: the direct mode's phases),
+    tiles split over two cores, and the K-chunked micro-kernel (C tiles carried through
+    the scratch); the direct mode's K steps in either order."""
     if chunk:
         monkeypatch.setattr(amx_conv, "KSTEPS_L1", chunk)
-    g = ConvGeom(N=2, C=21, M=40, G=1, isz=(1, 9, 11), osz=(1, 9, 11), k=(1, 3, 3),
-                 pb=(0, 1, 1), bias=True)
+    monkeypatch.setattr(amx_conv, "CB_OUTER_MIN_NCB", 1 if cb_outer else 1 << 20)
+    oh, ow = (9, 11) if stride == 1 else (5, 6)
+    g = ConvGeom(N=2, C=37, M=40, G=1, isz=(1, 9, 11), osz=(1, oh, ow), k=(1, 3, 3),
+                 s=(1, stride, stride), pb=(0, 1, 1), bias=True)
     t = LowpTypes(x="float32", w="float32", b="float32", y="float32", prec="bf16")
     p = amx_conv.plan_amx_conv(g, direct=direct)
-    assert p.kb > 2 and p.direct == direct
+    assert p.kb > 2 and p.direct == direct and p.cb_outer == cb_outer
+    assert not direct or p.CU // 16 == 2     # two channel blocks: the K orders differ
     rng = np.random.default_rng(5)
-    x = rng.standard_normal((2, 21, 9, 11)).astype(np.float32)
-    w = (rng.standard_normal((40, 21, 3, 3)) / 14).astype(np.float32)
+    x = rng.standard_normal((2, 37, 9, 11)).astype(np.float32)
+    w = (rng.standard_normal((40, 37, 3, 3)) / 18).astype(np.float32)
     bias = rng.standard_normal(40).astype(np.float32)
     m = target.new_module("amxconv_test")
     amx_conv.emit_amx_conv(m, "k", g, p, t, Slots(x=0, w=1, b=2, y=3))
     fn = target.jit_kernel(m, "k", 2)
     packed = amx_conv.pack_amx_conv_weights(g, p, w)
-    bufs = [aligned(a.size) for a in (x, packed, bias)] + [aligned(2 * 40 * 99)]
+    bufs = [aligned(a.size) for a in (x, packed, bias)] + [aligned(2 * 40 * oh * ow)]
     for buf, a in zip(bufs, (x, packed, bias)):
         buf[:] = a.reshape(-1)
     argv = (ctypes.c_void_p * 4)(*[b.ctypes.data for b in bufs])
     run_splits(fn, argv, p.num_tiles, p.ws_bytes, ws_fill=np.nan)
-    got = bufs[3].reshape(2, 40, 9, 11)
+    got = bufs[3].reshape(2, 40, oh, ow)
     r = [x.astype(BF16).astype(np.float32), w.astype(BF16).astype(np.float32), bias]
-    want = _conv_ref(r, (1, 2), pads=[1, 1, 1, 1])
-    _check(got, want, 21 * 9, np.float32, _abs_ref(r, (1, 2), pads=[1, 1, 1, 1]))
+    attrs = dict(pads=[1, 1, 1, 1], strides=[stride, stride])
+    want = _conv_ref(r, (1, 2), **attrs)
+    _check(got, want, 37 * 9, np.float32, _abs_ref(r, (1, 2), **attrs))
 
 
 def test_force_mode_restored():

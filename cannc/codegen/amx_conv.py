@@ -17,13 +17,15 @@ with the OUTPUT CHANNELS as the rows of the tile GEMM and the pixels as its colu
   of three modes builds it per tile (an fp32 X rounded to bf16, nearest even, on the
   way; a bf16 X copied):
 
-  - direct (stride 1, no depth axis: 3x3 "same" and 1x1 convs): a zero-padded copy of
+  - direct (stride 1 or 2, no depth axis: 3x3 and 1x1 convs): a zero-padded copy of
     X's rows that the pixel block reads, as planes of channel pairs ``[CU][rows*Wp]``
     (CU rounded up to 16); the output pixels are counted over the padded row width
     Wp, so tap (kh, kw) is the constant offset ``kh*dh*Wp + kw*dw`` into every plane
     and each K step (16 channel pairs of one tap) is a B tile at that offset. The
     Wp - OW extra columns per row are computed and discarded. ~9x less copying than
-    an im2col of a 3x3.
+    an im2col of a 3x3. Stride 2 (along H and/or W, dilation 1): the copy is split
+    into phases (padded rows r*2 + a, columns w*2 + c); tap (kh, kw) reads phase
+    (kh % 2, kw % 2) at offset ((kh // 2)*Wp + kw // 2), a stride-1 access.
   - im2col: the col buffer ``[tap*CU + cu][pixel]`` of the reduced-precision vector
     kernel's mode "dp" (channels 2cu low, 2cu+1 high), channel pairs outermost.
   - kw-pairs (stride 2 along W, where it pads K no more: the 7x7 stem on 3 channels,
@@ -106,6 +108,12 @@ P_MAX = 512          # pixels per block (the C scratch is 32 x P fp32)
 # slower than unchunked on ResNet-18's 3x3 convs at 28/14/7 (kernel time, one core,
 # 0.28/0.20/0.38 ms unchunked vs 0.28-0.31/0.25-0.28/0.42-0.45), so unchunked
 KSTEPS_L1 = 1 << 20
+# Direct mode, K step order: (tap, channel block) -- all the X copy's planes per tap --
+# or, from CB_OUTER_MIN_NCB channel blocks (of 32 channels) on, (channel block, tap): the
+# 9 taps of a 3x3 read the same 16 planes back to back, in L1. Measured (one core,
+# medians of 6 interleaved): 3x3 at 28x28 with 128 channels 0.235 vs 0.26 ms, 14x14 with
+# 256 0.205 vs 0.222; 56x56 with 64 (2 blocks) slower, 0.275 vs 0.252.
+CB_OUTER_MIN_NCB = 4
 
 
 def amx_conv_supports(geom: ConvGeom, types: LowpTypes) -> str | None:
@@ -141,6 +149,7 @@ class AmxConvPlan:
     ws_cs: int       # byte offset of the 32 x P fp32 C scratch
     ws_bytes: int
     num_tiles: int
+    cb_outer: bool = False   # direct: K steps (channel block, tap), see CB_OUTER_MIN_NCB
 
     pairs = True
 
@@ -154,30 +163,50 @@ class AmxConvPlan:
         return cdiv(self.kb, KSTEPS_L1)
 
 
-def _tile_cost(P: int, CH: int, KUp: int, copy_units: int) -> float:
-    """Crude time of one tile (ns): the col buffer / X copy at ~4 units/ns, AMX at
-    ~1 TFLOP/s on whole 32 x 32 blocks, weights streamed at ~20 B/ns, an overhead."""
-    return (copy_units / 4.0 + 4.0 * rup(P, 32) * CH * KUp / 1000.0 + CH * KUp * 4 / 20.0
-            + 500)
+# AMX time factor of the direct mode, whose B tile rows at taps kw > 0 are not 64-byte
+# aligned (a split-line tileloadd from L1 measured ~3.5x an aligned one on this Xeon,
+# mostly hidden behind tdpbf16ps): with it the model takes im2col for ResNet-18's 3x3
+# convs at 7x7 (49 pixels: a small col buffer), 0.33 vs 0.36 ms (one core, medians)
+MISALIGNED = 1.3
+# col buffer units per ns of the im2col (measured ~1.9 on ResNet-18's 3x3 stride-2 convs:
+# the direct mode's phases, 0.17 vs 0.19 ms at 56x56 -> 28x28, take them)
+IM2COL_RATE = 2.0
+
+
+def _tile_cost(P: int, CH: int, KUp: int, copy_units: int, amx: float = 1.0,
+               rate: float = 4.0) -> float:
+    """Crude time of one tile (ns): the X copy at ~4 units/ns (the col buffer at
+    ``rate``: ~2 measured for 3x3 stride-2 im2cols), AMX at ~1 TFLOP/s on whole
+    32 x 32 blocks (times ``amx``), weights streamed at ~20 B/ns, an overhead."""
+    return (copy_units / rate + amx * 4.0 * rup(P, 32) * CH * KUp / 1000.0
+            + CH * KUp * 4 / 20.0 + 500)
 
 
 def direct_ok(geom: ConvGeom) -> bool:
-    """Stride 1, no depth axis: each tap is a constant offset into a zero-padded copy
-    of X (output pixels counted over the padded row width Wp, the extra columns
-    discarded)."""
-    return (geom.s == (1, 1, 1) and not geom.transposed and geom.isz[0] == 1
-            and geom.k[0] == 1 and geom.pb[0] == 0 and geom.osz[0] == 1)
+    """No depth axis, each of H and W strided 1 or (dilation 1) 2: each tap is a
+    constant offset into a zero-padded copy of X (output pixels counted over the padded
+    row width Wp, the extra columns discarded); stride 2 splits the copy into phases
+    (even/odd rows x even/odd columns of the padded X), tap (kh, kw) reading phase
+    (kh % 2, kw % 2) at offset (kh // 2, kw // 2) with stride 1."""
+    return (not geom.transposed and geom.isz[0] == 1 and geom.k[0] == 1
+            and geom.pb[0] == 0 and geom.osz[0] == 1 and geom.s[0] == 1
+            and all(s == 1 or (s == 2 and d == 1) for s, d in zip(geom.s[1:], geom.d[1:])))
+
+
+def _phases(geom: ConvGeom) -> tuple[int, int]:
+    """The direct mode's phases along H and W (1: stride 1)."""
+    return min(geom.s[1], geom.k[1]), min(geom.s[2], geom.k[2])
 
 
 def _direct_dims(geom: ConvGeom) -> tuple[int, int, int]:
-    """(Hp, Wp, max tap offset) of the padded X copy."""
-    _, H, W = geom.isz
+    """(Hp, Wp, max tap offset) of a phase of the padded X copy."""
     _, OH, OW = geom.osz
     _, KH, KW = geom.k
+    _, sh, sw = geom.s
     _, dh, dw = geom.d
-    Hp = OH + (KH - 1) * dh
-    Wp = OW + (KW - 1) * dw
-    return Hp, Wp, (KH - 1) * dh * Wp + (KW - 1) * dw
+    eh, ew = (KH - 1) * dh // sh, (KW - 1) * dw // sw
+    Hp, Wp = OH + eh, OW + ew
+    return Hp, Wp, eh * Wp + ew
 
 
 def _rows_of(geom: ConvGeom, q0: int, npix: int) -> tuple[int, int]:
@@ -201,6 +230,7 @@ def plan_amx_conv(geom: ConvGeom, cores: int = 2, direct: bool | None = None) ->
     Mg = geom.Mg
     CU = cdiv(geom.Cg, 2)
     Hp = Wp = 0
+    nph = _phases(geom)[0] * _phases(geom)[1] if direct else 1
     if direct:
         CU = rup(CU, UNITS)
         Hp, Wp, _ = _direct_dims(geom)
@@ -232,11 +262,12 @@ def plan_amx_conv(geom: ConvGeom, cores: int = 2, direct: bool | None = None) ->
                     npix = min(P, Q - i * P)
                     if direct:
                         r0, r1 = _rows_of(geom, i * P, npix)
-                        copy = CU * (min(r1, Hp) - r0) * Wp
+                        copy = nph * CU * (min(r1, Hp) - r0) * Wp
                     else:
                         copy = npix * KU
-                    costs += [_tile_cost(npix, min(CH, Mp - j * CH), KUp, copy)
-                              for j in range(MB)]
+                    costs += [_tile_cost(npix, min(CH, Mp - j * CH), KUp, copy,
+                                         MISALIGNED if direct else 1.0,
+                                         4.0 if direct else IM2COL_RATE) for j in range(MB)]
             worst = max(sum(costs[a:b]) for a, b in split_even(T, cores))
             key = (worst, T)
             if best is None or key < best[0]:
@@ -246,16 +277,19 @@ def plan_amx_conv(geom: ConvGeom, cores: int = 2, direct: bool | None = None) ->
         rows = max(r1 - r0 for r0, r1 in (_rows_of(geom, i * P, min(P, Q - i * P))
                                           for i in range(PB)))
         NCP = rup(rows * Wp, 16)
-        if (NCP * 4) % 4096 == 0:
-            NCP += 16              # planes not a multiple of 4 KiB apart
+        if (NCP // 16) % 2 == 0:
+            # an odd number of cache lines apart: the 16 planes a B tile reads (and the
+            # taps' overlapping rows) spread over all L1 sets, not two of them
+            NCP += 16
     else:
         NCP = P + 16               # row stride not a multiple of 4 KiB apart
     CSS = P * 4 + 64
-    col = rup(KUp * NCP * 4 if not direct else CU * NCP * 4, 64)
+    col = rup(KUp * NCP * 4 if not direct else nph * CU * NCP * 4, 64)
     return AmxConvPlan(mode="amx", direct=direct, kwpairs=kwpairs, CU=CU, KU=KU, KUp=KUp,
                        Q=Q, P=P, PB=PB, CH=CH, MB=MB, Mp=Mp, NCP=NCP, Hp=Hp, Wp=Wp, CSS=CSS,
-                       ws_cs=col,
-                       ws_bytes=col + 32 * CSS, num_tiles=geom.N * geom.G * PB * MB)
+                       ws_cs=col, ws_bytes=col + 32 * CSS,
+                       num_tiles=geom.N * geom.G * PB * MB,
+                       cb_outer=direct and CU // UNITS >= CB_OUTER_MIN_NCB)
 
 
 def kwpairs_ok(geom: ConvGeom) -> bool:
@@ -278,11 +312,12 @@ def _plan_cost(geom: ConvGeom, p: AmxConvPlan) -> float:
         npix = min(p.P, p.Q - i * p.P)
         if p.direct:
             r0, r1 = _rows_of(geom, i * p.P, npix)
-            copy = p.CU * (min(r1, p.Hp) - r0) * p.Wp
+            copy = _phases(geom)[0] * _phases(geom)[1] * p.CU * (min(r1, p.Hp) - r0) * p.Wp
         else:
             copy = npix * p.KU
-        t += sum(_tile_cost(npix, min(p.CH, p.Mp - j * p.CH), p.KUp, copy)
-                 for j in range(p.MB))
+        t += sum(_tile_cost(npix, min(p.CH, p.Mp - j * p.CH), p.KUp, copy,
+                            MISALIGNED if p.direct else 1.0,
+                            4.0 if p.direct else IM2COL_RATE) for j in range(p.MB))
     return t * geom.G
 
 
@@ -311,7 +346,10 @@ def pack_amx_conv_weights(geom: ConvGeom, plan: AmxConvPlan, w: np.ndarray) -> n
     bits = (_round_np(full.transpose(0, 1, 3, 2), "bfloat16").view(np.uint16)
             .astype(np.uint32).reshape(G, Mp, KK, CU, 2))
     units = np.zeros((G, Mp, KUp), np.uint32)
-    units[:, :, :KK * CU] = (bits[..., 0] | (bits[..., 1] << 16)).reshape(G, Mp, KK * CU)
+    u = (bits[..., 0] | (bits[..., 1] << 16))
+    if plan.cb_outer:    # K steps (channel block, tap): see CB_OUTER_MIN_NCB
+        u = u.reshape(G, Mp, KK, CU // UNITS, UNITS).transpose(0, 1, 3, 2, 4)
+    units[:, :, :KK * CU] = u.reshape(G, Mp, KK * CU)
     # (g, panel, half, row, kk, unit) -> (g, panel, kk, half, row, unit)
     units = units.reshape(G, Mp // 32, 2, 16, kb, UNITS).transpose(0, 1, 4, 2, 3, 5)
     return np.ascontiguousarray(units).reshape(-1).view(np.float32)
@@ -451,18 +489,37 @@ class _AmxConvGen(_LowpGen):
                 e = b.sub(v.smin(p1, b.add(rs, i64(OW))), rs)
                 dst_row = v.gep(dst_ck, b.sub(rs, p0))
                 with v.loop(a, e, 16, "ow") as ow:
-                    for kwp in range(KWP):
-                        base = b.add(b.mul(ow, i64(2)), i64(2 * kwp - pw))
-                        halves = []
-                        for h in range(2):
-                            lanes = b.add(v.splat_i(b.add(base, i64(16 * h))), v.iota)
-                            m = v.mask_and(b.icmp_unsigned("<", lanes, v.splat_i(W)), ok)
-                            if KW % 2 and kwp == KWP - 1:
-                                m = b.and_(m, even)
-                            halves.append(vload_dt(v, v.gep(src, b.add(base, i64(16 * h)),
-                                                         self.xt), self.t.x, m))
-                        v.store_v(self.units_in_order(*halves),
-                                  v.gep(dst_row, b.add(ow, i64(kwp * p.NCP))))
+                    # inside the row (most of a wide image): no bounds masks
+                    lo = b.sub(b.mul(ow, i64(2)), i64(pw))
+                    inside = b.and_(ok, b.and_(
+                        b.icmp_signed(">=", lo, i64(0)),
+                        b.icmp_signed("<=", lo, i64(W - 32 - 2 * (KWP - 1)))))
+                    with b.if_else(inside) as (then, other):
+                        with then:
+                            self._kwpairs_units(src, dst_row, ow, KWP, KW, pw, W, None,
+                                                even)
+                        with other:
+                            self._kwpairs_units(src, dst_row, ow, KWP, KW, pw, W, ok, even)
+
+    def _kwpairs_units(self, src, dst_row, ow, KWP, KW, pw, W, ok, even):
+        """The KWP col rows of 16 output pixels from ow: ``ok`` None: every element
+        read is inside the row (no bounds masks)."""
+        v, p = self.v, self.p
+        b = v.b
+        for kwp in range(KWP):
+            base = b.add(b.mul(ow, i64(2)), i64(2 * kwp - pw))
+            halves = []
+            for h in range(2):
+                m = None
+                if ok is not None:
+                    lanes = b.add(v.splat_i(b.add(base, i64(16 * h))), v.iota)
+                    m = v.mask_and(b.icmp_unsigned("<", lanes, v.splat_i(W)), ok)
+                if KW % 2 and kwp == KWP - 1:
+                    m = even if m is None else b.and_(m, even)
+                halves.append(vload_dt(v, v.gep(src, b.add(base, i64(16 * h)), self.xt),
+                                       self.t.x, m))
+            v.store_v(self.units_in_order(*halves),
+                      v.gep(dst_row, b.add(ow, i64(kwp * p.NCP))))
 
     def units_in_order(self, lo, hi):
         """32 floats (lo, hi) as bf16 in order, read as 16 units."""
@@ -486,46 +543,69 @@ class _AmxConvGen(_LowpGen):
 
     def pack_x(self, x_ng, q0, q1):
         """Direct mode: the rows of the zero-padded input that the pixels [q0, q1)
-        (over the padded width) read, as bf16 pair units, into planes ``[CU][NCP]``
-        (channel pairs 2cu, 2cu+1; pairs past the channels zero); returns the address of
-        pixel q0's unit in plane 0."""
+        (over the padded width) read, as bf16 pair units, into planes
+        ``[phase][CU][NCP]`` (channel pairs 2cu, 2cu+1; pairs past the channels zero;
+        phase (a, c): the padded rows r*sh + a, columns w*sw + c); returns the address
+        of pixel q0's unit in plane 0."""
         v, g, p = self.v, self.g, self.p
         b = v.b
         _, H, W = g.isz
-        _, KH, _ = g.k
+        _, sh, sw = g.s
         _, ph, pw = g.pb
+        nh, nw = _phases(g)
         Wp = p.Wp
         r0 = b.udiv(q0, i64(Wp))
         npp32 = b.and_(b.add(b.sub(q1, q0), i64(31)), i64(-32))
-        off = (KH - 1) * g.d[1] * Wp + (g.k[2] - 1) * g.d[2]
+        off = _direct_dims(g)[2]
         r1 = v.smin(b.add(b.udiv(b.add(b.add(q0, npp32), i64(off - 1)), i64(Wp)), i64(1)),
                     p.Hp)
         npair = g.Cg // 2
-        with v.loop(r0, r1, 1, "xr") as r:
-            ih = b.sub(r, i64(ph))
-            ok = b.icmp_unsigned("<", ih, i64(H))
-            src_row = v.gep(x_ng, b.mul(b.select(ok, ih, i64(0)), i64(W)), self.xt)
-            dst_row = v.gep(self.col, b.mul(b.sub(r, r0), i64(Wp)))
-            with v.loop(0, Wp, 16, "xw") as w:
-                iw = b.sub(w, i64(pw))
-                lanes = b.add(v.splat_i(iw), v.iota)
-                m = v.mask_and(b.icmp_unsigned("<", lanes, v.splat_i(W)), ok)
-                sm = v.lanes_lt(w, Wp)
+        even = ir.Constant(VI, list(range(0, 32, 2)))
 
-                def load(src, iw=iw, m=m):
-                    return vload_dt(v, v.gep(src, iw, self.xt), self.t.x, m)
+        def plane(dst, srcs, a, c):
+            """One plane [r0, r1) x Wp of phase (a, c) of units from the channel planes
+            ``srcs`` (two, one: the high half 0, none: zeros), row by row: sequential
+            streams."""
+            with v.loop(r0, r1, 1, "xr") as r:
+                ih = b.sub(b.mul(r, i64(sh)), i64(ph - a))
+                ok = b.icmp_unsigned("<", ih, i64(H))
+                rowoff = b.mul(b.select(ok, ih, i64(0)), i64(W))
+                dst_row = v.gep(dst, b.mul(b.sub(r, r0), i64(Wp)))
+                with v.loop(0, Wp, 16, "xw") as w:
+                    sm = v.lanes_lt(w, Wp)
+                    val = v.zero_v
+                    if srcs:
+                        iw = b.sub(b.mul(w, i64(sw)), i64(pw - c))
+                        lanes = b.add(v.splat_i(iw), v.iota)
+                        ms = [v.mask_and(b.icmp_unsigned(
+                            "<", b.add(lanes, v.splat_i(16 * h)) if h else lanes,
+                            v.splat_i(W)), ok) for h in range(sw)]
 
-                dst0 = v.gep(dst_row, w)
+                        def load(src, iw=iw, ms=ms):
+                            s0 = v.gep(src, b.add(rowoff, iw), self.xt)
+                            if sw == 1:
+                                return vload_dt(v, s0, self.t.x, ms[0])
+                            return b.shuffle_vector(    # stride 2: the even elements
+                                vload_dt(v, s0, self.t.x, ms[0]),
+                                vload_dt(v, v.gep(s0, 16, self.xt), self.t.x, ms[1]), even)
+
+                        xs = [load(src) for src in srcs]
+                        val = self.unit(xs[0], xs[1] if len(xs) > 1 else None)
+                    v.store_v(val, v.gep(dst_row, w), sm)
+
+        for a in range(nh):
+            for c in range(nw):
+                base = v.gep(self.col, (a * nw + c) * p.CU * p.NCP)
                 with v.loop(0, npair, 1, "xc") as cu:
-                    src = v.gep(src_row, b.mul(cu, i64(2 * g.DHW)), self.xt)
-                    x0 = load(src)
-                    x1 = load(v.gep(src, g.DHW, self.xt))
-                    v.store_v(self.unit(x0, x1), v.gep(dst0, b.mul(cu, i64(p.NCP))), sm)
+                    src = v.gep(x_ng, b.mul(cu, i64(2 * g.DHW)), self.xt)
+                    plane(v.gep(base, b.mul(cu, i64(p.NCP))),
+                          [src, v.gep(src, g.DHW, self.xt)], a, c)
                 if g.Cg % 2:
-                    src = v.gep(src_row, (g.Cg - 1) * g.DHW, self.xt)
-                    v.store_v(self.unit(load(src), None), v.gep(dst0, npair * p.NCP), sm)
-                for cu in range(cdiv(g.Cg, 2), p.CU):
-                    v.store_v(v.zero_v, v.gep(dst0, cu * p.NCP), sm)
+                    plane(v.gep(base, npair * p.NCP),
+                          [v.gep(x_ng, (g.Cg - 1) * g.DHW, self.xt)], a, c)
+                if cdiv(g.Cg, 2) < p.CU:
+                    with v.loop(cdiv(g.Cg, 2), p.CU, 1, "xz") as cu:
+                        plane(v.gep(base, b.mul(cu, i64(p.NCP))), [], a, c)
         return v.gep(self.col, b.sub(q0, b.mul(r0, i64(Wp))))
 
     # -- tiles ----------------------------------------------------------------------
@@ -575,9 +655,18 @@ class _AmxConvGen(_LowpGen):
                 ak = by(a, b.mul(kk, i64(2 * TILE)))
                 if p.direct:     # K step kk: tap kk // ncb, channel pairs 16 (kk % ncb)..
                     ncb = p.CU // UNITS
-                    tap, cb = b.udiv(kk, i64(ncb)), b.urem(kk, i64(ncb))
+                    if p.cb_outer:
+                        cb, tap = b.udiv(kk, i64(g.KK)), b.urem(kk, i64(g.KK))
+                    else:
+                        tap, cb = b.udiv(kk, i64(ncb)), b.urem(kk, i64(ncb))
                     kh, kw = b.udiv(tap, i64(g.k[2])), b.urem(tap, i64(g.k[2]))
-                    off = b.add(b.mul(kh, i64(g.d[1] * p.Wp * 4)), b.mul(kw, i64(g.d[2] * 4)))
+                    # stride 2: tap (kh, kw) reads phase (kh % 2, kw % 2) at (kh // 2, kw // 2)
+                    (_, sh, sw), (_, dh, dw) = g.s, g.d
+                    nw = _phases(g)[1]
+                    phase = b.add(b.mul(b.urem(kh, i64(sh)), i64(nw)), b.urem(kw, i64(sw)))
+                    off = b.add(b.mul(b.udiv(b.mul(kh, i64(dh)), i64(sh)), i64(p.Wp * 4)),
+                                b.mul(b.udiv(b.mul(kw, i64(dw)), i64(sw)), i64(4)))
+                    off = b.add(off, b.mul(phase, i64(p.CU * p.NCP * 4)))
                     bk = by(bcol, b.add(off, b.mul(cb, i64(UNITS * bstride))))
                 else:
                     bk = by(bcol, b.mul(kk, i64(UNITS * bstride)))
