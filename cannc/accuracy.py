@@ -29,6 +29,7 @@ import numpy as np
 from .errors import CanncError
 
 METRICS = ("allclose", "cosine")
+NARROW = ("bf16", "fp16")
 _KEYS = ("feeds", "rtol", "atol", "metric", "min_cosine", "max_compiles")
 
 
@@ -160,12 +161,12 @@ def candidates(sess: Any) -> list[str]:
                     if v not in b.outputs:
                         continue
                     for name in b.attrs.get("fused_from", [b.name]):
-                        if pm.get(name, "fp32") != "fp32" and name not in stored:
+                        if pm.get(name) in NARROW and name not in stored:
                             stored.append(name)
     order = {n.name: i for i, n in enumerate(sess.graph.nodes())}
     contractions = set(sess.contraction_nodes())
     stored = sorted((n for n in stored if n not in contractions), key=order.get)
-    rest = [n for n in order if pm[n] != "fp32" and n not in stored]
+    rest = [n for n in order if pm[n] in NARROW and n not in stored]
     return stored + [n for n in rest if n not in contractions] + \
         [n for n in rest if n in contractions]
 

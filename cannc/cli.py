@@ -332,7 +332,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 def _print_precision(pm: dict[str, str], acc: dict[str, Any] | None, width: int = 110) -> None:
     """The precision of the nodes (when not all float32) and what the accuracy guard did."""
-    if all(p == "fp32" for p in pm.values()):
+    if all(p in ("fp32", "folded") for p in pm.values()):
         return
     by: dict[str, list[str]] = {}
     for n, p in pm.items():

@@ -324,12 +324,15 @@ class Session:
         return rep
 
     def precision_map(self) -> dict[str, str]:
-        """Every ONNX node's precision ("fp32", "bf16" or "fp16") in the programs compiled so
-        far (a node folded away at compile time is "fp32": the folder computes in float32)."""
-        out = {n.name: "fp32" for n in self.graph.nodes()}
+        """Every ONNX node's precision in the programs compiled so far: "fp32", "bf16",
+        "fp16", or "folded" (computed at compile time, or removed: it does not run); a
+        node that runs in one program and is folded in another counts as running."""
+        out: dict[str, str] = {}
         for prog in list(self._programs.values()):
-            out.update(self._precision_of(prog))
-        return out
+            for name, p in self._precision_of(prog).items():
+                if out.get(name, "folded") == "folded":
+                    out[name] = p
+        return {n.name: out.get(n.name, "fp32") for n in self.graph.nodes()}
 
     def contraction_nodes(self) -> list[str]:
         """The ONNX nodes the precision policy treats as contractions (its ALLOW class)."""
@@ -339,8 +342,10 @@ class Session:
 
     def _precision_of(self, prog: Any) -> dict[str, str]:
         spec = getattr(prog, "spec", None)
-        decided = spec.graph.meta.get("precision", {}) if spec is not None else {}
-        return {n.name: decided.get(n.name, "fp32") for n in self.graph.nodes()}
+        decided = spec.graph.meta.get("precision") if spec is not None else None
+        if decided is None:        # (a host program of runtime control flow)
+            return {n.name: "fp32" for n in self.graph.nodes()}
+        return {n.name: decided.get(n.name, "folded") for n in self.graph.nodes()}
 
     def mem_info(self) -> dict[str, int]:
         """Device memory in use (arena, weights, workspace), its total and peak."""

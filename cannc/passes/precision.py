@@ -24,7 +24,8 @@ the fusion rule ``precision_casts`` (``fusion={"precision_casts": False}`` keeps
 Cast a node of its own).
 
 The decision for every node is recorded in ``graph.meta["precision"]`` (node name -> "bf16"
-/ "fp16" / "fp32"), which `Session.inspect()["precision"]` reports.
+/ "fp16" / "fp32"), which `Session.inspect()["precision"]` reports (an ONNX node that no
+longer exists when this pass runs, folded into a constant or removed, is "folded" there).
 """
 
 from __future__ import annotations
@@ -141,7 +142,9 @@ def _origin(n: Node) -> list[str]:
 def mixed_precision(graph: Graph, ctx: PassContext) -> bool:
     """float32 nodes into the reduced type by policy; casts at the cluster boundaries."""
     o: PrecisionOptions = ctx.options
-    if o.precision == "fp32":
+    if o.precision == "fp32":       # nothing changes; the record says what runs
+        graph.meta["precision"] = {**graph.meta.get("precision", {}),
+                                   **{b: "fp32" for n in graph.nodes() for b in _origin(n)}}
         return False
     narrow = narrow_dtype(o.precision)
     keep = set(o.keep_fp32)

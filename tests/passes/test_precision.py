@@ -52,7 +52,7 @@ def test_fp32_is_the_default_and_changes_nothing():
     r = run_pass("mixed_precision", _graph())
     assert not r.changed
     assert r.before.ops == r.after.ops and r.before.values == r.after.values
-    assert "precision" not in r.graph.meta
+    assert set(r.graph.meta["precision"].values()) == {"fp32"}
 
 
 @pytest.mark.parametrize("precision,dtype", [("bf16", "bfloat16"), ("fp16", "float16")])
@@ -317,3 +317,16 @@ def test_narrow_value_widened_into_a_softmax_prologue(elem):
                                rtol=1e-5, atol=1e-6)
     ks = s.inspect({"x": (4, 16)}, without_fusion=False)["kernels"]
     assert [k["op_types"] for k in ks] == [["Cast", "Mul", "Softmax"]]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_nodes_that_do_not_run_are_reported_folded(precision):
+    nodes = [helper.make_node("Identity", ["x"], ["xi"], name="ident"),
+             helper.make_node("Shape", ["xi"], ["shp"], name="shape"),
+             helper.make_node("Reshape", ["xi", "shp"], ["xr"], name="reshape"),
+             *_mlp_nodes()]
+    nodes[3] = helper.make_node("MatMul", ["xr", "W1"], ["h1"], name="mm1")
+    s = cannc.compile(_model(nodes, _inits()), precision=precision)
+    pm = s.inspect({"x": (4, 32)}, without_fusion=False)["precision"]
+    assert pm["ident"] == pm["shape"] == "folded"
+    assert pm["mm1"] == precision and pm["sm"] == "fp32"
