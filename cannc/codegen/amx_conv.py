@@ -390,17 +390,7 @@ class _AmxConvGen(_LowpGen):
         self.col = ws
         self.cs = b.gep(ws, [i64(p.ws_cs)], source_etype=I8)
         with v.loop(tb, te, 1, "tile") as t:
-            r, mb = v.divmod_c(t, p.MB)
-            r, pb = v.divmod_c(r, p.PB)
-            n, gi = v.divmod_c(r, g.G)
-            p0 = b.mul(pb, i64(p.P))
-            p1 = v.smin(b.add(p0, i64(p.P)), p.Q)
-            m_lo = b.mul(mb, i64(p.CH))
-            m_hi = v.smin(b.add(m_lo, i64(p.CH)), g.Mg)
-            x_ng = v.gep(self.X, b.mul(b.add(b.mul(n, i64(g.C)), b.mul(gi, i64(g.Cg))),
-                                       i64(g.DHW)), self.xt)
-            ch0 = b.mul(gi, i64(g.Mg))
-            y_off = b.mul(b.add(b.mul(n, i64(g.M)), ch0), i64(g.OHW))
+            gi, p0, p1, m_lo, m_hi, x_ng, ch0, y_off = self.tile_origin(t, p.Q)
             if p.direct:
                 bbase = self.pack_x(x_ng, p0, p1)
             else:
@@ -422,12 +412,10 @@ class _AmxConvGen(_LowpGen):
         channel-innermost order touches 2*CU pages of X per 16 pixels: TLB misses)."""
         v, g, p = self.v, self.g, self.p
         b = v.b
-        D, H, W = g.isz
-        OD, OH, OW = g.osz
-        KD, KH, KW = g.k
-        sd, sh, sw = g.s
-        dd, dh, dw = g.d
-        pd, ph, pw = g.pb
+        W = g.isz[2]
+        OW = g.osz[2]
+        KH, KW = g.k[1], g.k[2]
+        sw, dw, pw = g.s[2], g.d[2], g.pb[2]
         row_first = b.udiv(p0, i64(OW))
         row_last = b.udiv(b.sub(p1, i64(1)), i64(OW))
         with v.loop(0, p.CU, 1, "cu") as cu:
@@ -442,15 +430,8 @@ class _AmxConvGen(_LowpGen):
                 dst_u = v.gep(self.col, b.mul(b.add(b.mul(tap, i64(p.CU)), cu), i64(p.NCP)))
                 offw = b.sub(b.mul(kw, i64(dw)), i64(pw))
                 with v.loop(row_first, b.add(row_last, i64(1)), 1, "row") as row:
-                    od, oh = v.divmod_c(row, OH)
-                    idv = b.add(b.mul(od, i64(sd)), b.sub(b.mul(kd, i64(dd)), i64(pd)))
-                    ihv = b.add(b.mul(oh, i64(sh)), b.sub(b.mul(kh, i64(dh)), i64(ph)))
-                    ok = b.and_(b.icmp_unsigned("<", idv, i64(D)),
-                                b.icmp_unsigned("<", ihv, i64(H)))
-                    rowoff = b.mul(b.select(ok, b.add(b.mul(idv, i64(H)), ihv), i64(0)), i64(W))
-                    rs = b.mul(row, i64(OW))
-                    a = b.sub(v.smax(p0, rs), rs)
-                    e = b.sub(v.smin(p1, b.add(rs, i64(OW))), rs)
+                    ok, rowidx, rs, a, e = self.row_span(row, kd, kh, p0, p1)
+                    rowoff = b.mul(rowidx, i64(W))
                     dst_row = v.gep(dst_u, b.sub(rs, p0))
                     with v.loop(a, e, 16, "ow") as ow:
                         load = self.loader(ow, offw, ok, W, sw)

@@ -1490,33 +1490,62 @@ class _LowpGen:
         self.col = ws
         self.wsa = b.gep(ws, [i64(p.ws_a)], source_etype=I8)
         with v.loop(tb, te, 1, "tile") as t:
-            r, mb = v.divmod_c(t, p.MB)
-            r, pb = v.divmod_c(r, p.PB)
-            n, gi = v.divmod_c(r, g.G)
-            p0 = b.mul(pb, i64(p.P))
-            p1 = v.smin(b.add(p0, i64(p.P)), g.OHW)
-            m_lo = b.mul(mb, i64(p.CH))
-            m_hi = v.smin(b.add(m_lo, i64(p.CH)), g.Mg)
-            x_ng = v.gep(self.X, b.mul(b.add(b.mul(n, i64(g.C)), b.mul(gi, i64(g.Cg))),
-                                       i64(g.DHW)), self.xt)
-            ch0 = b.mul(gi, i64(g.Mg))
-            y_off = b.mul(b.add(b.mul(n, i64(g.M)), ch0), i64(g.OHW))   # flat index of Y
+            gi, p0, p1, m_lo, m_hi, x_ng, ch0, y_off = self.tile_origin(t, g.OHW)
             self.im2col(x_ng, p0, p1)
             if not self.const_w:
                 self.pack_w(gi, m_lo, m_hi)
             self.gemm(gi, ch0, y_off, p0, b.sub(p1, p0), m_lo, m_hi)
         b.ret_void()
 
+    def tile_origin(self, t, pixels):
+        """Where tile t (image, group, pixel block, channel block; channel block
+        fastest) starts: (group, pixels [p0, p1) of `pixels`, output channels
+        [m_lo, m_hi) of the group, X of the image and group, the group's first output
+        channel, the flat index of Y's first element of that channel)."""
+        v, g, p = self.v, self.g, self.p
+        b = v.b
+        r, mb = v.divmod_c(t, p.MB)
+        r, pb = v.divmod_c(r, p.PB)
+        n, gi = v.divmod_c(r, g.G)
+        p0 = b.mul(pb, i64(p.P))
+        p1 = v.smin(b.add(p0, i64(p.P)), pixels)
+        m_lo = b.mul(mb, i64(p.CH))
+        m_hi = v.smin(b.add(m_lo, i64(p.CH)), g.Mg)
+        x_ng = v.gep(self.X, b.mul(b.add(b.mul(n, i64(g.C)), b.mul(gi, i64(g.Cg))),
+                                   i64(g.DHW)), self.xt)
+        ch0 = b.mul(gi, i64(g.Mg))
+        y_off = b.mul(b.add(b.mul(n, i64(g.M)), ch0), i64(g.OHW))   # flat index of Y
+        return gi, p0, p1, m_lo, m_hi, x_ng, ch0, y_off
+
+    def row_span(self, row, kd, kh, p0, p1):
+        """Output row `row` (of the pixels [p0, p1)) at tap (kd, kh): whether its input
+        row is inside X, that row's index in the plane (0 outside), the row's first pixel
+        and its columns [a, e) within [p0, p1)."""
+        v, g = self.v, self.g
+        b = v.b
+        D, H, _ = g.isz
+        _, OH, OW = g.osz
+        sd, sh, _ = g.s
+        dd, dh, _ = g.d
+        pd, ph, _ = g.pb
+        od, oh = v.divmod_c(row, OH)
+        idv = b.add(b.mul(od, i64(sd)), b.sub(b.mul(kd, i64(dd)), i64(pd)))
+        ihv = b.add(b.mul(oh, i64(sh)), b.sub(b.mul(kh, i64(dh)), i64(ph)))
+        ok = b.and_(b.icmp_unsigned("<", idv, i64(D)), b.icmp_unsigned("<", ihv, i64(H)))
+        rowidx = b.select(ok, b.add(b.mul(idv, i64(H)), ihv), i64(0))
+        rs = b.mul(row, i64(OW))
+        a = b.sub(v.smax(p0, rs), rs)
+        e = b.sub(v.smin(p1, b.add(rs, i64(OW))), rs)
+        return ok, rowidx, rs, a, e
+
     # -- col buffer: [tap*CU + cu][pixel] units ----------------------------------
     def im2col(self, x_ng, p0, p1):
         v, g, p = self.v, self.g, self.p
         b = v.b
-        D, H, W = g.isz
-        OD, OH, OW = g.osz
-        KD, KH, KW = g.k
-        sd, sh, sw = g.s
-        dd, dh, dw = g.d
-        pd, ph, pw = g.pb
+        W = g.isz[2]
+        OW = g.osz[2]
+        KH, KW = g.k[1], g.k[2]
+        sw, dw, pw = g.s[2], g.d[2], g.pb[2]
         row_first = b.udiv(p0, i64(OW))
         row_last = b.udiv(b.sub(p1, i64(1)), i64(OW))
         npair = g.Cg // 2 if p.pairs else g.Cg
@@ -1526,15 +1555,8 @@ class _LowpGen:
             dst_tap = v.gep(self.col, b.mul(tap, i64(p.CU * p.NCP)))
             offw = b.sub(b.mul(kw, i64(dw)), i64(pw))
             with v.loop(row_first, b.add(row_last, i64(1)), 1, "row") as row:
-                od, oh = v.divmod_c(row, OH)
-                idv = b.add(b.mul(od, i64(sd)), b.sub(b.mul(kd, i64(dd)), i64(pd)))
-                ihv = b.add(b.mul(oh, i64(sh)), b.sub(b.mul(kh, i64(dh)), i64(ph)))
-                ok = b.and_(b.icmp_unsigned("<", idv, i64(D)), b.icmp_unsigned("<", ihv, i64(H)))
-                rowidx = b.select(ok, b.add(b.mul(idv, i64(H)), ihv), i64(0))
+                ok, rowidx, rs, a, e = self.row_span(row, kd, kh, p0, p1)
                 src_row = v.gep(x_ng, b.mul(rowidx, i64(W)), self.xt)
-                rs = b.mul(row, i64(OW))
-                a = b.sub(v.smax(p0, rs), rs)
-                e = b.sub(v.smin(p1, b.add(rs, i64(OW))), rs)
                 dst_row = v.gep(dst_tap, b.sub(b.add(rs, a), p0))
                 with v.loop(a, e, 16, "ow") as ow:
                     load = self.loader(ow, offw, ok, W, sw)
