@@ -203,7 +203,7 @@ def mixed_precision(graph: Graph, ctx: PassContext) -> bool:
                     continue
                 if graph.is_constant(v):
                     new_inputs[i] = const_narrow(v)
-                else:   # ALLOW reading a float32 activation: a Cast in front, for now
+                else:   # ALLOW reading a float32 activation (precision_casts folds the Cast)
                     new_inputs[i] = _cast_to(graph, v, narrow, o.precision, order - 0.25)
                     reduced_vals.add(new_inputs[i])
             for i in float_outs:
