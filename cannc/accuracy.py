@@ -195,7 +195,12 @@ def accuracy_guard(session: Any, spec: Any) -> GuardResult:
                     eager=False, cache=session.options.cache, fusion=session.options.fusion,
                     pass_options={k: v for k, v in session.options.pass_options.items()
                                   if k != "mixed_precision"})
-    refs = [ref_sess.run(None, f) for f in feeds]
+    refs = []
+    for i, f in enumerate(feeds):
+        try:
+            refs.append(ref_sess.run(None, f))
+        except CanncError as e:   # the same error, saying which feed
+            raise type(e)(f"accuracy['feeds'][{i}]: {e}") from e
     names = [o.name for o in ref_sess.get_outputs()]
 
     def errors(sess: Any) -> tuple[bool, dict[str, dict[str, float]]]:

@@ -127,6 +127,9 @@ def test_pass_option_errors(opts, match):
     ({"precision": "bf16", "accuracy": {"feeds": [{}], "tol": 1}}, "unknown accuracy option"),
     ({"precision": "bf16", "accuracy": {"feeds": [{}], "metric": "l2"}}, "unknown accuracy metric"),
     ({"accuracy": {"feeds": [{"x": np.zeros((1, 32), np.float32)}]}}, "reduced precision"),
+    ({"precision": "bf16", "accuracy": {"feeds": [{"x": np.zeros((1, 32), np.float32)},
+                                                  {"x": np.zeros((1, 31), np.float32)}]}},
+     r"accuracy\['feeds'\]\[1\]: input 'x' has shape \(1, 31\)"),
 ])
 def test_compile_option_errors(kw, match):
     with pytest.raises(CanncError, match=match):
