@@ -78,6 +78,22 @@ def test_model_failing_the_checker():
     assert "ghost" in str(e.value)
 
 
+def test_graph_output_of_unknown_rank_runs_like_onnxruntime():
+    """An output declared as a tensor without a shape (the checker wants the field;
+    onnxruntime runs such models): its shape comes from inference."""
+    g = helper.make_graph(
+        [helper.make_node("Gather", ["x", "i"], ["y"], axis=1),
+         helper.make_node("Relu", ["y"], ["z"])], "g",
+        [helper.make_tensor_value_info("x", T.FLOAT, [4, 8])],
+        [helper.make_tensor_value_info("z", T.FLOAT, None)],
+        [numpy_helper.from_array(np.array([0, 5, 1], np.int64), "i")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
+    got = cannc.compile(m).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(got, ort_run(m, {"x": x})[0])
+    assert got.shape == (4, 3)
+
+
 def test_old_opset():
     m = _model([helper.make_node("Relu", ["x"], ["y"], name="r")], [_vi("x", shape=[2])],
                [_vi("y", shape=[2])], opsets=(("", 6),), check=False)

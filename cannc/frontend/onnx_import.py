@@ -61,7 +61,7 @@ def check_model(proto: onnx.ModelProto) -> onnx.ModelProto:
                          "convert it with onnx.version_converter")
     proto = skeleton(proto)
     try:
-        onnx.checker.check_model(proto)
+        onnx.checker.check_model(_outputs_shaped(proto))
     except onnx.checker.ValidationError as e:
         msg = str(e).strip().splitlines()
         if "deprecated" in str(e).lower():
@@ -76,6 +76,22 @@ def check_model(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 
 SKELETON_BYTES = 16 << 20
+
+
+def _outputs_shaped(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """What the checker is shown: graph outputs declared as tensors of unknown rank (a
+    type without a shape, which exporters write and onnxruntime runs) get an empty shape
+    in a copy, since the checker requires the field; their real shapes come from
+    inference, which sees the model as it is."""
+    bare = [i for i, o in enumerate(proto.graph.output)
+            if o.type.HasField("tensor_type") and not o.type.tensor_type.HasField("shape")]
+    if not bare:
+        return proto
+    shown = onnx.ModelProto()
+    shown.CopyFrom(proto)
+    for i in bare:
+        shown.graph.output[i].type.tensor_type.shape.SetInParent()
+    return shown
 
 
 def _nbytes(t: onnx.TensorProto) -> int:
