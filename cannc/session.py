@@ -507,6 +507,7 @@ class Session:
             # the precision policy (with the nodes an accuracy guard kept in float32)
             "precision": {k: list(v) if isinstance(v, tuple) else v for k, v in
                           self.options.pass_options.get("mixed_precision", {}).items()},
+            "accuracy": self.accuracy_report,     # what the guard did (None: no guard)
             "specializations": [list(map(list, k)) for k in self._programs
                                 if not self._value_inputs],
             "objects": [],
@@ -678,6 +679,8 @@ def load(path: str | Path, *, cores: int | None = None) -> Session:
     except CanncError as e:
         raise CacheError(f"{path}: damaged manifest (precision: {e})") from e
     sess.source = str(path)
+    acc = manifest.get("accuracy")
+    sess.accuracy_report = acc if isinstance(acc, dict) else None
     for shp in specs:
         if len(shp) != len(sess.graph.inputs):
             raise CacheError(f"{path}: damaged manifest (specialization {shp})")

@@ -226,6 +226,8 @@ def test_save_load_keeps_precision_and_guard_choice(tmp_path):
     back = cannc.load(tmp_path / "m.cnc")
     np.testing.assert_array_equal(back.run(None, feeds[0])[0], s.run(None, feeds[0])[0])
     assert back.precision_map() == s.precision_map()
+    assert back.accuracy_report == s.accuracy_report
+    assert back.accuracy_report["moved_to_fp32"] == ["plant"]
 
 
 def test_cli_compile_precision_with_accuracy_feeds(tmp_path, capsys):
