@@ -16,7 +16,7 @@ import pytest
 import cannc
 from cannc.codegen import amx_conv
 from cannc.codegen.amx import amx_usable
-from cannc.codegen.conv import ConvGeom, LowpTypes, Slots
+from cannc.codegen.conv import ConvGeom, LowpTypes, Slots, cdiv
 from cannc.codegen.lower import conv as lconv
 from cannc.native import target
 from tests.helpers import aligned, run_splits
@@ -184,7 +184,8 @@ def test_stem_kwpairs_and_inf_past_odd_kw(width, col):
 def test_cost_model_picks_direct_for_resnet_3x3():
     g = ConvGeom(N=1, C=64, M=64, G=1, isz=(1, 56, 56), osz=(1, 56, 56), k=(1, 3, 3),
                  pb=(0, 1, 1), bias=True)
-    assert amx_conv.plan_amx_conv(g).direct
+    p = amx_conv.plan_amx_conv(g)
+    assert p.direct and p.cb_outer and p.kchunks == 2 and p.kb == 18   # a chunk per block
     s2 = ConvGeom(N=1, C=64, M=128, G=1, isz=(1, 56, 56), osz=(1, 28, 28), k=(1, 3, 3),
                   s=(1, 2, 2), pb=(0, 1, 1), bias=True)
     assert amx_conv.plan_amx_conv(s2).direct     # stride 2: four phases of X
@@ -203,10 +204,12 @@ def test_kernel_nan_workspace_and_k_chunks(direct, stride, cb_outer, chunk, monk
     """The kernel alone: a NaN-filled workspace (the K padding rows must be zeroed, the
     pixel columns past the image must not leak; stride 2: the direct mode's phases),
     tiles split over two cores, and the K-chunked micro-kernel (C tiles carried through
-    the scratch); the direct mode's K steps in either order."""
+    the scratch); the direct mode's K steps in either order (K chunks per channel block with
+    (channel block, tap))."""
     if chunk:
         monkeypatch.setattr(amx_conv, "KSTEPS_L1", chunk)
     monkeypatch.setattr(amx_conv, "CB_OUTER_MIN_NCB", 1 if cb_outer else 1 << 20)
+    monkeypatch.setattr(amx_conv, "CB_CHUNK_MIN_P", 0)   # (channel block, tap): chunked
     oh, ow = (9, 11) if stride == 1 else (5, 6)
     g = ConvGeom(N=2, C=37, M=40, G=1, isz=(1, 9, 11), osz=(1, oh, ow), k=(1, 3, 3),
                  s=(1, stride, stride), pb=(0, 1, 1), bias=True)
@@ -214,6 +217,7 @@ def test_kernel_nan_workspace_and_k_chunks(direct, stride, cb_outer, chunk, monk
     p = amx_conv.plan_amx_conv(g, direct=direct)
     assert p.kb > 2 and p.direct == direct and p.cb_outer == cb_outer
     assert not direct or p.CU // 16 == 2     # two channel blocks: the K orders differ
+    assert p.kchunks == (cdiv(p.kb, chunk) if chunk else 2 if cb_outer else 1)
     rng = np.random.default_rng(5)
     x = rng.standard_normal((2, 37, 9, 11)).astype(np.float32)
     w = (rng.standard_normal((40, 37, 3, 3)) / 18).astype(np.float32)

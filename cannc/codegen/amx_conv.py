@@ -112,8 +112,24 @@ KSTEPS_L1 = 1 << 20
 # or, from CB_OUTER_MIN_NCB channel blocks (of 32 channels) on, (channel block, tap): the
 # 9 taps of a 3x3 read the same 16 planes back to back, in L1. Measured (one core,
 # medians of 6 interleaved): 3x3 at 28x28 with 128 channels 0.235 vs 0.26 ms, 14x14 with
-# 256 0.205 vs 0.222; 56x56 with 64 (2 blocks) slower, 0.275 vs 0.252.
-CB_OUTER_MIN_NCB = 4
+# 256 0.205 vs 0.222. With (channel block, tap) and more than one tap the K loop is also
+# chunked per channel block (`AmxConvPlan.kchunks`): a chunk's weights (KK*2 KiB: 18 KiB
+# for a 3x3) stay in L1 over the pixel columns and its B tiles read 16 planes, the C tiles
+# carried through the scratch. That made 2 blocks pay too (ResNet-18's 3x3s, one core,
+# kernel medians of 4 interleaved, loaded machine): 56x56 with 64 channels 0.244 vs 0.259
+# ms, 28x28 with 128 0.203 vs 0.218, stride 2 56->28 (64 -> 128) 0.157 vs 0.177, 28->14
+# 0.141 vs 0.155; 14x14 with 256 (P 224: 7 pixel columns to share a chunk's weights)
+# equal, 7x7 with 512 (P 64, 2 columns) slower in the model, 0.35 vs 0.30: so chunked
+# only from CB_CHUNK_MIN_P pixels per block.
+# The direct mode's misaligned B tiles: an aligned variant (Wp rounded up to 16, KW copies
+# of the X copy, copy kw = copy 0 read kw units on, so every tile row starts 64-byte
+# aligned; 15-25 us of extra copying at 56x56) measured SLOWER, 0.28-0.29 vs 0.25-0.26 ms
+# at 56x56 and 0.24-0.25 vs 0.22-0.23 at 28x28: the micro-kernel ran ~11 ns per
+# tdpbf16ps either way (vs 5.1 aligned / 8 misaligned when the same tiles load from L1 in
+# a loop): KW copies triple the B lines a pixel column reads, and the kw taps of the
+# misaligned copy share lines (the L1 -> L2 traffic, not the split loads, bounds it)
+CB_OUTER_MIN_NCB = 2
+CB_CHUNK_MIN_P = 256
 
 
 def amx_conv_supports(geom: ConvGeom, types: LowpTypes) -> str | None:
@@ -159,8 +175,13 @@ class AmxConvPlan:
 
     @property
     def kchunks(self) -> int:
-        """K chunks (see KSTEPS_L1)."""
-        return cdiv(self.kb, KSTEPS_L1)
+        """K chunks (see KSTEPS_L1); direct, K steps (channel block, tap) with more than
+        one tap, over at least CB_CHUNK_MIN_P pixels: at least one per channel block (see
+        CB_OUTER_MIN_NCB)."""
+        n = cdiv(self.kb, KSTEPS_L1)
+        if self.cb_outer and self.KU > self.CU and self.P >= CB_CHUNK_MIN_P:
+            n = max(n, self.CU // UNITS)
+        return n
 
 
 # AMX time factor of the direct mode, whose B tile rows at taps kw > 0 are not 64-byte
