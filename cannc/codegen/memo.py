@@ -42,7 +42,8 @@ from ..ir.ops import lookup
 from ..ir.types import TensorType, dtype_key
 from ..native.target import host, read_checksummed, write_checksummed
 from ..schedule import tuning
-from . import conv, winograd
+from . import amx, amx_conv, conv, winograd
+from .lower import conv as lower_conv
 
 _MAGIC = b"CNCMEMO1\n"
 # attributes that name where a node came from and never change its code
@@ -281,5 +282,7 @@ def salt() -> str:
     sources, the tuning cache in effect and the codegen switches (environment
     and the FORCE_TUNING overrides tests and experiments set)."""
     switches = (f"wino={config.WINOGRAD}|conv={sorted(conv.FORCE_TUNING.items())!r}|"
-                f"wg={sorted(winograd.FORCE_TUNING.items())!r}")
+                f"wg={sorted(winograd.FORCE_TUNING.items())!r}|"
+                f"lowp={lower_conv.FORCE_LOWP_MODE}|amx={amx.OVERLAP_STORES}|"
+                f"amxconv={amx_conv.CB_CHUNK_MIN_P},{amx_conv.CB_OUTER_MIN_NCB}")
     return f"{host().fingerprint}|{source_digest()}|{tuning.fingerprint()}|{switches}"
