@@ -39,7 +39,7 @@ from ..errors import CompileError
 from ..ir.graph import Graph, Node
 from ..ir.ops import lookup
 from ..ir.registry import Amp, amp_class
-from ..ir.types import TensorType
+from ..ir.types import NP_TO_ONNX, TensorType
 from .manager import PassContext, graph_pass
 
 try:
@@ -61,9 +61,6 @@ def narrow_dtype(precision: str) -> np.dtype:
     if precision == "fp16":
         return np.dtype(np.float16)
     raise CompileError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-
-
-_ONNX_ELEM = {"bf16": TensorProto.BFLOAT16, "fp16": TensorProto.FLOAT16}
 
 
 @dataclass(frozen=True)
@@ -120,8 +117,10 @@ def _is_f32(t: TensorType | None) -> bool:
 
 
 def _is_float(t: TensorType | None) -> bool:
-    return t is not None and np.dtype(t.dtype).kind == "f" or (
-        t is not None and np.dtype(t.dtype).name == "bfloat16")
+    if t is None:
+        return False
+    dt = np.dtype(t.dtype)
+    return dt.kind == "f" or dt.name == "bfloat16"
 
 
 def _takes(op, n: Node, ins: list, outs: list, float_ins: list[int], float_outs: list[int],
@@ -163,12 +162,8 @@ def mixed_precision(graph: Graph, ctx: PassContext) -> bool:
 
     def widen(v: str, order: float) -> str:
         if v not in wide_of:
-            out = f"{v}::fp32"
-            graph.values[out] = TensorType(np.dtype(np.float32), graph.values[v].shape)
-            graph.add_node(Node(name=f"{v}::to_fp32", op_type="Cast", inputs=(v,),
-                                outputs=(out,), attrs={"to": TensorProto.FLOAT},
-                                opset=graph.opsets.get("", 13)), order=order)
-            wide_of[v] = out
+            wide_of[v] = _add_cast(graph, v, f"{v}::fp32", f"{v}::to_fp32",
+                                   np.dtype(np.float32), order)
         return wide_of[v]
 
     changed = False
@@ -204,8 +199,11 @@ def mixed_precision(graph: Graph, ctx: PassContext) -> bool:
                 if graph.is_constant(v):
                     new_inputs[i] = const_narrow(v)
                 else:   # ALLOW reading a float32 activation (precision_casts folds the Cast)
-                    new_inputs[i] = _cast_to(graph, v, narrow, o.precision, order - 0.25)
-                    reduced_vals.add(new_inputs[i])
+                    out = f"{v}::{tag}"
+                    if out not in graph.values:
+                        _add_cast(graph, v, out, f"{v}::to_{tag}", narrow, order - 0.25)
+                    new_inputs[i] = out
+                    reduced_vals.add(out)
             for i in float_outs:
                 v = n.outputs[i]
                 graph.values[v] = TensorType(narrow, graph.values[v].shape)
@@ -229,11 +227,7 @@ def mixed_precision(graph: Graph, ctx: PassContext) -> bool:
             _rename_output(graph, v, f"{v}::{tag}")
             reduced_vals.discard(v)
             reduced_vals.add(f"{v}::{tag}")
-            graph.values[v] = TensorType(np.dtype(np.float32), graph.values[f"{v}::{tag}"].shape)
-            graph.add_node(Node(name=f"{v}::output_fp32", op_type="Cast",
-                                inputs=(f"{v}::{tag}",), outputs=(v,),
-                                attrs={"to": TensorProto.FLOAT},
-                                opset=graph.opsets.get("", 13)))
+            _add_cast(graph, f"{v}::{tag}", v, f"{v}::output_fp32", np.dtype(np.float32))
     if ctx.fusion_enabled("precision_casts"):
         _cast_fusion(graph)
     prior = graph.meta.get("precision", {})
@@ -241,13 +235,13 @@ def mixed_precision(graph: Graph, ctx: PassContext) -> bool:
     return changed
 
 
-def _cast_to(graph: Graph, v: str, narrow: np.dtype, tag: str, order: float) -> str:
-    out = f"{v}::{tag}"
-    if out not in graph.values:
-        graph.values[out] = TensorType(narrow, graph.values[v].shape)
-        graph.add_node(Node(name=f"{v}::to_{tag}", op_type="Cast", inputs=(v,),
-                            outputs=(out,), attrs={"to": _ONNX_ELEM[tag]},
-                            opset=graph.opsets.get("", 13)), order=order)
+def _add_cast(graph: Graph, src: str, out: str, name: str, dtype: np.dtype,
+              order: float | None = None) -> str:
+    """A Cast node `name` writing `out`: `src` as `dtype` (float32, bfloat16, float16)."""
+    graph.values[out] = TensorType(dtype, graph.values[src].shape)
+    graph.add_node(Node(name=name, op_type="Cast", inputs=(src,), outputs=(out,),
+                        attrs={"to": NP_TO_ONNX[np.dtype(dtype)]},
+                        opset=graph.opsets.get("", 13)), order=order)
     return out
 
 
