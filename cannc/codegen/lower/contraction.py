@@ -31,7 +31,6 @@ from ...native.emit import for_range, i64
 from ...schedule.tuning import gemm_signature
 from ..amx import (
     amx_dims,
-    amx_num_tiles,
     amx_plan,
     amx_prepack_b,
     amx_supports,
@@ -369,17 +368,12 @@ def finish_contraction(ctx: LowerCtx, spec: GemmSpec, extra_ws: int = 0,
                        tuning: dict | None = None, epilogue: bool = False) -> None:
     if use_amx(spec):
         p = amx_plan(spec, spec.a_type)
-        ctx.num_tiles = amx_num_tiles(spec, spec.a_type)
-        ctx.workspace_bytes = amx_workspace_bytes(spec, spec.a_type) + extra_ws
+        ctx.num_tiles = p.num_tiles(spec.batch)
+        ctx.workspace_bytes = p.ws_bytes + extra_ws
         ctx.flops = 2 * spec.batch * spec.M * spec.N * spec.K
         ctx.notes["gemm"] = _describe(spec) + " AMX"
-        rec = {"kind": "amx", "M": spec.M, "N": spec.N, "K": spec.K, "batch": spec.batch,
-               "MB": p.MB, "NB": p.NB, "mt": p.mt, "nt": p.nt, "pack_a": p.pack_a,
-               "tiles": ctx.num_tiles, "workspace_bytes": ctx.workspace_bytes,
-               "path": f"AMX 2x2 16x16 tiles, grid {p.mt}x{p.nt} of {p.MB}x{p.NB}"}
-        ctx.notes["plan"] = rec
-        ctx.notes["tiling"] = rec["path"]
-        ctx.notes["precision"] = AMX_NOTE
+        ctx.notes.update(_amx_notes(spec, spec.M, spec.batch, (p.mt, p.nt, p.MB, p.NB),
+                                    ctx.num_tiles, ctx.workspace_bytes, pack_a=p.pack_a))
         return
     ctx.num_tiles = gemm_num_tiles(spec, tuning)
     ctx.workspace_bytes = gemm_workspace_bytes(spec, tuning) + extra_ws
@@ -507,17 +501,24 @@ def gemm_tiling(n: Node, ins: list[TensorType | None], outs: list[TensorType],
                   workspace_bytes=ws, flops=2 * batch * M * canon.N * canon.K, notes=notes)
 
 
+def _amx_notes(spec: GemmSpec, M: int, batch: int, grid: tuple[int, int, int, int],
+               tiles: int, ws: int, **extra: Any) -> dict[str, Any]:
+    """notes['plan'] / ['tiling'] / ['precision'] of an AMX GEMM of M rows and `batch`
+    items on the grid (mt, nt, MB, NB)."""
+    mt, nt, MB, NB = grid
+    path = f"AMX 2x2 16x16 tiles, grid {mt}x{nt} of {MB}x{NB}"
+    plan = {"kind": "amx", "M": M, "N": spec.N, "K": spec.K, "batch": batch, "MB": MB,
+            "NB": NB, "mt": mt, "nt": nt, **extra, "tiles": tiles, "workspace_bytes": ws,
+            "path": path}
+    return {"plan": plan, "tiling": path, "precision": AMX_NOTE}
+
+
 def _amx_tiling(canon: GemmSpec, M: int, batch: int) -> Tiling:
     """The tiling of a shape-polymorphic AMX GEMM (B a constant, prepacked)."""
     dims, tiles = amx_dims(canon, M, batch, canon.a_type)
     ws = amx_workspace_bytes(canon, canon.a_type)
-    mt, nt, MB, NB = dims[2:6]
-    path = f"AMX 2x2 16x16 tiles, grid {mt}x{nt} of {MB}x{NB}"
     notes = {"gemm": _describe(_with(canon, M=M, batch=batch, dyn=False)) + " AMX dynamic",
-             "plan": {"kind": "amx", "M": M, "N": canon.N, "K": canon.K, "batch": batch,
-                      "MB": MB, "NB": NB, "mt": mt, "nt": nt, "tiles": tiles,
-                      "workspace_bytes": ws, "dynamic": True, "path": path},
-             "tiling": path, "precision": AMX_NOTE}
+             **_amx_notes(canon, M, batch, tuple(dims[2:6]), tiles, ws, dynamic=True)}
     return Tiling(key=("amx", canon), dims=dims, num_tiles=tiles, workspace_bytes=ws,
                   flops=2 * batch * M * canon.N * canon.K, notes=notes)
 
