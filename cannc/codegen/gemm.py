@@ -386,8 +386,9 @@ def dpbf16_speedup(features: str) -> float:
 
 def _pair_layout(spec: GemmSpec, dp: bool | None = None) -> bool:
     """A prepacked B of ``spec`` is stored in k-pairs for vdpbf16ps (see prepack_b)."""
-    dp = use_dpbf16() if dp is None else dp
-    return dp and spec.compute == "bf16" and spec.b_prepacked and not _prepacked_dot(spec)
+    if spec.compute != "bf16" or not spec.b_prepacked or _prepacked_dot(spec):
+        return False
+    return use_dpbf16() if dp is None else dp    # (measured once: only for bf16 GEMMs)
 
 
 def precision_note(spec: GemmSpec, tuning: dict | None = None) -> str | None:
