@@ -161,7 +161,6 @@ class _Dag:
         self.protos = [protos[i] for i in order]
         self.names = [names[i] for i in order]
         self.reads = [reads[i] for i in order]
-        self.preds = [sorted(pos[p] for p in preds[i]) for i in order]
         # (a producer listed once per node, in the node's read order: merges try them so)
         self.pred_order = []
         for r in self.reads:
