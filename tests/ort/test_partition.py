@@ -230,6 +230,14 @@ def test_common_input_does_not_merge_and_dead_code_is_dropped():
     assert [g.nodes for g in p.groups] == [("A",), ("C",)]
     assert "dead code" in p.rejected["B"]
     _check_partition(m, p)
+    # a Constant read only by a node cannc leaves to ORT: no program just for a constant
+    k = h.make_node("Constant", [], ["k"], name="K",
+                    value=h.make_tensor("kv", F, [2, 3], [1.0] * 6))
+    m = _model([k, _node("Foo", ["x", "k"], ["f"], "X", "com.acme"),
+                _node("Relu", ["f"], ["r"], "R")], ["x"], ["r"])
+    p = partition(m)
+    assert [g.nodes for g in p.groups] == [("R",)]
+    assert "only Constant nodes" in p.rejected["K"]
 
 
 def test_later_merge_unblocks_an_earlier_one():
