@@ -20,7 +20,6 @@ min_group_size. ORT's EPContext settings (ep.context_enable...) save the compile
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 from ..errors import CanncError
@@ -126,4 +125,3 @@ def assignment(sess: Any) -> dict[str, list[str]]:
 
 __all__ = ["EP_NAME", "OPTIONS", "assignment", "ep_devices", "library_path", "profiles",
            "register", "session", "session_options"]
-_ = Sequence
