@@ -59,6 +59,9 @@ def register(name: str = "cannc") -> str:
         if name in _registered:
             return name
         path = library_path()
+        if ep_devices():          # the user registered the library already, under some name
+            _registered[name] = path
+            return name
         try:
             ort.register_execution_provider_library(name, path)
         except Exception as e:

@@ -522,9 +522,12 @@ class Provider:
         try:
             ed.CreateNode(b"EPContext", b"com.microsoft", nc.name.encode(), ins, len(nc.inputs),
                           outs, len(nc.outputs), arr, len(attrs), byref(node))
-        finally:
+        except BaseException:
             for a in attrs:
                 self.api.ReleaseOpAttr(a)
+            raise
+        # the node owns the attributes now: releasing them too aborts in ORT 1.32 (a double
+        # free, whatever the header's "OrtOpAttr instances are copied" says)
         del keep_i, keep_o
         return node.value or 0
 
