@@ -685,6 +685,9 @@ def _create_factories(name: bytes | None, api_base: int, logger: int, out: Any, 
                       num: Any) -> int | None:
     try:
         num[0] = 0
+        if not api_base:
+            _last_error.append("CreateEpFactories was called without an OrtApiBase")
+            return None
         base = _abi.OrtApiBase.from_address(api_base)
         api_ptr = base.GetApi(ORT_VERSION)
         version = (base.GetVersionString() or b"?").decode()
