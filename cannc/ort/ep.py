@@ -395,7 +395,8 @@ class Provider:
                          min_group_size=self.options.min_group_size)
         total = len(model.graph.node)
         for g in part.groups:
-            cg = self._compile_group(model, g)
+            # one group holding every node: the mirror itself becomes its model (no copy)
+            cg = self._compile_group(model, g, inplace=len(part.groups) == 1)
             if cg.error is not None and not self.options.strict:
                 continue
             self._claim(info, mirror, g.nodes)
@@ -416,7 +417,8 @@ class Provider:
         self.factory.ep_api.EpGraphSupportInfo_AddNodesToFuse(
             info, arr, len(nodes), byref(self.fusion_options))
 
-    def _compile_group(self, model: onnx.ModelProto, g: Group) -> CompiledGroup:
+    def _compile_group(self, model: onnx.ModelProto, g: Group,
+                       inplace: bool = False) -> CompiledGroup:
         key = frozenset(g.nodes)
         cg = self.groups.get(key)
         if cg is not None:
@@ -425,7 +427,7 @@ class Provider:
         cg = CompiledGroup(g.nodes, g.inputs, g.outputs,
                            tuple(dict.fromkeys(by_name[n].op_type for n in g.nodes)))
         try:
-            sub = group_model(model, g)
+            sub = group_model(model, g, inplace=inplace)
             sess = Session(sub, **self.options.session_kwargs(sub))
             for prog in sess._programs.values():
                 if not isinstance(prog, Program):

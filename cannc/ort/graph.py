@@ -125,8 +125,10 @@ class _Reader:
         finally:
             self.api.ReleaseTensorTypeAndShapeInfo(info)
 
-    def tensor(self, name: str, value: int) -> TensorProto | None:
-        """An OrtValue's tensor as a TensorProto (its bytes copied); None for strings."""
+    def tensor(self, name: str, value: int, out: TensorProto | None = None
+               ) -> TensorProto | None:
+        """An OrtValue's tensor as a TensorProto (its bytes copied; into `out` if given);
+        None for strings."""
         et, dims = self._shape_of_value(value)
         if et == _STRING:
             return None
@@ -137,12 +139,14 @@ class _Reader:
         data = c_void_p()
         self.api.GetTensorData(value, ctypes.byref(data))
         nbytes = numel * itemsize
-        raw = ctypes.string_at(data.value, nbytes) if nbytes and data.value else b""
-        t = TensorProto()
+        t = TensorProto() if out is None else out
         t.name = name
         t.data_type = et
         t.dims.extend(dims)
-        t.raw_data = raw
+        if nbytes and data.value:
+            t.raw_data = ctypes.string_at(data.value, nbytes)
+        else:
+            t.raw_data = b""
         return t
 
     # -- attributes -------------------------------------------------------------------------
@@ -221,16 +225,20 @@ def mirror_graph(api: FunctionTable, graph: int) -> Mirror:
                 value_types[name] = t
         return name
 
-    initializers: list[TensorProto] = []
+    # the model is built in place: protobuf copies a message appended to a container, and
+    # copying the weights of a large model took seconds
+    model = onnx.ModelProto()
+    gp = model.graph
+    gp.name = "ort_graph"
     init_names: set[str] = set()
     for vi in inits:
         name = note(vi)
         val = c_void_p()
         api.ValueInfo_GetInitializerValue(vi, ctypes.byref(val))
-        t = r.tensor(name, val.value) if val.value else None
-        if t is not None:
-            initializers.append(t)
+        if val.value and r.tensor(name, val.value, gp.initializer.add()):
             init_names.add(name)
+        elif val.value:
+            del gp.initializer[len(gp.initializer) - 1]
 
     nodes: list[onnx.NodeProto] = []
     by_name: dict[str, int] = {}
@@ -267,6 +275,7 @@ def mirror_graph(api: FunctionTable, graph: int) -> Mirror:
             n = helper.make_node(op, ins, outs, name=name, domain=domain)
             n.attribute.extend(attrs)
         nodes.append(n)
+    gp.node.extend(nodes)
 
     def vinfo(name: str) -> onnx.ValueInfoProto:
         t = value_types.get(name)
@@ -276,12 +285,16 @@ def mirror_graph(api: FunctionTable, graph: int) -> Mirror:
             vi.type.CopyFrom(t)
         return vi
 
-    inputs = [vinfo(n) for n in (note(v) for v in gins) if n and n not in init_names]
-    outputs = [vinfo(n) for n in (note(v) for v in gouts) if n]
-    known = {i.name for i in inputs} | {o.name for o in outputs} | init_names
-    value_info = [vinfo(n) for n in value_types if n not in known]
-    g = helper.make_graph(nodes, "ort_graph", inputs, outputs, initializer=initializers,
-                          value_info=value_info)
+    for n in (note(v) for v in gins):
+        if n and n not in init_names:
+            gp.input.append(vinfo(n))
+    for n in (note(v) for v in gouts):
+        if n:
+            gp.output.append(vinfo(n))
+    known = {i.name for i in gp.input} | {o.name for o in gp.output} | init_names
+    for n in value_types:
+        if n not in known:
+            gp.value_info.append(vinfo(n))
     nops = r._count("Graph_GetNumOperatorSets", graph)
     doms = (c_char_p * max(nops, 1))()
     vers = (c_int64 * max(nops, 1))()
@@ -292,7 +305,8 @@ def mirror_graph(api: FunctionTable, graph: int) -> Mirror:
         opsets.append(helper.make_opsetid("", 17))
     irv = c_int64(0)
     api.Graph_GetOnnxIRVersion(graph, ctypes.byref(irv))
-    model = helper.make_model(g, opset_imports=opsets, producer_name="cannc.ort")
+    model.opset_import.extend(opsets)
+    model.producer_name = "cannc.ort"
     model.ir_version = int(irv.value) or onnx.IR_VERSION
     if any(o.domain == OPAQUE_DOMAIN for o in nodes) and not any(
             o.domain == OPAQUE_DOMAIN for o in model.opset_import):

@@ -388,14 +388,20 @@ def _why_not(name: str, n: onnx.NodeProto, report: Mapping, allow: frozenset[str
 # one group as a model
 
 
-def group_model(model: onnx.ModelProto, group: Group) -> onnx.ModelProto:
+def group_model(model: onnx.ModelProto, group: Group, *,
+                inplace: bool = False) -> onnx.ModelProto:
     """A standalone ModelProto of just `group`: its nodes (named as cannc names them), its
     inputs typed from the model's graph inputs / value_info (ONNX shape inference fills
     what those lack; an unknown dim becomes a fresh dim_param 'unk__<n>'), its outputs
-    (typed when known), the initializers it reads, the model's opsets and ir_version."""
+    (typed when known), the initializers it reads, the model's opsets and ir_version.
+
+    `inplace`: when the group holds every node of `model`, `model` itself becomes the group
+    model (its inputs, outputs and initializers rewritten; no weight is copied -- copying
+    a BERT-base's 440 MB of initializers between protobuf messages took seconds)."""
     if not isinstance(model, onnx.ModelProto):
         raise ModelError(f"group_model expects an onnx.ModelProto, got {type(model).__name__}")
-    by_name = dict(zip(node_names(model), model.graph.node))
+    names = node_names(model)
+    by_name = dict(zip(names, model.graph.node))
     missing = [n for n in group.nodes if n not in by_name]
     if missing:
         raise ModelError(f"group node{'s' if len(missing) > 1 else ''} not in the model: "
@@ -406,16 +412,34 @@ def group_model(model: onnx.ModelProto, group: Group) -> onnx.ModelProto:
         raise ModelError(f"group initializer '{absent[0]}' is not in the model")
     types = _Types(model)
     params = _DimNames(model)
-    g = onnx.GraphProto(name=f"{model.graph.name or 'graph'}_cannc_group")
+    ins = []
     for v in group.inputs:
         vi = types.get(v)
         if vi is None:
             raise ModelError(f"group input '{v}': its type is unknown to the model "
                              "(no graph input, value_info or inferred type has it)")
-        g.input.append(params.fill(vi))
+        ins.append(params.fill(vi))
+    outs = []
     for v in group.outputs:
         vi = types.get(v)
-        g.output.append(params.fill(vi) if vi is not None else onnx.ValueInfoProto(name=v))
+        outs.append(params.fill(vi) if vi is not None else onnx.ValueInfoProto(name=v))
+    if inplace and len(group.nodes) == len(names):
+        g = model.graph
+        for node, name in zip(g.node, names):
+            node.name = name
+        del g.input[:]
+        g.input.extend(ins)
+        del g.output[:]
+        g.output.extend(outs)
+        keep = set(group.initializers)
+        for i in reversed(range(len(g.initializer))):
+            if g.initializer[i].name not in keep:
+                del g.initializer[i]
+        model.producer_name = "cannc.ort.partition"
+        return model
+    g = onnx.GraphProto(name=f"{model.graph.name or 'graph'}_cannc_group")
+    g.input.extend(ins)
+    g.output.extend(outs)
     for name in group.nodes:
         c = g.node.add()
         c.CopyFrom(by_name[name])
