@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import traceback
@@ -200,7 +201,8 @@ def run_engine(engine: str, model: str, feeds: dict[str, np.ndarray], *, threads
     build_s = time.perf_counter() - t
     first, times, out = timed(run, warmup, runs)
     outs = {n: savable(a) for n, a in zip(names, out)}
-    rep = {"status": "ok", "engine": engine, "threads": threads, "precision": precision,
+    rep = {"status": "ok", "engine": engine, "pid": os.getpid(), "threads": threads,
+           "precision": precision,
            **time_stats(times), "times_ms": times, "build_s": build_s, "first_run_s": first,
            **rep, "output_names": names, "checksums": checksums(outs)}
     return rep, outs

@@ -123,7 +123,8 @@ class WorkerError(CanncError):
         self.engine, self.stderr = engine, stderr
         tail = " | ".join(line.strip() for line in stderr.strip().splitlines()[-6:]
                           if line.strip())
-        super().__init__(f"the {LABELS.get(engine, engine)} benchmark worker failed: {message}"
+        super().__init__(f"benchmark worker '{engine}' ({LABELS.get(engine, engine)}) failed: "
+                         f"{message}"
                          + (f" (stderr: {tail})" if tail else ""))
 
 
