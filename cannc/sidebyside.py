@@ -235,7 +235,8 @@ def bench(model: str, feeds: dict[str, np.ndarray], *, threads: int, warmup: int
           runs: int = 50, engines: Sequence[str] = ("ort", "cannc"), precision: str = "fp32",
           options: dict[str, Any] | None = None, onnx_model: str | None = None,
           spinning: bool = True, rtol: float | None = None, atol: float | None = None,
-          timeout: float | None = None, workdir: str | None = None) -> dict[str, Any]:
+          timeout: float | None = None, workdir: str | None = None,
+          errors: str = "raise") -> dict[str, Any]:
     """Time each engine in its own process, one after the other, on the same feeds and
     thread count; ORT CPU first (the reference of the ratios and the outputs).
 
@@ -243,7 +244,11 @@ def bench(model: str, feeds: dict[str, np.ndarray], *, threads: int, warmup: int
     `model`). `options` are cannc.compile options besides cores and precision (fusion,
     precision lists). Returns {"engines": {engine: figures}, engine: figures (the same),
     "ratios": {engine: median / ORT CPU median}, "ratio": cannc / ORT CPU,
-    "outputs": {engine: comparison}, "outputs_agree", "skipped"}; times in ms."""
+    "outputs": {engine: comparison}, "outputs_agree", "skipped", "failed"}; times in ms.
+    A failing worker raises WorkerError; with errors="record" a failing engine other than
+    ORT CPU (the reference) is recorded in "failed" ({engine: message}) instead."""
+    if errors not in ("raise", "record"):
+        raise CanncError(f"errors must be 'raise' or 'record', got {errors!r}")
     bad = [e for e in engines if e not in ENGINES]
     if bad:
         raise CanncError(f"unknown benchmark engine(s) {bad}; known: {', '.join(ENGINES)}")
@@ -254,19 +259,26 @@ def bench(model: str, feeds: dict[str, np.ndarray], *, threads: int, warmup: int
         reps: dict[str, dict[str, Any]] = {}
         outs: dict[str, dict[str, np.ndarray]] = {}
         skipped: dict[str, str] = {}
+        failed: dict[str, str] = {}
         for eng in order:
             out_path = str(Path(tmp) / f"{eng.replace('+', '_')}.out.npz")
             src = model if eng == "cannc" else (onnx_model or model)
-            rep = run_worker(eng, src, feeds_path, threads=threads, warmup=warmup, runs=runs,
-                             precision=precision if eng != "ort" else "fp32",
-                             options=options if eng == "cannc" else None, outputs=out_path,
-                             spinning=spinning, timeout=timeout)
+            try:
+                rep = run_worker(eng, src, feeds_path, threads=threads, warmup=warmup,
+                                 runs=runs, precision=precision if eng != "ort" else "fp32",
+                                 options=options if eng == "cannc" else None,
+                                 outputs=out_path, spinning=spinning, timeout=timeout)
+            except WorkerError as e:
+                if errors != "record" or eng == "ort":
+                    raise
+                failed[eng] = str(e)
+                continue
             if rep.get("status") == "skipped":
                 skipped[eng] = rep.get("note", "skipped")
                 continue
-            reps[eng] = {k: v for k, v in rep.items() if k not in ("status", "times_ms")}
+            reps[eng] = {k: v for k, v in rep.items() if k != "status"}
             outs[eng] = load_arrays(out_path)
-    res: dict[str, Any] = {"engines": reps, **reps, "skipped": skipped}
+    res: dict[str, Any] = {"engines": reps, **reps, "skipped": skipped, "failed": failed}
     ref_ms = reps["ort"]["median_ms"]
     res["ratios"] = {e: r["median_ms"] / ref_ms for e, r in reps.items()}
     if "cannc" in reps:
