@@ -20,7 +20,6 @@ min_group_size. ORT's EPContext settings (ep.context_enable...) save the compile
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 from ..errors import CanncError
@@ -60,6 +59,9 @@ def register(name: str = "cannc") -> str:
         if name in _registered:
             return name
         path = library_path()
+        if ep_devices():          # the user registered the library already, under some name
+            _registered[name] = path
+            return name
         try:
             ort.register_execution_provider_library(name, path)
         except Exception as e:
@@ -126,4 +128,3 @@ def assignment(sess: Any) -> dict[str, list[str]]:
 
 __all__ = ["EP_NAME", "OPTIONS", "assignment", "ep_devices", "library_path", "profiles",
            "register", "session", "session_options"]
-_ = Sequence

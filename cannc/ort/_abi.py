@@ -41,8 +41,8 @@ ONNX_TYPE_TENSOR = 1
 LOG_VERBOSE, LOG_INFO, LOG_WARNING, LOG_ERROR = 0, 1, 2, 3
 
 P = c_void_p
-Status = c_void_p          # OrtStatus*, NULL = success
-# ctypes turns a returned None into NULL only for c_void_p restypes; keep statuses c_void_p
+Status = c_void_p          # OrtStatus*, NULL = success (what callbacks return)
+STATUS = object()          # in the slot tables: returns an OrtStatus* (raise on error)
 
 # -- OrtApi slots (index in the function table; ORT 1.29 headers, checked on 1.32) ---------
 OrtApiSlots = {
@@ -50,75 +50,75 @@ OrtApiSlots = {
     "CreateStatus": (0, P, [c_int, c_char_p]),
     "GetErrorCode": (1, c_int, [P]),
     "GetErrorMessage": (2, c_char_p, [P]),
-    "GetTensorMutableData": (51, Status, [P, POINTER(P)]),
-    "CastTypeInfoToTensorInfo": (55, Status, [P, POINTER(P)]),
-    "GetOnnxTypeFromTypeInfo": (56, Status, [P, POINTER(c_int)]),
-    "GetTensorElementType": (60, Status, [P, POINTER(c_int)]),
-    "GetDimensionsCount": (61, Status, [P, POINTER(c_size_t)]),
-    "GetDimensions": (62, Status, [P, POINTER(c_int64), c_size_t]),
-    "GetSymbolicDimensions": (63, Status, [P, POINTER(c_char_p), c_size_t]),
-    "GetTensorTypeAndShape": (65, Status, [P, POINTER(P)]),
+    "GetTensorMutableData": (51, STATUS, [P, POINTER(P)]),
+    "CastTypeInfoToTensorInfo": (55, STATUS, [P, POINTER(P)]),
+    "GetOnnxTypeFromTypeInfo": (56, STATUS, [P, POINTER(c_int)]),
+    "GetTensorElementType": (60, STATUS, [P, POINTER(c_int)]),
+    "GetDimensionsCount": (61, STATUS, [P, POINTER(c_size_t)]),
+    "GetDimensions": (62, STATUS, [P, POINTER(c_int64), c_size_t]),
+    "GetSymbolicDimensions": (63, STATUS, [P, POINTER(c_char_p), c_size_t]),
+    "GetTensorTypeAndShape": (65, STATUS, [P, POINTER(P)]),
     "ReleaseStatus": (93, None, [P]),
     "ReleaseValue": (96, None, [P]),
     "ReleaseTensorTypeAndShapeInfo": (99, None, [P]),
-    "CreateOpAttr": (211, Status, [c_char_p, P, c_int, c_int, POINTER(P)]),
+    "CreateOpAttr": (211, STATUS, [c_char_p, P, c_int, c_int, POINTER(P)]),
     "ReleaseOpAttr": (212, None, [P]),
-    "HasSessionConfigEntry": (237, Status, [P, c_char_p, POINTER(c_int)]),
-    "GetSessionConfigEntry": (238, Status, [P, c_char_p, c_char_p, POINTER(c_size_t)]),
-    "Logger_LogMessage": (247, Status, [P, c_int, c_char_p, c_char_p, c_int, c_char_p]),
-    "ReadOpAttr": (272, Status, [P, c_int, P, c_size_t, POINTER(c_size_t)]),
-    "GetValueInfoName": (289, Status, [P, POINTER(c_char_p)]),
-    "GetValueInfoTypeInfo": (290, Status, [P, POINTER(P)]),
+    "HasSessionConfigEntry": (237, STATUS, [P, c_char_p, POINTER(c_int)]),
+    "GetSessionConfigEntry": (238, STATUS, [P, c_char_p, c_char_p, POINTER(c_size_t)]),
+    "Logger_LogMessage": (247, STATUS, [P, c_int, c_char_p, c_char_p, c_int, c_char_p]),
+    "ReadOpAttr": (272, STATUS, [P, c_int, P, c_size_t, POINTER(c_size_t)]),
+    "GetValueInfoName": (289, STATUS, [P, POINTER(c_char_p)]),
+    "GetValueInfoTypeInfo": (290, STATUS, [P, POINTER(P)]),
     "GetModelEditorApi": (291, P, []),
     "GetKeyValuePairs": (298, None, [P, POINTER(POINTER(c_char_p)), POINTER(POINTER(c_char_p)),
                                      POINTER(c_size_t)]),
     "ReleaseKeyValuePairs": (300, None, [P]),
     "HardwareDevice_Type": (307, c_int, [P]),
     "GetEpApi": (317, P, []),
-    "ValueInfo_GetInitializerValue": (326, Status, [P, POINTER(P)]),
-    "ValueInfo_IsConstantInitializer": (331, Status, [P, POINTER(c_bool)]),
-    "Graph_GetOnnxIRVersion": (335, Status, [P, POINTER(c_int64)]),
-    "Graph_GetNumOperatorSets": (336, Status, [P, POINTER(c_size_t)]),
-    "Graph_GetOperatorSets": (337, Status, [P, POINTER(c_char_p), POINTER(c_int64), c_size_t]),
-    "Graph_GetNumInputs": (338, Status, [P, POINTER(c_size_t)]),
-    "Graph_GetInputs": (339, Status, [P, POINTER(P), c_size_t]),
-    "Graph_GetNumOutputs": (340, Status, [P, POINTER(c_size_t)]),
-    "Graph_GetOutputs": (341, Status, [P, POINTER(P), c_size_t]),
-    "Graph_GetNumInitializers": (342, Status, [P, POINTER(c_size_t)]),
-    "Graph_GetInitializers": (343, Status, [P, POINTER(P), c_size_t]),
-    "Graph_GetNumNodes": (344, Status, [P, POINTER(c_size_t)]),
-    "Graph_GetNodes": (345, Status, [P, POINTER(P), c_size_t]),
-    "Node_GetId": (348, Status, [P, POINTER(c_size_t)]),
-    "Node_GetName": (349, Status, [P, POINTER(c_char_p)]),
-    "Node_GetOperatorType": (350, Status, [P, POINTER(c_char_p)]),
-    "Node_GetDomain": (351, Status, [P, POINTER(c_char_p)]),
-    "Node_GetSinceVersion": (352, Status, [P, POINTER(c_int)]),
-    "Node_GetNumInputs": (353, Status, [P, POINTER(c_size_t)]),
-    "Node_GetInputs": (354, Status, [P, POINTER(P), c_size_t]),
-    "Node_GetNumOutputs": (355, Status, [P, POINTER(c_size_t)]),
-    "Node_GetOutputs": (356, Status, [P, POINTER(P), c_size_t]),
-    "Node_GetNumImplicitInputs": (357, Status, [P, POINTER(c_size_t)]),
-    "Node_GetImplicitInputs": (358, Status, [P, POINTER(P), c_size_t]),
-    "Node_GetNumAttributes": (359, Status, [P, POINTER(c_size_t)]),
-    "Node_GetAttributes": (360, Status, [P, POINTER(P), c_size_t]),
-    "Node_GetAttributeByName": (361, Status, [P, c_char_p, POINTER(P)]),
-    "OpAttr_GetTensorAttributeAsOrtValue": (362, Status, [P, POINTER(P)]),
-    "OpAttr_GetType": (363, Status, [P, POINTER(c_int)]),
-    "OpAttr_GetName": (364, Status, [P, POINTER(c_char_p)]),
-    "Node_GetNumSubgraphs": (365, Status, [P, POINTER(c_size_t)]),
-    "GetTensorData": (378, Status, [P, POINTER(P)]),
-    "GetSessionOptionsConfigEntries": (379, Status, [P, POINTER(P)]),
+    "ValueInfo_GetInitializerValue": (326, STATUS, [P, POINTER(P)]),
+    "ValueInfo_IsConstantInitializer": (331, STATUS, [P, POINTER(c_bool)]),
+    "Graph_GetOnnxIRVersion": (335, STATUS, [P, POINTER(c_int64)]),
+    "Graph_GetNumOperatorSets": (336, STATUS, [P, POINTER(c_size_t)]),
+    "Graph_GetOperatorSets": (337, STATUS, [P, POINTER(c_char_p), POINTER(c_int64), c_size_t]),
+    "Graph_GetNumInputs": (338, STATUS, [P, POINTER(c_size_t)]),
+    "Graph_GetInputs": (339, STATUS, [P, POINTER(P), c_size_t]),
+    "Graph_GetNumOutputs": (340, STATUS, [P, POINTER(c_size_t)]),
+    "Graph_GetOutputs": (341, STATUS, [P, POINTER(P), c_size_t]),
+    "Graph_GetNumInitializers": (342, STATUS, [P, POINTER(c_size_t)]),
+    "Graph_GetInitializers": (343, STATUS, [P, POINTER(P), c_size_t]),
+    "Graph_GetNumNodes": (344, STATUS, [P, POINTER(c_size_t)]),
+    "Graph_GetNodes": (345, STATUS, [P, POINTER(P), c_size_t]),
+    "Node_GetId": (348, STATUS, [P, POINTER(c_size_t)]),
+    "Node_GetName": (349, STATUS, [P, POINTER(c_char_p)]),
+    "Node_GetOperatorType": (350, STATUS, [P, POINTER(c_char_p)]),
+    "Node_GetDomain": (351, STATUS, [P, POINTER(c_char_p)]),
+    "Node_GetSinceVersion": (352, STATUS, [P, POINTER(c_int)]),
+    "Node_GetNumInputs": (353, STATUS, [P, POINTER(c_size_t)]),
+    "Node_GetInputs": (354, STATUS, [P, POINTER(P), c_size_t]),
+    "Node_GetNumOutputs": (355, STATUS, [P, POINTER(c_size_t)]),
+    "Node_GetOutputs": (356, STATUS, [P, POINTER(P), c_size_t]),
+    "Node_GetNumImplicitInputs": (357, STATUS, [P, POINTER(c_size_t)]),
+    "Node_GetImplicitInputs": (358, STATUS, [P, POINTER(P), c_size_t]),
+    "Node_GetNumAttributes": (359, STATUS, [P, POINTER(c_size_t)]),
+    "Node_GetAttributes": (360, STATUS, [P, POINTER(P), c_size_t]),
+    "Node_GetAttributeByName": (361, STATUS, [P, c_char_p, POINTER(P)]),
+    "OpAttr_GetTensorAttributeAsOrtValue": (362, STATUS, [P, POINTER(P)]),
+    "OpAttr_GetType": (363, STATUS, [P, POINTER(c_int)]),
+    "OpAttr_GetName": (364, STATUS, [P, POINTER(c_char_p)]),
+    "Node_GetNumSubgraphs": (365, STATUS, [P, POINTER(c_size_t)]),
+    "GetTensorData": (378, STATUS, [P, POINTER(P)]),
+    "GetSessionOptionsConfigEntries": (379, STATUS, [P, POINTER(P)]),
 }
 
 OrtEpApiSlots = {
-    "CreateEpDevice": (0, Status, [P, P, P, P, POINTER(P)]),
-    "EpGraphSupportInfo_AddNodesToFuse": (2, Status, [P, POINTER(P), c_size_t, P]),
-    "EpGraphSupportInfo_AddSingleNode": (3, Status, [P, P]),
+    "CreateEpDevice": (0, STATUS, [P, P, P, P, POINTER(P)]),
+    "EpGraphSupportInfo_AddNodesToFuse": (2, STATUS, [P, POINTER(P), c_size_t, P]),
+    "EpGraphSupportInfo_AddSingleNode": (3, STATUS, [P, P]),
     "NodeComputeContext_NodeName": (4, c_char_p, [P]),
 }
 
 ModelEditorApiSlots = {
-    "CreateNode": (6, Status, [c_char_p, c_char_p, c_char_p, POINTER(c_char_p), c_size_t,
+    "CreateNode": (6, STATUS, [c_char_p, c_char_p, c_char_p, POINTER(c_char_p), c_size_t,
                                POINTER(c_char_p), c_size_t, POINTER(P), c_size_t, POINTER(P)]),
 }
 
@@ -151,7 +151,7 @@ class FunctionTable:
             ptr = ctypes.c_void_p.from_address(self.address + slot * ctypes.sizeof(c_void_p))
             if not ptr.value:
                 raise OrtCallError(name, ORT_FAIL, "this onnxruntime does not provide it")
-            f = CFUNCTYPE(res, *args)(ptr.value)
+            f = CFUNCTYPE(c_void_p if res is STATUS else res, *args)(ptr.value)
             self._fns[name] = f
         return f
 
@@ -159,7 +159,7 @@ class FunctionTable:
         if name.startswith("_") or name not in self._slots:
             raise AttributeError(name)
         f = self.fn(name)
-        if self._slots[name][1] is not Status:
+        if self._slots[name][1] is not STATUS:
             return f
 
         def call(*args: Any) -> None:

@@ -249,15 +249,25 @@ class ProgramRecord:
     Keeps the Program, its Contexts and every array the records point to alive: drop it
     only once the node holding it is freed."""
 
-    def __init__(self, prog: Program, ctx: Context, *, profile: bool = False) -> None:
+    def __init__(self, prog: Program, ctx: Context, *, profile: bool = False,
+                 inputs: Sequence[str] | None = None,
+                 outputs: Sequence[str] | None = None) -> None:
         if not isinstance(prog, Program):
             raise CanncError(f"native compute needs a cannc runtime Program, got "
                              f"{type(prog).__name__} (a model with runtime control flow "
                              "runs a host program)")
         g = prog.spec.graph
         self.program = prog
-        self.input_names = list(prog.input_names)
-        self.output_names = list(g.outputs)
+        # the node's order of inputs and outputs (an ORT fused node's), default the program's
+        self.input_names = list(prog.input_names) if inputs is None else list(inputs)
+        self.output_names = list(g.outputs) if outputs is None else list(outputs)
+        for kind, names, known in (("input", self.input_names, prog.input_names),
+                                   ("output", self.output_names, g.outputs)):
+            bad = [n for n in names if n not in known]
+            if bad or len(set(names)) != len(names):
+                raise CanncError(f"program_record: {kind}s {names} are not distinct "
+                                 f"{kind}s of the program ({list(known)})")
+        self._out_index = [list(g.outputs).index(n) for n in self.output_names]
         in_dims: list[int] = []
         out_dims: list[int] = []
         for names, dims in ((self.input_names, in_dims), (self.output_names, out_dims)):
@@ -322,7 +332,8 @@ class ProgramRecord:
                                  "native compute cannot feed it")
             ins.append(a)
         outs = []
-        for n, v in zip(self.output_names, ctx.outputs):
+        for n, j in zip(self.output_names, self._out_index):
+            v = ctx.outputs[j]
             if not v.flags.c_contiguous:
                 raise CanncError(f"output '{n}' is not contiguous in device memory")
             outs.append(v.ctypes.data)
@@ -362,11 +373,14 @@ class ProgramRecord:
         return a, int(self.struct.prof_runs)
 
 
-def program_record(prog: Program, ctx: Context, *, profile: bool = False) -> ProgramRecord:
+def program_record(prog: Program, ctx: Context, *, profile: bool = False,
+                   inputs: Sequence[str] | None = None,
+                   outputs: Sequence[str] | None = None) -> ProgramRecord:
     """The shim's records of `prog` and its context `ctx` (taken with prog.acquire() and
     left busy: the shim owns it from now on); `profile` gives the record per-kernel cycle
-    sums the shim adds into."""
-    return ProgramRecord(prog, ctx, profile=profile)
+    sums the shim adds into; `inputs` / `outputs`: the node's order of the program's
+    inputs and outputs (default: the program's)."""
+    return ProgramRecord(prog, ctx, profile=profile, inputs=inputs, outputs=outputs)
 
 
 # -- one fused node -------------------------------------------------------------------------

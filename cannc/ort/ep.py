@@ -26,7 +26,6 @@ from __future__ import annotations
 import ctypes
 import io
 import logging
-import os
 import threading
 import traceback
 from collections.abc import Callable
@@ -42,6 +41,7 @@ from ..errors import CanncError
 from ..ir.ops import all_ops, lookup
 from ..ir.registry import Amp, amp_class
 from ..passes.precision import PRECISIONS
+from ..runtime.profiler import machine_peaks
 from ..runtime.program import Program
 from ..schedule.machine import usable_cores
 from ..session import Session, load
@@ -193,7 +193,7 @@ def _guarded(api_of: Callable[[], FunctionTable | None], what: str,
         def wrapper(*args: Any) -> Any:
             try:
                 return fn(*args)
-            except BaseException as e:  # noqa: BLE001 - everything must become a status
+            except BaseException as e:
                 msg = f"{EP_NAME} {what}: {e}" if isinstance(e, CanncError) else (
                     f"{EP_NAME} {what}: internal error: {type(e).__name__}: {e}")
                 log.error("%s\n%s", msg, traceback.format_exc())
@@ -219,7 +219,7 @@ class Factory:
         self._texts = {k: _Text(v) for k, v in
                        (("name", EP_NAME), ("vendor", VENDOR), ("version", __version__))}
         self.providers: dict[int, Provider] = {}
-        g = lambda what, d="status": _guarded(lambda: self.api, what, d)  # noqa: E731
+        g = lambda what, d="status": _guarded(lambda: self.api, what, d)
         self._cbs = [
             _abi.F_GetName(g("GetName", None)(lambda this: self._texts["name"].address)),
             _abi.F_GetVendor(g("GetVendor", None)(lambda this: self._texts["vendor"].address)),
@@ -321,11 +321,9 @@ class NodeCompute:
     inputs: list[str]             # in the fused node's order
     outputs: list[str]
     info: _abi.OrtNodeComputeInfo | None = None
-    node: int = 0                 # the shim's cannc_node
-    records: dict[int, Any] = field(default_factory=dict)   # cannc_prog address -> record
-    by_key: dict[tuple, int] = field(default_factory=dict)  # input shapes -> cannc_prog address
+    native: _native.NativeNode | None = None   # the shim's node (CreateState .. ReleaseState)
+    records: list[_native.ProgramRecord] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    callbacks: list[Any] = field(default_factory=list)
 
 
 class Provider:
@@ -338,13 +336,12 @@ class Provider:
         self.options = options
         self.context = context
         self.logger = logger
-        self.lib = _native.load()
         self.groups: dict[frozenset[str], CompiledGroup] = {}
         self.computes: dict[int, NodeCompute] = {}
         self.model_path = ""
         self.messages: list[str] = []
         self._name = _Text(EP_NAME)
-        g = lambda what, d="status": _guarded(lambda: self.api, what, d)  # noqa: E731
+        g = lambda what, d="status": _guarded(lambda: self.api, what, d)
         self._cbs = [
             _abi.E_GetName(g("GetName", None)(lambda this: self._name.address)),
             _abi.E_GetCapability(g("GetCapability")(self._get_capability)),
@@ -353,14 +350,8 @@ class Provider:
         ]
         self._create_state = _abi.N_CreateState(g("CreateState")(self._create_state_cb))
         self._release_state = _abi.N_ReleaseState(g("ReleaseState", None)(self._release_state_cb))
-        self._specialize = _native.SPECIALIZE_FN(self._specialize_cb)
-        self._grow = _native.GROW_FN(self._grow_cb)
         self.struct = _abi.OrtEp(ORT_VERSION, *self._cbs)
         self.fusion_options = _abi.OrtNodeFusionOptions(ORT_VERSION, True)
-        if options.cores and options.cores > 1:
-            self.lib.cannc_pool_reserve(options.cores)
-        elif usable_cores() > 1:
-            self.lib.cannc_pool_reserve(usable_cores())
 
     @property
     def address(self) -> int:
@@ -378,7 +369,7 @@ class Provider:
             try:
                 self.api.Logger_LogMessage(self.logger, level, f"[{EP_NAME}] {msg}".encode(),
                                            b"cannc/ort/ep.py", 0, b"cannc")
-            except Exception:   # noqa: BLE001 - logging must never fail a call
+            except Exception:
                 pass
 
     # -- GetCapability ----------------------------------------------------------------------
@@ -442,7 +433,7 @@ class Provider:
             cg.session = sess
         except CanncError as e:
             cg.error = f"{type(e).__name__}: {e}"
-        except Exception as e:  # noqa: BLE001 - any failure leaves the group to ORT
+        except Exception as e:
             cg.error = f"internal error: {type(e).__name__}: {e}"
         if cg.error is not None:
             self.say(_abi.LOG_WARNING,
@@ -473,7 +464,7 @@ class Provider:
                 src = path
             sess = load(src, cores=self.options.cores or None)
             cg.session = sess
-        except Exception as e:  # noqa: BLE001 - a damaged context fails this session clearly
+        except Exception as e:
             cg.error = f"EPContext node '{n.name}': {type(e).__name__}: {e}"
             self.say(_abi.LOG_ERROR, cg.error)
         self.groups[key] = cg
@@ -495,7 +486,7 @@ class Provider:
             fname = _cstr(self.api, "Node_GetName", fused[i])
             nc = NodeCompute(cg, fname, ins, outs)
             nc.info = _abi.OrtNodeComputeInfo(
-                ORT_VERSION, self._create_state, self.lib.compute_address(), self._release_state)
+                ORT_VERSION, self._create_state, _native.compute_address(), self._release_state)
             made.append(nc)
         for i, nc in enumerate(made):
             assert nc.info is not None
@@ -531,16 +522,19 @@ class Provider:
         try:
             ed.CreateNode(b"EPContext", b"com.microsoft", nc.name.encode(), ins, len(nc.inputs),
                           outs, len(nc.outputs), arr, len(attrs), byref(node))
-        finally:
+        except BaseException:
             for a in attrs:
                 self.api.ReleaseOpAttr(a)
+            raise
+        # the node owns the attributes now: releasing them too aborts in ORT 1.32 (a double
+        # free, whatever the header's "OrtOpAttr instances are copied" says)
         del keep_i, keep_o
         return node.value or 0
 
     def _release_infos(self, this: int, infos: Any, n: int) -> None:
         for i in range(n):
             nc = self.computes.get(infos[i] or 0)
-            if nc is not None and not nc.node:
+            if nc is not None and nc.native is None:
                 self.computes.pop(infos[i], None)
 
     # -- compute state (once per fused node, Python) ----------------------------------------
@@ -548,81 +542,43 @@ class Provider:
         nc = self.computes[this]
         sess = nc.group.session
         assert sess is not None
-        gin = sess.graph.inputs
-        order_in = [gin.index(v) if v in gin else -1 for v in nc.inputs]
-        missing = [v for v, j in zip(nc.inputs, order_in) if j < 0]
-        if missing:
-            raise CanncError(f"fused node '{nc.name}' has inputs {missing} that its cannc "
-                             f"program does not read")
-        gout = sess.graph.outputs
-        order_out = [gout.index(v) for v in nc.outputs]
-        ranks_in = [len(sess.graph.values[gin[j]].shape) for j in order_in]
-        ranks_out = [len(sess.graph.values[gout[j]].shape) for j in order_out]
-        nc.order = (order_in, order_out)  # type: ignore[attr-defined]
-        ncores = sess.cores
-        user = c_void_p(this)
-        nc.node = self.lib.new_node(self.api.address, ranks_in, ranks_out, ncores,
-                                    self._specialize, self._grow, user)
-        for key, prog in list(sess._programs.items()):
-            if isinstance(prog, Program):
-                rec = self._record(nc, prog)
-                self.lib.cannc_node_add_program(nc.node, rec)
-        state[0] = nc.node
+        gin, gout = sess.graph.inputs, sess.graph.outputs
+        missing = [v for v in nc.inputs if v not in gin]
+        if missing or [v for v in nc.outputs if v not in gout]:
+            raise CanncError(f"fused node '{nc.name}' has inputs {nc.inputs} and outputs "
+                             f"{nc.outputs}; its cannc program reads {gin} and makes {gout}")
+        ranks_in = [len(sess.graph.values[v].shape) for v in nc.inputs]
+        ranks_out = [len(sess.graph.values[v].shape) for v in nc.outputs]
 
-    def _record(self, nc: NodeCompute, prog: Program) -> int:
-        order_in, order_out = nc.order  # type: ignore[attr-defined]
-        rec = _native.program_record(prog, prog.acquire(), order_in, order_out,
-                                     profiling=self.options.profiling)
-        addr = rec.address
-        nc.records[addr] = rec
-        return addr
-
-    def _specialize_cb(self, user: int, dims: Any, err: Any, errlen: int) -> int:
-        try:
-            nc = self.computes[user]
-            sess = nc.group.session
-            assert sess is not None
-            order_in, _ = nc.order  # type: ignore[attr-defined]
-            shapes: dict[str, tuple[int, ...]] = {}
-            pos = 0
-            for j in order_in:
-                name = sess.graph.inputs[j]
-                r = len(sess.graph.values[name].shape)
-                shapes[name] = tuple(int(dims[pos + k]) for k in range(r))
-                pos += r
+        def specialize(shapes: tuple[tuple[int, ...], ...]) -> _native.ProgramRecord:
             with nc.lock:
-                prog = sess.specialize(shapes)
+                prog = sess.specialize(dict(zip(nc.inputs, shapes)))
                 if not isinstance(prog, Program):
-                    raise CanncError("these shapes need host control flow")
+                    raise CanncError(f"input shapes {list(shapes)} need host control flow")
                 return self._record(nc, prog)
-        except BaseException as e:  # noqa: BLE001 - into the error buffer, never to ctypes
-            _write_err(err, errlen, f"{EP_NAME} node: cannot specialise for these input "
-                                    f"shapes: {type(e).__name__}: {e}")
-            log.error("specialise failed\n%s", traceback.format_exc())
-            return 0
 
-    def _grow_cb(self, user: int, prog_addr: int, err: Any, errlen: int) -> int:
-        try:
-            nc = self.computes[user]
-            with nc.lock:
-                rec = nc.records[prog_addr]
-                return rec.add_context()
-        except BaseException as e:  # noqa: BLE001
-            _write_err(err, errlen, f"{EP_NAME} node: cannot make an execution context: "
-                                    f"{type(e).__name__}: {e}")
-            return 0
+        node = _native.NativeNode(self.api.address, ranks_in, ranks_out, cores=sess.cores,
+                                  specialize=specialize, name=nc.name, input_names=nc.inputs)
+        nc.native = node
+        for prog in list(sess._programs.values()):
+            if isinstance(prog, Program):
+                node.add_program(self._record(nc, prog))
+        state[0] = node.compute_state
+
+    def _record(self, nc: NodeCompute, prog: Program) -> _native.ProgramRecord:
+        rec = _native.program_record(prog, prog.acquire(), profile=self.options.profiling,
+                                     inputs=nc.inputs, outputs=nc.outputs)
+        nc.records.append(rec)
+        return rec
 
     def _release_state_cb(self, this: int, state: int) -> None:
         nc = self.computes.pop(this, None)
-        if nc is None:
+        if nc is None or nc.native is None:
             return
-        if nc.node:
-            self.lib.cannc_node_free(nc.node)
-            nc.node = 0
+        nc.native.free()          # waits until no compute of this node is running
         if self.options.profiling:
             _PROFILES.append(profile_of(nc))
-        for rec in nc.records.values():
-            rec.release()
+        nc.native = None
         nc.records.clear()
 
 
@@ -631,10 +587,21 @@ _PROFILES: list[dict[str, Any]] = []
 
 
 def profile_of(nc: NodeCompute) -> dict[str, Any]:
-    """The per-kernel profile of one fused node (its programs' sums, in microseconds)."""
-    out: dict[str, Any] = {"node": nc.name, "nodes": len(nc.group.nodes), "programs": []}
-    for rec in nc.records.values():
-        out["programs"].append(rec.profile())
+    """The per-kernel profile of one fused node: per program (input shapes), the runs
+    profiled and each kernel's mean wall and busy (summed over cores) microseconds."""
+    out: dict[str, Any] = {"node": nc.name, "nodes": len(nc.group.nodes),
+                           "op_types": list(nc.group.op_types), "programs": []}
+    for rec in nc.records:
+        sums, runs = rec.profile()
+        rate = machine_peaks(rec.program)["cycles_per_second"]
+        kernels = []
+        for k, (wall, busy) in zip(rec.program.spec.kernels, sums):
+            kernels.append({"kernel": k.symbol, "op_types": list(k.op_types),
+                            "nodes": list(k.nodes),
+                            "mean_us": float(wall) / max(runs, 1) / rate * 1e6,
+                            "busy_us": float(busy) / max(runs, 1) / rate * 1e6})
+        out["programs"].append({"input_shapes": [list(s) for s in rec.in_shapes],
+                                "runs": runs, "kernels": kernels})
     return out
 
 
@@ -645,13 +612,6 @@ def profiles() -> list[dict[str, Any]]:
 
 
 # -- small helpers ---------------------------------------------------------------------------
-def _write_err(buf: Any, n: int, msg: str) -> None:
-    if not buf or n <= 0:
-        return
-    data = msg.encode("utf-8", "replace")[:n - 1] + b"\0"
-    ctypes.memmove(buf, data, len(data))
-
-
 def _cstr(api: FunctionTable, fn: str, obj: int) -> str:
     s = c_char_p()
     getattr(api, fn)(obj, byref(s))
@@ -669,7 +629,7 @@ def _model_path(api: FunctionTable, graph: int) -> str:
             api.fn("ReleaseStatus")(st)
             return ""
         return (s.value or b"").decode()
-    except Exception:  # noqa: BLE001 - no model path: contexts resolve against the cwd
+    except Exception:
         return ""
 
 
@@ -742,7 +702,7 @@ def _create_factories(name: bytes | None, api_base: int, logger: int, out: Any, 
         out[0] = f.address
         num[0] = 1
         return None
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:
         log.error("CreateEpFactories failed\n%s", traceback.format_exc())
         _last_error.append(f"{type(e).__name__}: {e}")
         api = _api_cache.get("api")
@@ -752,7 +712,7 @@ def _create_factories(name: bytes | None, api_base: int, logger: int, out: Any, 
 def _release_factory(factory: int) -> int | None:
     try:
         _factories.pop(factory or 0, None)
-    except BaseException:  # noqa: BLE001
+    except BaseException:
         log.error("ReleaseEpFactory failed\n%s", traceback.format_exc())
     return None
 
@@ -778,4 +738,3 @@ def install_hooks() -> str:
 
 
 __all__ = ["EP_NAME", "OPTIONS", "EpOptions", "install_hooks", "last_error", "profiles"]
-_ = (os,)

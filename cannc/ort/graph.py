@@ -11,7 +11,7 @@ the partitioner sees every edge and never claims it.
 from __future__ import annotations
 
 import ctypes
-from ctypes import POINTER, c_bool, c_char_p, c_float, c_int, c_int64, c_size_t, c_void_p
+from ctypes import c_char_p, c_float, c_int, c_int64, c_size_t, c_void_p
 from dataclasses import dataclass, field
 
 import onnx
@@ -177,7 +177,8 @@ class _Reader:
         if k == ATTR_INTS:
             raw = self._read(attr, k)
             vals = list((c_int64 * (len(raw) // 8)).from_buffer_copy(raw))
-            return helper.make_attribute(name, [int(x) for x in vals], attr_type=onnx.AttributeProto.INTS)
+            return helper.make_attribute(name, [int(x) for x in vals],
+                                         attr_type=onnx.AttributeProto.INTS)
         if k == ATTR_FLOATS:
             raw = self._read(attr, k)
             vals = list((c_float * (len(raw) // 4)).from_buffer_copy(raw))
@@ -352,4 +353,3 @@ def node_attribute_int(api: FunctionTable, node: int, name: str) -> int | None:
 
 __all__ = ["OPAQUE_DOMAIN", "Mirror", "io_names", "mirror_graph", "node_attribute_bytes",
            "node_attribute_int", "node_names"]
-_ = (POINTER, c_bool)
