@@ -364,7 +364,7 @@ def _ep_usable() -> str | None:
     return None
 
 
-def test_bench_ep_adds_ort_plus_cannc_with_assignment(small, capsys):
+def test_bench_ep_adds_ort_plus_cannc_with_assignment(small, capsys, monkeypatch):
     why = _ep_usable()
     if why:
         pytest.skip(why)
@@ -377,11 +377,17 @@ def test_bench_ep_adds_ort_plus_cannc_with_assignment(small, capsys):
     assert a["nodes"] > 0 and 0 < a["fraction"] <= 1 and a["cannc_nodes"] <= a["nodes"]
     assert "CanncExecutionProvider" in rep["ort+cannc"]["providers"]
     assert rep["outputs"]["ort+cannc"]["ok"] and rep["ratios"]["ort+cannc"] > 0
+    # the table, from the same figures (no second run of three processes)
+    import cannc.cli as cli
+    monkeypatch.setattr(cli, "bench", lambda *a, **kw: {
+        k: v for k, v in rep.items() if k not in ("model", "cores", "warmup", "runs")})
     rc, out, err = _run(capsys, "bench", small, "--runs", "2", "--warmup", "0", "--ep",
                         "--cores", "1")
     assert rc == 0, err
-    assert "ORT+cannc" in out and "on CanncExecutionProvider" in out
-    assert "ratio ORT+cannc/ORT CPU" in out
+    a = rep["ort+cannc"]["assignment"]
+    assert (f"{100 * a['fraction']:.1f}% of nodes ({a['cannc_nodes']}/{a['nodes']}) on "
+            "CanncExecutionProvider") in out
+    assert "ORT+cannc" in out and "ratio ORT+cannc/ORT CPU" in out and "cannc alone" in out
 
 
 def test_bench_ep_refuses_options_the_ep_cannot_take(small, capsys):
