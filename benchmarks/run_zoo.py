@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 import onnx
 
 import cannc
-from cannc.sidebyside import bench, ort_session
+from cannc.sidebyside import bench_interleaved, ort_session
 from models import zoo
 
 
@@ -55,7 +55,8 @@ def gemm_figure(runs: int) -> dict:
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     feeds = {"a": rng.standard_normal((n, n)).astype(np.float32)}
     sess = cannc.compile(model, cores=1)
-    r = bench(sess, ort_session(model.SerializeToString(), 1, spinning=False), feeds, 3, runs)
+    r = bench_interleaved(sess, ort_session(model.SerializeToString(), 1, spinning=False),
+                          feeds, 3, runs)
     flop = 2.0 * n ** 3
     peak = measure_fma_peak()
     out = {"shape": [n, n, n], "peak_gflops": peak,
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 sess.run(None, feeds)      # this shape's first run: plan (and code if needed)
                 first_s = time.perf_counter() - t0
-                r = bench(sess, ort_sess, feeds, args.warmup, args.runs)
+                r = bench_interleaved(sess, ort_sess, feeds, args.warmup, args.runs)
                 rows.append({"model": name, "batch": batch, "cores": cores,
                              "shapes": {k: list(v.shape) for k, v in feeds.items()},
                              "cannc": r["cannc"], "ort": r["ort"], "ratio": r["ratio"],

@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cannc
-from cannc.sidebyside import bench, ort_session
+from cannc.sidebyside import bench_interleaved, ort_session
 from models import zoo
 
 
@@ -39,7 +39,7 @@ def main() -> None:
         for cores in (1, 2):
             sess = cannc.compile(model, cores=cores, shapes={k: v.shape for k, v in feeds.items()})
             ort = ort_session(model.SerializeToString(), cores, spinning=False)
-            res[cores] = bench(sess, ort, feeds, 3, args.runs)
+            res[cores] = bench_interleaved(sess, ort, feeds, 3, args.runs)
         c1, c2 = (res[c]["cannc"]["median_ms"] for c in (1, 2))
         o1, o2 = (res[c]["ort"]["median_ms"] for c in (1, 2))
         print(f"{name}: cannc {c1:.2f} -> {c2:.2f} ms (x{c1 / c2:.2f}); onnxruntime "

@@ -4,13 +4,15 @@
     cannc run model.cnc --check                 # cannc vs onnxruntime on the same inputs
     cannc check model.onnx                      # every node: supported, folded, or why not
     cannc inspect model.onnx --json             # kernels, FLOPs, bytes, memory plan, passes
-    cannc bench model.onnx --cores 4            # cannc and onnxruntime side by side
+    cannc bench model.onnx --cores 4 [--ep]     # cannc, onnxruntime (+ cannc's EP), each
+                                                # in its own process
     cannc tune model.onnx --budget 60           # measure GEMM tilings, keep winners (cache)
     cannc ops                                   # the supported ops
 
 Every cannc.CanncError is reported as `error: <message>` on stderr with exit code 2
 (`--debug` adds the traceback). `run --check` exits 1 when an output differs from
-onnxruntime, `check` exits 1 when a node cannot be compiled.
+onnxruntime, `check` exits 1 when a node cannot be compiled, `bench` exits 1 when an
+engine's outputs differ from ORT CPU's.
 
 This module parses and prints; the reports are the library's (`cannc.check` /
 `cannc.compiler.report`, `Session.inspect` / `cannc.compiler.inspect`).
@@ -48,7 +50,7 @@ from .export import save_fused_graph
 from .passes.precision import PRECISIONS
 from .schedule.machine import cpu_model, usable_cores
 from .session import Session, load
-from .sidebyside import bench, compare, ort_run, ort_session
+from .sidebyside import LABELS, bench, compare, ort_run, ort_session
 
 # onnxruntime is imported inside the verbs that use it (run --check, bench): it takes a
 # few tenths of a second to import, which `cannc check` or `cannc --version` need not wait.
@@ -619,34 +621,74 @@ def cmd_tune(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import onnxruntime as ort
-
-    sess = _open(args.model, cores=args.cores, fusion=_fusion_opt(args),
-                 precision=_precision_opt(args))
+    # the parent only opens the model (checking the options) and makes the feeds; every
+    # engine compiles and runs in a process of its own (cannc.sidebyside.bench)
+    prec, fusion = _precision_opt(args), _fusion_opt(args)
+    sess = _open(args.model, cores=args.cores, fusion=fusion, precision=prec)
     feeds = _make_feeds(sess, [], dict(args.shape or []), args.seed, args.int_high)
-    sess.run(None, feeds)  # compile this specialisation outside the timing
-    ort_sess = ort_session(_onnx_source(args.model), sess.cores, spinning=args.ort_spin)
-    ort_run(ort_sess, feeds)
-    res = bench(sess, ort_sess, feeds, args.warmup, args.runs)
-    res.update(model=args.model, cores=sess.cores, warmup=args.warmup, runs=args.runs,
-               ort_spinning=args.ort_spin,
+    prec = dict(prec)
+    precision = prec.pop("precision")
+    options = {**prec, **({} if fusion is True else {"fusion": fusion})}
+    if args.ep and options:
+        raise CliError("--ep: cannc's execution provider takes --precision only (not "
+                       "--allow/--deny/--follow/--keep-fp32/--no-fusion/--fusion-switch), so "
+                       "the engines would not compile the same thing")
+    engines = ["ort", "cannc"] + (["ort+cannc"] if args.ep else [])
+    threads = sess.cores
+    with tempfile.TemporaryDirectory(prefix="cannc_bench_") as tmp:
+        onnx_model = args.model
+        if _is_artifact(args.model):   # ORT reads the model stored in the artifact
+            onnx_model = str(Path(tmp) / "model.onnx")
+            Path(onnx_model).write_bytes(_onnx_source(args.model))  # type: ignore[arg-type]
+        res = bench(args.model, feeds, threads=threads, warmup=args.warmup, runs=args.runs,
+                    engines=engines, precision=precision, options=options or None,
+                    onnx_model=onnx_model, spinning=args.ort_spin, rtol=args.rtol,
+                    atol=args.atol, timeout=args.timeout, workdir=tmp)
+    res.update(model=args.model, cores=threads, warmup=args.warmup, runs=args.runs,
+               precision=precision, ort_spinning=args.ort_spin, processes="one per engine",
                input_shapes={n: list(a.shape) for n, a in feeds.items()},
-               onnxruntime=ort.__version__)
+               onnxruntime=res["ort"]["version"])
+    rc = 0 if res["outputs_agree"] else 1
     if args.json:
         _print_json(res)
-        return 0
+        return rc
     print(f"{args.model}: {_fmt_shapes({n: a.shape for n, a in feeds.items()})}; "
-          f"{sess.cores} thread(s) each; {args.warmup} warmup + {args.runs} interleaved runs"
+          f"{threads} thread(s) each, each engine in its own process; {args.warmup} warmup "
+          f"+ {args.runs} runs" + ("" if precision == "fp32" else f"; cannc {precision}")
           + ("" if args.ort_spin else "; onnxruntime thread spinning off"))
-    rows = [[label, f"{r['median_ms']:.3f}", f"{r['p10_ms']:.3f}", f"{r['p90_ms']:.3f}"]
-            for label, r in (("cannc", res["cannc"]),
-                             (f"onnxruntime {ort.__version__}", res["ort"]))]
-    print(_table(["", "median ms", "p10 ms", "p90 ms"], rows, right=(1, 2, 3)))
+    rows = []
+    for eng in engines:
+        r = res["engines"].get(eng)
+        label = LABELS[eng] + (f" (onnxruntime {r['version']})" if r and eng == "ort" else "")
+        if r is None:
+            rows.append([label, "-", "-", "-", "-", res["skipped"].get(eng, "skipped")])
+            continue
+        if eng == "ort":
+            agree = "reference"
+        else:
+            cmp = res["outputs"][eng]
+            agree = (f"agree (max abs {cmp['max_abs']:.2g})" if cmp["ok"] else
+                     "DIFFER: " + "; ".join(f"{o['name']}: {o['problem']} (max abs "
+                                            f"{o.get('max_abs', 0):.3g})"
+                                            for o in cmp["outputs"] if not o["ok"]))
+        if eng == "ort+cannc":
+            a = r["assignment"]
+            agree += (f"; {100 * a['fraction']:.1f}% of nodes ({a['cannc_nodes']}/"
+                      f"{a['nodes']}) on CanncExecutionProvider")
+        rows.append([label, f"{r['median_ms']:.3f}", f"{r['p10_ms']:.3f}",
+                     f"{r['p90_ms']:.3f}", f"{res['ratios'][eng]:.3f}", agree])
+    print(_table(["", "median ms", "p10 ms", "p90 ms", "/ORT CPU", "outputs"], rows,
+                 right=(1, 2, 3, 4)))
     ratio = res["ratio"]
     verdict = (f"cannc is {1 / ratio:.2f}x faster" if ratio < 1
                else f"cannc is {ratio:.2f}x slower")
     print(f"ratio cannc/ort: {ratio:.3f} ({verdict})")
-    return 0
+    if "ort+cannc" in res["engines"]:
+        r = res["ratios"]["ort+cannc"]
+        print(f"ratio ORT+cannc/ORT CPU: {r:.3f}; ORT+cannc/cannc alone: {r / ratio:.3f}")
+    if rc:
+        print("outputs differ from ORT CPU's (see above)", file=sys.stderr)
+    return rc
 
 
 # ---------------------------------------------------------------------------------------
@@ -833,7 +875,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--why-limit", type=int, default=20, metavar="N",
                    help="how many not-fused pairs to print (default 20)")
 
-    p = verb("bench", cmd_bench, "benchmark cannc against onnxruntime on the same inputs")
+    p = verb("bench", cmd_bench, "benchmark cannc against onnxruntime on the same inputs, "
+                                 "each engine in its own process")
     p.add_argument("model", help="ONNX model or .cnc artifact")
     precision_opts(p)
     cores_opt(p)
@@ -842,9 +885,22 @@ def _parser() -> argparse.ArgumentParser:
     fusion_opts(p)
     p.add_argument("--warmup", type=_int_at_least(0), default=5)
     p.add_argument("--runs", type=_int_at_least(1), default=50)
-    p.add_argument("--ort-spin", action="store_true",
-                   help="let onnxruntime's idle threads busy-wait (its default; off here "
-                        "because spinning threads steal the cores of the interleaved cannc runs)")
+    spin = p.add_mutually_exclusive_group()
+    spin.add_argument("--ort-spin", dest="ort_spin", action="store_true", default=True,
+                      help="let onnxruntime's idle pool threads busy-wait (its default, and "
+                           "here: each engine runs in its own process)")
+    spin.add_argument("--ort-no-spin", dest="ort_spin", action="store_false",
+                      help="onnxruntime's idle pool threads sleep "
+                           "(session.intra_op.allow_spinning=0)")
+    p.add_argument("--ep", action="store_true",
+                   help="also time ORT with cannc's execution provider (ORT+cannc) and report "
+                        "the share of nodes it takes")
+    p.add_argument("--rtol", type=float, default=None,
+                   help="output rtol against ORT CPU (1e-4; 5e-2 for bf16/fp16)")
+    p.add_argument("--atol", type=float, default=None,
+                   help="output atol against ORT CPU (1e-5; 5e-2 for bf16/fp16)")
+    p.add_argument("--timeout", type=_positive_seconds, default=3600.0, metavar="SECONDS",
+                   help="per engine process (default 3600)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = verb("profile", cmd_profile, "per-kernel time, GFLOP/s, GB/s, core use; Chrome trace")

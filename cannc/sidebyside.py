@@ -2,12 +2,25 @@
 
 What `cannc run --check`, `cannc bench`, the benchmarks and the tests use to hold cannc
 against onnxruntime: an ORT CPU session set up the same way every time, a comparison of
-one output within the dtype's tolerance, and interleaved timing of both engines.
+one output within the dtype's tolerance, and timing.
+
+`bench` times each engine in its own process (`python -m cannc.benchproc`, one after the
+other, the same feeds file and thread count): ORT's spinning pool threads would otherwise
+steal the cores of a neighbour in the same process. `bench_interleaved` is the older
+in-process alternation of a cannc and an ORT session (spinning off), kept for the scans
+that want both engines under the same machine noise.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,9 +29,9 @@ from .compiler.shapes import type_string
 from .errors import CanncError
 
 
-def ort_session(source: str | bytes, threads: int, spinning: bool = True) -> Any:
-    """An onnxruntime CPU session as cannc is compared with it: ORT_ENABLE_ALL, `threads`
-    intra-op threads, sequential; `spinning=False` for interleaved timing."""
+def ort_session_options(threads: int, spinning: bool = True) -> Any:
+    """The ``ort.SessionOptions`` of every comparison: ORT_ENABLE_ALL, `threads` intra-op
+    threads, sequential; `spinning=False` stops idle pool threads busy-waiting."""
     import onnxruntime as ort  # lazy: only the comparisons need it (CLI start-up time)
 
     so = ort.SessionOptions()
@@ -30,6 +43,15 @@ def ort_session(source: str | bytes, threads: int, spinning: bool = True) -> Any
         # ORT's idle pool threads otherwise busy-wait after each run and take the cores
         # from the cannc run that follows in an interleaved benchmark.
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return so
+
+
+def ort_session(source: str | bytes, threads: int, spinning: bool = True) -> Any:
+    """An onnxruntime CPU session as cannc is compared with it (`ort_session_options`);
+    `spinning=False` for interleaved timing."""
+    import onnxruntime as ort
+
+    so = ort_session_options(threads, spinning)
     try:
         return ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
     except Exception as e:
@@ -80,10 +102,198 @@ def compare(name: str, got: np.ndarray, exp: np.ndarray, rtol: float | None = No
     return res
 
 
-def bench(sess: Any, ort_sess: Any, feeds: dict[str, np.ndarray], warmup: int,
-          runs: int) -> dict[str, Any]:
-    """Time cannc and onnxruntime alternately (which goes first alternates too), so both
-    see the same machine noise. Times in ms."""
+
+# ---------------------------------------------------------------------------------------
+# timing each engine in its own process
+# ---------------------------------------------------------------------------------------
+
+# the engines `python -m cannc.benchproc` times; ORT's CPU provider is the reference
+ENGINES = ("ort", "cannc", "ort+cannc", "openvino")
+LABELS = {"ort": "ORT CPU", "cannc": "cannc alone", "ort+cannc": "ORT+cannc",
+          "openvino": "OpenVINO"}
+# float outputs of reduced-precision runs against ORT's float32 ones
+LOOSE_TOLERANCE = (5e-2, 5e-2)
+FP32_TOLERANCE = (1e-4, 1e-5)
+
+
+class WorkerError(CanncError):
+    """A benchmark worker failed: names the engine, with the tail of its stderr."""
+
+    def __init__(self, engine: str, message: str, stderr: str = "") -> None:
+        self.engine, self.stderr = engine, stderr
+        tail = " | ".join(line.strip() for line in stderr.strip().splitlines()[-6:]
+                          if line.strip())
+        super().__init__(f"benchmark worker '{engine}' ({LABELS.get(engine, engine)}) failed: "
+                         f"{message}"
+                         + (f" (stderr: {tail})" if tail else ""))
+
+
+def save_arrays(path: str | Path, arrays: dict[str, np.ndarray]) -> None:
+    """Named arrays to an .npz, names kept apart (any name works, order is kept)."""
+    names = list(arrays)
+    np.savez(str(path), __names__=np.array(names, dtype=str),
+             **{f"a{i}": np.asarray(a) for i, a in enumerate(arrays.values())})
+
+
+def load_arrays(path: str | Path) -> dict[str, np.ndarray]:
+    try:
+        with np.load(str(path), allow_pickle=False) as z:
+            names = [str(n) for n in z["__names__"]]
+            return {n: z[f"a{i}"] for i, n in enumerate(names)}
+    except (OSError, KeyError, ValueError) as e:
+        raise CanncError(f"cannot read the arrays file {path}: {e}") from e
+
+
+def worker_command(engine: str, model: str, feeds: str, *, threads: int, warmup: int,
+                   runs: int, precision: str = "fp32", options: dict[str, Any] | None = None,
+                   outputs: str | None = None, spinning: bool = True,
+                   python: str | None = None) -> list[str]:
+    """The command line of one benchmark worker (`python -m cannc.benchproc ...`)."""
+    cmd = [python or sys.executable, "-m", "cannc.benchproc", "--engine", engine,
+           "--model", str(model), "--feeds", str(feeds), "--threads", str(threads),
+           "--warmup", str(warmup), "--runs", str(runs), "--precision", precision]
+    if options:
+        cmd += ["--options", json.dumps(options)]
+    if outputs:
+        cmd += ["--outputs", str(outputs)]
+    if not spinning:
+        cmd.append("--no-spin")
+    return cmd
+
+
+def worker_env(threads: int) -> dict[str, str]:
+    """The worker's environment: this cannc importable first, BLAS/OpenMP pools at
+    `threads`."""
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[var] = str(threads)
+    here = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_worker(engine: str, model: str, feeds: str, *, threads: int, warmup: int, runs: int,
+               precision: str = "fp32", options: dict[str, Any] | None = None,
+               outputs: str | None = None, spinning: bool = True,
+               timeout: float | None = None, python: str | None = None) -> dict[str, Any]:
+    """Time one engine in a fresh process; its JSON report (status "ok" or "skipped").
+    A worker that fails, crashes or times out raises WorkerError naming the engine."""
+    cmd = worker_command(engine, model, feeds, threads=threads, warmup=warmup, runs=runs,
+                         precision=precision, options=options, outputs=outputs,
+                         spinning=spinning, python=python)
+    try:
+        p = subprocess.run(cmd, env=worker_env(threads), capture_output=True, text=True,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (
+            e.stderr or "")
+        raise WorkerError(engine, f"timed out after {timeout:g} s", err) from None
+    except OSError as e:
+        raise WorkerError(engine, f"cannot start {cmd[0]}: {e}") from None
+    rep = None
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                rep = json.loads(line)
+            except ValueError:
+                continue
+            break
+    if rep is None:
+        raise WorkerError(engine, f"exit code {p.returncode}, no report", p.stderr)
+    if rep.get("status") == "error":
+        raise WorkerError(engine, rep.get("error", "unknown error"),
+                          "" if rep.get("clean") else p.stderr)
+    if p.returncode != 0:
+        raise WorkerError(engine, f"exit code {p.returncode}", p.stderr)
+    return rep
+
+
+def compare_all(got: dict[str, np.ndarray], ref: dict[str, np.ndarray], precision: str,
+                rtol: float | None = None, atol: float | None = None) -> dict[str, Any]:
+    """Every reference output against an engine's: float32 within rtol 1e-4 / atol 1e-5,
+    reduced precision (or 16-bit outputs) within 5e-2 / 5e-2, unless rtol/atol are given."""
+    dflt = FP32_TOLERANCE if precision == "fp32" else LOOSE_TOLERANCE
+    per = []
+    for i, (name, exp) in enumerate(ref.items()):
+        if name in got:
+            g = got[name]
+        elif i < len(got):   # engines may name outputs differently: by position
+            g = list(got.values())[i]
+        else:
+            per.append({"name": name, "ok": False, "problem": "output missing"})
+            continue
+        loose = np.asarray(g).dtype.itemsize <= 2 and np.asarray(g).dtype.kind in "fV"
+        rt = rtol if rtol is not None else (LOOSE_TOLERANCE[0] if loose else dflt[0])
+        at = atol if atol is not None else (LOOSE_TOLERANCE[1] if loose else dflt[1])
+        per.append(compare(name, np.asarray(g), exp, rt, at))
+    return {"ok": all(r["ok"] for r in per), "outputs": per,
+            "max_abs": max((r.get("max_abs", 0.0) for r in per), default=0.0),
+            "max_rel": max((r.get("max_rel", 0.0) for r in per), default=0.0)}
+
+
+def bench(model: str, feeds: dict[str, np.ndarray], *, threads: int, warmup: int = 5,
+          runs: int = 50, engines: Sequence[str] = ("ort", "cannc"), precision: str = "fp32",
+          options: dict[str, Any] | None = None, onnx_model: str | None = None,
+          spinning: bool = True, rtol: float | None = None, atol: float | None = None,
+          timeout: float | None = None, workdir: str | None = None,
+          errors: str = "raise") -> dict[str, Any]:
+    """Time each engine in its own process, one after the other, on the same feeds and
+    thread count; ORT CPU first (the reference of the ratios and the outputs).
+
+    `model` is what cannc opens (.onnx or .cnc), `onnx_model` what ORT opens (default
+    `model`). `options` are cannc.compile options besides cores and precision (fusion,
+    precision lists). Returns {"engines": {engine: figures}, engine: figures (the same),
+    "ratios": {engine: median / ORT CPU median}, "ratio": cannc / ORT CPU,
+    "outputs": {engine: comparison}, "outputs_agree", "skipped", "failed"}; times in ms.
+    A failing worker raises WorkerError; with errors="record" a failing engine other than
+    ORT CPU (the reference) is recorded in "failed" ({engine: message}) instead."""
+    if errors not in ("raise", "record"):
+        raise CanncError(f"errors must be 'raise' or 'record', got {errors!r}")
+    bad = [e for e in engines if e not in ENGINES]
+    if bad:
+        raise CanncError(f"unknown benchmark engine(s) {bad}; known: {', '.join(ENGINES)}")
+    order = ["ort"] + [e for e in dict.fromkeys(engines) if e != "ort"]
+    with tempfile.TemporaryDirectory(prefix="cannc_bench_", dir=workdir) as tmp:
+        feeds_path = str(Path(tmp) / "feeds.npz")
+        save_arrays(feeds_path, feeds)
+        reps: dict[str, dict[str, Any]] = {}
+        outs: dict[str, dict[str, np.ndarray]] = {}
+        skipped: dict[str, str] = {}
+        failed: dict[str, str] = {}
+        for eng in order:
+            out_path = str(Path(tmp) / f"{eng.replace('+', '_')}.out.npz")
+            src = model if eng == "cannc" else (onnx_model or model)
+            try:
+                rep = run_worker(eng, src, feeds_path, threads=threads, warmup=warmup,
+                                 runs=runs, precision=precision if eng != "ort" else "fp32",
+                                 options=options if eng == "cannc" else None,
+                                 outputs=out_path, spinning=spinning, timeout=timeout)
+            except WorkerError as e:
+                if errors != "record" or eng == "ort":
+                    raise
+                failed[eng] = str(e)
+                continue
+            if rep.get("status") == "skipped":
+                skipped[eng] = rep.get("note", "skipped")
+                continue
+            reps[eng] = {k: v for k, v in rep.items() if k != "status"}
+            outs[eng] = load_arrays(out_path)
+    res: dict[str, Any] = {"engines": reps, **reps, "skipped": skipped, "failed": failed}
+    ref_ms = reps["ort"]["median_ms"]
+    res["ratios"] = {e: r["median_ms"] / ref_ms for e, r in reps.items()}
+    if "cannc" in reps:
+        res["ratio"] = res["ratios"]["cannc"]
+    res["outputs"] = {e: compare_all(outs[e], outs["ort"], precision, rtol, atol)
+                      for e in reps if e != "ort"}
+    res["outputs_agree"] = all(c["ok"] for c in res["outputs"].values())
+    return res
+
+
+def bench_interleaved(sess: Any, ort_sess: Any, feeds: dict[str, np.ndarray], warmup: int,
+                      runs: int) -> dict[str, Any]:
+    """Time cannc and onnxruntime alternately in THIS process (which goes first alternates
+    too), so both see the same machine noise; make `ort_sess` with spinning=False. Times in
+    ms."""
     def cannc_run() -> None:
         sess.run(None, feeds)
 

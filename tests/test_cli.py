@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -256,10 +257,142 @@ def test_bench_prints_ratio(small, capsys):
     rc, out, err = _run(capsys, "bench", small, "--runs", "3", "--warmup", "1", "--cores", "1")
     assert rc == 0, err
     assert "ratio cannc/ort" in out and "median ms" in out and "onnxruntime" in out
-    rc, out, _ = _run(capsys, "bench", small, "--runs", "3", "--warmup", "0", "--json")
+    assert "each engine in its own process" in out and "ORT CPU" in out
+    assert "cannc alone" in out and "agree" in out and "ORT+cannc" not in out
+
+
+def test_bench_json_every_engine_in_its_own_process(small, capsys, monkeypatch):
+    import cannc.sidebyside as sbs
+    pids = []
+    real = sbs.run_worker
+
+    def spy(engine, *a, **kw):
+        rep = real(engine, *a, **kw)
+        pids.append((engine, rep["pid"]))
+        return rep
+    monkeypatch.setattr(sbs, "run_worker", spy)
+    rc, out, err = _run(capsys, "bench", small, "--runs", "3", "--warmup", "0", "--json",
+                        "--shape", "x=2x64", "--ort-no-spin")
+    assert rc == 0, err
     rep = json.loads(out)
-    assert rc == 0 and rep["ratio"] > 0 and rep["runs"] == 3 and rep["ort_spinning"] is False
-    assert rep["cannc"]["p10_ms"] <= rep["cannc"]["median_ms"] <= rep["cannc"]["p90_ms"]
+    assert rep["ratio"] > 0 and rep["runs"] == 3 and rep["ort_spinning"] is False
+    assert set(rep["engines"]) == {"ort", "cannc"} and rep["input_shapes"] == {"x": [2, 64]}
+    for eng in ("ort", "cannc"):
+        r = rep[eng]
+        assert r == rep["engines"][eng] and r["n"] == 3 and r["threads"] == rep["cores"]
+        assert 0 < r["min_ms"] <= r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
+        assert r["checksums"][0]["name"] == "z" and r["checksums"][0]["shape"] == [2, 16]
+    assert rep["ratios"]["ort"] == 1.0 and rep["ratios"]["cannc"] == rep["ratio"]
+    assert rep["ort"]["spinning"] is False and rep["onnxruntime"] == rep["ort"]["version"]
+    assert rep["outputs_agree"] is True and rep["outputs"]["cannc"]["ok"] is True
+    assert rep["outputs"]["cannc"]["outputs"][0]["atol"] == 1e-5
+    # each engine ran in a process of its own, not this one
+    assert [e for e, _ in pids] == ["ort", "cannc"]
+    assert len({p for _, p in pids} | {os.getpid()}) == 3
+
+
+def test_bench_outputs_disagree_exit_1(small, capsys, monkeypatch):
+    import cannc.sidebyside as sbs
+    real = sbs.load_arrays
+
+    def skewed(path):
+        arrays = real(path)
+        if "cannc" in Path(path).name:
+            arrays = {k: v + 1.0 for k, v in arrays.items()}
+        return arrays
+    monkeypatch.setattr(sbs, "load_arrays", skewed)
+    rc, out, err = _run(capsys, "bench", small, "--runs", "1", "--warmup", "0")
+    assert rc == 1 and "DIFFER" in out and "values differ" in out
+    assert "outputs differ" in err
+
+
+def test_bench_failing_worker_is_a_clean_error(tmp_path, capsys):
+    det = _model([helper.make_node("Det", ["x"], ["d"], name="det_a")],
+                 [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 3])],
+                 [helper.make_tensor_value_info("d", TensorProto.FLOAT, [])])
+    rc, out, err = _run(capsys, "bench", _save(det, tmp_path / "det.onnx"), "--runs", "1")
+    assert rc == 2 and out == "" and "Traceback" not in err
+    assert err.startswith("error: benchmark worker 'cannc' (cannc alone) failed: ")
+    assert "det_a" in err and "Det" in err
+
+
+def test_bench_worker_crash_names_engine_and_stderr(tmp_path):
+    from cannc.sidebyside import WorkerError, run_worker
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'Fatal Python error: Segmentation fault' >&2\nexit 139\n")
+    fake.chmod(0o755)
+    with pytest.raises(WorkerError) as ei:
+        run_worker("ort+cannc", "m.onnx", "f.npz", threads=1, warmup=0, runs=1,
+                   python=str(fake))
+    msg = str(ei.value)
+    assert "'ort+cannc' (ORT+cannc) failed: exit code 139, no report" in msg
+    assert "Segmentation fault" in msg and ei.value.engine == "ort+cannc"
+
+
+def test_benchproc_worker_reports_one_json_line(small, tmp_path):
+    from cannc.sidebyside import load_arrays, save_arrays
+    feeds = {"x": np.ones((1, 64), np.float32)}
+    save_arrays(tmp_path / "f.npz", feeds)
+    p = subprocess.run([sys.executable, "-m", "cannc.benchproc", "--engine", "cannc",
+                        "--model", small, "--feeds", str(tmp_path / "f.npz"), "--threads", "1",
+                        "--warmup", "0", "--runs", "2", "--outputs", str(tmp_path / "o.npz")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert len(lines) == 1
+    rep = json.loads(lines[0])
+    assert rep["status"] == "ok" and rep["engine"] == "cannc" and len(rep["times_ms"]) == 2
+    got = load_arrays(tmp_path / "o.npz")["z"]
+    assert np.allclose(got, ort_run(onnx.load(small), feeds)[0], rtol=1e-4, atol=1e-5)
+    assert rep["checksums"][0]["sum"] == pytest.approx(float(got.astype(np.float64).sum()))
+    p = subprocess.run([sys.executable, "-m", "cannc.benchproc", "--engine", "ort",
+                        "--model", str(tmp_path / "absent.onnx"), "--feeds",
+                        str(tmp_path / "f.npz"), "--threads", "1"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    rep = json.loads(p.stdout)
+    assert p.returncode == 1 and rep["status"] == "error" and "not found" in rep["error"]
+
+
+def _ep_usable() -> str | None:
+    """Why cannc's EP cannot be registered here (probed in a subprocess: a broken EP may
+    abort the process), or None."""
+    p = subprocess.run([sys.executable, "-c", "import cannc.ort as c; c.register()"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    if p.returncode != 0:
+        tail = (p.stderr.strip().splitlines() or ["no message"])[-1]
+        return f"cannc.ort cannot register here (exit {p.returncode}): {tail}"
+    return None
+
+
+def test_bench_ep_adds_ort_plus_cannc_with_assignment(small, capsys, monkeypatch):
+    why = _ep_usable()
+    if why:
+        pytest.skip(why)
+    rc, out, err = _run(capsys, "bench", small, "--runs", "2", "--warmup", "0", "--ep",
+                        "--json", "--cores", "1")
+    assert rc == 0, err
+    rep = json.loads(out)
+    assert set(rep["engines"]) == {"ort", "cannc", "ort+cannc"}
+    a = rep["ort+cannc"]["assignment"]
+    assert a["nodes"] > 0 and 0 < a["fraction"] <= 1 and a["cannc_nodes"] <= a["nodes"]
+    assert "CanncExecutionProvider" in rep["ort+cannc"]["providers"]
+    assert rep["outputs"]["ort+cannc"]["ok"] and rep["ratios"]["ort+cannc"] > 0
+    # the table, from the same figures (no second run of three processes)
+    import cannc.cli as cli
+    monkeypatch.setattr(cli, "bench", lambda *a, **kw: {
+        k: v for k, v in rep.items() if k not in ("model", "cores", "warmup", "runs")})
+    rc, out, err = _run(capsys, "bench", small, "--runs", "2", "--warmup", "0", "--ep",
+                        "--cores", "1")
+    assert rc == 0, err
+    a = rep["ort+cannc"]["assignment"]
+    assert (f"{100 * a['fraction']:.1f}% of nodes ({a['cannc_nodes']}/{a['nodes']}) on "
+            "CanncExecutionProvider") in out
+    assert "ORT+cannc" in out and "ratio ORT+cannc/ORT CPU" in out and "cannc alone" in out
+
+
+def test_bench_ep_refuses_options_the_ep_cannot_take(small, capsys):
+    rc, out, err = _run(capsys, "bench", small, "--ep", "--no-fusion")
+    assert rc == 2 and err.startswith("error: --ep:") and "Traceback" not in err
 
 
 def test_ops(capsys):

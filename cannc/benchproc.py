@@ -1,0 +1,262 @@
+"""One benchmark worker: times ONE engine in this process and prints one JSON line.
+
+    python -m cannc.benchproc --engine cannc|ort|ort+cannc|openvino --model M.onnx
+        --feeds FEEDS.npz --threads N [--warmup 5] [--runs 50] [--precision fp32|bf16|fp16]
+        [--options JSON] [--outputs OUT.npz] [--no-spin]
+
+`cannc.sidebyside.bench` (and `cannc bench`, benchmarks/ep_bench.py) runs one of these per
+engine, one after the other, with the same feeds file (written by
+`cannc.sidebyside.save_arrays`) and thread count: each engine gets the machine to itself,
+since ORT's spinning pool threads steal cores from a neighbour in the same process.
+
+Engines, all at N threads:
+  cannc      cannc.compile(model, cores=N, precision=P, **options) (a .cnc: cannc.load)
+  ort        ORT's CPU provider, cannc.sidebyside.ort_session(model, N): ORT_ENABLE_ALL,
+             intra_op_num_threads=N, spinning on (as users run it; --no-spin turns it off)
+  ort+cannc  ORT with cannc's execution provider, cannc.ort.session(model, cores=N,
+             precision_mode=P) on the same ORT session options; reports the share of
+             ORT's nodes assigned to CanncExecutionProvider
+             (session.record_ep_graph_assignment_info)
+  openvino   OpenVINO's CPU plugin if it is importable here (never a dependency; else the
+             report says "skipped")
+
+The worker builds the session, runs once (timed as the first run: cannc specialises
+there), runs `warmup` more, then times `runs` single inferences. The JSON line holds
+status ("ok", "skipped" or "error"), median/p10/p90/min ms, every run's time, build and
+first-run seconds, the engine's version, the outputs' names, shapes and checksums; the
+outputs themselves go to --outputs (an .npz in save_arrays' layout) for the parent to
+compare with ORT CPU's. A failure is reported as {"status": "error", "error": ...} and
+exit code 1 (argument errors: exit 2, argparse's message on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+import zipfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import CanncError
+from .sidebyside import ENGINES, load_arrays, ort_session, ort_session_options, save_arrays
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+OV_HINT = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
+
+
+def time_stats(times_ms: Sequence[float]) -> dict[str, float]:
+    """Median, p10, p90, min and count of per-run times in ms."""
+    t = np.asarray(times_ms, dtype=np.float64)
+    if t.size == 0:
+        raise CanncError("no run times to summarise")
+    return {"median_ms": float(np.median(t)), "p10_ms": float(np.percentile(t, 10)),
+            "p90_ms": float(np.percentile(t, 90)), "min_ms": float(t.min()), "n": int(t.size)}
+
+
+def timed(run: Callable[[], Any], warmup: int, runs: int) -> tuple[float, list[float], Any]:
+    """(first run in s, `runs` timed runs in ms after `warmup` untimed ones, first outputs)."""
+    t = time.perf_counter()
+    out = run()
+    first = time.perf_counter() - t
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        run()
+        times.append(1e3 * (time.perf_counter() - t))
+    return first, times, out
+
+
+def savable(a: Any) -> np.ndarray:
+    """An output as .npz can hold it without pickling: bfloat16 / float8 widen to float32."""
+    a = np.asarray(a)
+    if a.dtype.kind == "V" or a.dtype.name == "bfloat16" or a.dtype.name.startswith("float8"):
+        a = a.astype(np.float32)
+    return a
+
+
+def checksums(outputs: dict[str, np.ndarray]) -> list[dict[str, Any]]:
+    """Per output: name, shape, dtype, sum and sum of absolute values (float64)."""
+    out = []
+    for name, a in outputs.items():
+        a = savable(a)
+        f = a.astype(np.float64) if a.dtype.kind in "biuf" else np.zeros(0)
+        out.append({"name": name, "shape": list(a.shape), "dtype": str(a.dtype),
+                    "sum": float(f.sum()), "abs_sum": float(np.abs(f).sum())})
+    return out
+
+
+def is_artifact(path: str) -> bool:
+    p = Path(path)
+    return p.suffix == ".cnc" or (p.is_file() and zipfile.is_zipfile(p))
+
+
+def assignment_summary(assign: dict[str, list[str]], ep_name: str) -> dict[str, Any]:
+    """ORT's node assignment (ep name -> node names) as counts and the share on `ep_name`."""
+    total = sum(len(v) for v in assign.values())
+    mine = len(assign.get(ep_name, []))
+    others = [n for ep, ns in assign.items() if ep != ep_name for n in ns]
+    return {"nodes": total, "cannc_nodes": mine,
+            "fraction": (mine / total) if total else 0.0,
+            "by_ep": {ep: len(ns) for ep, ns in assign.items()},
+            "not_on_cannc": others[:50]}
+
+
+# ---------------------------------------------------------------------------------------
+# the engines: each returns (report, {output name: array}, run) with the session built
+# ---------------------------------------------------------------------------------------
+
+def _cannc(model: str, threads: int, precision: str, options: dict[str, Any],
+           spinning: bool, feeds: dict[str, np.ndarray]) -> tuple[dict, list[str], Callable]:
+    from . import __version__, compile, load
+    if is_artifact(model):
+        if precision != "fp32" or options:
+            raise CanncError(f"{model} is a compiled artifact: its precision and fusion were "
+                             "chosen when it was compiled")
+        sess = load(model, cores=threads)
+    else:
+        sess = compile(model, cores=threads, precision=precision, **options)
+    names = [o.name for o in sess.get_outputs()]
+    return {"version": __version__, "cores": sess.cores}, names, lambda: sess.run(None, feeds)
+
+
+def _ort(model: str, threads: int, precision: str, options: dict[str, Any], spinning: bool,
+         feeds: dict[str, np.ndarray]) -> tuple[dict, list[str], Callable]:
+    import onnxruntime as ort
+    sess = ort_session(model, threads, spinning=spinning)
+    names = [o.name for o in sess.get_outputs()]
+    return ({"version": ort.__version__, "spinning": spinning}, names,
+            lambda: sess.run(None, feeds))
+
+
+def _ort_cannc(model: str, threads: int, precision: str, options: dict[str, Any],
+               spinning: bool, feeds: dict[str, np.ndarray]) -> tuple[dict, list[str], Callable]:
+    import onnxruntime as ort
+
+    from .ort import EP_NAME, assignment, session
+    so = ort_session_options(threads, spinning)
+    so.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+    try:
+        sess = session(model, sess_options=so, cores=threads, precision_mode=precision,
+                       **options)
+    except CanncError:
+        raise
+    except Exception as e:
+        raise CanncError(f"onnxruntime with cannc's execution provider cannot load the "
+                         f"model: {e}") from e
+    names = [o.name for o in sess.get_outputs()]
+    rep = {"version": ort.__version__, "spinning": spinning,
+           "providers": list(sess.get_providers()),
+           "assignment": assignment_summary(assignment(sess), EP_NAME)}
+    return rep, names, lambda: sess.run(None, feeds)
+
+
+def _openvino(model: str, threads: int, precision: str, options: dict[str, Any],
+              spinning: bool, feeds: dict[str, np.ndarray]) -> tuple[dict, list[str], Callable]:
+    import openvino as ov
+    core = ov.Core()
+    m = core.read_model(model)
+    m.reshape({i.get_any_name(): list(feeds[i.get_any_name()].shape) for i in m.inputs
+               if i.get_any_name() in feeds})
+    cfg = {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY",
+           "NUM_STREAMS": 1, "INFERENCE_PRECISION_HINT": OV_HINT[precision]}
+    c = core.compile_model(m, "CPU", cfg)
+    req = c.create_infer_request()
+    inputs = {i.get_any_name(): feeds[i.get_any_name()] for i in c.inputs}
+    ports = list(c.outputs)
+    names = [p.get_any_name() for p in ports]
+
+    def run() -> list[np.ndarray]:
+        res = req.infer(inputs)
+        return [np.array(res[p], copy=True) for p in ports]
+    return {"version": ov.__version__, "precision_hint": OV_HINT[precision]}, names, run
+
+
+_ENGINES = {"cannc": _cannc, "ort": _ort, "ort+cannc": _ort_cannc, "openvino": _openvino}
+assert set(_ENGINES) == set(ENGINES)
+
+
+def run_engine(engine: str, model: str, feeds: dict[str, np.ndarray], *, threads: int,
+               warmup: int, runs: int, precision: str = "fp32",
+               options: dict[str, Any] | None = None,
+               spinning: bool = True) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Build `engine`'s session for `model`, time it; (report, outputs by name)."""
+    if engine == "openvino":
+        try:
+            import openvino  # noqa: F401
+        except ImportError as e:
+            return {"status": "skipped", "engine": engine,
+                    "note": f"openvino is not importable here ({e})"}, {}
+    t = time.perf_counter()
+    rep, names, run = _ENGINES[engine](model, threads, precision, dict(options or {}),
+                                       spinning, feeds)
+    build_s = time.perf_counter() - t
+    first, times, out = timed(run, warmup, runs)
+    outs = {n: savable(a) for n, a in zip(names, out)}
+    rep = {"status": "ok", "engine": engine, "pid": os.getpid(), "threads": threads,
+           "precision": precision,
+           **time_stats(times), "times_ms": times, "build_s": build_s, "first_run_s": first,
+           **rep, "output_names": names, "checksums": checksums(outs)}
+    return rep, outs
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m cannc.benchproc",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", required=True, choices=ENGINES)
+    ap.add_argument("--model", required=True, help="ONNX model (cannc also takes a .cnc)")
+    ap.add_argument("--feeds", required=True, help=".npz written by sidebyside.save_arrays")
+    ap.add_argument("--threads", type=int, required=True)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=50)
+    ap.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    ap.add_argument("--options", default=None,
+                    help="JSON object: cannc.compile options (cannc) or EP options "
+                         "(ort+cannc) besides cores and precision")
+    ap.add_argument("--outputs", default=None, help="write the outputs to this .npz")
+    ap.add_argument("--no-spin", action="store_true",
+                    help="ORT engines: idle pool threads do not busy-wait")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if args.threads < 1 or args.runs < 1 or args.warmup < 0:
+        ap.error("--threads and --runs must be >= 1, --warmup >= 0")
+    real_stdout, sys.stdout = sys.stdout, sys.stderr   # stray prints must not mix in
+    rc = 0
+    try:
+        options = json.loads(args.options) if args.options else {}
+        if not isinstance(options, dict):
+            raise CanncError(f"--options must be a JSON object, got {args.options!r}")
+        if not Path(args.model).is_file():
+            raise CanncError(f"model file not found: {args.model}")
+        feeds = load_arrays(args.feeds)
+        rep, outs = run_engine(args.engine, args.model, feeds, threads=args.threads,
+                               warmup=args.warmup, runs=args.runs, precision=args.precision,
+                               options=options, spinning=not args.no_spin)
+        if args.outputs and rep["status"] == "ok":
+            save_arrays(args.outputs, outs)
+    except CanncError as e:
+        rep, rc = {"status": "error", "engine": args.engine, "error": str(e), "clean": True}, 1
+    except Exception as e:
+        traceback.print_exc()
+        rep, rc = {"status": "error", "engine": args.engine,
+                   "error": f"{type(e).__name__}: {e}"}, 1
+    finally:
+        sys.stdout = real_stdout
+    print(json.dumps(rep), flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
