@@ -534,10 +534,12 @@ class Provider:
         return node.value or 0
 
     def _release_infos(self, this: int, infos: Any, n: int) -> None:
+        """ORT is done with these OrtNodeComputeInfos (their states are released first):
+        only now may their structures go."""
         for i in range(n):
-            nc = self.computes.get(infos[i] or 0)
-            if nc is not None and nc.native is None:
-                self.computes.pop(infos[i], None)
+            nc = self.computes.pop(infos[i] or 0, None)
+            if nc is not None and nc.native is not None:    # a state ORT never released
+                self._free_native(nc)
 
     # -- compute state (once per fused node, Python) ----------------------------------------
     def _create_state_cb(self, this: int, compute_context: int, state: Any) -> None:
@@ -574,9 +576,12 @@ class Provider:
         return rec
 
     def _release_state_cb(self, this: int, state: int) -> None:
-        nc = self.computes.pop(this, None)
-        if nc is None or nc.native is None:
-            return
+        nc = self.computes.get(this)      # the info itself stays until ReleaseNodeComputeInfos
+        if nc is not None and nc.native is not None:
+            self._free_native(nc)
+
+    def _free_native(self, nc: NodeCompute) -> None:
+        assert nc.native is not None
         nc.native.free()          # waits until no compute of this node is running
         if self.options.profiling:
             _PROFILES.append(profile_of(nc))
