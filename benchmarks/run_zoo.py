@@ -4,13 +4,14 @@
                                  [--cores 1 2] [--batch 1 8] [--seq 128]
                                  [--runs 30] [--no-gemm] [--out benchmarks/results/zoo.json]
 
-cannc and onnxruntime (ORT_ENABLE_ALL, the same thread count, spinning off) run
-alternately in one process on the same inputs; medians, spreads and the ratio
-cannc/onnxruntime (< 1: cannc is faster) are printed and written as JSON, plus
-the geometric mean of the ratios per thread count. ``--onnx`` adds models from
-files (e.g. PyTorch exports; symbolic dims named batch/seq take --batch/--seq).
-Each model is compiled once per thread count with symbolic shapes, so batch 8
-runs the kernels compiled for batch 1 where they are shape-polymorphic.
+Each engine runs in its own process (cannc.sidebyside.bench: cannc alone, onnxruntime
+with its own defaults -- ORT_ENABLE_ALL, the same thread count, spinning on), one after
+the other on the same inputs: in one process ORT's pool threads spin after each run and
+steal the second core from whichever session runs next. Medians, spreads and the ratio
+cannc/onnxruntime (< 1: cannc is faster) are printed and written as JSON with the CPU
+model, plus the geometric mean of the ratios per thread count; every output is compared
+with onnxruntime's. ``--onnx`` adds models from files (e.g. PyTorch exports; symbolic
+dims named batch/seq take --batch/--seq).
 Last, a 1024^3 fp32 MatMul with a constant B, compiled by cannc and run on one
 core, against the machine's measured fp32 peak and onnxruntime's MatMul.
 The machines are shared: compare ratios, not absolute times, and repeat noisy runs.
@@ -32,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 import onnx
 
 import cannc
-from cannc.sidebyside import bench_interleaved, ort_session
+from cannc.schedule.machine import model_name
+from cannc.sidebyside import bench, bench_interleaved, ort_session
 from models import zoo
 
 
@@ -90,26 +92,32 @@ def main(argv: list[str] | None = None) -> int:
           f"  {'compile s':>9} {'1st run s':>9}")
     models = [(name, zoo.build(name)) for name in args.models]
     models += [(Path(p).stem, onnx.load(p)) for p in args.onnx]
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="cannc-run-zoo-"))
     for name, model in models:
-        data = model.SerializeToString()
+        path = tmp / f"{name}.onnx"
+        onnx.save(model, path)
         for cores in args.cores:
-            ort_sess = ort_session(data, cores, spinning=False)
-            t0 = time.perf_counter()
-            sess = cannc.compile(data, cores=cores)
-            compile_s = time.perf_counter() - t0
             for batch in args.batch:
                 feeds = zoo.example_inputs(model, batch=batch, seq=args.seq)
-                t0 = time.perf_counter()
-                sess.run(None, feeds)      # this shape's first run: plan (and code if needed)
-                first_s = time.perf_counter() - t0
-                r = bench_interleaved(sess, ort_sess, feeds, args.warmup, args.runs)
+                r = bench(str(path), feeds, threads=cores, warmup=args.warmup,
+                          runs=args.runs, engines=("ort", "cannc"), errors="record",
+                          workdir=str(tmp))
+                c, o = r["engines"].get("cannc", {}), r["engines"].get("ort", {})
+                if "median_ms" not in c or "median_ms" not in o:
+                    print(f"{name:<12} {batch:>5} {cores:>5} failed: "
+                          f"{r.get('failed')}", flush=True)
+                    continue
                 rows.append({"model": name, "batch": batch, "cores": cores,
                              "shapes": {k: list(v.shape) for k, v in feeds.items()},
-                             "cannc": r["cannc"], "ort": r["ort"], "ratio": r["ratio"],
-                             "compile_s": compile_s, "first_run_s": first_s})
-                print(f"{name:<12} {batch:>5} {cores:>5} {r['cannc']['median_ms']:9.3f} "
-                      f"{r['ort']['median_ms']:9.3f} {r['ratio']:6.3f}  {compile_s:9.2f} "
-                      f"{first_s:9.2f}", flush=True)
+                             "cannc": c, "ort": o, "ratio": r["ratios"]["cannc"],
+                             "outputs_agree": r.get("outputs_agree"),
+                             "compile_s": c.get("build_s"), "first_run_s": c.get("first_run_s")})
+                print(f"{name:<12} {batch:>5} {cores:>5} {c['median_ms']:9.3f} "
+                      f"{o['median_ms']:9.3f} {rows[-1]['ratio']:6.3f}  "
+                      f"{c.get('build_s') or 0:9.2f} {c.get('first_run_s') or 0:9.2f}",
+                      flush=True)
     geo = {}
     for cores in args.cores:
         rs = [r["ratio"] for r in rows if r["cores"] == cores]
@@ -117,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             geo[str(cores)] = math.exp(sum(math.log(x) for x in rs) / len(rs))
             print(f"geomean ratio cannc/ort at {cores} thread(s): {geo[str(cores)]:.3f}")
     gemm = None if args.no_gemm else gemm_figure(args.runs)
-    out = {"machine": platform.processor() or platform.machine(),
+    out = {"machine": platform.processor() or platform.machine(), "cpu_model": model_name(),
+           "engines": "each in its own process",
            "cannc": cannc.__version__, "rows": rows, "geomean_ratio": geo, "gemm": gemm,
            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
