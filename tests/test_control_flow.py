@@ -261,3 +261,36 @@ def test_inspect_and_profile_of_a_host_program_say_why_not():
         s.profile(feeds, runs=1, warmup=0)
     with pytest.raises(cannc.errors.CanncError, match="chosen at run time"):
         s.inspect({"x": (2, 3), "w": (3,)}, without_fusion=False)
+
+
+def _scan8_model(with_seq: bool, directions: list[int]):
+    """Scan-8: a batch of 3 running sums (state [2]) over xs [3, 5, 2] and a second scan
+    input ws [3, 5, 2]; outputs the final state [3, 2] and ys [3, 5, 2]."""
+    body = h.make_graph([h.make_node("Add", ["s_in", "x_t"], ["s_out"]),
+                         h.make_node("Mul", ["s_out", "w_t"], ["y_t"])], "body",
+                        [_vi("s_in", T.FLOAT, [2]), _vi("x_t", T.FLOAT, [2]),
+                         _vi("w_t", T.FLOAT, [2])],
+                        [_vi("s_out", T.FLOAT, [2]), _vi("y_t", T.FLOAT, [2])])
+    node = h.make_node("Scan", ["lens" if with_seq else "", "s0", "xs", "ws"], ["s", "ys"],
+                       body=body, num_scan_inputs=2, directions=directions)
+    ins = [_vi("s0", T.FLOAT, [3, 2]), _vi("xs", T.FLOAT, [3, 5, 2]),
+           _vi("ws", T.FLOAT, [3, 5, 2])]
+    if with_seq:
+        ins.insert(0, _vi("lens", T.INT64, [3]))
+    return model_of([node], ins, [_vi("s", T.FLOAT, [3, 2]), _vi("ys", T.FLOAT, [3, 5, 2])],
+                    opset=8)
+
+
+@pytest.mark.parametrize("with_seq,directions", [(False, [0, 0]), (False, [1, 0]),
+                                                 (True, [0, 1])])
+def test_scan8_batch_and_sequence_lens(with_seq, directions):
+    m = _scan8_model(with_seq, directions)
+    s = cannc.compile(m, cores=1)
+    feeds = {"s0": RNG.standard_normal((3, 2)).astype(F32),
+             "xs": RNG.standard_normal((3, 5, 2)).astype(F32),
+             "ws": RNG.standard_normal((3, 5, 2)).astype(F32)}
+    if with_seq:
+        feeds["lens"] = np.array([5, 5, 5], np.int64)
+        check_session(s, m, feeds)
+        feeds["lens"] = np.array([5, 2, 3], np.int64)     # shorter: zeros beyond
+    check_session(s, m, feeds)

@@ -309,8 +309,8 @@ class _WindowGen:
         k = self.s.kind
         if k == "dw":
             return v.fma(w, x, acc)
-        if k == "max":
-            return b.select(b.fcmp_ordered(">", x, acc), x, acc)
+        if k == "max":       # NaN propagates (as ReduceMax, GlobalMaxPool and Max)
+            return intrinsic(b, "llvm.maximum", [acc, x])
         if k == "avg":
             return b.fadd(acc, x)
         if k == "lp":

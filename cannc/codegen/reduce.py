@@ -911,24 +911,39 @@ def map_pass(fn: Callable[[Expr, TV, Body], None], src: int = -1,
 def arg_pass(cdt: np.dtype, want_max: bool, last: bool,
              post: Callable[[Expr, Acc, list], TV] | None = None) -> Pass:
     """Arg-max/min: accumulators (best value, its int32 index); ties go to the first
-    (or, with last, the last) index."""
+    (or, with last, the last) index. NaN propagates as in numpy.argmax/argmin: a NaN is
+    better than any number (the index of the first NaN, or of the last with `last`), as
+    ReduceMax/Max give NaN for a group holding one."""
     cdt = np.dtype(cdt)
     ident = ident_value(cdt, "max" if want_max else "min")
     better = ">" if want_max else "<"
+    is_f = cdt.kind == "f"
+
+    def beats(E: Expr, x: TV, best: TV) -> TV:
+        c = E.cmp(better, x, best)          # ordered: false when either is NaN
+        if is_f:
+            c = E.or_(c, E.and_(E.isnan(x), E.not_(E.isnan(best))))
+        return c
+
+    def equal(E: Expr, x: TV, best: TV) -> TV:
+        c = E.cmp("==", x, best)
+        if is_f:
+            c = E.or_(c, E.and_(E.isnan(x), E.isnan(best)))
+        return c
 
     def step(E: Expr, acc: Acc, bd: Body) -> Acc:
         best, bi = acc
         x = bd.x
-        c = E.cmp(better, x, best)
+        c = beats(E, x, best)
         if last:
-            c = E.or_(c, E.cmp("==", x, best))
+            c = E.or_(c, equal(E, x, best))
         if bd.mask_v is not None:
             c = E.and_(c, bd.mask)
         return (E.select(c, x, best), E.select(c, bd.idx(), bi))
 
     def merge(E: Expr, a: Acc, c: Acc) -> Acc:
         tie_idx = E.cmp(">" if last else "<", c[1], a[1])
-        take = E.or_(E.cmp(better, c[0], a[0]), E.and_(E.cmp("==", c[0], a[0]), tie_idx))
+        take = E.or_(beats(E, c[0], a[0]), E.and_(equal(E, c[0], a[0]), tie_idx))
         return (E.select(take, c[0], a[0]), E.select(take, c[1], a[1]))
 
     return Pass(init=lambda E: (E.const(ident, cdt), E.const(0, I32DT)), step=step,

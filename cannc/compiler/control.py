@@ -218,17 +218,59 @@ class ControlProgram:
     def _scan(self, n: Node, op: Any, st: Step, ins: list[str],
               env: dict[str, np.ndarray]) -> list[np.ndarray]:
         """ONNX Scan (opset 9+): body(states..., one slice of each scan input...)
-        -> (states..., one slice of each scan output...)."""
+        -> (states..., one slice of each scan output...). Scan-8: inputs
+        (sequence_lens?, states..., scan inputs...) all with a leading batch axis; each
+        batch entry b is scanned on its own along axis 1 for sequence_lens[b] steps (all
+        when absent), its scan outputs zero beyond them, as onnxruntime."""
+        if n.opset >= 9:
+            return self._scan_one(n, st, ins, [env[v] for v in ins], None, env)
+        seq, ins = ins[0], ins[1:]
+        vals = [env[v] for v in ins]
+        batch = {int(v.shape[0]) if v.ndim else -1 for v in vals}
+        if len(batch) != 1 or -1 in batch:
+            raise ShapeError(f"Scan at node '{n.name}': its inputs must share the leading "
+                             f"batch axis (sizes {sorted(batch)})")
+        B = batch.pop()
+        lens = None
+        if seq:
+            lens = np.asarray(env[seq]).reshape(-1).astype(np.int64)
+            if lens.shape != (B,):
+                raise ShapeError(f"Scan at node '{n.name}': sequence_lens {seq!r} has "
+                                 f"{lens.size} entries for a batch of {B}")
+        per = [self._scan_one(n, st, ins, [v[b] for v in vals],
+                              None if lens is None else int(lens[b]), env) for b in range(B)]
+        outs = []
+        for j, o in enumerate(n.outputs):
+            parts = [p[j] for p in per]
+            if parts:
+                outs.append(_contiguous(np.stack(parts, axis=0)))
+            else:
+                t = self.spec.graph.values.get(o)
+                outs.append(np.zeros(tuple(d if isinstance(d, int) else 0 for d in t.shape)
+                                     if t is not None else (0,),
+                                     t.dtype if t is not None else np.float32))
+        return outs
+
+    def _scan_one(self, n: Node, st: Step, ins: list[str], vals: list[np.ndarray],
+                  seq_len: int | None, env: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """One scan: states and scan inputs `vals` (for the names `ins`); `seq_len` steps
+        of the scan inputs' length (None: all), the scan outputs zero-padded to it."""
         body, cache = st.branches["body"], st.programs.setdefault("body", {})
         ns, in_axes, in_dirs, out_axes, out_dirs = scan_layout(n, len(ins))
-        states = [env[v] for v in ins[:ns]]
-        xs = [env[v] for v in ins[ns:]]
+        states = vals[:ns]
+        xs = vals[ns:]
         axes = [a + x.ndim if a < 0 else a for a, x in zip(in_axes, xs)]
         steps = {x.shape[a] for x, a in zip(xs, axes)}
         if len(steps) != 1:
             raise ShapeError(f"Scan at node '{n.name}': its scan inputs have different "
                              f"lengths {sorted(steps)} along their scan axes")
-        length = steps.pop()
+        full = steps.pop()
+        length = full
+        if seq_len is not None:
+            if not 0 <= seq_len <= full:
+                raise ShapeError(f"Scan at node '{n.name}': a sequence length of {seq_len} "
+                                 f"for scan inputs of length {full}")
+            length = seq_len
         formal = body.inputs[:len(ins)]
         ys: list[list[np.ndarray]] = [[] for _ in range(len(n.outputs) - ns)]
         for t in range(length):
@@ -246,6 +288,12 @@ class ControlProgram:
                 y = y[::-1]
             rank = y[0].ndim + 1 if y else 1
             ax = out_axes[j] + rank if out_axes[j] < 0 else out_axes[j]
+            if length < full and n.opset < 9:
+                if y:
+                    y = y + [np.zeros_like(y[0])] * (full - length)
+                else:
+                    raise ShapeError(f"Scan at node '{n.name}': a sequence length of 0 "
+                                     "(the scan outputs' element shape is unknown)")
             out.append(self._stack(y, ax, n.outputs[ns + j]))
         return out
 

@@ -45,4 +45,4 @@ def node_support(graph: Graph, n: Node) -> str | None:
         return "no native lowering yet"
     ins = [graph.values.get(v) if v else None for v in n.inputs]
     outs = [graph.values.get(v) for v in n.outputs if v]
-    return op.schema_reason(n, ins, [o for o in outs if o is not None])
+    return op.schema_reason(n, ins, [o for o in outs if o is not None], graph.input_values(n))

@@ -97,6 +97,10 @@ class Graph:
         self.constants[name] = value
         self.values[name] = TensorType(value.dtype, tuple(int(d) for d in value.shape))
 
+    def input_values(self, n: Node) -> list[np.ndarray | None]:
+        """The node's input values that are constants (None where not, or absent)."""
+        return [self.constants.get(v) if v else None for v in n.inputs]
+
     def replace_uses(self, old: str, new: str) -> None:
         """Make every consumer of value `old` (and graph outputs) read `new` instead."""
         for cname in self.consumers(old):

@@ -72,14 +72,21 @@ class Control(str, Enum):
     SCAN = "scan"       # its body once per slice of its scan inputs (Scan)
 
 CheckFn = Callable[["Node", list["TensorType"], list["TensorType"]], "str | None"]
+# The values of a node's inputs that are compile-time constants (None where not constant,
+# or absent), by input position: what `value_check`, `forwards_input` and `const_outputs`
+# read to decide on an input's value (Dropout's training_mode).
+Values = list["np.ndarray | None"]
+# Support check on input values: (node, values) -> a reason, or None.
+ValueCheckFn = Callable[["Node", Values], "str | None"]
 FlopsFn = Callable[["Node", list["TensorType"], list["TensorType"]], int]
 # Type/shape inference where ONNX has none: (node, input types) -> output types.
 InferFn = Callable[["Node", list["TensorType | None"]], list["TensorType"]]
 # Shape ops: outputs computed from input *types* alone, once shapes are known.
 FoldFn = Callable[["Node", list["TensorType | None"]], list[np.ndarray]]
 # Outputs whose value the op fixes from the types alone while the others are computed
-# (inference-mode Dropout's mask): (node, input types, output types) -> {output index: value}.
-ConstOutputsFn = Callable[["Node", list["TensorType | None"], list["TensorType | None"]],
+# (inference-mode Dropout's mask): (node, input types, output types, input values)
+# -> {output index: value}.
+ConstOutputsFn = Callable[["Node", list["TensorType | None"], list["TensorType | None"], Values],
                           dict[int, np.ndarray]]
 # Epilogue operand check: (operand type, node, its input types, its output type) -> why the
 # operand cannot be read inside the fused kernel ("is not a ... of the GEMM's output"), or None.
@@ -116,6 +123,7 @@ class OpDef:
     min_opset: int = 1
     dtypes: frozenset[str] | None = None      # supported input dtypes (None = any)
     check: CheckFn | None = None              # extra support check, returns a reason or None
+    value_check: ValueCheckFn | None = None   # support check on constant input values
     flops: FlopsFn | None = None
     reference: Callable[..., list[np.ndarray]] | None = None
     fusible: bool = False
@@ -129,7 +137,8 @@ class OpDef:
     value_inputs: tuple[int, ...] = ()        # inputs whose *value* decides output shapes
     tiling_attrs: tuple[str, ...] = ()        # attributes a tiling key depends on (memo key)
     inplace: bool = False                     # an output may overwrite a same-shaped input
-    forwards_input: Callable[[Node], bool] | None = None  # node is an identity on input 0
+    # node is an identity on input 0 (given its constant input values)
+    forwards_input: Callable[[Node, Values], bool] | None = None
     deterministic: bool = True                # False: never constant-folded (random ops)
     epilogue: Fusion | None = None            # contraction taking an elementwise epilogue
     prologue: Fusion | None = None            # row op computing its producers inside it
@@ -142,17 +151,23 @@ class OpDef:
     revision: str = ""
 
     def schema_reason(self, node: Node, ins: list[TensorType],
-                      outs: list[TensorType]) -> str | None:
-        """Why this op's definition rejects the node (dtypes, attributes), or None. The
-        opset is checked by the caller; whether a native lowering exists is codegen's to
-        say (`cannc.codegen.lower.lowering_for`)."""
+                      outs: list[TensorType], values: Values | None = None) -> str | None:
+        """Why this op's definition rejects the node (dtypes, attributes, the values of
+        its constant inputs: `values`, None where an input is not constant; not given,
+        none is taken as constant), or None. The opset is checked by the caller; whether
+        a native lowering exists is codegen's to say (`cannc.codegen.lower.lowering_for`)."""
         if self.dtypes is not None:
             for t in ins + outs:
                 if t is not None and np.dtype(t.dtype).name not in self.dtypes:
                     return f"dtype {np.dtype(t.dtype).name} not supported " \
                            f"(supported: {', '.join(sorted(self.dtypes))})"
         if self.check is not None:
-            return self.check(node, ins, outs)
+            r = self.check(node, ins, outs)
+            if r:
+                return r
+        if self.value_check is not None:
+            return self.value_check(node, list(values) if values is not None
+                                    else [None] * len(node.inputs))
         return None
 
     @property

@@ -270,7 +270,8 @@ def _fold_const_outputs(graph: Graph, n: Node, types: list[TensorType | None]) -
     op = lookup(n.op_type, n.domain)
     if op is None or op.const_outputs is None:
         return False
-    known = op.const_outputs(n, [graph.values[v] if v else None for v in n.inputs], types)
+    known = op.const_outputs(n, [graph.values[v] if v else None for v in n.inputs], types,
+                             graph.input_values(n))
     known = {i: a for i, a in known.items() if i < len(n.outputs) and n.outputs[i]}
     if not known:
         return False
@@ -331,7 +332,8 @@ def remove_identities(graph: Graph, ctx: PassContext) -> bool:
     for name in [n.name for n in graph.nodes()]:
         n = graph.node(name)        # re-read: an earlier removal may have rewritten its inputs
         op = lookup(n.op_type, n.domain)
-        if op is None or op.forwards_input is None or not op.forwards_input(n):
+        if op is None or op.forwards_input is None \
+                or not op.forwards_input(n, graph.input_values(n)):
             continue
         out, src = n.outputs[0], n.inputs[0]
         if out in graph.outputs:

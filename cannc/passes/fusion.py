@@ -49,7 +49,7 @@ def is_map(graph: Graph, n: Node) -> str | None:
     if len({tuple(t.shape) for t in outs}) != 1:
         return f"{n.op_type} outputs differ in shape"
     ins = [graph.values[v] if v else None for v in n.inputs]
-    if op.schema_reason(n, ins, outs):
+    if op.schema_reason(n, ins, outs, graph.input_values(n)):
         return "unsupported"
     return None
 

@@ -280,11 +280,6 @@ def _unsupported(op, inputs, n_outputs=1, **attrs):
     return str(e.value)
 
 
-def test_max_pool_indices_unsupported():
-    msg = _unsupported("MaxPool", [rnd(1, 2, 6, 6)], n_outputs=2, kernel_shape=[2, 2])
-    assert "Indices" in msg
-
-
 @pytest.mark.parametrize("p", [3, 4])
 def test_lp_pool_higher_p(p):
     check_op("LpPool", [rnd(1, 3, 7, 8)], kernel_shape=[3, 2], strides=[2, 1], p=p, rtol=1e-4,

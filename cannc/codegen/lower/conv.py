@@ -30,7 +30,8 @@ import numpy as np
 from ... import config
 from ...artifact import Tiling
 from ...ir.ops.conv import _auto_pad, _ints, _to3, window_pads
-from ...native.emit import i64
+from ...native import emit
+from ...native.emit import I64, for_range, i64
 from ...native.target import host
 from .. import winograd
 from ..amx import amx_usable
@@ -62,6 +63,7 @@ from ..conv import (
     plan_lowp,
     plan_workspace,
 )
+from ..elementwise import TV, Expr, load_tv, store_tv
 from ..kernel import ConstRef, LowerCtx
 from ..pool import WindowSpec, avg_counts_1d, emit_window, plan_window
 from .base import register_lowering
@@ -522,11 +524,16 @@ def pool_spec(node: Any, x_t: Any, y_t: Any) -> WindowSpec:
     return WindowSpec(kind=kind, **g, **extra, dts=dts)
 
 
+def _has_indices(node: Any) -> bool:
+    return node.op_type == "MaxPool" and len(node.outputs) > 1 and bool(node.outputs[1])
+
+
 def pool_tiling(node: Any, ins: list[Any], outs: list[Any]) -> Tiling | None:
     """The host tiling function of the pools: as conv_tiling, the batch N is runtime; the
     window kernel of ONE image (its spec and plan at N=1) is the key and a batch of N
     runs N times its tiles (the tile index carries the image)."""
-    if not _static_types([ins[0], outs[0]]) or not 3 <= ins[0].rank <= 5:
+    if not _static_types([ins[0], outs[0]]) or not 3 <= ins[0].rank <= 5 \
+            or _has_indices(node):
         return None
     spec = pool_spec(node, ins[0], outs[0])
     one = dc_replace(spec, N=1)
@@ -539,7 +546,76 @@ def pool_tiling(node: Any, ins: list[Any], outs: list[Any]) -> Tiling | None:
                      if spec.dts[0] != "float32" else {}))
 
 
+def _lower_maxpool_indices(ctx: LowerCtx) -> None:
+    """MaxPool with its Indices output: per plane (n, c), per output position, a scalar
+    walk of the window keeping the max and the flat index of its first occurrence
+    (``((n*C + c)*D + d)*H + h)*W + w``; with storage_order=1 the spatial part is
+    column-major, the first spatial dim fastest), as onnxruntime. Padding is never
+    taken; NaN propagates (the first NaN's value and index), as in the value-only kernel."""
+    g, _, _ = pool_geometry(ctx)
+    xdt = np.dtype(ctx.in_types[0].dtype)
+    D, H, W = g["isz"]
+    OD, OH, OW = g["osz"]
+    KD, KH, KW = g["k"]
+    planes = g["N"] * g["C"]
+    col_major = int(ctx.attr("storage_order", 0)) == 1
+    ctx.num_tiles = planes
+    ctx.flops = planes * OD * OH * OW * KD * KH * KW
+    ctx.single_core = ctx.flops < SINGLE_CORE_FLOPS // 4
+    ctx.notes["path"] = "window max+argmax (scalar)"
+    fn, b = ctx.begin()
+    x, y, yi = ctx.in_ptr(b, 0), ctx.out_ptr(b, 0), ctx.out_ptr(b, 1)
+    E = Expr(b, 1)
+    cdt = np.dtype(np.float32) if xdt.itemsize < 4 else xdt
+    best_p = b.alloca(E.ty(cdt), name="best")
+    idx_p = b.alloca(I64, name="idx")
+    have_p = b.alloca(ir.IntType(1), name="have")
+    inf = E.const(-np.inf, cdt)
+    with for_range(b, ctx.tile_begin, ctx.tile_end, name="plane") as pl:
+        xbase = b.mul(pl, i64(D * H * W))
+        with for_range(b, 0, OD * OH * OW, name="o") as o:
+            od = b.udiv(o, i64(OH * OW))
+            oh = b.urem(b.udiv(o, i64(OW)), i64(OH))
+            ow = b.urem(o, i64(OW))
+            b.store(inf.v, best_p)
+            b.store(i64(0), idx_p)
+            b.store(ir.Constant(ir.IntType(1), 0), have_p)
+            for kd in range(KD):
+                idd = b.add(b.mul(od, i64(g["s"][0])), i64(kd * g["d"][0] - g["pb"][0]))
+                for kh in range(KH):
+                    ihh = b.add(b.mul(oh, i64(g["s"][1])), i64(kh * g["d"][1] - g["pb"][1]))
+                    with for_range(b, 0, KW, name="kw") as kw:
+                        iww = b.add(b.mul(ow, i64(g["s"][2])),
+                                    b.sub(b.mul(kw, i64(g["d"][2])), i64(g["pb"][2])))
+                        inside = b.and_(b.and_(b.icmp_unsigned("<", idd, i64(D)),
+                                               b.icmp_unsigned("<", ihh, i64(H))),
+                                        b.icmp_unsigned("<", iww, i64(W)))
+                        with b.if_then(inside):
+                            sp = b.add(b.mul(b.add(b.mul(idd, i64(H)), ihh), i64(W)), iww)
+                            v = E.cast(load_tv(b, x, b.add(xbase, sp), xdt, 1, False), cdt)
+                            best = TV(b.load(best_p, typ=E.ty(cdt)), cdt)
+                            have = b.load(have_p, typ=ir.IntType(1))
+                            beats = b.or_(E.cmp(">", v, best).v,
+                                          b.and_(E.isnan(v).v, b.not_(E.isnan(best).v)))
+                            take = b.or_(b.not_(have), beats)
+                            if col_major:
+                                sp = b.add(b.add(idd, b.mul(ihh, i64(D))), b.mul(iww, i64(D * H)))
+                            b.store(b.select(take, v.v, best.v), best_p)
+                            b.store(b.select(take, b.add(xbase, sp), b.load(idx_p, typ=I64)),
+                                    idx_p)
+                            b.store(ir.Constant(ir.IntType(1), 1), have_p)
+            out = b.add(b.mul(pl, i64(OD * OH * OW)), o)
+            best = TV(b.load(best_p, typ=E.ty(cdt)), cdt)
+            store_tv(b, y, out, E.cast(best, xdt) if cdt != xdt else best, xdt)
+            b.store(b.load(idx_p, typ=I64), emit.gep(b, yi, out, I64))
+    b.ret_void()
+
+
 def _lower_pool(ctx: LowerCtx) -> None:
+    if _has_indices(ctx.node):
+        if ctx.out_types[0].numel == 0:
+            return _noop(ctx)
+        return _lower_maxpool_indices(ctx)
     if ctx.tiling is not None:      # pool_tiling: one image's spec and plan, any batch
         _, spec, plan = ctx.tiling.key
         assert dc_replace(pool_spec(ctx.node, ctx.in_types[0], ctx.out_types[0]), N=1) == spec

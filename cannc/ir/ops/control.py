@@ -43,13 +43,18 @@ def _runtime_only(what: str):
 
 
 def scan_layout(n: Node, n_inputs: int) -> tuple[int, list[int], list[int], list[int], list[int]]:
-    """Scan (opset 9+): the number of state variables, and per scan input its axis and
-    direction (1: reversed), per scan output its axis and direction."""
+    """Scan: the number of state variables, and per scan input its axis and direction
+    (1: reversed), per scan output its axis and direction. `n_inputs` counts the states
+    and scan inputs (at opset 8 without the leading sequence_lens). At opset 8 the axes
+    are those of one batch entry (the time axis, 0) and only the inputs have directions
+    (`directions`); the outputs are stacked forward."""
     m = int(n.attr("num_scan_inputs"))
     states = n_inputs - m
+    k = len(n.outputs) - states
+    if n.opset < 9:
+        return states, [0] * m, list(n.attr("directions", None) or [0] * m), [0] * k, [0] * k
     in_axes = list(n.attr("scan_input_axes", None) or [0] * m)
     in_dirs = list(n.attr("scan_input_directions", None) or [0] * m)
-    k = len(n.outputs) - states
     out_axes = list(n.attr("scan_output_axes", None) or [0] * k)
     out_dirs = list(n.attr("scan_output_directions", None) or [0] * k)
     return states, in_axes, in_dirs, out_axes, out_dirs
@@ -66,7 +71,8 @@ register(OpDef(name="Loop", category=Category.OPAQUE, min_opset=11,
                deterministic=False,
                doc="the host iterates a compiled body (trip count, condition, carried values, "
                    "scan outputs stacked)"))
-register(OpDef(name="Scan", category=Category.OPAQUE, min_opset=9,
+register(OpDef(name="Scan", category=Category.OPAQUE, min_opset=8,
                check=_runtime_only("a scan"), subgraphs=("body",), control=Control.SCAN,
                deterministic=False,
-               doc="the host runs a compiled body per slice of the scan inputs"))
+               doc="the host runs a compiled body per slice of the scan inputs (Scan-8: per "
+                   "batch entry, up to its sequence length)"))

@@ -105,8 +105,6 @@ def _check_pool(node: Any, ins: list[Any], outs: list[Any]) -> str | None:
     if node.attrs.get("kernel_shape") is None:
         return f"{node.op_type} without kernel_shape"
     if node.op_type == "MaxPool":
-        if len(node.outputs) > 1 and node.outputs[1]:
-            return "MaxPool's Indices output is not supported"
         for t in ins[:1] + outs[:1]:
             if t is not None and np.dtype(t.dtype).name not in LOWP:
                 return (f"dtype {np.dtype(t.dtype).name} not supported "
@@ -116,6 +114,67 @@ def _check_pool(node: Any, ins: list[Any], outs: list[Any]) -> str | None:
     return None
 
 
+def pool_out_size(node: Any, in_sp: list[int], k: list[int], s: list[int],
+                  d: list[int]) -> list[int]:
+    """A pool's output spatial size (auto_pad, pads, ceil_mode), as ONNX infers it."""
+    ap = _auto_pad(node)
+    r = len(in_sp)
+    ek = [(k[i] - 1) * d[i] + 1 for i in range(r)]
+    if ap in ("SAME_UPPER", "SAME_LOWER"):
+        return [-(-in_sp[i] // s[i]) for i in range(r)]
+    pads = [0] * (2 * r) if ap == "VALID" else _ints(node.attrs.get("pads"), 2 * r, 0)
+    ceil = int(node.attrs.get("ceil_mode", 0))
+    out = []
+    for i in range(r):
+        span = in_sp[i] + pads[i] + pads[r + i] - ek[i]
+        o = (-(-span // s[i]) if ceil else span // s[i]) + 1
+        if ceil and (o - 1) * s[i] >= in_sp[i] + pads[i]:
+            o -= 1          # the last window must start inside the input or its head pad
+        out.append(o)
+    return out
+
+
+def maxpool_reference(node: Any, inputs: list[Any]) -> list[np.ndarray]:
+    """NumPy MaxPool (the constant folder's and the tests' reference): Y and, when asked,
+    Indices, the flat index into X of each window's first max (spatially column-major
+    with storage_order=1), as onnxruntime; padding is never taken and NaN propagates
+    (the first NaN), as in cannc's kernels."""
+    x = np.asarray(inputs[0])
+    r = x.ndim - 2
+    k = [int(v) for v in node.attrs["kernel_shape"]]
+    s = _ints(node.attrs.get("strides"), r, 1)
+    d = _ints(node.attrs.get("dilations"), r, 1)
+    in_sp = list(x.shape[2:])
+    out_sp = pool_out_size(node, in_sp, k, s, d)
+    pb, _ = window_pads(node, in_sp, k, s, d, out_sp)
+    planes = x.reshape(x.shape[0] * x.shape[1], -1)
+    cdt = np.float32 if x.dtype.itemsize < 4 else x.dtype
+    y = np.full((planes.shape[0], int(np.prod(out_sp))), -np.inf, cdt)
+    idx = np.zeros(y.shape, np.int64)
+    have = np.zeros(y.shape, bool)
+    col = int(node.attrs.get("storage_order", 0)) == 1
+    rm = np.cumprod([1] + in_sp[::-1][:-1])[::-1]        # row-major spatial strides
+    cm = np.cumprod([1] + in_sp[:-1])                    # column-major
+    outs = np.stack(np.meshgrid(*[np.arange(o) for o in out_sp], indexing="ij"), -1)
+    outs = outs.reshape(-1, r)
+    for tap in np.ndindex(*k):
+        pos = outs * np.array(s) + np.array(tap) * np.array(d) - np.array(pb)
+        ok = np.all((pos >= 0) & (pos < np.array(in_sp)), axis=1)
+        flat = np.where(ok, (np.clip(pos, 0, None) * rm).sum(1), 0)
+        v = planes[:, flat].astype(cdt)
+        beats = (v > y) | (np.isnan(v) & ~np.isnan(y))
+        take = ok[None, :] & (~have | beats)
+        y = np.where(take, v, y)
+        idx = np.where(take, (pos * (cm if col else rm)).sum(1)[None, :], idx)
+        have |= ok[None, :]
+    idx += (np.arange(planes.shape[0]) * planes.shape[1])[:, None]
+    shape = tuple(x.shape[:2]) + tuple(out_sp)
+    res = [y.astype(x.dtype).reshape(shape)]
+    if len(node.outputs) > 1 and node.outputs[1]:
+        res.append(idx.reshape(shape))
+    return res
+
+
 for _name, _doc in (("MaxPool", "window max, vectorised along the output width"),
                     ("AveragePool", "window sum / divisor table (count_include_pad, ceil_mode)"),
                     ("LpPool", "(window sum of |x|^p)^(1/p)")):
@@ -123,4 +182,5 @@ for _name, _doc in (("MaxPool", "window max, vectorised along the output width")
                    dtypes=None if _name == "MaxPool" else LOWP,
                    # window ops between narrow convolutions stay narrow (f32 registers)
                    amp=Amp.DENY if _name == "LpPool" else Amp.FOLLOW,
+                   reference=maxpool_reference if _name == "MaxPool" else None,
                    check=_check_pool, doc=_doc))

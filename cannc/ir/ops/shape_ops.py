@@ -41,13 +41,34 @@ for _name in ("Shape", "Size"):
 for _name in ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"):
     register(OpDef(name=_name, category=Category.VIEW, doc="shares its input's buffer",
                    value_inputs=(1,) if _name in ("Reshape", "Squeeze", "Unsqueeze") else (),
-                   forwards_input=(lambda n: True) if _name == "Identity" else None))
+                   forwards_input=(lambda n, values: True) if _name == "Identity" else None))
 
 
-def _dropout_check(n: Node, ins: list[Any], outs: list[Any]) -> str | None:
-    if len(n.inputs) > 2 and n.inputs[2]:
-        return "training_mode given as a runtime input (only inference is supported)"
-    if len(n.outputs) > 1 and n.outputs[1]:
+def _dropout_training(n: Node, values: list[Any]) -> bool | None:
+    """Whether the node trains: False without a training_mode input (Dropout-12+) or with
+    a constant false one, or when nothing is dropped (a constant ratio of 0); True with a
+    constant true; None when training_mode is a runtime input."""
+    if len(n.inputs) <= 2 or not n.inputs[2]:
+        return False
+    t = values[2] if len(values) > 2 else None
+    if t is None or np.asarray(t).size != 1:
+        return None         # (ONNX requires a scalar)
+    if not bool(np.asarray(t).reshape(-1)[0]):
+        return False
+    r = values[1] if len(values) > 1 and n.inputs[1] else None
+    if r is not None and np.asarray(r).size == 1 and float(np.asarray(r).reshape(-1)[0]) == 0:
+        return False        # training with ratio 0 drops nothing: the identity as well
+    return True
+
+
+def _dropout_value_check(n: Node, values: list[Any]) -> str | None:
+    training = _dropout_training(n, values)
+    if training is None:
+        return ("training_mode is a runtime input (cannc compiles inference only: it must "
+                "be absent or a constant false)")
+    if training:
+        return "training_mode is a constant true (cannc compiles inference only)"
+    if len(n.outputs) > 1 and n.outputs[1]:     # (at inference the folder makes it a constant)
         return "the mask output is used (only inference is supported)"
     return None
 
@@ -76,11 +97,12 @@ def _dropout_infer(n: Node, ins: list[TensorType | None]) -> list[TensorType]:
 
 
 def _dropout_const_outputs(n: Node, ins: list[TensorType | None],
-                           outs: list[TensorType | None]) -> dict[int, np.ndarray]:
+                           outs: list[TensorType | None],
+                           values: list[Any]) -> dict[int, np.ndarray]:
     """At inference the mask depends on the data's shape only: it becomes a constant and
     the node is left an identity on its data (removed by `remove_identities`)."""
-    if len(n.outputs) < 2 or not n.outputs[1] or len(n.inputs) > 2 and n.inputs[2]:
-        return {}       # no mask, or a training_mode input: not known to be inference
+    if len(n.outputs) < 2 or not n.outputs[1] or _dropout_training(n, values) is not False:
+        return {}       # no mask, or not known to be inference
     x = ins[0]
     if x is None or not x.is_static:
         return {}
@@ -99,8 +121,8 @@ def _dropout_reference(n: Node, inputs: list[Any]) -> list[np.ndarray | None]:
     return [x, mask] if len(n.outputs) > 1 else [x]
 
 
-register(OpDef(name="Dropout", category=Category.VIEW, check=_dropout_check,
-               forwards_input=lambda n: _dropout_check(n, [], []) is None,
+register(OpDef(name="Dropout", category=Category.VIEW, value_check=_dropout_value_check,
+               forwards_input=lambda n, values: _dropout_value_check(n, values) is None,
                infer=_dropout_infer, const_outputs=_dropout_const_outputs,
                reference=_dropout_reference,
                doc="inference: the identity (the mask, when declared, a constant)"))
