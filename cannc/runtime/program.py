@@ -245,6 +245,9 @@ class Program:
                 times.cycles0 = self._cycles()
             run(sched, nk, 0, ncores, cptr, ws, stride, tptr)
 
+        # the counters live as long as core 0's share can run (cptr points into them)
+        core0.keep = (self, ctx, counters, times)  # type: ignore[attr-defined]
+
         return core0
 
     def cycles(self) -> int:
