@@ -73,6 +73,7 @@ class _Pool:
         self._lock = threading.Lock()
         self._keep: list[Any] = [None] * dispatch.POOL_RING
         self._posted = 0
+        self._released = 0
         self._threads: list[ctypes.c_ulong] = []
         libc = ctypes.CDLL(None)
         self._create, self._join = libc.pthread_create, libc.pthread_join
@@ -99,6 +100,12 @@ class _Pool:
             self._post(self.base, run, sched, nk, ncores, counters, ws, stride, times)
             self._keep[self._posted % dispatch.POOL_RING] = keep
             self._posted += 1
+            # drop what launches every worker has finished held (a closed session's
+            # memory is not kept for a whole turn of the ring)
+            done = min(self.launches_done(c) for c in range(1, self.cores))
+            while self._released < done:
+                self._keep[self._released % dispatch.POOL_RING] = None
+                self._released += 1
 
     def launches_done(self, core: int) -> int:
         return int(self.mem[dispatch.POOL_LINES + 8 * core])

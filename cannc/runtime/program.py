@@ -192,7 +192,11 @@ class Program:
                 times.t_start = time.perf_counter()
             # wake the other cores first: they wait at the start gate while we copy in
             core0 = self.prepare_launch(ctx, times)
-            self.copy_in(ctx, feeds)
+            try:
+                self.copy_in(ctx, feeds)
+            except BaseException:
+                core0()     # the workers wait at the start gate: let the launch finish
+                raise
             if times is not None:
                 times.t_h2d_end = time.perf_counter()
             core0()

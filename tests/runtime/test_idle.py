@@ -85,3 +85,20 @@ def test_claim_chunks_cover_and_shrink(T, cores):
     assert all(x >= y for x, y in zip(sizes, sizes[1:]))
     if cores > 1:
         assert all(s >= min(min_chunk(T, cores), T) for s in sizes[:-1])
+
+
+def test_failed_copy_in_does_not_strand_the_workers(mlp2):
+    # the workers are woken before the inputs are copied in; a copy that fails must still
+    # let them through the start gate, or they wait there for good (spinning) and take
+    # no part in any later launch
+    sess, feeds, ref = mlp2
+    prog = next(iter(sess._programs.values()))
+    with pytest.raises(TypeError):
+        prog.execute({"x": feeds["x"].astype(np.float64)})
+    assert np.array_equal(sess.run(None, feeds)[0], ref[0])
+    pool = sess.device._pool
+    if pool is not None:
+        t = time.monotonic()
+        while sess.device.launches_done(1) < pool._posted:
+            assert time.monotonic() - t < 10, "worker core stuck at a launch's start gate"
+            time.sleep(0.001)
