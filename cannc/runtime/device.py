@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import os
 import threading
 import time
 import weakref
@@ -224,6 +225,20 @@ def _close_all() -> None:
             dev.close()
         except Exception:
             pass
+
+
+def _after_fork_in_child() -> None:
+    # a forked child has none of the parent's worker threads: give its devices new ones
+    # (their launch ring would otherwise fill up and block the 64th launch)
+    global _pool_lock
+    _pool_lock = threading.Lock()
+    for dev in list(_live):
+        if getattr(dev, "_pool", None) is not None:
+            dev._pool = _Pool(dev.cores)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 _shared: dict[int, Device] = {}

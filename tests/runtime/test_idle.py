@@ -102,3 +102,27 @@ def test_failed_copy_in_does_not_strand_the_workers(mlp2):
         while sess.device.launches_done(1) < pool._posted:
             assert time.monotonic() - t < 10, "worker core stuck at a launch's start gate"
             time.sleep(0.001)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_gets_its_own_workers(mlp2):
+    sess, feeds, ref = mlp2
+    n = dispatch.POOL_RING + 4        # more launches than the ring holds
+    pid = os.fork()
+    if pid == 0:                      # child: no thread of the parent's pool exists here
+        ok = False
+        try:
+            ok = all(np.array_equal(sess.run(None, feeds)[0], ref[0]) for _ in range(n))
+        finally:
+            os._exit(0 if ok else 1)
+    t = time.monotonic()
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() - t > 60:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung launching on its inherited device")
+        time.sleep(0.01)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
