@@ -52,7 +52,7 @@ import llvmlite.ir as ir
 import numpy as np
 
 from ..native.emit import BF16, F32, I8, I32, I64, PTR, i64
-from ..schedule.split import CHUNKS_PER_CORE
+from ..schedule.split import claim_chunks
 from .vec import VF, VI32, VM, VPTR, VecBuilder, abi_function
 
 VI = VI32  # <16 x i32>: the lane indices and offsets of the window kernels
@@ -127,16 +127,15 @@ WAKE_COST = 1.0e6    # a worker core starts late: ~10 us, in flop units (~100 GF
 
 def dispatch_time(T: int, cores: int, range_cost) -> float:
     """Modelled finish time of a kernel of T tiles under the runtime's dispatcher:
-    cores claim chunks of ceil(T / (cores * CHUNKS_PER_CORE)) tiles in order, the
-    first free core taking the next chunk; the other cores start WAKE_COST late.
+    cores claim the chunks of split.claim_chunks in order, the first free core taking
+    the next chunk; the other cores start WAKE_COST late.
     range_cost(t0, t1) is the cost of tiles [t0, t1)."""
     if cores <= 1:
         return range_cost(0, T)
-    chunk = max(1, cdiv(T, cores * CHUNKS_PER_CORE))
     free = [0.0] + [WAKE_COST] * (cores - 1)
-    for t0 in range(0, T, chunk):
+    for t0, t1 in claim_chunks(T, cores):
         c = min(range(cores), key=lambda i: free[i])
-        free[c] += range_cost(t0, min(T, t0 + chunk))
+        free[c] += range_cost(t0, t1)
     return max(free)
 
 

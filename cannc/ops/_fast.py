@@ -185,11 +185,6 @@ class FastLaunch:
         ncores = self.ncores
         counters = np.zeros(self.nk * dispatch.COUNTER_WORDS + 16, np.int64)
         cptr = (counters.ctypes.data + 63) // 64 * 64
-        run, nk, stride = self._run, self.nk, self.stride
-
-        def job(core: int) -> None:
-            run(sched, nk, core, ncores, cptr, ws, stride, None)
-
-        job.keep = (self, s, counters)  # type: ignore[attr-defined]
-        self.prog.device.post(job)
-        job(0)
+        self.prog.device.launch(self.prog._run_addr, sched, self.nk, ncores, cptr, ws,
+                                self.stride, None, (self, s, counters))
+        self._run(sched, self.nk, 0, ncores, cptr, ws, self.stride, None)

@@ -1,31 +1,140 @@
 """The simulated accelerator: AI Cores (worker threads) and device memory.
 
-Core 0 is the calling thread; cores 1..N-1 are persistent worker threads. A
-launch hands every core the same native entry point (the dispatcher) and its
-core index; the cores then synchronise among themselves in native code, so
-Python is involved once per launch, not once per kernel or tile.
+Core 0 is the calling thread; cores 1..N-1 are persistent native worker threads
+(pthreads running generated code, runtime/dispatch.py `build_pool`): they never
+touch the interpreter. A launch is posted to a ring they all read; every core
+runs the same native entry point (the dispatcher) with its core index, and the
+cores then synchronise among themselves in native code, so Python is involved
+once per launch, not once per kernel or tile.
+
+Idle policy (like onnxruntime's pool): after its last launch a worker spins for
+IDLE_SPIN_US (back-to-back requests find it running), then sleeps on a futex, so
+an idle device burns no CPU and a request after an idle gap costs one wake-up
+system call. The Python-thread hand-off this replaces (a queue and the
+interpreter lock) took 0.2-0.6 ms, sometimes several, to start core 1 after an
+idle gap: core 0 often finished a small model alone, or waited for core 1's late
+share.
 """
 
 from __future__ import annotations
 
-import queue
+import atexit
+import ctypes
+import os
 import threading
+import time
 import weakref
-from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
+from ..native.target import JitLibrary
 from ..schedule.machine import usable_cores
+from . import dispatch
 from .memory import aligned_empty
 from .stream import CopyEngine, Stream
+
+IDLE_SPIN_US = 100.0     # a worker spins this long after its last launch, then sleeps
+
+_pool_lib: JitLibrary | None = None
+_pool_lock = threading.Lock()
+_cycles_per_us: float | None = None
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+def _pool_library() -> JitLibrary:
+    """The pool's code, loaded once per process and never unloaded (worker threads run it
+    until they are joined)."""
+    global _pool_lib, _cycles_per_us
+    with _pool_lock:
+        if _pool_lib is None:
+            dispatch._add_libc_symbols()
+            lib = JitLibrary([dispatch.build_pool()])
+            cyc = ctypes.CFUNCTYPE(ctypes.c_int64)(lib.address(dispatch.POOL_CYCLES))
+            c0, t0 = cyc(), time.perf_counter()
+            time.sleep(0.002)
+            _cycles_per_us = max((cyc() - c0) / ((time.perf_counter() - t0) * 1e6), 1.0)
+            _pool_lib = lib
+        return _pool_lib
+
+
+class _Pool:
+    """The native worker threads of a device (cores 1..n-1) and their launch ring."""
+
+    def __init__(self, cores: int) -> None:
+        lib = _pool_library()
+        self.cores = cores
+        self.mem = aligned_empty(dispatch.pool_words(cores) * 8, 64).view(np.int64)
+        m = self.mem
+        m[dispatch.POOL_SPIN] = int(IDLE_SPIN_US * (_cycles_per_us or 1.0))
+        m[dispatch.POOL_CORES] = cores
+        m[dispatch.POOL_SLOTS] = dispatch.POOL_LINES + 8 * cores
+        self.base = m.ctypes.data
+        self._post = dispatch.POOL_POST_TYPE(lib.address(dispatch.POOL_POST))
+        self._lock = threading.Lock()
+        self._keep: list[Any] = [None] * dispatch.POOL_RING
+        self._posted = 0
+        self._released = 0
+        self._threads: list[ctypes.c_ulong] = []
+        libc = ctypes.CDLL(None)
+        self._create, self._join = libc.pthread_create, libc.pthread_join
+        self._create.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_void_p]
+        self._join.argtypes = [ctypes.c_ulong, ctypes.c_void_p]
+        worker = lib.address(dispatch.POOL_WORKER)
+        for c in range(1, cores):
+            line = dispatch.POOL_LINES + 8 * c
+            m[line:line + 3] = [0, self.base, c]
+            tid = ctypes.c_ulong()
+            if self._create(ctypes.byref(tid), None, worker, self.base + line * 8) != 0:
+                self.close()
+                raise OSError(f"cannot start AI core {c}: pthread_create failed")
+            self._threads.append(tid)
+        self.closed = False
+
+    def post(self, run: int, sched: int, nk: int, ncores: int, counters: int, ws: int,
+             stride: int, times: int | None, keep: Any) -> None:
+        with self._lock:
+            if self.closed:
+                raise RuntimeError("the device is closed")
+            # waits (natively) until every worker is done with the launch this slot held
+            self._post(self.base, run, sched, nk, ncores, counters, ws, stride, times)
+            self._keep[self._posted % dispatch.POOL_RING] = keep
+            self._posted += 1
+            # drop what launches every worker has finished held (a closed session's
+            # memory is not kept for a whole turn of the ring)
+            done = min(self.launches_done(c) for c in range(1, self.cores))
+            while self._released < done:
+                self._keep[self._released % dispatch.POOL_RING] = None
+                self._released += 1
+
+    def launches_done(self, core: int) -> int:
+        return int(self.mem[dispatch.POOL_LINES + 8 * core])
+
+    def close(self) -> None:
+        with self._lock:
+            if getattr(self, "closed", True) and not self._threads:
+                return
+            self.closed = True
+            m = self.mem
+            m[dispatch.POOL_QUIT] = 1
+            wake = ctypes.c_int32.from_address(self.base + dispatch.POOL_WAKE * 8)
+            wake.value += 1
+            libc = ctypes.CDLL(None)
+            libc.syscall(dispatch.SYS_FUTEX, ctypes.c_void_p(ctypes.addressof(wake)),
+                         dispatch.FUTEX_WAKE_PRIVATE, 2 ** 31 - 1)
+            for t in self._threads:
+                self._join(t.value, None)
+            self._threads = []
+            self._keep = [None] * dispatch.POOL_RING
 
 
 class Device:
     """N AI Cores sharing device memory.
 
-    `post(job)` queues job(c) for the worker of each other core; the caller then
-    runs job(0) itself (Program.prepare_launch). The native dispatcher makes
-    core 0 return only when all the work is done, so nobody waits for a worker
+    `launch(...)` posts a dispatcher launch to the workers of cores 1..N-1; the caller
+    then runs core 0's share itself (Program.prepare_launch). The native dispatcher
+    makes core 0 return only when all the work is done, so nobody waits for a worker
     the OS has not scheduled yet (it will find its share already taken).
     """
 
@@ -37,21 +146,8 @@ class Device:
         self._mem_lock = threading.Lock()
         self._used: dict[str, int] = {}
         self.peak_bytes = 0
-        self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(n)]
-        self._workers = []
-        for c in range(1, n):
-            t = threading.Thread(target=self._worker, args=(c,), daemon=True,
-                                 name=f"cannc-aicore-{c}")
-            t.start()
-            self._workers.append(t)
-
-    def _worker(self, core: int) -> None:
-        q = self._queues[core]
-        while True:
-            job = q.get()
-            if job is None:
-                return
-            job(core)
+        self._pool = _Pool(n) if n > 1 else None
+        _live.add(self)
 
     @property
     def copy_engine(self) -> CopyEngine:
@@ -95,14 +191,21 @@ class Device:
         n = int(np.prod(shp)) * dt.itemsize
         return aligned_empty(max(n, 1), zero=False)[:n].view(dt).reshape(shp)
 
-    def post(self, job: Callable[[int], None]) -> None:
-        """Queue job(c) for every worker core c >= 1 (core 0 is the caller's)."""
-        for c in range(1, self.cores):
-            self._queues[c].put(job)
+    def launch(self, run: int, sched: int, nk: int, ncores: int, counters: int, ws: int,
+               stride: int, times: int | None, keep: Any) -> None:
+        """Post `run(sched, nk, c, ncores, counters, ws, stride, times)` (the dispatcher's
+        entry point) to every worker core c in 1..ncores-1; core 0 is the caller's. `keep`
+        holds what the launch's pointers point into until no worker can read it again."""
+        if self._pool is not None and ncores > 1:
+            self._pool.post(run, sched, nk, ncores, counters, ws, stride, times, keep)
+
+    def launches_done(self, core: int) -> int:
+        """Launches worker `core` has finished (tests, diagnostics)."""
+        return self._pool.launches_done(core) if self._pool is not None else 0
 
     def close(self) -> None:
-        for c in range(1, self.cores):
-            self._queues[c].put(None)
+        if getattr(self, "_pool", None) is not None:
+            self._pool.close()
         ce = getattr(self, "_copy_engine", None)
         if ce is not None:
             ce.close()
@@ -112,6 +215,30 @@ class Device:
             self.close()
         except Exception:
             pass
+
+
+@atexit.register
+def _close_all() -> None:
+    # join the native workers before the interpreter tears down the code they run
+    for dev in list(_live):
+        try:
+            dev.close()
+        except Exception:
+            pass
+
+
+def _after_fork_in_child() -> None:
+    # a forked child has none of the parent's worker threads: give its devices new ones
+    # (their launch ring would otherwise fill up and block the 64th launch)
+    global _pool_lock
+    _pool_lock = threading.Lock()
+    for dev in list(_live):
+        if getattr(dev, "_pool", None) is not None:
+            dev._pool = _Pool(dev.cores)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 _shared: dict[int, Device] = {}

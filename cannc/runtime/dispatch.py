@@ -3,7 +3,8 @@
 `cannc_run(sched, nk, core, ncores, counters, ws_base, ws_stride, times)` walks
 the schedule (one 4 x i64 record per kernel: function pointer, argument table,
 number of tiles, flags). For each kernel the cores *claim* chunks of tiles
-from an atomic counter, run them, and add them to a done counter; a core moves
+from an atomic counter (compare-and-swap; chunks shrink as the tiles run out:
+schedule/split.py claim_chunks), run them, and add them to a done counter; a core moves
 to the next kernel once every tile of this one is done. Launching a kernel
 thus costs no Python time, and the cores never wait for each other at a
 barrier: a core that the OS deschedules (the machines are shared) holds back
@@ -16,7 +17,7 @@ and the moment the kernel was complete.
 
 `counters` holds two i64 per kernel (claimed, done) and must be zero at entry;
 the word after them is the start gate: core 0 opens it on entry and the other
-cores wait for it, so they can be woken (a Python thread hand-off) while the
+cores wait for it, so they can be woken (the native pool below) while the
 caller is still copying the inputs in, and be spinning, ready, when it starts.
 `cannc_cycles()` reads the same cycle counter (for calibration).
 """
@@ -31,7 +32,7 @@ import llvmlite.ir as ir
 from ..native import emit
 from ..native.emit import I32, I64, PTR, VOID, for_range, i64
 from ..native.target import default_cache, new_module
-from ..schedule.split import CHUNKS_PER_CORE
+from ..schedule.split import CHUNKS_PER_CORE, MIN_CHUNK_DIVISOR
 
 FLAG_SINGLE_CORE = 1
 RECORD_WORDS = 4
@@ -46,7 +47,8 @@ def _add_libc_symbols() -> None:
     global _symbols_added
     if not _symbols_added:
         libc = ctypes.CDLL(None)
-        llvm.add_symbol("sched_yield", ctypes.cast(libc.sched_yield, ctypes.c_void_p).value)
+        for name in ("sched_yield", "syscall"):
+            llvm.add_symbol(name, ctypes.cast(getattr(libc, name), ctypes.c_void_p).value)
         _symbols_added = True
 
 
@@ -114,6 +116,7 @@ def build_dispatcher() -> bytes:
             b.call(wait, [gate, i64(1)])
     cyc = ir.Function(m, ir.FunctionType(I64, []), name="llvm.readcyclecounter")
     pieces = b.mul(ncores, i64(CHUNKS_PER_CORE))
+    minpieces = b.mul(ncores, i64(MIN_CHUNK_DIVISOR))
     profiling = b.icmp_unsigned("!=", b.ptrtoint(times, I64), i64(0))
     zero = i64(0)
     with for_range(b, 0, nk, name="k") as k:
@@ -123,13 +126,15 @@ def build_dispatcher() -> bytes:
         tiles = b.load(emit.gep(b, sched, b.add(rec, i64(2)), I64), typ=I64)
         flags = b.load(emit.gep(b, sched, b.add(rec, i64(3)), I64), typ=I64)
         single = b.icmp_signed("!=", b.and_(flags, i64(FLAG_SINGLE_CORE)), i64(0))
-        per = b.sdiv(b.add(tiles, b.sub(pieces, i64(1))), pieces)
-        chunk = b.select(single, tiles, b.select(b.icmp_signed("<", per, i64(1)), i64(1), per))
+        # guided claims (schedule/split.py claim_chunks): ceil(left / pieces), at least lo
+        lo = b.sdiv(b.add(tiles, b.sub(minpieces, i64(1))), minpieces)
+        lo = b.select(b.icmp_signed("<", lo, i64(1)), i64(1), lo)
         claim_p = emit.gep(b, counters, b.mul(k, i64(COUNTER_WORDS)), I64)
         done_p = emit.gep(b, counters, b.add(b.mul(k, i64(COUNTER_WORDS)), i64(1)), I64)
         # claim chunks until none is left
         pre = b.block
         claim_bb = b.append_basic_block("claim")
+        cas_bb = b.append_basic_block("cas")
         run_bb = b.append_basic_block("run")
         after_bb = b.append_basic_block("after")
         b.branch(claim_bb)
@@ -140,8 +145,16 @@ def build_dispatcher() -> bytes:
         first.add_incoming(zero, pre)
         last.add_incoming(zero, pre)
         busy.add_incoming(zero, pre)
-        start = b.atomic_rmw("add", claim_p, chunk, "monotonic")
-        b.cbranch(b.icmp_signed("<", start, tiles), run_bb, after_bb)
+        start = b.load_atomic(claim_p, "monotonic", 8, typ=I64)
+        b.cbranch(b.icmp_signed("<", start, tiles), cas_bb, after_bb)
+        b.position_at_end(cas_bb)
+        per = b.sdiv(b.add(b.sub(tiles, start), b.sub(pieces, i64(1))), pieces)
+        chunk = b.select(single, tiles, b.select(b.icmp_signed("<", per, lo), lo, per))
+        won = b.extract_value(b.cmpxchg(claim_p, start, b.add(start, chunk), "monotonic",
+                                        "monotonic"), 1)
+        for ph in (first, last, busy):
+            ph.add_incoming(ph, cas_bb)
+        b.cbranch(won, run_bb, claim_bb)
         b.position_at_end(run_bb)
         end = b.add(start, chunk)
         end = b.select(b.icmp_signed("<", end, tiles), end, tiles)
@@ -171,3 +184,151 @@ CYCLES_FUNC_TYPE = ctypes.CFUNCTYPE(ctypes.c_int64)
 RUN_FUNC_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_int64, ctypes.c_void_p)
+
+
+# -- the worker pool: native AI-core threads ----------------------------------------------
+# A launch is a slot in a ring of POOL_RING launch records; each worker keeps its own read
+# position and runs every launch in order as core c. Idle, a worker spins (pause) for a
+# bounded time (POOL_SPIN cycles) after its last launch, then sleeps on a futex, so a
+# request that follows an idle gap wakes it with one system call (no Python thread
+# hand-off, no interpreter lock) and an idle device burns no CPU.
+# Pool memory, in i64 words (64-byte aligned):
+POOL_HEAD = 0          # launches posted
+POOL_WAKE = 8          # i32 futex word: bumped on every post and on quit
+POOL_SLEEPERS = 16     # workers inside (or about to enter) the futex wait
+POOL_QUIT = 24
+POOL_SPIN = 32         # cycles a worker spins before it sleeps
+POOL_CORES = 40        # cores of the device (workers are cores 1..n-1)
+POOL_SLOTS = 48        # word offset of the ring
+POOL_LINES = 64        # worker c's line at POOL_LINES + 8c: [launches done, pool, core]
+POOL_RING = 64
+SLOT_WORDS = 8         # run, sched, nk, ncores, counters, ws, ws_stride, times
+POOL_POST = "cannc_pool_post"
+POOL_WORKER = "cannc_pool_worker"
+POOL_CYCLES = "cannc_pool_cycles"
+SYS_FUTEX = 202
+FUTEX_WAIT_PRIVATE = 128
+FUTEX_WAKE_PRIVATE = 129
+
+
+def pool_words(cores: int) -> int:
+    return POOL_LINES + 8 * cores + POOL_RING * SLOT_WORDS
+
+
+def _word(b: ir.IRBuilder, base: ir.Value, w: ir.Value | int) -> ir.Value:
+    return emit.gep(b, base, w, I64)
+
+
+def build_pool() -> bytes:
+    m = new_module("cannc_pool")
+    wait = _emit_wait(m)
+    sysc = ir.Function(m, ir.FunctionType(I64, [I64], var_arg=True), name="syscall")
+    pause = m.get_global("llvm.x86.sse2.pause")
+    cyc = ir.Function(m, ir.FunctionType(I64, []), name="llvm.readcyclecounter")
+    runty = ir.FunctionType(VOID, [PTR, I64, I64, I64, PTR, PTR, I64, PTR])
+
+    # void post(pool, run, sched, nk, ncores, counters, ws, ws_stride, times)
+    # (posters are serialised by the caller)
+    post = ir.Function(m, ir.FunctionType(VOID, [PTR, PTR, PTR, I64, I64, PTR, PTR, I64, PTR]),
+                       name=POOL_POST)
+    pool, *fields = post.args
+    b = ir.IRBuilder(post.append_basic_block("entry"))
+    head_p = _word(b, pool, POOL_HEAD)
+    i = b.load_atomic(head_p, "monotonic", 8, typ=I64)
+    cores = b.load(_word(b, pool, POOL_CORES), typ=I64)
+    # the slot is free once every worker has finished the launch POOL_RING before
+    with for_range(b, 1, cores, name="c") as c:
+        line = _word(b, pool, b.add(i64(POOL_LINES), b.mul(c, i64(8))))
+        b.call(wait, [line, b.sub(i, i64(POOL_RING - 1))])
+    slots = b.load(_word(b, pool, POOL_SLOTS), typ=I64)
+    slot = _word(b, pool, b.add(slots, b.mul(b.srem(i, i64(POOL_RING)), i64(SLOT_WORDS))))
+    for j, v in enumerate(fields):
+        b.store(v, emit.gep(b, slot, j, v.type))
+    b.atomic_rmw("xchg", head_p, b.add(i, i64(1)), "seq_cst")
+    wake_p = _word(b, pool, POOL_WAKE)
+    b.atomic_rmw("add", wake_p, ir.Constant(I32, 1), "seq_cst")
+    sleepers = b.load_atomic(_word(b, pool, POOL_SLEEPERS), "seq_cst", 8, typ=I64)
+    with b.if_then(b.icmp_signed(">", sleepers, i64(0))):
+        b.call(sysc, [i64(SYS_FUTEX), b.ptrtoint(wake_p, I64), i64(FUTEX_WAKE_PRIVATE),
+                      i64(2 ** 31 - 1)])
+    b.ret_void()
+
+    # void* worker(line): run every posted launch as core line[2]; spin, then sleep
+    wk = ir.Function(m, ir.FunctionType(PTR, [PTR]), name=POOL_WORKER)
+    line = wk.args[0]
+    entry = wk.append_basic_block("entry")
+    loop = wk.append_basic_block("loop")
+    job = wk.append_basic_block("job")
+    idle = wk.append_basic_block("idle")
+    spin = wk.append_basic_block("spin")
+    spin2 = wk.append_basic_block("spin_more")
+    sleep = wk.append_basic_block("sleep")
+    out = wk.append_basic_block("exit")
+    b = ir.IRBuilder(entry)
+    pool = b.inttoptr(b.load(_word(b, line, 1), typ=I64), PTR)
+    core = b.load(_word(b, line, 2), typ=I64)
+    head_p = _word(b, pool, POOL_HEAD)
+    wake_p = _word(b, pool, POOL_WAKE)
+    sleepers_p = _word(b, pool, POOL_SLEEPERS)
+    quit_p = _word(b, pool, POOL_QUIT)
+    slots = b.load(_word(b, pool, POOL_SLOTS), typ=I64)
+    spin_cycles = b.load(_word(b, pool, POOL_SPIN), typ=I64)
+    b.branch(loop)
+
+    b.position_at_end(loop)
+    mine = b.phi(I64, name="mine")
+    mine.add_incoming(i64(0), entry)
+    h = b.load_atomic(head_p, "acquire", 8, typ=I64)
+    b.cbranch(b.icmp_signed(">", h, mine), job, idle)
+
+    b.position_at_end(job)
+    slot = _word(b, pool, b.add(slots, b.mul(b.srem(mine, i64(POOL_RING)), i64(SLOT_WORDS))))
+    slot_types = (PTR, PTR, I64, I64, PTR, PTR, I64, PTR)
+    f = [b.load(emit.gep(b, slot, j, t), typ=t) for j, t in enumerate(slot_types)]
+    run_fn, sched, nk, ncores = f[0], f[1], f[2], f[3]
+    with b.if_then(b.icmp_signed("<", core, ncores)):
+        b.call(_Callee(run_fn, runty), [sched, nk, core, ncores, f[4], f[5], f[6], f[7]])
+    nxt = b.add(mine, i64(1))
+    b.atomic_rmw("xchg", _word(b, line, 0), nxt, "release")
+    mine.add_incoming(nxt, b.block)
+    b.branch(loop)
+
+    b.position_at_end(idle)
+    q = b.load_atomic(quit_p, "acquire", 8, typ=I64)
+    t0 = b.call(cyc, [])
+    b.cbranch(b.icmp_signed("!=", q, i64(0)), out, spin)
+
+    b.position_at_end(spin)
+    b.call(pause, [])
+    h = b.load_atomic(head_p, "acquire", 8, typ=I64)
+    mine.add_incoming(mine, spin)
+    b.cbranch(b.icmp_signed(">", h, mine), loop, spin2)
+    b.position_at_end(spin2)
+    el = b.sub(b.call(cyc, []), t0)
+    b.cbranch(b.icmp_signed("<", el, spin_cycles), spin, sleep)
+
+    b.position_at_end(sleep)
+    b.atomic_rmw("add", sleepers_p, i64(1), "seq_cst")
+    w = b.load_atomic(wake_p, "seq_cst", 4, typ=I32)
+    h = b.load_atomic(head_p, "seq_cst", 8, typ=I64)
+    q = b.load_atomic(quit_p, "seq_cst", 8, typ=I64)
+    none = b.and_(b.icmp_signed("==", h, mine), b.icmp_signed("==", q, i64(0)))
+    with b.if_then(none):
+        b.call(sysc, [i64(SYS_FUTEX), b.ptrtoint(wake_p, I64), i64(FUTEX_WAIT_PRIVATE),
+                      b.zext(w, I64), i64(0)])
+    b.atomic_rmw("sub", sleepers_p, i64(1), "seq_cst")
+    mine.add_incoming(mine, b.block)
+    b.branch(loop)
+
+    b.position_at_end(out)
+    b.ret(ir.Constant(PTR, None))
+
+    cf = ir.Function(m, ir.FunctionType(I64, []), name=POOL_CYCLES)
+    cb = ir.IRBuilder(cf.append_basic_block("entry"))
+    cb.ret(cb.call(cyc, []))
+    return default_cache().compile(str(m), "cannc_pool", speed_level=2)
+
+
+POOL_POST_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                  ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                  ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)

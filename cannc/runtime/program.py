@@ -102,7 +102,8 @@ class Program:
         self.ws_stride = align_up(max((k.workspace_bytes for k in kernels), default=0))
         self.lib = JitLibrary(list(dict.fromkeys(spec.objects.values())) + [dispatcher_obj])
         self._fn = [self.lib.address(k.symbol) for k in kernels]
-        self._run = dispatch.RUN_FUNC_TYPE(self.lib.address(dispatch.ENTRY))
+        self._run_addr = self.lib.address(dispatch.ENTRY)
+        self._run = dispatch.RUN_FUNC_TYPE(self._run_addr)
         self._cycles = dispatch.CYCLES_FUNC_TYPE(self.lib.address(dispatch.CYCLES))
         self._contexts: list[Context] = []
         self._cv = threading.Condition()
@@ -191,7 +192,11 @@ class Program:
                 times.t_start = time.perf_counter()
             # wake the other cores first: they wait at the start gate while we copy in
             core0 = self.prepare_launch(ctx, times)
-            self.copy_in(ctx, feeds)
+            try:
+                self.copy_in(ctx, feeds)
+            except BaseException:
+                core0()     # the workers wait at the start gate: let the launch finish
+                raise
             if times is not None:
                 times.t_h2d_end = time.perf_counter()
             core0()
@@ -234,19 +239,18 @@ class Program:
             times.cycles = np.zeros((nk, ncores, dispatch.PROFILE_WORDS), np.int64)
             tptr = times.cycles.ctypes.data
         run = self._run
-
-        def job(core: int) -> None:
-            run(sched, nk, core, ncores, cptr, ws, stride, tptr)
-
-        job.keep = (self, ctx, counters, times)  # type: ignore[attr-defined]
         if ncores > 1:
-            self.device.post(job)
+            self.device.launch(self._run_addr, sched, nk, ncores, cptr, ws, stride, tptr,
+                               (self, ctx, counters, times))
 
         def core0() -> None:
             if times is not None:
                 times.t0 = time.perf_counter()
                 times.cycles0 = self._cycles()
-            job(0)
+            run(sched, nk, 0, ncores, cptr, ws, stride, tptr)
+
+        # the counters live as long as core 0's share can run (cptr points into them)
+        core0.keep = (self, ctx, counters, times)  # type: ignore[attr-defined]
 
         return core0
 

@@ -13,7 +13,7 @@ where the compute of a GEMM is the planner's own per-core model
 the tile split over the cores) run with the plan the lowering chose (recorded
 in ``kernel.notes["plan"]`` by codegen.plans), and that of other kernels is
 their FLOPs spread over the tiles the busiest core gets from the runtime's
-chunked dispatcher (schedule.split.CHUNKS_PER_CORE).
+chunked dispatcher (schedule.split.claim_chunks).
 The bandwidth is that of the smallest cache level holding the kernel's bytes.
 `annotate(kernels, cores)` writes ``notes["predicted_us"]`` and
 ``notes["tiling"]`` (a short description of the tiling and the core split).
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .machine import CpuModel, cpu_model
-from .split import CHUNKS_PER_CORE, gemm_groups, rup, split_even
+from .split import claim_chunks, gemm_groups, rup, split_even
 
 __all__ = [
     "Prediction",
@@ -98,14 +98,15 @@ class Prediction:
 
 def busiest_share(tiles: int, cores: int) -> float:
     """Fraction of a kernel's tiles the busiest core runs under the chunked dispatcher
-    (cores claim chunks of ceil(T / (cores * CHUNKS_PER_CORE)) tiles in turn)."""
+    (cores claim the chunks of split.claim_chunks in turn)."""
     T = max(1, int(tiles))
     if cores <= 1:
         return 1.0
-    chunk = max(1, math.ceil(T / (cores * CHUNKS_PER_CORE)))
-    nchunks = math.ceil(T / chunk)
-    most = min(T, math.ceil(nchunks / cores) * chunk)
-    return most / T
+    load = [0] * cores
+    for t0, t1 in claim_chunks(T, cores):
+        c = load.index(min(load))
+        load[c] += t1 - t0
+    return max(load) / T
 
 
 def _gemm_units(rec: dict[str, Any], cores: int) -> float:

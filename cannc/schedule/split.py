@@ -1,8 +1,12 @@
 """How a kernel's tiles are split over the AI cores, and the arithmetic the planners
 and the cost model share.
 
-The runtime's dispatcher (runtime/dispatch.py) lets the cores claim chunks of
-ceil(T / (cores * CHUNKS_PER_CORE)) of a kernel's T tiles in turn; the tuner
+The runtime's dispatcher (runtime/dispatch.py) lets the cores claim a kernel's T
+tiles in chunks that shrink as the work runs out (guided self-scheduling): each claim
+takes ceil(R / (cores * CHUNKS_PER_CORE)) of the R tiles left, but no fewer than
+ceil(T / (cores * MIN_CHUNK_DIVISOR)) (`claim_chunks` lists them). A core that starts
+late or runs slow (woken from an idle state, descheduled on a shared machine) thus
+holds back at most a small last chunk, not a quarter of the kernel; the tuner
 times a GEMM's tiles split evenly (`split_even`); `gemm_groups` is the blocks one
 call of a GEMM kernel processes for a tile range (as the generated code walks them).
 """
@@ -12,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 CHUNKS_PER_CORE = 2
+MIN_CHUNK_DIVISOR = 8     # the smallest chunk is ceil(T / (cores * MIN_CHUNK_DIVISOR))
 
 
 def cdiv(a: int, b: int) -> int:
@@ -46,3 +51,20 @@ def gemm_groups(batch: int, mt: int, nt: int, t0: int, t1: int
             it1 = min(mt, it + (t1 - t))
             yield b, it, it1, jt, jt + 1
             t += it1 - it
+
+
+def min_chunk(T: int, cores: int) -> int:
+    return max(1, cdiv(T, cores * MIN_CHUNK_DIVISOR))
+
+
+def claim_chunks(T: int, cores: int) -> list[tuple[int, int]]:
+    """The tile ranges the dispatcher's claims take, in order (whichever core claims)."""
+    if cores <= 1:
+        return [(0, T)] if T > 0 else []
+    lo, pieces = min_chunk(T, cores), cores * CHUNKS_PER_CORE
+    out, t = [], 0
+    while t < T:
+        c = max(lo, cdiv(T - t, pieces))
+        out.append((t, min(T, t + c)))
+        t += c
+    return out
