@@ -20,7 +20,7 @@ Every case runs in a child process (it may abort), with its own cache directory:
   below the 3 GiB region. A tiny model (Exp, Mul by a constant, Add) is compiled once
   before (so the second compile is all cache hits), then compiled again and run.
 - soak: --sessions JIT sessions in one process, each between random mappings of
-  64 MiB-4 GiB (PROT_NONE, so free) kept alive or released at random, the way a server
+  1 page-3 GiB (PROT_NONE, so free) kept alive or released at random, the way a server
   holding big tensors of many models fragments its address space.
 
 The child's exit status is printed: -6 is SIGABRT (the assertion), 0 a clean run.
@@ -103,7 +103,7 @@ CHILD = textwrap.dedent(r"""
                     p, s = live.pop(rng.randrange(len(live)))
                     libc.munmap(p, s)
                 else:
-                    s = rng.choice([64 << 20, 256 << 20, 1 << 30, 3 << 30, 4 << 30])
+                    s = rng.choice([PAGE, 2 * PAGE, 8 * PAGE, 64 << 20, 1 << 30, 3 << 30])
                     live.append((reserve(s), s))
             check(i % 8)
             if i % 500 == 0:
