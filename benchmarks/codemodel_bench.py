@@ -1,7 +1,7 @@
 """Speed of the zoo models under the small (PIC) and the large (static) code model.
 
     python benchmarks/codemodel_bench.py [--models bert gpt resnet] [--rounds 5]
-                                         [--runs 40] [--batch 1] [--cores 1]
+                                         [--runs 40] [--batch 1] [--seq 16] [--cores 1]
 
 cannc alone (no onnxruntime in the process). Every measurement is a fresh Python
 process that compiles the model (from a warm per-setting cache directory, so only the
@@ -27,14 +27,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = textwrap.dedent("""
     import json, statistics, sys, time
-    name, model, runs, batch, cores = sys.argv[1], sys.argv[2], int(sys.argv[3]), \\
-        int(sys.argv[4]), int(sys.argv[5])
+    name, model, runs, batch, cores, seq = sys.argv[1], sys.argv[2], int(sys.argv[3]), \\
+        int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
     import cannc
     from cannc.native import target
     from models import zoo
     target.CODE_MODEL = {"small": ("default", "pic"), "large": ("large", "static")}[model]
     m = zoo.build(name)
-    feeds = zoo.example_inputs(m, batch=batch)
+    feeds = zoo.example_inputs(m, batch=batch, seq=seq)
     sess = cannc.compile(m, cores=cores)
     for _ in range(5):
         sess.run(None, feeds)
@@ -51,7 +51,7 @@ def sample(name: str, model: str, cache: str, a) -> float:
     env = dict(os.environ, CANNC_CACHE_DIR=cache,
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", CHILD, name, model, str(a.runs), str(a.batch),
-                          str(a.cores)], env=env, capture_output=True, text=True, check=True,
+                          str(a.cores), str(a.seq)], env=env, capture_output=True, text=True, check=True,
                          timeout=1800)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=40)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--cores", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--out")
     a = ap.parse_args()
     results = {}
