@@ -51,8 +51,8 @@ def sample(name: str, model: str, cache: str, a) -> float:
     env = dict(os.environ, CANNC_CACHE_DIR=cache,
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", CHILD, name, model, str(a.runs), str(a.batch),
-                          str(a.cores), str(a.seq)], env=env, capture_output=True, text=True, check=True,
-                         timeout=1800)
+                          str(a.cores), str(a.seq)], env=env, capture_output=True,
+                         text=True, check=True, timeout=1800)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
