@@ -4,6 +4,15 @@ object emission, the on-disk object cache and JIT loading.
 Lifecycle of a kernel module: build IR -> verify -> optimise -> verify ->
 emit object -> cache -> load. A fresh TargetMachine is made per engine and per
 emission (llvmlite's MCJIT takes ownership of the one it is given).
+
+Code model: large, static relocation (CODE_MODEL). MCJIT's memory manager maps an
+object's code and data sections separately, wherever the kernel finds room; in a
+long-lived process with a fragmented address space they can end up more than 2 GiB
+apart, and the 32-bit PC-relative relocations of the default (small, PIC) model
+(code -> constant pool, .eh_frame -> code, calls through stubs) then fail
+RuntimeDyldELF's `isInt<32>` assertion, which aborts the process. The large model
+addresses everything with 64-bit absolute relocations, so any placement links
+(benchmarks/jit_address_space.py reproduces the abort and measures the cost).
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ from ..errors import CompileError
 _init_lock = threading.Lock()
 _initialised = False
 CODEGEN_VERSION = "1"
+# (codemodel, reloc) of every TargetMachine: see the module docstring
+CODE_MODEL = ("large", "static")
 
 
 def init() -> None:
@@ -46,7 +57,7 @@ class HostTarget:
     def fingerprint(self) -> str:
         return hashlib.sha256(
             f"{self.triple}|{self.cpu}|{self.features}|llvmlite {llvmlite.__version__}|"
-            f"cg {CODEGEN_VERSION}".encode()
+            f"cg {CODEGEN_VERSION}|{CODE_MODEL[0]}/{CODE_MODEL[1]}".encode()
         ).hexdigest()[:16]
 
     def has(self, feature: str) -> bool:
@@ -59,8 +70,8 @@ class HostTarget:
     def machine(self, opt: int = 3) -> llvm.TargetMachine:
         init()
         return llvm.Target.from_triple(self.triple).create_target_machine(
-            cpu=self.cpu, features=self.features, opt=opt, reloc="pic", codemodel="default"
-        )
+            cpu=self.cpu, features=self.features, opt=opt, reloc=CODE_MODEL[1],
+            codemodel=CODE_MODEL[0])
 
 
 _host: HostTarget | None = None

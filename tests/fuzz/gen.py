@@ -7,6 +7,12 @@ inference gives every new value its shape). Ops with a restricted domain get inp
 range by construction (Sqrt/Log of |x| + c, Pow of a positive base or an integer
 exponent, Div by |x| + c), so the comparison keeps the strict float32 tolerances.
 
+float16 and bool: `op_half` makes chains of float16 ops (from float16 graph inputs or
+a Cast of a pool value) whose results stay float16 (graph outputs, compared with a
+float16 tolerance, see run.py); `op_bool` makes bool values (comparisons of graph inputs
+and constants, bool graph inputs, Not/And/Or/Xor) that end in a graph output, a Where
+or a Cast back to float32 (exact, so the pool keeps the float32 tolerances).
+
 Graph outputs are a random mix: the last values, intermediates that other nodes also
 read (and so sit inside fused groups), views (Reshape/Transpose/Slice results), a graph
 input itself, and a constant. The same seed always gives the same model and feeds.
@@ -23,6 +29,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 OPSET = 17
 F32 = TensorProto.FLOAT
+F16 = TensorProto.FLOAT16
+BOOL = TensorProto.BOOL
 
 
 @dataclass
@@ -49,11 +57,16 @@ class Builder:
         self._n += 1
         return f"{p}{self._n}"
 
-    def input(self, shape: tuple[int, ...], scale: float = 1.0) -> str:
+    def input(self, shape: tuple[int, ...], scale: float = 1.0, dtype: int = F32) -> str:
         nm = self.name("x")
-        self.inputs.append(helper.make_tensor_value_info(nm, F32, list(shape)))
-        self.feeds[nm] = np.asarray(self.rng.standard_normal(shape) * scale, np.float32)
-        self.shapes[nm] = tuple(shape)
+        self.inputs.append(helper.make_tensor_value_info(nm, dtype, list(shape)))
+        self.dtypes[nm] = dtype
+        if dtype == BOOL:
+            self.feeds[nm] = np.asarray(self.rng.random(shape) < 0.5)
+        else:
+            self.feeds[nm] = np.asarray(self.rng.standard_normal(shape) * scale,
+                                        np.float16 if dtype == F16 else np.float32)
+        (self.shapes if dtype == F32 else self.other)[nm] = tuple(shape)
         return nm
 
     def const(self, a: np.ndarray, prefix: str = "c", pool: bool = False) -> str:
@@ -64,6 +77,9 @@ class Builder:
         if pool and a.dtype == np.float32:
             self.shapes[nm] = tuple(a.shape)
             self.consts.add(nm)
+        elif pool:
+            self.other[nm] = tuple(a.shape)
+            self.dtypes[nm] = helper.np_dtype_to_tensor_dtype(a.dtype)
         return nm
 
     def fconst(self, shape: tuple[int, ...], scale: float = 1.0) -> str:
@@ -123,12 +139,18 @@ class Builder:
     def allows(self, op: str) -> bool:
         return self.only is None or op in self.only
 
+    def shape(self, v: str) -> tuple[int, ...]:
+        return self.shapes[v] if v in self.shapes else self.other[v]
+
     # -- picking values ---------------------------------------------------------------------
     def pick(self, ok: Callable[[tuple[int, ...]], bool] = lambda s: True,
-             fresh: bool = True, among: set[str] | None = None) -> str | None:
-        """A pool value (of `among`) whose shape satisfies `ok`; recent values are
-        likelier."""
-        cands = [v for v, s in self.shapes.items() if ok(s) and np.prod(s) > 0
+             fresh: bool = True, among: set[str] | None = None,
+             dtype: int = F32) -> str | None:
+        """A pool value (of `among`, of `dtype`) whose shape satisfies `ok`; recent values
+        are likelier."""
+        pool = self.shapes if dtype == F32 else {
+            v: s for v, s in self.other.items() if self.dtypes.get(v) == dtype}
+        cands = [v for v, s in pool.items() if ok(s) and np.prod(s) > 0
                  and (among is None or v in among)]
         if not cands:
             return None
@@ -146,14 +168,14 @@ def _rank(lo: int, hi: int) -> Callable[[tuple[int, ...]], bool]:
     return lambda s: lo <= len(s) <= hi
 
 
-def _bshape(b: Builder, s: tuple[int, ...]) -> tuple[int, ...]:
+def _bshape(b: Builder, s: tuple[int, ...], grow: bool = True) -> tuple[int, ...]:
     """A shape that broadcasts with s (dims kept, set to 1, or dropped from the front,
-    or a new leading dim)."""
+    or, with `grow`, a new leading dim)."""
     r = b.rng
     out = [d if r.random() < 0.6 else 1 for d in s]
     k = int(r.integers(0, len(out) + 1)) if r.random() < 0.3 else 0
     out = out[k:]
-    if r.random() < 0.15 and len(s) < 4:
+    if grow and r.random() < 0.15 and len(s) < 4:
         out = [int(r.integers(1, 4))] + ([1] * (len(s) - len(out)) + out if len(out) < len(s)
                                           else out)
     return tuple(out)
@@ -589,6 +611,122 @@ def op_const_chain(b: Builder) -> str:
     return v
 
 
+HALF_UNARY = ["Abs", "Neg", "Relu", "Sigmoid", "Tanh", "HardSwish", "LeakyRelu", "Elu",
+              "Softplus", "Erf", "Softsign", "Sin", "Cos", "HardSigmoid"]
+HALF_OPS = HALF_UNARY + ["Sqrt", "Log", "Exp", "Add", "Sub", "Mul", "Max", "Min", "Div",
+                         "MatMul", "Softmax", "ReduceSum", "ReduceMean", "ReduceMax",
+                         "Transpose", "Reshape", "Where"]
+
+
+def _half_operand(b: Builder, s: tuple[int, ...]) -> str:
+    """A float16 value that broadcasts onto shape s: pooled, a constant or an input."""
+    ys = _bshape(b, s, grow=False)
+    pool = [v for v, t in b.other.items() if t == ys and b.dtypes.get(v) == F16]
+    if pool and b.rng.random() < 0.4:
+        return pool[b.rng.integers(len(pool))]
+    if b.rng.random() < 0.5:
+        return b.const(b.rng.standard_normal(ys).astype(np.float16), "h", pool=True)
+    return b.input(ys, dtype=F16)
+
+
+def _half_positive(b: Builder, x: str) -> str:
+    return b.one("Add", [b.one("Abs", [x]), b.const(np.float16(0.5), "h")])
+
+
+def op_half(b: Builder) -> str | None:
+    """A chain of 1-4 float16 ops on a float16 input, a pooled float16 value or a Cast of
+    a float32 pool value; the result stays float16 (not in the float32 pool)."""
+    r = b.rng.random()
+    x = b.pick(_rank(0, 4), dtype=F16) if r < 0.3 else None
+    if x is None and r < 0.7:
+        x = b.input(tuple(int(b.rng.integers(1, 6)) for _ in range(int(b.rng.integers(1, 4)))),
+                    dtype=F16)
+    if x is None:
+        f = b.pick(_rank(0, 4))
+        if f is None or not b.allows("Cast"):
+            return None
+        x = b.one("Cast", [b.one("Tanh", [f])], to=F16)
+    for _ in range(int(b.rng.integers(1, 5))):
+        op = b.choose(HALF_OPS)
+        if op is None:
+            break
+        s = b.other[x]
+        if op in HALF_UNARY:
+            x = b.one(op, [x])
+        elif op in ("Sqrt", "Log"):
+            x = b.one(op, [_half_positive(b, x)])
+        elif op == "Exp":
+            x = b.one("Exp", [b.one("Tanh", [x])])
+        elif op == "Div":
+            x = b.one("Div", [x, _half_positive(b, _half_operand(b, s))])
+        elif op in ("Add", "Sub", "Mul", "Max", "Min"):
+            y = _half_operand(b, s)
+            x = b.one(op, [y, x] if b.rng.random() < 0.3 else [x, y])
+        elif op == "MatMul" and s:
+            k, n = s[-1], int(b.rng.integers(1, 9))
+            w = (b.rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float16)
+            x = b.one("MatMul", [x, b.const(w, "h")])
+        elif op == "Softmax" and s:
+            x = b.one("Softmax", [x], axis=int(b.rng.integers(-len(s), len(s))))
+        elif op.startswith("Reduce") and s:
+            ax = int(b.rng.integers(len(s)))
+            keep = int(b.rng.integers(2))
+            x = (b.one(op, [x, b.i64([ax])], keepdims=keep) if op == "ReduceSum"
+                 else b.one(op, [x], axes=[ax], keepdims=keep))
+        elif op == "Transpose" and len(s) >= 2:
+            x = b.node("Transpose", [x], view=True, perm=b.rng.permutation(len(s)).tolist())[0]
+        elif op == "Reshape":
+            x = b.node("Reshape", [x, b.i64(_factor(b, int(np.prod(s))))], view=True)[0]
+        elif op == "Where":
+            y = _half_operand(b, s)
+            x = b.one("Where", [_bool_source(b, s), x, y])
+    return x
+
+
+BOOL_LOGIC = ["Not", "And", "Or", "Xor"]
+COMPARE = ["Greater", "Less", "GreaterOrEqual", "LessOrEqual"]
+
+
+def _bool_source(b: Builder, s: tuple[int, ...]) -> str:
+    """A bool value broadcasting onto shape s: a comparison of a graph input (float32 or
+    float16: exact in both, unlike one of a computed value) with a constant, a pooled
+    bool value or a bool graph input."""
+    ys = _bshape(b, s, grow=False)
+    r = b.rng.random()
+    pool = [v for v, t in b.other.items() if t == ys and b.dtypes.get(v) == BOOL]
+    if pool and r < 0.3:
+        return pool[b.rng.integers(len(pool))]
+    if r < 0.5:
+        return b.input(ys, dtype=BOOL)
+    dt = F16 if b.rng.random() < 0.3 else F32
+    x = b.input(ys, dtype=dt)
+    c = b.rng.standard_normal(_bshape(b, ys, grow=False)) * 0.5
+    op = b.choose(COMPARE) or "Greater"
+    c = b.const(c.astype(np.float16 if dt == F16 else np.float32))
+    return b.one(op, [c, x] if b.rng.random() < 0.3 else [x, c])
+
+
+def op_bool(b: Builder) -> str | None:
+    """Bool values: comparisons, bool inputs, Not/And/Or/Xor; they end as a bool graph
+    output, in a Where over float32 pool values, or Cast to float32 (0/1, exact)."""
+    x = b.pick(_rank(0, 4))
+    s = b.shapes[x] if x is not None else (int(b.rng.integers(1, 5)),
+                                              int(b.rng.integers(1, 5)))
+    c = _bool_source(b, s)
+    for _ in range(int(b.rng.integers(0, 4))):
+        op = b.choose(BOOL_LOGIC)
+        if op is None:
+            break
+        c = b.one("Not", [c]) if op == "Not" else b.one(op, [c, _bool_source(b, b.other[c])])
+    r = b.rng.random()
+    if x is not None and r < 0.45 and b.allows("Where"):
+        y = b.pick(lambda t: t == s) or x
+        return b.one("Where", [c, x, y] if b.rng.random() < 0.5 else [c, y, x])
+    if r < 0.75 and b.allows("Cast"):
+        return b.one("Cast", [c], to=F32)
+    return c
+
+
 # (generator, weight, the op types it makes: `only=` keeps those that can make one)
 OPS: list[tuple[Callable[[Builder], str | None], float, tuple[str, ...]]] = [
     (op_unary, 3, tuple(UNARY)), (op_domain_unary, 1.5, ("Sqrt", "Log", "Exp", "Reciprocal",
@@ -604,6 +742,8 @@ OPS: list[tuple[Callable[[Builder], str | None], float, tuple[str, ...]]] = [
                                                "GlobalMaxPool")),
     (op_norm, 0.5, ("LayerNormalization", "BatchNormalization")),
     (op_const_chain, 0.4, ("Constant",)), (op_int_chain, 0.4, ("Cast",)),
+    (op_half, 0.8, tuple(HALF_OPS)),
+    (op_bool, 0.6, tuple(BOOL_LOGIC + COMPARE)),
 ]
 
 
@@ -616,26 +756,32 @@ class Case:
 
 
 def random_model(seed: int, n_nodes: int | None = None,
-                 only: frozenset[str] | set[str] | None = None) -> Case:
+                 only: frozenset[str] | set[str] | None = None, rng=None) -> Case:
     """The random graph of `seed` (with `only`: its random choices take these op types;
-    helper nodes that keep inputs in range, Abs/Add/Tanh, may appear anyway)."""
-    rng = np.random.default_rng(seed)
+    helper nodes that keep inputs in range, Abs/Add/Tanh, may appear anyway). `rng`
+    replaces the seeded numpy Generator as the source of every choice (the hypothesis
+    front end, tests/fuzz/hypo.py, passes one that draws them)."""
+    rng = np.random.default_rng(seed) if rng is None else rng
     b = Builder(rng, only=frozenset(only) if only else None)
     ops = [o for o in OPS if not only or set(o[2]) & set(only)]
     fns, w, _ = zip(*ops)
     p = np.asarray(w, np.float64) / sum(w)
-    n_nodes = n_nodes or int(rng.integers(2, 12))
+    # a drawing rng decides node by node whether another follows (so a shrinker can drop
+    # one node's choices without shifting the meaning of the rest)
+    more = getattr(rng, "another_node", None) if n_nodes is None else None
+    n_nodes = n_nodes or (11 if more else int(rng.integers(2, 12)))
     # first inputs
     for _ in range(int(rng.integers(1, 3))):
         r = int(rng.integers(1, 5))
         b.input(tuple(int(rng.integers(1, 7)) for _ in range(r)))
     made: list[str] = []
     tries = 0
-    while len(made) < n_nodes and tries < 4 * n_nodes:
+    while (len(made) < n_nodes if more is None else more(len(made), n_nodes)) \
+            and tries < 4 * n_nodes:
         tries += 1
         fn = fns[rng.choice(len(fns), p=p)]
         v = fn(b)
-        if v is not None and np.prod(b.shapes[v]) <= 1 << 16:
+        if v is not None and np.prod(b.shape(v)) <= 1 << 16:
             made.append(v)
     outputs = _choose_outputs(b, made)
     return Case(seed, b.model(outputs), b.feeds, b.tags)
@@ -657,6 +803,8 @@ def _choose_outputs(b: Builder, made: list[str]) -> list[str]:
     cs = [v for v in node_outs if v in b.consts and v not in outs]
     if cs and r.random() < 0.3:
         outs.append(cs[r.integers(len(cs))])                    # a folded constant
+    if not outs:              # no node was made (every try found no input that fits)
+        outs.append(b.inputs[0].name)
     if r.random() < 0.05:     # the same value under a second name (Identity)
         outs.append(b.one("Identity", [outs[r.integers(len(outs))]]))
     seen: set[str] = set()

@@ -1,7 +1,10 @@
 """Differential checking of random graphs: cannc against onnxruntime.
 
 `check(case)` compiles a generated model with cannc, runs it on the case's feeds and
-compares every output with onnxruntime (float32: rtol 1e-4, atol 1e-5; ints exact).
+compares every output with onnxruntime (float32: rtol 1e-4, atol 1e-5; float16: rtol and
+atol 1e-2, about ten float16 epsilons (9.8e-4), for chains of up to ~6 float16 ops each
+rounding once in one implementation and maybe not in the other (fused); ints and bools
+exact).
 A failing case is written as a reproducer: `<dir>/<kind>-seed<N>/model.onnx`,
 `feeds.npz` and `report.txt` (the error or the worst mismatch, and the op list).
 """
@@ -24,6 +27,7 @@ from cannc.errors import CanncError
 from .gen import Case, random_model
 
 RTOL, ATOL = 1e-4, 1e-5
+F16_TOL = 1e-2
 
 
 @dataclass
@@ -63,7 +67,10 @@ def compare(got: list[np.ndarray], expected: list[np.ndarray], names: list[str],
         if g.dtype != e.dtype or g.shape != e.shape:
             return f"{n}: {g.dtype}{g.shape} != onnxruntime's {e.dtype}{e.shape}"
         if e.dtype.kind in "fc":
-            bad = ~np.isclose(g, e, rtol=rtol, atol=atol, equal_nan=True)
+            rt, at = (max(rtol, F16_TOL), max(atol, F16_TOL)) if e.dtype == np.float16 \
+                else (rtol, atol)
+            g, e = g.astype(np.float64), e.astype(np.float64)
+            bad = ~np.isclose(g, e, rtol=rt, atol=at, equal_nan=True)
             if bad.any():
                 i = np.unravel_index(int(np.argmax(np.where(bad, np.abs(g - e), -1))), e.shape)
                 return (f"{n}: {int(bad.sum())}/{e.size} elements differ, worst at {i}: "
