@@ -16,12 +16,11 @@ from queue import Empty, Queue
 ROOT = Path(__file__).resolve().parents[2]
 # the worker's device memory budget: legal-but-big shapes are refused, not allocated
 WORKER_MEMORY = "2G"
-# A fresh worker every so many cases. Known, not fixed: a process that has loaded several
-# thousand JIT engines can abort in LLVM (RuntimeDyldELF `isInt<32>(RealOffset)`: a PC-relative
-# relocation between sections MCJIT placed more than 2 GiB apart; measured here: 3 aborts in
-# 22k cases, none before a worker's ~2,500th session, none with the large code model, which
-# costs ~1-2% speed). Recycling keeps the campaign about the models it sends; 0 = never
-# recycle, to hunt that abort.
+# A fresh worker every so many cases (0 = never). The LLVM abort after thousands of JIT
+# engines (RuntimeDyldELF `isInt<32>(RealOffset)`: a 32-bit PC-relative relocation between
+# sections MCJIT placed > 2 GiB apart) is gone since the large code model
+# (native/target.py CODE_MODEL: 0 aborts in 212k cases with one worker); recycling still
+# bounds what one worker's leaks could do to the campaign.
 CASES_PER_WORKER = 1000
 
 
