@@ -109,20 +109,14 @@ class EpOptions:
                     raise CanncError(f"{EP_NAME} option {key}: unknown op type(s) "
                                      f"{', '.join(map(repr, bad))} (`cannc ops` lists them)")
                 kw["allow" if key == "op_type_allow_list" else "deny"] = ops
-        if "precision_mode" in entries:
-            p = entries["precision_mode"].strip().lower()
-            if p not in PRECISIONS:
-                raise CanncError(f"{EP_NAME} option precision_mode: unknown value "
-                                 f"{entries['precision_mode']!r}; choose one of "
-                                 f"{', '.join(PRECISIONS)}")
-            kw["precision"] = p
-        if "op_select_impl_mode" in entries:
-            m = entries["op_select_impl_mode"].strip().lower()
-            if m not in IMPL_MODES:
-                raise CanncError(f"{EP_NAME} option op_select_impl_mode: unknown value "
-                                 f"{entries['op_select_impl_mode']!r}; choose one of "
-                                 f"{', '.join(IMPL_MODES)}")
-            kw["impl_mode"] = m
+        for key, attr, choices in (("precision_mode", "precision", PRECISIONS),
+                                   ("op_select_impl_mode", "impl_mode", IMPL_MODES)):
+            if key in entries:
+                v = entries[key].strip().lower()
+                if v not in choices:
+                    raise CanncError(f"{EP_NAME} option {key}: unknown value {entries[key]!r}; "
+                                     f"choose one of {', '.join(choices)}")
+                kw[attr] = v
         for key, attr, lo in (("cores", "cores", 1), ("min_group_size", "min_group_size", 1)):
             if key in entries:
                 v = entries[key].strip()

@@ -338,32 +338,4 @@ def io_names(api: FunctionTable, node: int) -> tuple[list[str], list[str]]:
     return ins, outs
 
 
-def node_attribute_bytes(api: FunctionTable, node: int, name: str) -> bytes | None:
-    """A STRING attribute's raw bytes (an EPContext node's ep_cache_context), None if absent."""
-    r = _Reader(api)
-    attr = c_void_p()
-    try:
-        api.Node_GetAttributeByName(node, name.encode(), ctypes.byref(attr))
-    except OrtCallError:
-        return None
-    if not attr.value:
-        return None
-    return r._read(attr.value, ATTR_STRING)
-
-
-def node_attribute_int(api: FunctionTable, node: int, name: str) -> int | None:
-    attr = c_void_p()
-    try:
-        api.Node_GetAttributeByName(node, name.encode(), ctypes.byref(attr))
-    except OrtCallError:
-        return None
-    if not attr.value:
-        return None
-    v = c_int64(0)
-    out = c_size_t(0)
-    api.ReadOpAttr(attr.value, ATTR_INT, ctypes.byref(v), 8, ctypes.byref(out))
-    return int(v.value)
-
-
-__all__ = ["OPAQUE_DOMAIN", "Mirror", "io_names", "mirror_graph", "node_attribute_bytes",
-           "node_attribute_int", "node_names"]
+__all__ = ["OPAQUE_DOMAIN", "Mirror", "io_names", "mirror_graph", "node_names"]

@@ -30,13 +30,6 @@ KNOWN_FAILURES.update(dict.fromkeys([
     "test_maxpool_2d_uint8",
 ], _R1))
 
-_R2 = ("conv family: MaxPool's Indices output (cannc/ir/ops/conv.py rejects it; codegen/pool.py "
-       "does not compute argmax)")
-KNOWN_FAILURES.update(dict.fromkeys([
-    "test_maxpool_with_argmax_2d_precomputed_pads",
-    "test_maxpool_with_argmax_2d_precomputed_strides",
-], _R2))
-
 _R3 = ("data-dependent shape: NonZero's output shape depends on the input values (not specialisa"
        "ble: the input is the data itself)")
 KNOWN_FAILURES.update(dict.fromkeys([
@@ -53,12 +46,6 @@ KNOWN_FAILURES.update(dict.fromkeys([
     "test_loop13_seq",
     "test_loop16_seq_none",
 ], _R14))
-
-_R14c = ("old-opset semantics: Scan-8 (batch axis and sequence_lens); cannc/ir/ops/control.py "
-         "defines Scan from opset 9")
-KNOWN_FAILURES.update(dict.fromkeys([
-    "test_scan_sum",
-], _R14c))
 
 _R15 = ("non-tensor type: string tensors are not supported (cannc/frontend rejects the graph inpu"
        "t)")
