@@ -79,6 +79,8 @@ def tuning_cache_path() -> Path | None:
 # -- the size guard: shapes are multiplied out before anything allocates or generates code --
 
 INT64_MAX = (1 << 63) - 1
+# the highest tensor rank: NumPy's (no result of higher rank can be returned or fed)
+MAX_RANK = 64
 _SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 

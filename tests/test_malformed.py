@@ -111,6 +111,72 @@ def test_reshape_must_keep_the_element_count(target):
         cannc.compile(_shape_op("Reshape", target, (2, 4)), cores=1)
 
 
+def _expand_by(decl: str) -> onnx.ModelProto:
+    """Expand whose shape input is declared with 2^31 values (an initializer holding 2,
+    a graph input, a value_info of a computed shape)."""
+    k = 1 << 31
+    x, y = _vi("x", [1, 4]), _vi("y", None)
+    if decl == "initializer":
+        t = numpy_helper.from_array(np.array([3, 4], np.int64), "s")
+        t.dims[:] = [k]
+        return _model([helper.make_node("Expand", ["x", "s"], ["y"], name="n")], [x], [y], [t])
+    if decl == "input":
+        return _model([helper.make_node("Expand", ["x", "s"], ["y"], name="n")],
+                      [x, _vi("s", [k], T.INT64)], [y])
+    m = _model([helper.make_node("Identity", ["s0"], ["s"], name="id"),
+                helper.make_node("Expand", ["x", "s"], ["y"], name="n")],
+               [x, _vi("s0", ["r"], T.INT64)], [y])
+    m.graph.value_info.append(_vi("s", [k], T.INT64))
+    return m
+
+
+@pytest.mark.parametrize("decl", ["initializer", "input", "value_info"])
+def test_declared_length_of_a_shape_input_is_bounded(decl):
+    """A shape input declared with 2^31 values made ONNX's inference build a rank-2^31
+    output for minutes (the mutator's hang, seed 424242 case 36560): refused first."""
+    t0 = time.perf_counter()
+    with pytest.raises(cannc.ShapeError, match=r"input 1 \('s'\) of node 'n' \(Expand\) "
+                                               r"is declared with 2147483648 values"):
+        cannc.compile(_expand_by(decl), cores=1)
+    assert time.perf_counter() - t0 < 1.0
+
+
+@pytest.mark.parametrize("dims, holds", [([3], "16 bytes"), ([], "16 bytes"),
+                                         ([2, 2], "16 bytes")])
+def test_initializer_dims_must_match_its_data(dims, holds):
+    t = numpy_helper.from_array(np.array([3, 4], np.int64), "s")
+    t.dims[:] = dims
+    m = _model([helper.make_node("Expand", ["x", "s"], ["y"], name="n")], [_vi("x", [1, 4])],
+               [_vi("y", None)], [t])
+    with pytest.raises(cannc.ModelError, match=f"initializer 's' declares dims .* holds {holds}"):
+        cannc.compile(m, cores=1)
+
+
+@pytest.mark.parametrize("opset, dtype, keepdims", [(13, np.float32, 0), (13, np.float32, 1),
+                                                    (18, np.float32, 0), (18, np.int64, 1)])
+def test_mean_over_an_empty_set_is_zero(opset, dtype, keepdims):
+    """A ReduceMean over an empty axis (an empty pooling result: seed 424242 case 11119)
+    folds to 0, as onnxruntime answers (ONNX leaves it undefined), not NumPy's NaN."""
+    et = T.FLOAT if dtype == np.float32 else T.INT64
+    ins, inits, attrs = ["x"], [], {"keepdims": keepdims}
+    if opset >= 18:
+        ins.append("axes")
+        inits.append(numpy_helper.from_array(np.array([1], np.int64), "axes"))
+    else:
+        attrs["axes"] = [1]
+    m = _model([helper.make_node("ReduceMean", ins, ["y"], name="mean", **attrs)],
+               [_vi("x", ["n", 0, 3], et)], [_vi("y", None, et)], inits)
+    m.opset_import[0].version = opset
+    x = np.ones((2, 0, 3), dtype)
+    got = cannc.compile(m, cores=1).run(None, {"x": x})[0]
+    import onnxruntime as ort
+    want = ort.InferenceSession(m.SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert got.shape == want.shape == ((2, 1, 3) if keepdims else (2, 3))
+    np.testing.assert_array_equal(got, want)
+    assert not got.any()
+
+
 @pytest.mark.parametrize("shapes", [{"x": ("a", 4)}, {"x": 5}, [1], {"x": (2.5, 4)},
                                     {"x": (-1, 4)}, {"x": "24"}])
 def test_bad_shapes_argument_is_an_input_error(shapes):

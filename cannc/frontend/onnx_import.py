@@ -11,8 +11,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..config import check_size
-from ..errors import CanncError, ModelError, UnsupportedOpError
+from ..config import MAX_RANK, check_size
+from ..errors import CanncError, ModelError, ShapeError, UnsupportedOpError
 from ..ir.graph import Graph, Node
 from ..ir.ops import lookup
 from ..ir.types import Dim, TensorType, np_dtype
@@ -59,6 +59,7 @@ def check_model(proto: onnx.ModelProto) -> onnx.ModelProto:
     if opset < MIN_OPSET:
         raise ModelError(f"opset {opset} is older than the oldest supported ({MIN_OPSET}); "
                          "convert it with onnx.version_converter")
+    check_graph_declarations(proto.graph)
     proto = skeleton(proto)
     try:
         onnx.checker.check_model(_outputs_shaped(proto))
@@ -92,6 +93,108 @@ def _outputs_shaped(proto: onnx.ModelProto) -> onnx.ModelProto:
     for i in bare:
         shown.graph.output[i].type.tensor_type.shape.SetInParent()
     return shown
+
+
+# element type -> (bytes per element in raw_data, values per element in the typed field)
+_T = onnx.TensorProto
+_DATA_LAYOUT = {
+    _T.FLOAT: (4, 1), _T.DOUBLE: (8, 1), _T.FLOAT16: (2, 1), _T.BFLOAT16: (2, 1),
+    _T.INT8: (1, 1), _T.UINT8: (1, 1), _T.INT16: (2, 1), _T.UINT16: (2, 1),
+    _T.INT32: (4, 1), _T.UINT32: (4, 1), _T.INT64: (8, 1), _T.UINT64: (8, 1),
+    _T.BOOL: (1, 1), _T.COMPLEX64: (8, 2), _T.COMPLEX128: (16, 2),
+    _T.FLOAT8E4M3FN: (1, 1), _T.FLOAT8E4M3FNUZ: (1, 1), _T.FLOAT8E5M2: (1, 1),
+    _T.FLOAT8E5M2FNUZ: (1, 1),
+}
+EXACT_CHECK_BYTES = 1 << 20   # tensors declared up to this size have their data counted
+
+
+def check_tensor(t: onnx.TensorProto, what: str) -> None:
+    """A tensor's declared dims against the size guard and, for small tensors (the ones
+    whose values ONNX's shape inference reads: shapes, axes, repeats), against the data
+    it holds, before the checker or inference see it (onnxruntime refuses such a tensor
+    too). Big tensors are not counted here (that would copy every weight): reading them
+    checks them."""
+    if t.data_location == _T.EXTERNAL or t.data_type == _T.STRING:
+        return
+    dims = list(t.dims)
+    layout = _DATA_LAYOUT.get(t.data_type)
+    n = check_size(what, dims, layout[0] if layout else 1)
+    if layout is None or n * layout[0] > EXACT_CHECK_BYTES:
+        return
+    if t.HasField("raw_data"):
+        have, want, unit = len(t.raw_data), n * layout[0], "bytes"
+    else:
+        field = helper.tensor_dtype_to_field(t.data_type)
+        have, want, unit = len(getattr(t, field)), n * layout[1], f"values in {field}"
+    if have != want:
+        raise ModelError(f"{what} declares dims {dims} ({n} elements of "
+                         f"{_T.DataType.Name(t.data_type)}: {want} {unit}) but holds "
+                         f"{have} {unit}")
+
+
+def _declared_numel(vi_or_t: Any) -> int | None:
+    """The element count a value is declared with (None: not fully known)."""
+    if isinstance(vi_or_t, onnx.TensorProto):
+        dims = list(vi_or_t.dims)
+    else:
+        tt = vi_or_t.type.tensor_type
+        if not vi_or_t.type.HasField("tensor_type") or not tt.HasField("shape"):
+            return None
+        if not all(d.HasField("dim_value") for d in tt.shape.dim):
+            return None
+        dims = [d.dim_value for d in tt.shape.dim]
+    n = 1
+    for d in dims:
+        n *= int(d)
+    return n
+
+
+def check_graph_declarations(g: onnx.GraphProto, where: str = "") -> None:
+    """What must hold before the ONNX checker and shape inference see a graph (and its
+    subgraphs):
+
+    - every initializer and tensor attribute passes `check_tensor`;
+    - an input whose values decide an output's shape (the op's `value_inputs`: a shape,
+      axes, pads, repeats, sizes, scales) holds at most two values per dimension of the
+      highest rank, or one per output (Split), as declared: ONNX's inference makes an
+      Expand/Reshape/ConstantOfShape output of rank = that length, and a shape
+      initializer declared with 2^31 values made it build a rank-2^31 shape for minutes.
+      A ShapeError naming the value and the node, in microseconds."""
+    declared: dict[str, Any] = {}
+    for vi in list(g.input) + list(g.value_info) + list(g.output):
+        declared.setdefault(vi.name, vi)
+    for t in g.initializer:
+        check_tensor(t, f"initializer '{t.name}'{where}")
+        declared[t.name] = t
+    for i, n in enumerate(g.node):
+        name = n.name or f"{n.op_type}_{i}"
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.TENSOR:
+                check_tensor(a.t, f"tensor attribute '{a.name}' of node '{name}'{where}")
+                if n.op_type == "Constant" and not n.domain and n.output:
+                    declared[n.output[0]] = a.t
+            elif a.type == onnx.AttributeProto.TENSORS:
+                for t in a.tensors:
+                    check_tensor(t, f"tensor attribute '{a.name}' of node '{name}'{where}")
+            elif a.type == onnx.AttributeProto.GRAPH:
+                check_graph_declarations(a.g, f" (in subgraph '{a.name}' of node '{name}')")
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                for sg in a.graphs:
+                    check_graph_declarations(sg, f" (in subgraph '{a.name}' of node '{name}')")
+    for i, n in enumerate(g.node):
+        op = lookup(n.op_type, n.domain)
+        if op is None or not op.value_inputs:
+            continue
+        bound = max(2 * MAX_RANK, len(n.output))
+        for k in op.value_inputs:
+            v = n.input[k] if k < len(n.input) else ""
+            numel = _declared_numel(declared[v]) if v in declared else None
+            if numel is not None and numel > bound:
+                raise ShapeError(
+                    f"input {k} ('{v}') of node '{n.name or f'{n.op_type}_{i}'}' "
+                    f"({n.op_type}){where} is declared with {numel} values; its values "
+                    f"decide the output's shape and it may hold at most {bound} (tensors "
+                    f"have at most {MAX_RANK} dimensions)")
 
 
 def _nbytes(t: onnx.TensorProto) -> int:

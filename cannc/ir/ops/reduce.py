@@ -75,10 +75,44 @@ def node_reduce_axes(n: Node, rank: int, axes_input_from: int) -> list[int] | No
     return sorted({norm_axis(int(a), rank) for a in axes})
 
 
+def reduce_axes(n: Node, rank: int, axes_input_from: int,
+                axes_value: Any = None) -> list[int]:
+    """The reduced axes (normalised, sorted; [] reduces nothing), the axes input's value
+    `axes_value` read where the opset takes them as an input."""
+    axes = node_reduce_axes(n, rank, axes_input_from)
+    if axes is not None:
+        return axes
+    a = np.asarray(axes_value).ravel() if axes_value is not None else np.zeros(0)
+    if a.size == 0:
+        return [] if int(n.attrs.get("noop_with_empty_axes", 0)) else list(range(rank))
+    return sorted({norm_axis(int(v), rank) for v in a})
+
+
+def _reduce_mean_reference(n: Node, inputs: list[Any]) -> list[np.ndarray]:
+    """NumPy reference of ReduceMean. The mean of an empty set is 0, as onnxruntime
+    computes it (ONNX leaves it undefined; NumPy's 0/0 would fold a NaN): an empty
+    tensor folds like a constant, so this is what an empty batch or window answers."""
+    x = np.asarray(inputs[0])
+    axes = reduce_axes(n, x.ndim, 18, inputs[1] if len(inputs) > 1 else None)
+    if not axes:
+        return [x.copy()]
+    keep = bool(int(n.attrs.get("keepdims", 1)))
+    if any(x.shape[a] == 0 for a in axes):
+        shape = tuple(1 if i in axes else d for i, d in enumerate(x.shape) if keep or
+                      i not in axes)
+        return [np.zeros(shape, x.dtype)]
+    # (narrow floats accumulate in float32, as the kernels do; ints divide a sum of
+    # their own type, truncating, as onnxruntime does)
+    acc = np.float32 if x.dtype.kind == "f" and x.dtype.itemsize < 4 else x.dtype
+    y = np.mean(x, axis=tuple(axes), keepdims=keep, dtype=acc)
+    return [np.asarray(y).astype(x.dtype)]
+
+
 for _name, _kind, _dts, _from in REDUCES:
     # dtypes stay None: the int64 axes input would fail a check over all tensors
     register(OpDef(name=_name, category=Category.REDUCTION, check=_dtype_check(_dts),
                    value_inputs=(1,),
+                   reference=_reduce_mean_reference if _kind == "mean" else None,
                    doc=f"reduce ({_kind}); axes as input from opset {_from}; "
                        f"data: {', '.join(sorted(_dts))}"))
 
