@@ -77,6 +77,7 @@ OrtApiSlots = {
     "GetEpApi": (317, P, []),
     "ValueInfo_GetInitializerValue": (326, STATUS, [P, POINTER(P)]),
     "ValueInfo_IsConstantInitializer": (331, STATUS, [P, POINTER(c_bool)]),
+    "Graph_GetModelPath": (334, STATUS, [P, POINTER(c_char_p)]),
     "Graph_GetOnnxIRVersion": (335, STATUS, [P, POINTER(c_int64)]),
     "Graph_GetNumOperatorSets": (336, STATUS, [P, POINTER(c_size_t)]),
     "Graph_GetOperatorSets": (337, STATUS, [P, POINTER(c_char_p), POINTER(c_int64), c_size_t]),

@@ -52,6 +52,7 @@ from ._abi import (
     ORT_VERSION,
     FunctionTable,
     OrtApiSlots,
+    OrtCallError,
     OrtEpApiSlots,
     strings,
 )
@@ -371,7 +372,8 @@ class Provider:
         mirror = mirror_graph(self.api, graph)
         self.model_path = _model_path(self.api, graph)
         model = mirror.model
-        claimed = 0
+        total = len(model.graph.node)
+        claimed = groups = 0
         ctx_nodes = [n for n in model.graph.node if (n.op_type, n.domain) == EPCONTEXT]
         for n in ctx_nodes:
             if _attr_str(n, "source") not in (EP_NAME, ""):
@@ -379,6 +381,7 @@ class Provider:
             group = self._load_context(n)
             self._claim(info, mirror, group.nodes)
             claimed += 1
+            groups += 1
         if ctx_nodes:
             keep = [n for n in model.graph.node if (n.op_type, n.domain) != EPCONTEXT]
             del model.graph.node[:]
@@ -387,7 +390,6 @@ class Provider:
                 return
         part = partition(model, allow=self.options.allow, deny=self.options.deny,
                          min_group_size=self.options.min_group_size)
-        total = len(model.graph.node)
         for g in part.groups:
             # one group holding every node: the mirror itself becomes its model (no copy)
             cg = self._compile_group(model, g, inplace=len(part.groups) == 1)
@@ -395,11 +397,11 @@ class Provider:
                 continue
             self._claim(info, mirror, g.nodes)
             claimed += len(g.nodes)
+            groups += 1
         why: dict[str, list[str]] = {}
         for name, reason in part.rejected.items():
             why.setdefault(mirror.opaque.get(name, reason), []).append(name)
-        summary = (f"claimed {claimed} of {total} nodes in "
-                   f"{sum(1 for k in self.groups.values() if k.error is None)} group(s)")
+        summary = f"claimed {claimed} of {total} nodes in {groups} group(s)"
         if why:
             summary += "; left to ORT: " + "; ".join(
                 f"{len(v)} node(s) ({', '.join(v[:3])}{', ...' if len(v) > 3 else ''}): {k}"
@@ -620,17 +622,10 @@ def _cstr(api: FunctionTable, fn: str, obj: int) -> str:
 
 
 def _model_path(api: FunctionTable, graph: int) -> str:
+    """The model's file ('' for a model given as bytes): EPContext files resolve against it."""
     try:
-        slot = 334
-        ptr = c_void_p.from_address(api.address + slot * ctypes.sizeof(c_void_p)).value
-        f = ctypes.CFUNCTYPE(c_void_p, c_void_p, POINTER(c_char_p))(ptr)
-        s = c_char_p()
-        st = f(graph, byref(s))
-        if st:
-            api.fn("ReleaseStatus")(st)
-            return ""
-        return (s.value or b"").decode()
-    except Exception:
+        return _cstr(api, "Graph_GetModelPath", graph)
+    except OrtCallError:
         return ""
 
 

@@ -91,39 +91,42 @@ class _Reader:
             return None
         return self._type_from_info(info.value)
 
-    def _type_from_info(self, info: int) -> onnx.TypeProto:
+    def _dtype_dims(self, info: int) -> tuple[int, list[int]]:
+        """A tensor type-and-shape info's element type and dims (-1: not known)."""
         et = c_int(0)
         self.api.GetTensorElementType(info, ctypes.byref(et))
         nd = c_size_t(0)
         self.api.GetDimensionsCount(info, ctypes.byref(nd))
-        n = nd.value
-        dims = (c_int64 * max(n, 1))()
-        syms = (c_char_p * max(n, 1))()
-        if n:
-            self.api.GetDimensions(info, dims, n)
-            self.api.GetSymbolicDimensions(info, syms, n)
-        shape: list[int | str | None] = []
-        for i in range(n):
-            if dims[i] >= 0:
-                shape.append(int(dims[i]))
-            else:
-                shape.append(_str(syms[i]) or None)
-        return helper.make_tensor_type_proto(et.value, shape)
+        dims = (c_int64 * max(nd.value, 1))()
+        if nd.value:
+            self.api.GetDimensions(info, dims, nd.value)
+        return et.value, [int(dims[i]) for i in range(nd.value)]
+
+    def _type_from_info(self, info: int) -> onnx.TypeProto:
+        et, dims = self._dtype_dims(info)
+        syms = (c_char_p * max(len(dims), 1))()
+        if dims:
+            self.api.GetSymbolicDimensions(info, syms, len(dims))
+        shape = [d if d >= 0 else (_str(syms[i]) or None) for i, d in enumerate(dims)]
+        return helper.make_tensor_type_proto(et, shape)
 
     def _shape_of_value(self, value: int) -> tuple[int, list[int]]:
         info = c_void_p()
         self.api.GetTensorTypeAndShape(value, ctypes.byref(info))
         try:
-            et = c_int(0)
-            self.api.GetTensorElementType(info, ctypes.byref(et))
-            nd = c_size_t(0)
-            self.api.GetDimensionsCount(info, ctypes.byref(nd))
-            dims = (c_int64 * max(nd.value, 1))()
-            if nd.value:
-                self.api.GetDimensions(info, dims, nd.value)
-            return et.value, [int(dims[i]) for i in range(nd.value)]
+            return self._dtype_dims(info)
         finally:
             self.api.ReleaseTensorTypeAndShapeInfo(info)
+
+    def node_name(self, ptr: int, seen: set[str] | dict[str, int]) -> str:
+        """A node's name in the mirror: its own, or (unnamed, or a name taken already)
+        `<name or node>#<ORT's node id>`."""
+        name = self._cstr("Node_GetName", ptr)
+        if not name or name in seen:
+            nid = c_size_t(0)
+            self.api.Node_GetId(ptr, ctypes.byref(nid))
+            name = f"{name or 'node'}#{nid.value}"
+        return name
 
     def tensor(self, name: str, value: int, out: TensorProto | None = None
                ) -> TensorProto | None:
@@ -244,11 +247,7 @@ def mirror_graph(api: FunctionTable, graph: int) -> Mirror:
     by_name: dict[str, int] = {}
     opaque: dict[str, str] = {}
     for ptr in ortnodes:
-        name = r._cstr("Node_GetName", ptr)
-        if not name or name in by_name:
-            nid = c_size_t(0)
-            api.Node_GetId(ptr, ctypes.byref(nid))
-            name = f"{name or 'node'}#{nid.value}"
+        name = r.node_name(ptr, by_name)
         by_name[name] = ptr
         op = r._cstr("Node_GetOperatorType", ptr)
         domain = r._cstr("Node_GetDomain", ptr)
@@ -320,11 +319,7 @@ def node_names(api: FunctionTable, graph: int) -> list[str]:
     seen: set[str] = set()
     out = []
     for ptr in r._array("Graph_GetNumNodes", "Graph_GetNodes", graph):
-        name = r._cstr("Node_GetName", ptr)
-        if not name or name in seen:
-            nid = c_size_t(0)
-            api.Node_GetId(ptr, ctypes.byref(nid))
-            name = f"{name or 'node'}#{nid.value}"
+        name = r.node_name(ptr, seen)
         seen.add(name)
         out.append(name)
     return out
