@@ -65,7 +65,7 @@ from llvmlite import ir
 
 from .. import config
 from ..native import target
-from ..native.emit import BF16, F32, I32, I64, PTR, VOID, X86_AMX, i32, i64
+from ..native.emit import BF16, F32, I32, I64, PTR, VOID, X86_AMX, i32, i64, masked_load
 from ..schedule.split import cdiv, rup, split_even
 from .elementwise import bf16_bits_to_f32, f32_to_bf16_bits
 from .gemm import Epilogue, GemmSpec
@@ -478,9 +478,7 @@ class _Gen(VecBuilder):
 
     def mload_i16(self, ptr, mask, n: int = 16):
         vt = ir.VectorType(I16, n)
-        mt = ir.VectorType(ir.IntType(1), n)
-        f = self.intr(f"llvm.masked.load.v{n}i16.p0", vt, [PTR, I32, mt, vt])
-        return self.b.call(f, [ptr, i32(2), mask, ir.Constant(vt, None)])
+        return masked_load(self.b, ptr, mask, ir.Constant(vt, None), 2)
 
     def mstore_i16(self, val, ptr, mask, n: int = 16):
         vt = ir.VectorType(I16, n)

@@ -131,7 +131,7 @@ import numpy as np
 from llvmlite import ir
 
 from ..ir.attnspec import AttnSpec, check_dtypes
-from ..native.emit import BF16, F32, I8, I32, I64, PTR, VOID, X86_AMX, i32, i64
+from ..native.emit import BF16, F32, I8, I32, I64, PTR, VOID, X86_AMX, i32, i64, masked_load
 from ..native.emit import mangle as _mangle
 from . import vmath
 from .vec import VF, VI8, VI32, VI64, VM, VPTR, VecBuilder, abi_function, declare
@@ -651,7 +651,6 @@ class _Gen(VecBuilder):
         self.p = plan
         self.poly = isinstance(spec, AttnForm)
         # byte masks: a bool mask is read as i8
-        self.mload8 = declare(module, "llvm.masked.load.v16i8.p0", VI8, [PTR, I32, VM, VI8])
         self.gather8 = declare(
             module, "llvm.masked.gather.v16i8.v16p0", VI8, [VPTR, I32, VM, VI8]
         )
@@ -682,8 +681,7 @@ class _Gen(VecBuilder):
         if mask is None:
             x = b.load(ptr, typ=vt, align=2)
         else:
-            f = self.intr(f"llvm.masked.load.{_mangle(vt)}.p0", vt, [PTR, I32, VM, vt])
-            x = b.call(f, [ptr, i32(2), mask, ir.Constant(vt, None)])
+            x = masked_load(b, ptr, mask, ir.Constant(vt, None), 2)
         return self.widen(x, dt)
 
     def gather_cvt(self, ptrs, mask, dt: str):
@@ -1408,7 +1406,7 @@ class _Gen(VecBuilder):
                 ptr = self.gep(row, 16 * v, ety)
                 if is_bool:
                     out.append(
-                        b.call(self.mload8, [ptr, i32(1), valid[v], ir.Constant(VI8, None)])
+                        masked_load(b, ptr, valid[v], ir.Constant(VI8, None), 1)
                     )
                 else:
                     out.append(self.load_cvt(ptr, valid[v], mdt))

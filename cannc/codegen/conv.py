@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 import llvmlite.ir as ir
 import numpy as np
 
-from ..native.emit import BF16, F32, I8, I32, I64, PTR, i64
+from ..native.emit import BF16, F32, I8, I32, I64, PTR, i64, masked_load
 from ..schedule.split import claim_chunks
 from .vec import VF, VI32, VM, VPTR, VecBuilder, abi_function
 
@@ -1310,8 +1310,7 @@ def vload_dt(v: VB, ptr: ir.Value, dt: str, mask: ir.Value | None = None) -> ir.
     if mask is None:
         raw = v.b.load(ptr, typ=VI16, align=2)
     else:
-        f = v.intr("llvm.masked.load.v16i16.p0", VI16, [PTR, I32, VM, VI16])
-        raw = v.b.call(f, [ptr, ir.Constant(I32, 2), mask, ir.Constant(VI16, None)])
+        raw = masked_load(v.b, ptr, mask, ir.Constant(VI16, None), 2)
     return widen_v(v.b, raw, dt)
 
 

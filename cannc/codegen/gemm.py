@@ -81,7 +81,7 @@ from functools import lru_cache
 import numpy as np
 from llvmlite import ir
 
-from ..native.emit import BF16, F32, I8, I16, I32, I64, PTR, VOID, i32, i64
+from ..native.emit import BF16, F32, I8, I16, I32, I64, PTR, VOID, i32, i64, masked_load
 from ..native.target import host
 from ..schedule.split import cdiv as _cdiv
 from ..schedule.split import gemm_groups as _groups
@@ -984,8 +984,7 @@ class _Gen(VecBuilder):
         if mask is None:
             x = b.load(ptr, typ=V16I16, align=2)
         else:
-            f = self.intr("llvm.masked.load.v16i16.p0", V16I16, [PTR, I32, VM, V16I16])
-            x = b.call(f, [ptr, i32(2), mask, ir.Constant(V16I16, None)])
+            x = masked_load(b, ptr, mask, ir.Constant(V16I16, None), 2)
         return self.widen(x, t)
 
     def st16(self, v, ptr, t, mask=None):
@@ -1654,7 +1653,6 @@ class _Gen(VecBuilder):
         b_off = [(v // 2, 32 * (v % 2)) for v in range(NV)]
         b_masked = NV > 2
         PAIR = 2 * PANEL  # bf16 per k-pair of a panel
-        mload = self.intr("llvm.masked.load.v16i32.p0", VI32, [PTR, I32, VM, VI32])
         zero_i = ir.Constant(VI32, None)
 
         def step(accs, a_ps, b_ps, u, tail=False):
@@ -1663,7 +1661,7 @@ class _Gen(VecBuilder):
                 q, o = b_off[v]
                 ptr = self.gep(b_ps[q], u * PAIR + o, I16)
                 if b_masked:
-                    x = b.call(mload, [ptr, i32(4), colmask[v], zero_i])
+                    x = masked_load(b, ptr, colmask[v], zero_i, 4)
                 else:
                     x = b.load(ptr, typ=VI32, align=4)
                 bv.append(b.bitcast(x, V32BF))

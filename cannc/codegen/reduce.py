@@ -137,8 +137,7 @@ def load_raw(b: ir.IRBuilder, ptr: ir.Value, off: ir.Value, dtype: np.dtype, lan
         v = b.load(p, typ=vt)
         v.align = dt.itemsize
         return v
-    fn = _masked_fn(b, "load", vt, store=False)
-    return b.call(fn, [p, ir.Constant(I32, dt.itemsize), mask, ir.Constant(vt, None)])
+    return emit.masked_load(b, p, mask, ir.Constant(vt, None), dt.itemsize)
 
 
 def store_raw(b: ir.IRBuilder, ptr: ir.Value, off: ir.Value, value: ir.Value,

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import llvmlite.ir as ir
 
-from ..native.emit import F32, I1, I8, I32, I64, PTR, VOID, i32, i64
+from ..native.emit import F32, I1, I8, I32, I64, PTR, VOID, i32, i64, masked_load
 
 W = 16  # lanes
 VF = ir.VectorType(F32, W)
@@ -87,8 +87,7 @@ class VecBuilder:
         return self.b.call(self.intr("llvm.fma.v16f32", VF, [VF, VF, VF]), [a, x, c])
 
     def mload(self, ptr: ir.Value, mask: ir.Value, passthru: ir.Value | None = None) -> ir.Value:
-        f = self.intr("llvm.masked.load.v16f32.p0", VF, [PTR, I32, VM, VF])
-        return self.b.call(f, [ptr, i32(4), mask, self.zero_v if passthru is None else passthru])
+        return masked_load(self.b, ptr, mask, self.zero_v if passthru is None else passthru, 4)
 
     def mstore(self, val: ir.Value, ptr: ir.Value, mask: ir.Value) -> None:
         f = self.intr("llvm.masked.store.v16f32.p0", VOID, [VF, PTR, I32, VM])

@@ -223,3 +223,187 @@ def internalise(module: ir.Module, keep: str) -> None:
         if isinstance(gv, ir.Function) and gv.is_declaration:
             continue
         gv.linkage = "internal"
+
+
+# ---------------------------------------------------------------------------
+# masked loads
+#
+# LLVM 22's x86 lowering of llvm.masked.load on an AVX2 target (no AVX-512 mask
+# registers) goes wrong when the mask is wider than a ymm register and one 256-bit
+# half of it folds to all-false: the assertion "Getting value from an unknown
+# LocationSize!" in an assertion-enabled LLVM (llvmlite's), and with
+# `select(cond, <8 x true, 8 x false>, 0)` inside a kernel, a load that reads the
+# masked-off lanes (Zen 3, depthwise Conv with an output 9 wide: column 8 took the
+# next row's first pixel). `masked_load` is the one way codegen emits a masked load:
+# lanes whose mask is known at compile time are folded here (all false: the
+# pass-through; all true: a plain load), and on an AVX2 target a mask wider than 256
+# bits is split into 256-bit pieces so that no piece LLVM sees folds to all-false.
+# ---------------------------------------------------------------------------
+
+_INT_BINOPS = {
+    "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+    "and": lambda a, b: a & b, "or": lambda a, b: a | b, "xor": lambda a, b: a ^ b,
+}
+_ICMP = {
+    "eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "lt": lambda a, b: a < b,
+    "le": lambda a, b: a <= b, "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b,
+}
+
+
+def _wrap(x: int, bits: int, signed: bool) -> int:
+    x &= (1 << bits) - 1
+    return x - (1 << bits) if signed and x >> (bits - 1) else x
+
+
+def const_lanes(v: ir.Value, depth: int = 0) -> list[int | None] | None:
+    """The lanes of an integer (or i1) vector or scalar that are compile-time constants
+    (``None`` where a lane is not known; ``None`` for a value not understood at all).
+    Understands constants and the integer arithmetic, compares, selects, shuffles and
+    insertions that codegen builds its masks from (llvmlite folds none of them)."""
+    if depth > 24:
+        return None
+    ty = v.type
+    n = ty.count if isinstance(ty, ir.VectorType) else 1
+    et = ty.element if isinstance(ty, ir.VectorType) else ty
+    if not isinstance(et, ir.IntType):
+        return None
+    if isinstance(v, ir.Constant):
+        c = v.constant
+        if c is None:
+            return [0] * n
+        if isinstance(c, (list, tuple)):
+            out = [e.constant if isinstance(e, ir.Constant) else e for e in c]
+            return [_wrap(int(x), et.width, False) if isinstance(x, (int, bool)) else None
+                    for x in out]
+        if isinstance(c, (int, bool)):
+            return [_wrap(int(c), et.width, False)] * n
+        return None
+    op = getattr(v, "opname", None)
+    ops = getattr(v, "operands", None)
+    if op is None or ops is None:
+        return None
+    sub = [const_lanes(o, depth + 1) if isinstance(o.type, (ir.IntType, ir.VectorType))
+           else None for o in ops]
+    if op in _INT_BINOPS and len(ops) == 2:
+        a, b = (x if x is not None else [None] * n for x in sub)
+        f = _INT_BINOPS[op]
+        out = []
+        for x, y in zip(a, b):
+            if x is not None and y is not None:
+                out.append(_wrap(f(x, y), et.width, False))
+            elif op == "and" and 0 in (x, y):            # x & 0 whatever x is
+                out.append(0)
+            elif op == "or" and et.width == 1 and 1 in (x, y):
+                out.append(1)
+            else:
+                out.append(None)
+        return out
+    if op == "icmp" and len(ops) == 2:
+        a, b = sub
+        cmp = getattr(v, "op", "")          # 'eq', 'ne', 'slt', 'ult', ...
+        key = cmp[-2:]
+        if a is None or b is None or key not in _ICMP:
+            return None
+        signed = cmp.startswith("s")
+        t0 = ops[0].type
+        bits = (t0.element if isinstance(t0, ir.VectorType) else t0).width
+        return [None if x is None or y is None else
+                int(_ICMP[key](_wrap(x, bits, signed), _wrap(y, bits, signed)))
+                for x, y in zip(a, b)]
+    if op == "select" and len(ops) == 3:
+        c, a, b = sub
+        if a is None or b is None:
+            return None
+        if c is not None and len(c) == 1:
+            c = c * n
+        return [x if x == y else (None if cc is None else (x if cc else y))
+                for cc, x, y in zip(c or [None] * n, a, b)]
+    if op == "shufflevector" and len(ops) == 3:
+        a, b, m = sub
+        idx = const_lanes(ops[2], depth + 1) if m is None else m
+        if idx is None:
+            return None
+        na = ops[0].type.count
+        src = (a or [None] * na) + (b or [None] * ops[1].type.count)
+        return [None if i is None else src[i] for i in idx]
+    if op == "insertelement" and len(ops) == 3:
+        base, elt, idx = sub
+        if idx is None or idx[0] is None:
+            return None
+        out = list(base) if base is not None else [None] * n
+        out[idx[0]] = None if elt is None else elt[0]
+        return out
+    if op in ("zext", "sext", "trunc") and len(ops) == 1:
+        a = sub[0]
+        if a is None:
+            return None
+        src_t = ops[0].type.element if isinstance(ops[0].type, ir.VectorType) else ops[0].type
+        if op == "sext":
+            return [None if x is None else _wrap(_wrap(x, src_t.width, True), et.width, False)
+                    for x in a]
+        return [None if x is None else _wrap(x, et.width, False) for x in a]
+    return None
+
+
+_AVX512: list[bool] = []
+
+
+def _target_has_avx512() -> bool:
+    if not _AVX512:
+        from .target import host
+        _AVX512.append(host().has("avx512f"))
+    return _AVX512[0]
+
+
+def _lanes(b: ir.IRBuilder, v: ir.Value, lo: int, n: int) -> ir.Value:
+    return b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(lo, lo + n))))
+
+
+def masked_load(b: ir.IRBuilder, ptr: ir.Value, mask: ir.Value, passthru: ir.Value,
+                align: int | None = None) -> ir.Value:
+    """``llvm.masked.load`` of ``passthru.type`` at ``ptr`` (lanes whose mask is false are
+    not read and take ``passthru``'s), emitted so that LLVM's x86 lowering gets it right
+    (see above). ``align`` defaults to the element size."""
+    vt = passthru.type
+    n = vt.count
+    ebits = vt.element.width if isinstance(vt.element, ir.IntType) else \
+        {"float": 32, "double": 64, "half": 16, "bfloat": 16}[str(vt.element)]
+    if align is None:
+        align = ebits // 8
+    known = const_lanes(mask) or [None] * n
+    if all(k == 0 for k in known):
+        return passthru
+    if all(k == 1 for k in known):
+        return b.load(ptr, typ=vt, align=align)
+    piece = n if _target_has_avx512() or n * ebits <= 256 else max(1, 256 // ebits)
+    if piece >= n:
+        return _masked_load_call(b, ptr, mask, passthru, align)
+    parts = []
+    for lo in range(0, n, piece):
+        k = known[lo:lo + piece]
+        pt = _lanes(b, passthru, lo, piece)
+        if all(x == 0 for x in k):
+            parts.append(pt)
+            continue
+        p = b.gep(ptr, [ir.Constant(I64, lo)], source_etype=vt.element) if lo else ptr
+        if all(x == 1 for x in k):
+            parts.append(b.load(p, typ=pt.type, align=align))
+        else:
+            parts.append(_masked_load_call(b, p, _lanes(b, mask, lo, piece), pt, align))
+    while len(parts) > 1:
+        w = parts[0].type.count
+        parts = [b.shuffle_vector(parts[i], parts[i + 1],
+                                  ir.Constant(ir.VectorType(I32, 2 * w), list(range(2 * w))))
+                 for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def _masked_load_call(b: ir.IRBuilder, ptr: ir.Value, mask: ir.Value, passthru: ir.Value,
+                      align: int) -> ir.Value:
+    vt = passthru.type
+    name = f"llvm.masked.load.{mangle(vt)}.p0"
+    module = b.block.parent.module
+    fn = module.globals.get(name)
+    if fn is None:
+        fn = ir.Function(module, ir.FunctionType(vt, [PTR, I32, mask.type, vt]), name=name)
+    return b.call(fn, [ptr, ir.Constant(I32, align), mask, passthru])
