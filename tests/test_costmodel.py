@@ -136,7 +136,8 @@ def test_measured_peaks_come_from_machine_json(tmp_path, monkeypatch):
     assert machine.measured_peaks() is None                        # never measures
     assert machine.cpu_model().peak_source == "estimated"
     (tmp_path / "machine.json").write_text(json.dumps(
-        {"version": machine.PEAKS_VERSION, "fp32_gflops_per_core": 123.0, "mem_gbps": 45.0}))
+        {"version": machine.PEAKS_VERSION, "cpu": machine._cpu_key(),
+         "fp32_gflops_per_core": 123.0, "mem_gbps": 45.0}))
     cpu = machine.cpu_model()
     assert cpu.peak_source == "measured" and cpu.peak_gflops_core == 123.0
     assert cpu.mem_source == "measured" and cpu.dram_gbps == 45.0
@@ -144,3 +145,7 @@ def test_measured_peaks_come_from_machine_json(tmp_path, monkeypatch):
     (tmp_path / "machine.json").write_text(json.dumps({"version": -1}))
     monkeypatch.setattr(machine, "_peaks", None)
     assert machine.measured_peaks() is None                        # another format: ignored
+    (tmp_path / "machine.json").write_text(json.dumps(
+        {"version": machine.PEAKS_VERSION, "cpu": "znver4|AMD EPYC|+avx512f",
+         "fp32_gflops_per_core": 123.0, "mem_gbps": 45.0}))
+    assert machine.measured_peaks() is None      # measured on another CPU: ignored

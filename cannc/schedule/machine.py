@@ -31,7 +31,7 @@ from .. import config
 from ..native import emit
 from ..native.target import JitLibrary, default_cache, host, new_module
 
-PEAKS_VERSION = 2
+PEAKS_VERSION = 3
 _peaks: dict[str, float] | None = None     # measured (or read) in this process
 
 
@@ -192,9 +192,17 @@ def measured_peaks() -> dict[str, float] | None:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(data, dict) or data.get("version") != PEAKS_VERSION:
-        return None
+    if not isinstance(data, dict) or data.get("version") != PEAKS_VERSION \
+            or data.get("cpu") != _cpu_key():
+        return None      # another version, or measured on another CPU (a moved cache)
     return data
+
+
+def _cpu_key() -> str:
+    """What the peaks depend on: the LLVM CPU name, /proc/cpuinfo's model name and the
+    target features the code is generated for."""
+    h = host()
+    return f"{h.cpu}|{model_name()}|{h.features}"
 
 
 def peaks() -> dict[str, float]:
@@ -208,7 +216,8 @@ def peaks() -> dict[str, float]:
     if cached is not None:
         _peaks = cached
         return _peaks
-    _peaks = {"version": PEAKS_VERSION, "fp32_gflops_per_core": measure_fma_peak(),
+    _peaks = {"version": PEAKS_VERSION, "cpu": _cpu_key(),
+              "fp32_gflops_per_core": measure_fma_peak(),
               "mem_gbps": measure_copy_bandwidth()}
     path = _peaks_path()
     if path is not None:
@@ -229,10 +238,13 @@ def measure_copy_bandwidth() -> float:
 
 
 def measure_fma_peak(iters: int = 2_000_000) -> float:
-    """GFLOP/s of one core running independent <16 x float> FMA chains: the
+    """GFLOP/s of one core running 12 independent FMA chains of the target's full vector
+    width (zmm with AVX-512, ymm with AVX2: 12 accumulators and the constant fit either
+    register file, and 12 in flight cover two pipes of up to 6 cycles' latency): the
     machine's fp32 peak as generated code can reach it (best of 5)."""
     m = new_module("fma_peak")
-    vt = ir.VectorType(emit.F32, 16)
+    lanes = max(4, host().vector_bytes // 4)
+    vt = ir.VectorType(emit.F32, lanes)
     fn = ir.Function(m, ir.FunctionType(emit.F32, [emit.I64]), name="cannc_fma_peak")
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     one = emit.const_like(1.0000001, vt)
@@ -260,11 +272,11 @@ def measure_fma_peak(iters: int = 2_000_000) -> float:
     for v in new[1:]:
         total = b.fadd(total, v)
     b.ret(b.extract_element(total, ir.Constant(emit.I32, 0)))
-    lib = JitLibrary([default_cache().compile(str(m), "fma_peak", speed_level=0)])
+    lib = JitLibrary([default_cache().compile(str(m), f"fma_peak{lanes}", speed_level=0)])
     f = ctypes.CFUNCTYPE(ctypes.c_float, ctypes.c_int64)(lib.address("cannc_fma_peak"))
     f(iters // 10)
     best = min(_timed(lambda: f(iters)) for _ in range(5))
-    return chains * 16 * 2 * iters / best / 1e9
+    return chains * lanes * 2 * iters / best / 1e9
 
 
 def _timed(fn: Any) -> float:
