@@ -53,8 +53,14 @@ def _abs_ref(ins32, const, **attrs):
     return _conv_ref([np.abs(ins32[0]), np.abs(ins32[1])], (1,) if 1 in const else (), **attrs)
 
 
+def _skip_without_dp(mode):
+    if mode == "dp" and not cannc.native.target.host().has("avx512bf16"):
+        pytest.skip("no avx512_bf16")
+
+
 def _run_conv(dt, xs, ws, *, bias=True, const_w=True, x_dt=None, y_dt=None, prec=None,
               mode=None, rng=None, **attrs):
+    _skip_without_dp(mode)
     rng = rng or np.random.default_rng(0)
     x_dt = x_dt or dt
     y_dt = y_dt or dt
@@ -164,6 +170,7 @@ def test_fp32_graph_with_cannc_precision(prec, case, mode):
     w = (rng.standard_normal(ws) / np.sqrt(np.prod(ws[1:]))).astype(np.float32)
     bias = rng.standard_normal(ws[0]).astype(np.float32)
     m, feeds = single_node_model("Conv", [x, w, bias], const_inputs=(1, 2), **attrs)
+    _skip_without_dp(mode)
     old = lconv.FORCE_LOWP_MODE
     lconv.FORCE_LOWP_MODE = mode
     try:

@@ -76,3 +76,23 @@ def test_sections_placed_far_apart_still_link(tmp_path):
     p = subprocess.run([sys.executable, "-c", CHILD, "craft", "large", "1"], env=env,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and "ok: compiled and ran" in p.stdout, p.stdout + p.stderr
+
+
+def test_an_intrinsic_the_target_lacks_is_a_compile_error():
+    """LLVM aborts the process on an x86 intrinsic the target cannot select; cannc checks
+    the module's intrinsics against the target's features first."""
+    from cannc.errors import CompileError
+    from cannc.native.target import HostTarget, host, isa_missing
+
+    ir_text = ('declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512'
+               '(<16 x float>, <32 x bfloat>, <32 x bfloat>)\n'
+               'define void @f() {\n  ret void\n}\n')
+    h = host()
+    no_bf16 = HostTarget(h.triple, h.cpu, ",".join(
+        f for f in h.features.split(",") if f != "+avx512bf16"))
+    assert isa_missing(ir_text, no_bf16) == ("llvm.x86.avx512bf16.dpbf16ps.512", "avx512bf16")
+    assert isa_missing("define void @g() {\n  ret void\n}\n", no_bf16) is None
+    if not h.has("avx512bf16"):
+        from cannc.native.target import optimise_and_emit
+        with pytest.raises(CompileError, match="avx512bf16"):
+            optimise_and_emit(ir_text, "f")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,11 +186,43 @@ def optimise_and_emit(module_ir: str, name: str, speed_level: int = 2) -> bytes:
     return tm.emit_object(mod)
 
 
+# x86 intrinsic families and the target feature each needs: LLVM aborts the process
+# ("Cannot select") on an intrinsic the target cannot run, so it is checked first
+_ISA_INTRINSICS = (
+    ("llvm.x86.avx512bf16.", "avx512bf16"),
+    ("llvm.x86.avx512fp16.", "avx512fp16"),
+    ("llvm.x86.avx512.", "avx512f"),
+    ("llvm.x86.tdpbf16ps", "amx-bf16"),
+    ("llvm.x86.tile", "amx-tile"),
+    ("llvm.x86.ldtilecfg", "amx-tile"),
+)
+_X86_CALL = re.compile(r"@(llvm\.x86\.[A-Za-z0-9_.]+)")
+
+
+def isa_missing(module_ir: str, tgt: HostTarget) -> tuple[str, str] | None:
+    """(intrinsic, feature) of the first x86 intrinsic in ``module_ir`` that needs a CPU
+    feature ``tgt`` lacks, else None."""
+    if "llvm.x86." not in module_ir:
+        return None
+    for name in sorted(set(_X86_CALL.findall(module_ir))):
+        for prefix, feature in _ISA_INTRINSICS:
+            if name.startswith(prefix):
+                if not tgt.has(feature):
+                    return name, feature
+                break
+    return None
+
+
 def _optimise(module_ir: str, name: str,
               speed_level: int) -> tuple[llvm.ModuleRef, llvm.TargetMachine]:
     """The optimisation half of optimise_and_emit: the optimised module and the
     TargetMachine that emits it."""
     tgt = host()
+    missing = isa_missing(module_ir, tgt)
+    if missing:
+        raise CompileError(f"kernel {name} calls {missing[0]}, which needs the CPU feature "
+                           f"{missing[1]}: this target has none" +
+                           (f" (CANNC_ISA={config.ISA})" if config.ISA else ""))
     try:
         mod = llvm.parse_assembly(module_ir)
         mod.verify()
