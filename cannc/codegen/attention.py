@@ -134,7 +134,7 @@ from ..ir.attnspec import AttnSpec, check_dtypes
 from ..native.emit import BF16, F32, I8, I32, I64, PTR, VOID, X86_AMX, i32, i64, masked_load
 from ..native.emit import mangle as _mangle
 from . import vmath
-from .vec import VF, VI8, VI32, VI64, VM, VPTR, VecBuilder, abi_function, declare
+from .vec import VF, VI8, VI32, VI64, VM, VPTR, VecBuilder, abi_function, declare, wide_registers
 
 I16 = ir.IntType(16)
 VI16 = ir.VectorType(I16, 16)
@@ -436,16 +436,24 @@ def _plan(spec: AttnSpec | AttnForm, tuning: tuple = ()) -> AttnPlan:
     poly = isinstance(spec, AttnForm)
     Sq = 1 << 30 if poly else spec.Sq   # a form plans for long sequences
     nvd = _cdiv(spec.Dv, 16)
+    wide = wide_registers()
     v_chunks = tun.get("v_chunks")
     if v_chunks is None:
-        v_chunks = _chunks(nvd, tun.get("NV_v", 6))
+        v_chunks = _chunks(nvd, tun.get("NV_v", 6 if wide else 2))
     v_chunks = tuple(tuple(c) for c in v_chunks)
     max_nv = max(c[1] for c in v_chunks)
-    # 16..24 accumulators (8 rows for Dv <= 32); rows dividing 16 keep MQ = 16
-    # (no more rows than Sq: decoding with Sq = 1 must not compute 4 copies)
-    MR_v = tun.get("MR_v", min(Sq, 8 if max_nv <= 2 else 4))
-    NV_s = tun.get("NV_s", 4 if poly else min(4, _cdiv(spec.Sk, 16)))
-    MR_s = tun.get("MR_s", min(Sq, 4 if NV_s >= 3 else 8))  # 8..16 accumulators
+    if wide:
+        # 16..24 accumulators (8 rows for Dv <= 32); rows dividing 16 keep MQ = 16
+        # (no more rows than Sq: decoding with Sq = 1 must not compute 4 copies)
+        MR_v = tun.get("MR_v", min(Sq, 8 if max_nv <= 2 else 4))
+        NV_s = tun.get("NV_s", 4 if poly else min(4, _cdiv(spec.Sk, 16)))
+        MR_s = tun.get("MR_s", min(Sq, 4 if NV_s >= 3 else 8))  # 8..16 accumulators
+    else:
+        # AVX2 (16 ymm): at most ACC_BUDGET_AVX2 <16 x float> accumulators; 4 rows keep
+        # MQ = 16
+        MR_v = tun.get("MR_v", min(Sq, 4 if max_nv <= 1 else 2))
+        NV_s = tun.get("NV_s", 1)
+        MR_s = tun.get("MR_s", min(Sq, 4))
     KB = tun.get("KB", 64)
     KB = _rup(KB if poly else min(KB, _rup(spec.Sk, 16 * NV_s)), 16 * NV_s)
     step = math.lcm(MR_s, MR_v)

@@ -53,7 +53,7 @@ import numpy as np
 
 from ..native.emit import BF16, F32, I8, I32, I64, PTR, i64, masked_load
 from ..schedule.split import claim_chunks
-from .vec import VF, VI32, VM, VPTR, VecBuilder, abi_function
+from .vec import VF, VI32, VM, VPTR, VecBuilder, abi_function, wide_registers
 
 VI = VI32  # <16 x i32>: the lane indices and offsets of the window kernels
 
@@ -283,14 +283,24 @@ class ConvPlan:
 
 
 MR_EFFICIENCY = {8: 1.0, 7: 0.97, 6: 0.93, 5: 0.88, 4: 0.83}   # relative, measured roughly
+# AVX2 (16 ymm): MR x 16 tiles, 2*MR ymm accumulators (at most 12)
+MR_EFFICIENCY_AVX2 = {6: 1.0, 5: 0.93, 4: 0.85, 3: 0.72}
 
 
-def choose_mr(Mg: int) -> int:
-    """Rows of the normal micro-tile: 8 (16 accumulators, measured best here) unless a
-    smaller tile wastes enough fewer padded rows to make up for its lower speed."""
-    if Mg <= 8:
+def choose_mr(Mg: int, wide: bool = True) -> int:
+    """Rows of the normal micro-tile: 8 with AVX-512 (16 accumulators, measured best on
+    Zen 4), 6 with AVX2 (MR x 16: 12 ymm accumulators), unless a smaller tile wastes
+    enough fewer padded rows to make up for its lower speed."""
+    eff = MR_EFFICIENCY if wide else MR_EFFICIENCY_AVX2
+    if Mg <= max(eff):
         return Mg
-    return min(MR_EFFICIENCY, key=lambda mr: rup(Mg, mr) / MR_EFFICIENCY[mr])
+    return min(eff, key=lambda mr: rup(Mg, mr) / eff[mr])
+
+
+def default_nv(n: int, wide: bool) -> int:
+    """<16 x float> vectors per micro-tile row along a dimension of n: 2 (32 lanes) with
+    AVX-512 where n > 16, else 1 (and always 1 with AVX2: 16 lanes are two ymm)."""
+    return 2 if wide and n > 16 else 1
 
 
 # tunables (measured on Zen 4, see benchmarks/conv_bench.py)
@@ -370,8 +380,9 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict) -> Co
     cands = []
 
     # normal orientation: MR channels x 16*NV pixels
-    MR = tun.get("MR", choose_mr(Mg))
-    NV = tun.get("NV", 2 if OHW > 16 else 1)
+    wide = wide_registers()
+    MR = tun.get("MR", choose_mr(Mg, wide))
+    NV = tun.get("NV", default_nv(OHW, wide))
     NR = 16 * NV
     direct = tun.get("direct", True) and geom.direct_ok
     im2col_cost = 0.0 if direct else 6.0
@@ -390,9 +401,10 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict) -> Co
 
     # swapped: MR pixels x 32 channels (im2col only)
     if want_swap is True or (want_swap is None and Mg >= 16 and OHW <= SWAP_MAX_PIXELS):
-        NVs = tun.get("NV", 2 if Mg > 16 else 1)
+        NVs = tun.get("NV", default_nv(Mg, wide))
         NRs = 16 * NVs
-        for MRs in ([tun["MR"]] if "MR" in tun else [8, 7, 6, 5, 4]):
+        mrs = [8, 7, 6, 5, 4] if wide else [6, 5, 4]
+        for MRs in ([tun["MR"]] if "MR" in tun else mrs):
             def cost_s(ch, px, MRs=MRs):
                 c = (2.0 * rup(ch, NRs) * rup(px, MRs) * K + 6.0 * K * px + 3000.0
                      + SCATTER_COST * ch * px / 16)
@@ -1418,8 +1430,9 @@ def plan_lowp(geom: ConvGeom, mode: str, const_weights: bool = True,
     Mg, OHW = geom.Mg, geom.OHW
     CU = cdiv(geom.Cg, 2) if mode != "f32" else geom.Cg
     KU = CU * geom.KK
-    MR = min(8, Mg)
-    NV = 2 if OHW > 16 else 1
+    wide = wide_registers()
+    MR = min(8 if wide else 6, Mg)
+    NV = default_nv(OHW, wide)
     NR = 16 * NV
     P = max(NR, (LOWP_COL_BYTES // (4 * KU)) // NR * NR)
     P = min(P, rup(OHW, NR))

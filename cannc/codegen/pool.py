@@ -37,7 +37,7 @@ from .conv import (
     vload_dt,
     vstore_dt,
 )
-from .vec import VF, VM, abi_function
+from .vec import ACC_BUDGET_AVX2, VF, VM, abi_function, wide_registers
 
 KINDS = ("dw", "max", "avg", "lp")
 
@@ -89,13 +89,16 @@ class WindowPlan:
 def plan_window(spec: WindowSpec, cores: int = 2) -> WindowPlan:
     OW = spec.osz[2]
     nvec = cdiv(OW, 16)
-    if nvec <= 8:
+    # accumulators: 8 <16 x float> with AVX-512; with AVX2 (two ymm each) half the budget
+    # of a GEMM tile, since a depthwise conv also keeps its KH*KW weight splats
+    acc = 8 if wide_registers() else ACC_BUDGET_AVX2 // 2
+    if nvec <= acc:
         V, chunks = nvec, 1
     else:
-        V = min(range(4, 9), key=lambda v: (rup(nvec, v) - nvec, -v))
+        V = min(range(max(1, acc // 2), acc + 1), key=lambda v: (rup(nvec, v) - nvec, -v))
         chunks = cdiv(nvec, V)
     rows = spec.rows
-    R = max(1, min(rows, 8 // V))
+    R = max(1, min(rows, acc // V))
     planes = spec.N * spec.M
     # enough tiles for the cores to balance, each at least ~2 KFLOP of work
     per_row = OW * spec.KK

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import llvmlite.ir as ir
 
 from ..native.emit import F32, I1, I8, I32, I64, PTR, VOID, i32, i64, masked_load
+from ..native.target import host
 
 W = 16  # lanes
 VF = ir.VectorType(F32, W)
@@ -29,7 +30,19 @@ VI64 = ir.VectorType(I64, W)
 VPTR = ir.VectorType(PTR, W)
 
 __all__ = ["W", "VF", "VM", "VI8", "VI32", "VI64", "VPTR", "declare", "abi_function",
-           "Loop", "VecBuilder"]
+           "Loop", "VecBuilder", "wide_registers", "ACC_BUDGET_AVX2"]
+
+# <16 x float> accumulators a micro-kernel may keep in registers on an AVX2 target: each
+# takes two of its 16 ymm registers, and the operand vectors and a broadcast need the rest
+# (a 6 x 16 tile: 12 ymm accumulators, 2 loaded, 1 broadcast). Tiles sized for AVX-512's
+# 32 zmm (8 x 32: 16 accumulators) spill on every k step there.
+ACC_BUDGET_AVX2 = 6
+
+
+def wide_registers() -> bool:
+    """The target has AVX-512 (32 registers of 512 bits: a <16 x float> is one); else the
+    micro-kernels are sized for AVX2's 16 ymm (see ACC_BUDGET_AVX2)."""
+    return host().has("avx512f")
 
 
 def declare(module: ir.Module, name: str, ret: ir.Type, args: Sequence[ir.Type]) -> ir.Function:

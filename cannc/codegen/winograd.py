@@ -47,8 +47,19 @@ import llvmlite.ir as ir
 import numpy as np
 
 from ..native.emit import F32, I8, i64
-from .conv import VB, VI, ConvGeom, Epilogue, Slots, cdiv, dispatch_time, distinct_splits, rup
-from .vec import VF, VPTR, abi_function
+from .conv import (
+    VB,
+    VI,
+    ConvGeom,
+    Epilogue,
+    Slots,
+    cdiv,
+    default_nv,
+    dispatch_time,
+    distinct_splits,
+    rup,
+)
+from .vec import VF, VPTR, abi_function, wide_registers
 
 # interpolation points of F(m, 3) (plus the point at infinity)
 POINTS = {2: (0, 1, -1), 4: (0, 1, -1, Fraction(1, 2), -2)}
@@ -198,12 +209,13 @@ def plan_winograd(geom: ConvGeom, cores: int = 2, tuning: dict | None = None) ->
     a = m + 2
     M, C = geom.M, geom.C
     _, _, P = tiles(geom, m)
-    NV = tun.get("NV", 2 if M > 16 else 1)
+    wide = wide_registers()
+    NV = tun.get("NV", default_nv(M, wide))
     NR = 16 * NV
     nkb = cdiv(C, tun.get("CB", 256))
     CB = cdiv(C, nkb)
     best = None
-    mrs = [tun["MR"]] if "MR" in tun else [8, 7, 6]
+    mrs = [tun["MR"]] if "MR" in tun else ([8, 7, 6] if wide else [6, 5, 4])
     pts = [tun["PT"]] if "PT" in tun else [16, 24, 32, 48, 64, 96, 128]
     for MR in mrs:
         for PT0 in pts:
