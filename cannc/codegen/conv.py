@@ -313,6 +313,9 @@ SWAP_MAX_PIXELS = 1024
 # swapped orientation: one 16-lane scatter of results to Y (measured: 40 made 1x1 stride-2
 # convs on 56x56 images pick the swapped orientation, 5-20% slower than the normal one)
 SCATTER_COST = 200.0
+# AVX2 has no scatter: the 16 lanes are extracted and stored one by one (Zen 3: the swapped
+# orientation of ResNet's 7x7 stride-2 stem took 3.0 ms where the normal one takes 1.8)
+SCATTER_COST_AVX2 = 1000.0
 
 
 def _grid(geom: ConvGeom, K: int, pu: int, cu: int, pmax: int, cores: int,
@@ -404,10 +407,11 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict) -> Co
         NVs = tun.get("NV", default_nv(Mg, wide))
         NRs = 16 * NVs
         mrs = [8, 7, 6, 5, 4] if wide else [6, 5, 4]
+        scatter = SCATTER_COST if wide else SCATTER_COST_AVX2
         for MRs in ([tun["MR"]] if "MR" in tun else mrs):
             def cost_s(ch, px, MRs=MRs):
                 c = (2.0 * rup(ch, NRs) * rup(px, MRs) * K + 6.0 * K * px + 3000.0
-                     + SCATTER_COST * ch * px / 16)
+                     + scatter * ch * px / 16)
                 c += weight_traffic(ch, K)
                 if not const_weights:
                     c += 4.0 * rup(ch, NRs) * K

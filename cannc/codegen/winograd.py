@@ -190,6 +190,10 @@ def tiles(geom: ConvGeom, m: int) -> tuple[int, int, int]:
 GEMM_EFF = 0.9           # micro-kernel speed relative to conv.py's direct GEMM
 GATHER_COST = 300.0      # one 16-lane masked gather (input transform)
 SCATTER_COST = 400.0     # one 16-lane scatter (output)
+# AVX2 has no scatter (16 extracts and scalar stores: conv.py measured it ~5x dearer on
+# Zen 3) and its gathers are two ymm gathers
+SCATTER_COST_AVX2 = 5 * SCATTER_COST
+GATHER_COST_AVX2 = 2 * GATHER_COST
 VOP_COST = 30.0          # one vector add / fma / load / store
 TILE_COST = 3000.0       # per kernel tile
 WS_MAX = 768 * 1024      # workspace per core (V + Z), inside L2
@@ -216,6 +220,8 @@ def plan_winograd(geom: ConvGeom, cores: int = 2, tuning: dict | None = None) ->
     CB = cdiv(C, nkb)
     best = None
     mrs = [tun["MR"]] if "MR" in tun else ([8, 7, 6] if wide else [6, 5, 4])
+    gather = GATHER_COST if wide else GATHER_COST_AVX2
+    scatter = SCATTER_COST if wide else SCATTER_COST_AVX2
     pts = [tun["PT"]] if "PT" in tun else [16, 24, 32, 48, 64, 96, 128]
     for MR in mrs:
         for PT0 in pts:
@@ -237,8 +243,8 @@ def plan_winograd(geom: ConvGeom, cores: int = 2, tuning: dict | None = None) ->
                 def tile_cost(ch: int, npix: int, MR: int = MR) -> float:
                     g = 2.0 * a * a * rup(ch, NR) * rup(npix, MR) * C / GEMM_EFF
                     nv = cdiv(npix, 16)
-                    vin = C * nv * (a * a * GATHER_COST + 3 * a * a * VOP_COST)
-                    vout = npix * cdiv(ch, 16) * (m * m * SCATTER_COST + 3 * a * a * VOP_COST)
+                    vin = C * nv * (a * a * gather + 3 * a * a * VOP_COST)
+                    vout = npix * cdiv(ch, 16) * (m * m * scatter + 3 * a * a * VOP_COST)
                     zio = a * a * cdiv(npix, MR) * cdiv(ch, NR) * MR * NV * 2 * VOP_COST * nkb
                     return g + vin + vout + zio + 4.0 * a * a * ch * C + TILE_COST
 
