@@ -113,6 +113,9 @@ class Fusion:
     # element types of the contraction's result and of the epilogue's result that the fused
     # kernel generates (the epilogue itself runs in float32 registers)
     dtypes: frozenset[str] = frozenset({"float32"})
+    # check of the epilogue's result type (node, its input types, its output type, the
+    # epilogue's result type): a reason the kernel cannot store it, or None
+    result: Callable[[Node, list[TensorType], TensorType, TensorType], str | None] | None = None
 
 
 @dataclass

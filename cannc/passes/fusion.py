@@ -278,6 +278,10 @@ def _epilogue_reason(graph: Graph, groups: Groups, m: Match) -> str | None:
     if np.dtype(graph.values[outs[0]].dtype).name not in m.fusion.dtypes:
         return f"the epilogue's result is not {'/'.join(sorted(m.fusion.dtypes))}"
     in_types = [graph.values[v] for v in n.inputs if v]
+    if m.fusion.result is not None:
+        why = m.fusion.result(n, in_types, t, graph.values[outs[0]])
+        if why:
+            return why
     if m.fusion.node is not None:
         why = m.fusion.node(n, in_types, t)
         if why:

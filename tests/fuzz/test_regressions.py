@@ -179,3 +179,22 @@ def test_fuzz_check_tells_an_onnxruntime_optimizer_bug_from_a_mismatch():
     got = cannc.compile(m, cores=1).run(None, feeds)[0]
     np.testing.assert_array_equal(got, np.arange(6, dtype=np.float32).reshape(2, 3).T @
                                   feeds["w"])
+
+
+@pytest.mark.parametrize("group", [1, 2], ids=["gemm", "depthwise"])
+def test_float32_conv_epilogue_ending_in_float16(group):
+    """A float32 Conv took Tanh, Cast(to float16) and Sin into its kernel, which stores
+    float32: it wrote float32 into the float16 buffer (fuzz seed 20263412: NaNs and writes
+    past the end; on AVX-512 machines a TypeError in lowering). Such an epilogue is not
+    fused now (a reduced-precision Conv would store the epilogue's dtype)."""
+    x = _rand(1, 2, 8, 6)
+    w = _rand(2, 2 // group, 3, 1, seed=1)
+    m = model_of([helper.make_node("Conv", ["x", "w"], ["c"], group=group),
+                  helper.make_node("Tanh", ["c"], ["t"]),
+                  helper.make_node("Cast", ["t"], ["h"], to=TensorProto.FLOAT16),
+                  helper.make_node("Sin", ["h"], ["y"])],
+                 [_vi("x", x.shape)],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT16, None)],
+                 [numpy_helper.from_array(w, "w")])
+    got = assert_matches_ort(m, {"x": x}, rtol=2e-3, atol=2e-3)
+    assert got[0].dtype == np.float16 and np.isfinite(got[0]).all()

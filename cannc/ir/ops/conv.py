@@ -86,10 +86,26 @@ def _check_conv(node: Any, ins: list[Any], outs: list[Any]) -> str | None:
     return None
 
 
+def _conv_epilogue_result(node, ins, out, result) -> str | None:
+    """A float32 Conv's kernels store float32: an epilogue that ends in another dtype (a
+    Cast to float16 fused in) is left out; the reduced-precision kernels (a narrow operand
+    or ``cannc_precision``) store whatever dtype the epilogue ends in. (Fuzz seed
+    20263412: a Conv+Tanh+Cast(float16)+Sin kernel stored float32 into the float16
+    buffer.)"""
+    if np.dtype(result.dtype) == np.dtype(out.dtype):
+        return None
+    narrow = [t for t in list(ins) + [out] if t is not None
+              and np.dtype(t.dtype).name != "float32"]
+    if narrow or node.attrs.get("cannc_precision") is not None:
+        return None
+    return (f"the epilogue ends in {np.dtype(result.dtype).name}; a float32 Conv's "
+            "kernels store float32")
+
+
 register(OpDef(name="Conv", category=Category.CONTRACTION, dtypes=LOWP,
                check=_check_conv,
                epilogue=Fusion(rule="conv_epilogue", fused_op="FusedConv", operand=conv_operand,
-                               dtypes=LOWP),
+                               dtypes=LOWP, result=_conv_epilogue_result),
                doc="implicit GEMM (im2col tiles + 6x32 micro-kernel); depthwise: direct"))
 
 
