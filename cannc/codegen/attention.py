@@ -131,7 +131,20 @@ import numpy as np
 from llvmlite import ir
 
 from ..ir.attnspec import AttnSpec, check_dtypes
-from ..native.emit import BF16, F32, I8, I32, I64, PTR, VOID, X86_AMX, i32, i64, masked_load
+from ..native.emit import (
+    BF16,
+    F32,
+    I8,
+    I32,
+    I64,
+    PTR,
+    VOID,
+    X86_AMX,
+    i32,
+    i64,
+    masked_load,
+    masked_store,
+)
 from ..native.emit import mangle as _mangle
 from . import vmath
 from .vec import VF, VI8, VI32, VI64, VM, VPTR, VecBuilder, abi_function, declare, wide_registers
@@ -746,9 +759,7 @@ class _Gen(VecBuilder):
         if mask is None:
             self.b.store(x, ptr, align=2)
         else:
-            vt = x.type
-            f = self.intr(f"llvm.masked.store.{_mangle(vt)}.p0", VOID, [vt, PTR, I32, VM])
-            self.b.call(f, [x, ptr, i32(2), mask])
+            masked_store(self.b, x, ptr, mask, 2)
 
     def scatter_cvt(self, val, ptrs, mask, dt: str):
         if dt == "float32":

@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 import llvmlite.ir as ir
 import numpy as np
 
-from ..native.emit import BF16, F32, I8, I32, I64, PTR, i64, masked_load
+from ..native.emit import BF16, F32, I8, I32, I64, PTR, i64, masked_load, masked_store
 from ..schedule.split import claim_chunks
 from .vec import VF, VI32, VM, VPTR, VecBuilder, abi_function, wide_registers
 
@@ -1334,8 +1334,7 @@ def vstore_dt(v: VB, val: ir.Value, ptr: ir.Value, dt: str, mask: ir.Value) -> N
     """Store <16 x float> to 16 elements of dtype dt (masked), converting."""
     if dt == "float32":
         return v.mstore(val, ptr, mask)
-    f = v.intr("llvm.masked.store.v16i16.p0", ir.VoidType(), [VI16, PTR, I32, VM])
-    v.b.call(f, [narrow_v(v.b, val, dt), ptr, ir.Constant(I32, 2), mask])
+    masked_store(v.b, narrow_v(v.b, val, dt), ptr, mask, 2)
 
 
 def vgather_dt(v: VB, base: ir.Value, idx: ir.Value, mask: ir.Value, dt: str) -> ir.Value:

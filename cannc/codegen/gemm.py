@@ -81,7 +81,19 @@ from functools import lru_cache
 import numpy as np
 from llvmlite import ir
 
-from ..native.emit import BF16, F32, I8, I16, I32, I64, PTR, VOID, i32, i64, masked_load
+from ..native.emit import (
+    BF16,
+    F32,
+    I8,
+    I16,
+    I32,
+    I64,
+    PTR,
+    i32,
+    i64,
+    masked_load,
+    masked_store,
+)
 from ..native.target import host
 from ..schedule.split import cdiv as _cdiv
 from ..schedule.split import gemm_groups as _groups
@@ -995,8 +1007,7 @@ class _Gen(VecBuilder):
         if mask is None:
             self.b.store(x, ptr, align=2)
         else:
-            f = self.intr("llvm.masked.store.v16i16.p0", VOID, [V16I16, PTR, I32, VM])
-            self.b.call(f, [x, ptr, i32(2), mask])
+            masked_store(self.b, x, ptr, mask, 2)
 
     def ld1(self, ptr, t, rnd=False):
         """One element of type t at ptr as a float."""

@@ -41,7 +41,7 @@ import numpy as np
 
 from ..artifact import Tiling
 from ..native import emit
-from ..native.emit import I1, I32, PTR, for_range, i64, llvm_type
+from ..native.emit import I1, I32, for_range, i64, llvm_type
 from . import vmath
 from .elementwise import TV, Expr, bf16_bits_to_f32, f32_to_bf16_bits, is_bf16
 from .kernel import LowerCtx
@@ -109,19 +109,6 @@ def as_i64(x: int | ir.Value) -> ir.Value:
     return i64(x) if isinstance(x, int) else x
 
 
-def _masked_fn(b: ir.IRBuilder, name: str, vt: ir.VectorType, store: bool) -> ir.Function:
-    full = f"llvm.masked.{name}.{emit._mangle(vt)}.p0"
-    fn = b.module.globals.get(full)
-    if fn is None:
-        mt = ir.VectorType(I1, vt.count)
-        if store:
-            fnty = ir.FunctionType(emit.VOID, [vt, PTR, I32, mt])
-        else:
-            fnty = ir.FunctionType(vt, [PTR, I32, mt, vt])
-        fn = ir.Function(b.module, fnty, name=full)
-    return fn
-
-
 def load_raw(b: ir.IRBuilder, ptr: ir.Value, off: ir.Value, dtype: np.dtype, lanes: int,
              mask: ir.Value | None = None) -> ir.Value:
     """Load `lanes` elements (1: a scalar) of dtype at ptr[off]; masked lanes read as 0."""
@@ -149,8 +136,7 @@ def store_raw(b: ir.IRBuilder, ptr: ir.Value, off: ir.Value, value: ir.Value,
         st = b.store(value, p)
         st.align = dt.itemsize
         return
-    fn = _masked_fn(b, "store", value.type, store=True)
-    b.call(fn, [value, p, ir.Constant(I32, dt.itemsize), mask])
+    emit.masked_store(b, value, p, mask, dt.itemsize)
 
 
 def load_tv(b: ir.IRBuilder, ptr: ir.Value, off: ir.Value, dtype: np.dtype, lanes: int,

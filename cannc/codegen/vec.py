@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import llvmlite.ir as ir
 
-from ..native.emit import F32, I1, I8, I32, I64, PTR, VOID, i32, i64, masked_load
+from ..native.emit import F32, I1, I8, I32, I64, PTR, VOID, i32, i64, masked_load, masked_store
 from ..native.target import host
 
 W = 16  # lanes
@@ -103,8 +103,7 @@ class VecBuilder:
         return masked_load(self.b, ptr, mask, self.zero_v if passthru is None else passthru, 4)
 
     def mstore(self, val: ir.Value, ptr: ir.Value, mask: ir.Value) -> None:
-        f = self.intr("llvm.masked.store.v16f32.p0", VOID, [VF, PTR, I32, VM])
-        self.b.call(f, [val, ptr, i32(4), mask])
+        masked_store(self.b, val, ptr, mask, 4)
 
     def load_v(self, ptr: ir.Value, mask: ir.Value | None = None,
                passthru: ir.Value | None = None) -> ir.Value:
