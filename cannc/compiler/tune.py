@@ -270,8 +270,8 @@ def tune_gemm(sig: dict[str, Any], threads: int, deadline: float,
             progress("combining the two best")
             res["candidates"] += 1
             trial({**a, **b})
-    if not base_times:
-        res["default_us"] = measure_pair(bench, base, base, rounds=3)[0]
+    if not base_times:   # no candidate measured in the budget: the default stays
+        res["default_us"] = res["best_us"] = measure_pair(bench, base, base, rounds=3)[0]
         return res
     res["default_us"] = float(np.median(base_times))
     speedup, tun, tb, tc = max(wins, key=lambda w: w[0])
