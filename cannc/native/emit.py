@@ -8,6 +8,8 @@ from contextlib import contextmanager
 import llvmlite.ir as ir
 import numpy as np
 
+from .target import host
+
 I1 = ir.IntType(1)
 I8 = ir.IntType(8)
 I16 = ir.IntType(16)
@@ -345,14 +347,18 @@ def const_lanes(v: ir.Value, depth: int = 0) -> list[int | None] | None:
     return None
 
 
-_AVX512: list[bool] = []
-
-
 def _target_has_avx512() -> bool:
-    if not _AVX512:
-        from .target import host
-        _AVX512.append(host().has("avx512f"))
-    return _AVX512[0]
+    return host().has("avx512f")     # (read each time: tests swap the host target)
+
+
+def _layout(vt: ir.VectorType, mask: ir.Value,
+            align: int | None) -> tuple[int, int, int, list[int | None]]:
+    """(lanes, element bits, alignment: the element size by default, the mask's lanes
+    known at compile time) of a masked access of type vt."""
+    n = vt.count
+    ebits = vt.element.width if isinstance(vt.element, ir.IntType) else \
+        {"float": 32, "double": 64, "half": 16, "bfloat": 16}[str(vt.element)]
+    return n, ebits, align or ebits // 8, const_lanes(mask) or [None] * n
 
 
 def _lanes(b: ir.IRBuilder, v: ir.Value, lo: int, n: int) -> ir.Value:
@@ -365,12 +371,7 @@ def masked_load(b: ir.IRBuilder, ptr: ir.Value, mask: ir.Value, passthru: ir.Val
     not read and take ``passthru``'s), emitted so that LLVM's x86 lowering gets it right
     (see above). ``align`` defaults to the element size."""
     vt = passthru.type
-    n = vt.count
-    ebits = vt.element.width if isinstance(vt.element, ir.IntType) else \
-        {"float": 32, "double": 64, "half": 16, "bfloat": 16}[str(vt.element)]
-    if align is None:
-        align = ebits // 8
-    known = const_lanes(mask) or [None] * n
+    n, ebits, align, known = _layout(vt, mask, align)
     if all(k == 0 for k in known):
         return passthru
     if all(k == 1 for k in known):
@@ -400,13 +401,8 @@ def masked_load(b: ir.IRBuilder, ptr: ir.Value, mask: ir.Value, passthru: ir.Val
 
 def _masked_load_call(b: ir.IRBuilder, ptr: ir.Value, mask: ir.Value, passthru: ir.Value,
                       align: int) -> ir.Value:
-    vt = passthru.type
-    name = f"llvm.masked.load.{mangle(vt)}.p0"
-    module = b.block.parent.module
-    fn = module.globals.get(name)
-    if fn is None:
-        fn = ir.Function(module, ir.FunctionType(vt, [PTR, I32, mask.type, vt]), name=name)
-    return b.call(fn, [ptr, ir.Constant(I32, align), mask, passthru])
+    return call_intrinsic(b, "llvm.masked.load", [ptr, ir.Constant(I32, align), mask, passthru],
+                          passthru.type, overload=[passthru.type, PTR])
 
 
 # ---------------------------------------------------------------------------
@@ -426,12 +422,7 @@ def masked_store(b: ir.IRBuilder, val: ir.Value, ptr: ir.Value, mask: ir.Value,
     true at run time takes a plain store. Leaves ``b`` in a new block on that path (a
     caller that adds phi incomings afterwards must name ``b.block``, not an older one)."""
     vt = val.type
-    n = vt.count
-    ebits = vt.element.width if isinstance(vt.element, ir.IntType) else \
-        {"float": 32, "double": 64, "half": 16, "bfloat": 16}[str(vt.element)]
-    if align is None:
-        align = ebits // 8
-    known = const_lanes(mask) or [None] * n
+    n, _, align, known = _layout(vt, mask, align)
     if all(k == 0 for k in known):
         return
     if all(k == 1 for k in known):
@@ -451,10 +442,5 @@ def masked_store(b: ir.IRBuilder, val: ir.Value, ptr: ir.Value, mask: ir.Value,
 
 def _masked_store_call(b: ir.IRBuilder, val: ir.Value, ptr: ir.Value, mask: ir.Value,
                        align: int) -> None:
-    vt = val.type
-    name = f"llvm.masked.store.{mangle(vt)}.p0"
-    module = b.block.parent.module
-    fn = module.globals.get(name)
-    if fn is None:
-        fn = ir.Function(module, ir.FunctionType(VOID, [vt, PTR, I32, mask.type]), name=name)
-    b.call(fn, [val, ptr, ir.Constant(I32, align), mask])
+    call_intrinsic(b, "llvm.masked.store", [val, ptr, ir.Constant(I32, align), mask], VOID,
+                   overload=[val.type, PTR])
