@@ -139,9 +139,16 @@ _FMA_512_TWO = ("skylake-avx512", "cascadelake", "cooperlake", "icelake-server",
                 "sapphirerapids", "emeraldrapids", "graniterapids", "znver5")
 
 
+# AVX2 cores whose FMA pipes are 128 bits wide (Zen 1, family 23 models 0x00-0x2f:
+# a ymm FMA is cracked into two halves)
+_FMA_128_TWO = ("znver1",)
+
+
 def _fma_units(cpu: str, vector_bits: int) -> int:
     if vector_bits >= 512:
         return 2 if cpu.startswith(_FMA_512_TWO) else 1   # Zen 4: 2x256-bit = 1 zmm
+    if cpu in _FMA_128_TWO:
+        return 1          # two 128-bit FMA pipes: one 256-bit FMA a cycle
     return 2
 
 
