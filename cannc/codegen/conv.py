@@ -891,9 +891,10 @@ class _ConvGen:
 
 
     def versioned_segment(self, segment, accs, a_base, a_ks, b_base, b_ks, kc, bmasks):
-        """AVX2: the k loop of a segment twice, with plain loads when every mask of the
-        segment is all true at run time (the common interior tile) and with masked loads
-        otherwise. The masks do not change along k, so the test is made once; a
+        """AVX2: the k loop of a segment twice, with plain loads (ANDed with the masks)
+        when all its addresses lie inside X's block, or when no extent is known, when every
+        mask is all true; with masked loads otherwise. The masks do not change along k,
+        so the test is made once; a
         vmaskmovps load halves the FMA rate of the loop on Zen 1 (two 128-bit halves)."""
         b = self.v.b
         extent = getattr(self, "x_extent", None)
