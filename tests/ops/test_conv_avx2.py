@@ -1,0 +1,75 @@
+"""Conv, depthwise and pooling kernels generated for AVX2, run on an AVX-512 host.
+
+The AVX2 kernels differ from the AVX-512 ones in more than width: micro-tiles sized
+for 16 ymm registers, masks wider than 256 bits split, a masked store that takes a
+plain store when its mask is all true, and the direct conv's k loop versioned per tap
+(plain loads ANDed with the mask when the tap's addresses lie inside X's block --
+interior tiles -- masked loads at the block's edges). A session on an AVX-512 machine
+would never run that code: here the host target's features are restricted as
+``CANNC_ISA=avx2`` does (the object cache is keyed by them) and a cross-section of the
+conv and pool cases is compared with onnxruntime. On an AVX2-only host test_conv.py
+already runs these kernels, so this module skips.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cannc.native import target
+from tests.helpers import check_op
+from tests.ops.test_conv import (
+    CONV_CASES,
+    POOL_CASES,
+    TOL,
+    _case_id,
+    conv_inputs,
+    rnd,
+)
+
+
+@pytest.fixture(autouse=True)
+def avx2_host(monkeypatch):
+    h = target.host()
+    if not h.has("avx512f"):
+        pytest.skip("the host is AVX2 only: test_conv.py runs the AVX2 kernels")
+    if not h.has("avx2") or not h.has("fma"):
+        pytest.skip("the host lacks AVX2/FMA")
+    monkeypatch.setattr(target, "_host", dataclasses.replace(
+        h, features=target.restrict_isa(h.features, "avx2")))
+    assert not target.host().has("avx512f")
+
+
+# direct convs whose taps cross X's edges at every border (pads on all sides, rows
+# that are not a multiple of the 16-pixel vector), an im2col and a swapped one, the
+# depthwise window kernels, 1-D and 3-D
+AVX2_CONV = [c for i, c in enumerate(CONV_CASES) if i % 3 == 0] + [
+    ((1, 16, 19, 21), (24, 16, 3, 3), dict(pads=[1, 1, 1, 1])),
+    ((2, 8, 33, 17), (12, 8, 5, 5), dict(pads=[2, 2, 2, 2])),
+    ((1, 32, 14, 14), (32, 1, 3, 3), dict(group=32, pads=[1, 1, 1, 1])),
+]
+
+
+@pytest.mark.parametrize("xs,ws,attrs", AVX2_CONV, ids=[_case_id(c) for c in AVX2_CONV])
+def test_conv_avx2(xs, ws, attrs):
+    check_op("Conv", conv_inputs(xs, ws), const_inputs=(1, 2), **TOL, **attrs)
+
+
+@pytest.mark.parametrize("xs,ws,attrs", [
+    ((2, 8, 9, 11), (10, 8, 3, 3), dict(pads=[1, 1, 1, 1])),
+    ((1, 6, 9, 10), (6, 1, 3, 3), dict(group=6, pads=[1, 0, 1, 2])),
+])
+def test_conv_runtime_weights_avx2(xs, ws, attrs):
+    check_op("Conv", conv_inputs(xs, ws), const_inputs=(), **TOL, **attrs)
+
+
+AVX2_POOL = [c for i, c in enumerate(POOL_CASES) if i % 2 == 0]
+
+
+@pytest.mark.parametrize("op,xs,attrs", AVX2_POOL,
+                         ids=[f"{o}-{'x'.join(map(str, s))}-"
+                              + ",".join(f"{k}={v}" for k, v in a.items())
+                              for o, s, a in AVX2_POOL])
+def test_pool_avx2(op, xs, attrs):
+    check_op(op, [rnd(*xs)], **TOL, **attrs)
