@@ -1,17 +1,23 @@
-"""The zoo side by side with onnxruntime: every model at 1 and 2 threads, batch 1 and 8.
+"""The zoo side by side with onnxruntime and OpenVINO: every model at 1 and 2 threads,
+batch 1 and 8.
 
     python benchmarks/run_zoo.py [--models mlp bert ...] [--onnx A.onnx B.onnx]
                                  [--cores 1 2] [--batch 1 8] [--seq 128]
+                                 [--engines ort cannc openvino]
                                  [--runs 30] [--no-gemm] [--out benchmarks/results/zoo.json]
 
 Each engine runs in its own process (cannc.sidebyside.bench: cannc alone, onnxruntime
-with its own defaults -- ORT_ENABLE_ALL, the same thread count, spinning on), one after
-the other on the same inputs: in one process ORT's pool threads spin after each run and
-steal the second core from whichever session runs next. Medians, spreads and the ratio
-cannc/onnxruntime (< 1: cannc is faster) are printed and written as JSON with the CPU
-model, plus the geometric mean of the ratios per thread count; every output is compared
-with onnxruntime's. ``--onnx`` adds models from files (e.g. PyTorch exports; symbolic
-dims named batch/seq take --batch/--seq).
+with its own defaults -- ORT_ENABLE_ALL, the same thread count, spinning on -- and
+OpenVINO's CPU plugin when it is importable: fp32 inference precision, the latency hint,
+one stream, the same thread count, reshaped to the static shapes), one after the other
+on the same inputs: in one process ORT's pool threads spin after each run and steal the
+second core from whichever session runs next. Medians, spreads and the ratios
+cannc/onnxruntime and cannc/OpenVINO (< 1: cannc is faster) are printed and written as
+JSON with the CPU model, plus the geometric mean of the ratios per thread count; every
+output is compared with onnxruntime's. OpenVINO is a benchmark rival, never a cannc
+dependency (`pip install openvino`); without it its column is empty. ``--onnx`` adds
+models from files (e.g. PyTorch exports; symbolic dims named batch/seq take
+--batch/--seq).
 Last, a 1024^3 fp32 MatMul with a constant B, compiled by cannc and run on one
 core, against the machine's measured fp32 peak and onnxruntime's MatMul.
 The machines are shared: compare ratios, not absolute times, and repeat noisy runs.
@@ -85,11 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", nargs="*", type=int, default=[1, 8])
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--engines", nargs="*", default=["ort", "cannc", "openvino"],
+                    help="engines to time (ORT CPU always runs: it is the reference)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "zoo.json"))
     args = ap.parse_args(argv)
     rows = []
-    print(f"{'model':<12} {'batch':>5} {'cores':>5} {'cannc ms':>9} {'ort ms':>9} {'ratio':>6}"
-          f"  {'compile s':>9} {'1st run s':>9}")
+    engines = ["ort"] + [e for e in dict.fromkeys(args.engines) if e != "ort"]
+    print(f"{'model':<12} {'batch':>5} {'cores':>5} {'cannc ms':>9} {'ort ms':>9} {'ov ms':>9}"
+          f" {'c/ort':>6} {'c/ov':>6}  {'compile s':>9} {'1st run s':>9}")
     models = [(name, zoo.build(name)) for name in args.models]
     models += [(Path(p).stem, onnx.load(p)) for p in args.onnx]
     import tempfile
@@ -102,9 +111,10 @@ def main(argv: list[str] | None = None) -> int:
             for batch in args.batch:
                 feeds = zoo.example_inputs(model, batch=batch, seq=args.seq)
                 r = bench(str(path), feeds, threads=cores, warmup=args.warmup,
-                          runs=args.runs, engines=("ort", "cannc"), errors="record",
+                          runs=args.runs, engines=engines, errors="record",
                           workdir=str(tmp))
                 c, o = r["engines"].get("cannc", {}), r["engines"].get("ort", {})
+                v = r["engines"].get("openvino", {})
                 if "median_ms" not in c or "median_ms" not in o:
                     print(f"{name:<12} {batch:>5} {cores:>5} failed: "
                           f"{r.get('failed')}", flush=True)
@@ -113,21 +123,38 @@ def main(argv: list[str] | None = None) -> int:
                              "shapes": {k: list(v.shape) for k, v in feeds.items()},
                              "cannc": c, "ort": o, "ratio": r["ratios"]["cannc"],
                              "outputs_agree": r.get("outputs_agree"),
+                             "outputs": r.get("outputs"),
                              "compile_s": c.get("build_s"), "first_run_s": c.get("first_run_s")})
+                if "median_ms" in v:
+                    rows[-1]["openvino"] = v
+                    rows[-1]["ratio_openvino"] = c["median_ms"] / v["median_ms"]
+                elif "openvino" in engines:
+                    rows[-1]["openvino_missing"] = (r["skipped"].get("openvino")
+                                                    or r["failed"].get("openvino"))
+                ov_ms = f"{v['median_ms']:9.3f}" if "median_ms" in v else f"{'-':>9}"
+                ov_r = (f"{rows[-1]['ratio_openvino']:6.3f}" if "ratio_openvino" in rows[-1]
+                        else f"{'-':>6}")
                 print(f"{name:<12} {batch:>5} {cores:>5} {c['median_ms']:9.3f} "
-                      f"{o['median_ms']:9.3f} {rows[-1]['ratio']:6.3f}  "
+                      f"{o['median_ms']:9.3f} {ov_ms} {rows[-1]['ratio']:6.3f} {ov_r}  "
                       f"{c.get('build_s') or 0:9.2f} {c.get('first_run_s') or 0:9.2f}",
                       flush=True)
-    geo = {}
+    geo: dict[str, float] = {}
+    geo_ov: dict[str, float] = {}
     for cores in args.cores:
         rs = [r["ratio"] for r in rows if r["cores"] == cores]
         if rs:
             geo[str(cores)] = math.exp(sum(math.log(x) for x in rs) / len(rs))
             print(f"geomean ratio cannc/ort at {cores} thread(s): {geo[str(cores)]:.3f}")
+        rs = [r["ratio_openvino"] for r in rows if r["cores"] == cores and "ratio_openvino" in r]
+        if rs:
+            geo_ov[str(cores)] = math.exp(sum(math.log(x) for x in rs) / len(rs))
+            print(f"geomean ratio cannc/openvino at {cores} thread(s) ({len(rs)} rows): "
+                  f"{geo_ov[str(cores)]:.3f}")
     gemm = None if args.no_gemm else gemm_figure(args.runs)
     out = {"machine": platform.processor() or platform.machine(), "cpu_model": model_name(),
            "engines": "each in its own process",
-           "cannc": cannc.__version__, "rows": rows, "geomean_ratio": geo, "gemm": gemm,
+           "cannc": cannc.__version__, "rows": rows, "geomean_ratio": geo,
+           "geomean_ratio_openvino": geo_ov, "gemm": gemm,
            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
