@@ -164,13 +164,22 @@ def _openvino(model: str, threads: int, precision: str, options: dict[str, Any],
     import openvino as ov
     core = ov.Core()
     m = core.read_model(model)
-    m.reshape({i.get_any_name(): list(feeds[i.get_any_name()].shape) for i in m.inputs
-               if i.get_any_name() in feeds})
+
+    def feed_name(port: Any) -> str | None:
+        # a port has every name of its tensor (an input that feeds a Reshape may
+        # answer get_any_name() with the Reshape's output): the one the feeds use
+        names = sorted(n for n in port.get_names() if n in feeds)
+        return names[0] if names else None
+
+    m.reshape({n: list(feeds[n].shape) for n in map(feed_name, m.inputs) if n is not None})
     cfg = {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY",
            "NUM_STREAMS": 1, "INFERENCE_PRECISION_HINT": OV_HINT[precision]}
     c = core.compile_model(m, "CPU", cfg)
     req = c.create_infer_request()
-    inputs = {i.get_any_name(): feeds[i.get_any_name()] for i in c.inputs}
+    missing = [i.get_any_name() for i in c.inputs if feed_name(i) is None]
+    if missing:
+        raise CanncError(f"OpenVINO's inputs {missing} are not among the feeds {sorted(feeds)}")
+    inputs = {feed_name(i): feeds[feed_name(i)] for i in c.inputs}
     ports = list(c.outputs)
     names = [p.get_any_name() for p in ports]
 
