@@ -48,6 +48,7 @@ from .runtime.stream import Event, is_pinned
 # Compiled specialisations kept per session for models with value-deciding inputs (one per
 # distinct value; the least recently used goes beyond this).
 MAX_VALUE_PROGRAMS = 32
+MAX_ACCEPTED_SHAPES = 64   # input shape sets whose full check _check_inputs remembers
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,9 @@ class Session:
         # and they become constants of the specialisation; every other input stays a
         # runtime input of native code (cannc.compiler.shapes.value_deciding_inputs)
         self._value_inputs: tuple[str, ...] = value_deciding_inputs(self.graph)
+        # input shapes (tuples per input) a full check has accepted, and the dtypes
+        self._accepted: set[tuple] = set()
+        self._in_dtypes = [np.dtype(self.graph.values[n].dtype) for n in self.graph.inputs]
         self._last_values: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
         self._pipe: dict[str, Any] | None = None
@@ -376,6 +380,10 @@ class Session:
         return self._program(key)
 
     def _program(self, key: tuple, feeds: dict[str, np.ndarray] | None = None) -> Program:
+        if not self._value_inputs:
+            prog = self._programs.get(key)   # (a dict read needs no lock)
+            if prog is not None:
+                return prog
         values = {n: feeds[n] for n in self._value_inputs} if feeds is not None else {}
         full = key + self._value_key(values)
         with self._lock:
@@ -443,6 +451,26 @@ class Session:
 
     # -- input checking: nothing unchecked reaches native code -------------------------
     def _check_inputs(self, feed: dict[str, Any]) -> tuple[dict[str, np.ndarray], tuple]:
+        # the common case first: ndarrays of the right dtypes, in shapes a run has
+        # already accepted (the full check below has passed them once)
+        if type(feed) is dict and len(feed) == len(self._in_dtypes):
+            try:
+                arrs = [feed[n] for n in self.graph.inputs]
+            except KeyError:
+                arrs = None
+            if arrs is not None and all(type(a) is np.ndarray and a.dtype == dt
+                                        for a, dt in zip(arrs, self._in_dtypes)):
+                key = tuple(a.shape for a in arrs)
+                if key in self._accepted:
+                    return dict(zip(self.graph.inputs, arrs)), key
+        feeds, key = self._check_inputs_full(feed)
+        if all(type(feeds[n]) is np.ndarray and feeds[n] is feed[n] for n in feeds):
+            if len(self._accepted) >= MAX_ACCEPTED_SHAPES:
+                self._accepted.clear()
+            self._accepted.add(key)
+        return feeds, key
+
+    def _check_inputs_full(self, feed: dict[str, Any]) -> tuple[dict[str, np.ndarray], tuple]:
         if not isinstance(feed, dict):
             raise InputError(f"inputs must be a dict name -> array, got {type(feed).__name__}")
         expected = self.graph.inputs

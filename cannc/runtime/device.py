@@ -93,13 +93,15 @@ class _Pool:
         self.closed = False
 
     def post(self, run: int, sched: int, nk: int, ncores: int, counters: int, ws: int,
-             stride: int, times: int | None, keep: Any) -> None:
+             stride: int, times: int | None, keep: Any) -> int:
+        """Post a launch to the workers; its id (see finished)."""
         with self._lock:
             if self.closed:
                 raise RuntimeError("the device is closed")
             # waits (natively) until every worker is done with the launch this slot held
             self._post(self.base, run, sched, nk, ncores, counters, ws, stride, times)
             self._keep[self._posted % dispatch.POOL_RING] = keep
+            launch = self._posted
             self._posted += 1
             # drop what launches every worker has finished held (a closed session's
             # memory is not kept for a whole turn of the ring)
@@ -107,9 +109,16 @@ class _Pool:
             while self._released < done:
                 self._keep[self._released % dispatch.POOL_RING] = None
                 self._released += 1
+            return launch
 
     def launches_done(self, core: int) -> int:
         return int(self.mem[dispatch.POOL_LINES + 8 * core])
+
+    def finished(self, launch: int) -> bool:
+        """Every worker has finished launch `launch` (an id post returned) and reads
+        nothing of it any more."""
+        m, first = self.mem, dispatch.POOL_LINES
+        return all(int(m[first + 8 * c]) > launch for c in range(1, self.cores))
 
     def close(self) -> None:
         with self._lock:
@@ -192,12 +201,20 @@ class Device:
         return aligned_empty(max(n, 1), zero=False)[:n].view(dt).reshape(shp)
 
     def launch(self, run: int, sched: int, nk: int, ncores: int, counters: int, ws: int,
-               stride: int, times: int | None, keep: Any) -> None:
+               stride: int, times: int | None, keep: Any) -> int | None:
         """Post `run(sched, nk, c, ncores, counters, ws, stride, times)` (the dispatcher's
         entry point) to every worker core c in 1..ncores-1; core 0 is the caller's. `keep`
-        holds what the launch's pointers point into until no worker can read it again."""
+        holds what the launch's pointers point into until no worker can read it again.
+        Returns the launch's id (None when there are no workers): see launch_finished."""
         if self._pool is not None and ncores > 1:
-            self._pool.post(run, sched, nk, ncores, counters, ws, stride, times, keep)
+            return self._pool.post(run, sched, nk, ncores, counters, ws, stride, times, keep)
+        return None
+
+    def launch_finished(self, launch: int) -> bool:
+        """Every worker has finished launch `launch` (an id launch returned): the memory
+        its pointers point into may be reused."""
+        pool = self._pool
+        return pool is None or pool.finished(launch)
 
     def launches_done(self, core: int) -> int:
         """Launches worker `core` has finished (tests, diagnostics)."""

@@ -28,6 +28,7 @@ from . import dispatch
 from .device import Device
 
 MAX_CONTEXTS = 8
+COUNTER_SLOTS = 4   # launch counter sets per context (see Context.counters)
 
 
 @dataclass
@@ -41,6 +42,17 @@ class Context:
     busy: bool = False
     inputs: dict[str, np.ndarray] = field(default_factory=dict)
     outputs: list[np.ndarray] = field(default_factory=list)
+    # addresses looked up once (each .ctypes.data costs about a microsecond)
+    sched_addr: int = 0
+    ws_addr: int = 0
+    # the launch counters, COUNTER_SLOTS sets of them: a set is reused once every worker
+    # has finished the launch that last used it (a late core still walking that launch
+    # reads only its finished counters), else a launch takes fresh ones
+    counters: np.ndarray | None = None
+    counter_addrs: list[int] = field(default_factory=list)
+    counter_offs: list[int] = field(default_factory=list)     # in words, into counters
+    counter_launch: list[int] = field(default_factory=list)   # device launch id, -1: free
+    counter_next: int = 0
 
 
 @dataclass
@@ -154,9 +166,19 @@ class Program:
             sched[r:r + 4] = [self._fn[i], table.ctypes.data + pos * 8, k.num_tiles, flags]
             pos += len(vals) + len(k.dims)
         g = self.spec.graph
+        words = align_up((len(kernels) * dispatch.COUNTER_WORDS + 16) * 8, 64) // 8
+        counters = np.zeros(COUNTER_SLOTS * words + 8, np.int64)
+        base = counters.ctypes.data
+        c0 = (base + 63) // 64 * 64
         return Context(arena, ws, table, sched,
                        inputs={v: self._view(arena, v) for v in g.inputs},
-                       outputs=[self._view(arena, o) for o in g.outputs])
+                       outputs=[self._view(arena, o) for o in g.outputs],
+                       sched_addr=sched.ctypes.data, ws_addr=ws.ctypes.data,
+                       counters=counters,
+                       counter_addrs=[c0 + i * words * 8 for i in range(COUNTER_SLOTS)],
+                       counter_offs=[(c0 - base) // 8 + i * words
+                                     for i in range(COUNTER_SLOTS)],
+                       counter_launch=[-1] * COUNTER_SLOTS)
 
     def acquire(self) -> Context:
         """A free execution context (a new one while fewer than MAX_CONTEXTS exist)."""
@@ -227,21 +249,20 @@ class Program:
         if nk == 0:
             return lambda: None
         ncores = self.device.cores
-        sched = ctx.sched.ctypes.data
-        # fresh claim/done counters (and gate) per launch: a late core still walking an
-        # earlier launch only ever sees that launch's (finished) counters
-        counters = np.zeros(nk * dispatch.COUNTER_WORDS + 16, np.int64)
-        cptr = (counters.ctypes.data + 63) // 64 * 64
-        ws = ctx.workspace.ctypes.data
-        stride = self.ws_stride
+        sched, ws, stride = ctx.sched_addr, ctx.ws_addr, self.ws_stride
+        # claim/done counters (and gate) that no core reads any more: a late core still
+        # walking an earlier launch only ever sees that launch's (finished) counters
+        counters, cptr, slot = self._counters(ctx, nk, ncores)
         tptr = None
         if times is not None:
             times.cycles = np.zeros((nk, ncores, dispatch.PROFILE_WORDS), np.int64)
             tptr = times.cycles.ctypes.data
         run = self._run
         if ncores > 1:
-            self.device.launch(self._run_addr, sched, nk, ncores, cptr, ws, stride, tptr,
-                               (self, ctx, counters, times))
+            launch = self.device.launch(self._run_addr, sched, nk, ncores, cptr, ws, stride,
+                                        tptr, (self, ctx, counters, times))
+            if slot is not None:
+                ctx.counter_launch[slot] = -1 if launch is None else launch
 
         def core0() -> None:
             if times is not None:
@@ -253,6 +274,24 @@ class Program:
         core0.keep = (self, ctx, counters, times)  # type: ignore[attr-defined]
 
         return core0
+
+    def _counters(self, ctx: Context, nk: int, ncores: int
+                  ) -> tuple[np.ndarray | None, int, int | None]:
+        """(what keeps them alive, their address, the context's slot or None) of zeroed
+        launch counters: a slot of the context whose last launch every worker has
+        finished (on one core: any, the launch is over when the call returns), else a
+        fresh set."""
+        n = nk * dispatch.COUNTER_WORDS + 16
+        i = ctx.counter_next
+        last = ctx.counter_launch[i]
+        if ncores == 1 or last < 0 or self.device.launch_finished(last):
+            ctx.counter_next = (i + 1) % COUNTER_SLOTS
+            off = ctx.counter_offs[i]
+            ctx.counters[off:off + n] = 0
+            ctx.counter_launch[i] = -1
+            return None, ctx.counter_addrs[i], i
+        counters = np.zeros(n, np.int64)
+        return counters, (counters.ctypes.data + 63) // 64 * 64, None
 
     def cycles(self) -> int:
         return int(self._cycles())

@@ -160,3 +160,57 @@ def test_run_async_streams_end_with_their_session():
             break
         threading.Event().wait(0.02)
     assert threading.active_count() <= before + 3
+
+
+def test_checked_shapes_fast_path_still_refuses_bad_inputs(mlp):
+    """A run remembers input shapes a full check accepted; what differs in dtype, shape,
+    names or type still takes the full check and its errors."""
+    sess, feeds, ref = mlp
+    x = feeds["x"]
+    assert np.array_equal(sess.run(None, {"x": x})[0], ref[0])
+    assert ((4, 256),) in sess._accepted
+    bad = [({"x": x.astype(np.float64)}, "dtype float64"),
+           ({"x": x[:, :255]}, "shape \\(4, 255\\)"),
+           ({"x": x, "y": x}, "unknown input name"),
+           ({"y": x}, "missing input"),
+           ({"x": x.reshape(4, 16, 16)}, "rank 3")]
+    for feed, msg in bad:
+        with pytest.raises(cannc.InputError, match=msg):
+            sess.run(None, feed)
+    # a strided view of an accepted shape takes the fast path and is read correctly
+    wide = np.zeros((4, 512), np.float32)
+    wide[:, ::2] = x
+    assert np.array_equal(sess.run(None, {"x": wide[:, ::2]})[0], ref[0])
+    # an ndarray subclass takes the full check and is not remembered
+    class Sub(np.ndarray):
+        pass
+
+    sess._accepted.clear()
+    assert np.array_equal(sess.run(None, {"x": x.view(Sub)})[0], ref[0])
+    assert not sess._accepted
+
+
+def test_launch_counters_reused_only_when_every_worker_is_done(mlp):
+    sess, feeds, ref = mlp
+    prog = sess.programs[((4, 256),)]
+    ctx = prog.acquire()
+    try:
+        nk = len(prog.kernels)
+        held, cptr, slot = prog._counters(ctx, nk, prog.device.cores)
+        assert held is None and cptr in ctx.counter_addrs and slot is not None
+        off = ctx.counter_offs[slot]
+        assert not ctx.counters[off:off + nk * 8 + 16].any()
+        # a slot whose launch a worker may still walk is not reused: fresh counters
+        ctx.counter_launch = [1 << 60] * len(ctx.counter_launch)
+        held, cptr2, slot2 = prog._counters(ctx, nk, 2)
+        assert held is not None and slot2 is None and cptr2 not in ctx.counter_addrs
+        assert cptr2 % 64 == 0 and not held.any()
+        # on one core the launch is over when the call returns: always reused
+        held, cptr3, slot3 = prog._counters(ctx, nk, 1)
+        assert held is None and slot3 is not None
+        ctx.counter_launch = [-1] * len(ctx.counter_launch)
+    finally:
+        prog.release(ctx)
+    for _ in range(3 * len(ctx.counter_addrs)):
+        assert np.array_equal(sess.run(None, feeds)[0], ref[0])
+    assert all(launch >= 0 for launch in ctx.counter_launch) or prog.device.cores == 1
