@@ -95,6 +95,7 @@ from ..native.emit import (
     masked_store,
 )
 from ..native.target import host
+from ..schedule.machine import gemm_micro_rows, l2_b_block
 from ..schedule.split import cdiv as _cdiv
 from ..schedule.split import gemm_groups as _groups
 from ..schedule.split import rup as _rup
@@ -138,7 +139,6 @@ KC_MAX = 2048  # the K block of a (not packed) A
 FEW_ROWS_KC = 256
 FEW_ROWS = 16  # rows up to which the dynamic kernel's tiles split only the columns
 SMALL_M = 12  # rows up to which a B that is not prepacked is read in place
-L2_B_BLOCK = 192 << 10  # bytes of B a K x N block keeps in L2 (L2: 1 MiB per core)
 STRIP_NC = 384  # a multiple of the widths of all strip micro-kernels (128, 96, 64, 32)
 
 Epilogue = Callable[[ir.IRBuilder, ir.Value, ir.Value, ir.Value], ir.Value]
@@ -303,7 +303,7 @@ class GemmPlan:
 
 def _nc_for(KC: int, NR: int) -> int:
     """The N block: the KC x NC block of B stays in L2 (a multiple of NR)."""
-    return max(NR, (L2_B_BLOCK // (4 * KC)) // NR * NR)
+    return max(NR, (l2_b_block() // (4 * KC)) // NR * NR)
 
 
 def _nv_for(rows: int, N: int, b_mode: str, isa: str = "avx512") -> int:
@@ -576,7 +576,8 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
         assert 1 <= NR <= 16 and 1 <= MR
         NV = 1
     else:
-        MR = 6 if M > (6 if avx2 else 8) or spec.dyn else M
+        many = 6 if avx2 else gemm_micro_rows()
+        MR = many if M > (6 if avx2 else 8) or spec.dyn else M
         NV = _nv_for(MR, N, b_mode, isa)
         MR = tun.get("MR", MR)
         NV = tun.get("NV", NV)

@@ -38,6 +38,7 @@ from cannc.codegen.gemm import (
 from cannc.codegen.vec import declare
 from cannc.native import emit
 from cannc.native.target import KernelFunction, jit_kernel, jit_library
+from cannc.schedule.machine import gemm_micro_rows, l2_b_block
 from tests.helpers import aligned, run_splits
 
 # ---------------------------------------------------------------------------
@@ -689,7 +690,9 @@ def test_dynamic_plan_and_grid():
     spec = GemmSpec(1, 1024, 1024, b_prepacked=True)
     dspec = dynamic_spec(spec)
     p = gemm_plan(dspec)
-    assert p.strips and p.mt == 0 and (p.MR, p.NR) == (6, 32 if host_isa() == "avx512" else 16)
+    avx512 = host_isa() == "avx512"
+    assert p.strips and p.mt == 0
+    assert (p.MR, p.NR) == ((gemm_micro_rows(), 32) if avx512 else (6, 16))
     # the grid and KC for these M are the static plan's
     for M in (1, 3, 1024):
         st = gemm_plan(dataclasses.replace(spec, M=M))
@@ -777,3 +780,15 @@ def test_avx2_dynamic_and_code(avx2_host):
         stack[block] = stack.get(block, 0) + ("(%rsp)" in line)
     loops = [b for b, n in fmas.items() if n >= 12]
     assert loops and all(stack[b] == 0 for b in loops), (fmas, stack)
+
+
+def test_micro_kernel_rows_and_l2_block_follow_the_cpu():
+    """8 x 32 tiles on Intel's AVX-512 server cores, 6 x 32 elsewhere; the B block
+    scales with the L2 (never below the 1 MiB-L2 figure)."""
+    assert gemm_micro_rows("emeraldrapids") == gemm_micro_rows("skylake-avx512") == 8
+    assert gemm_micro_rows("znver4") == gemm_micro_rows("znver5") == 6
+    assert l2_b_block() >= 192 << 10
+    p = gemm_plan(GemmSpec(512, 768, 768, b_prepacked=True))
+    if host_isa() == "avx512":
+        assert p.MR == gemm_micro_rows()
+        assert p.NC == max(32, l2_b_block() // (4 * p.KC) // 32 * 32)
