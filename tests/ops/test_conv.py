@@ -245,10 +245,12 @@ POOL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("op,xs,attrs", POOL_CASES,
-                         ids=[f"{o}-{'x'.join(map(str, s))}-"
-                              + ",".join(f"{k}={v}" for k, v in a.items())
-                              for o, s, a in POOL_CASES])
+def _pool_id(c):
+    op, xs, at = c
+    return f"{op}-{'x'.join(map(str, xs))}-" + ",".join(f"{k}={v}" for k, v in at.items())
+
+
+@pytest.mark.parametrize("op,xs,attrs", POOL_CASES, ids=[_pool_id(c) for c in POOL_CASES])
 def test_pool(op, xs, attrs):
     check_op(op, [rnd(*xs)], **TOL, **attrs)
 

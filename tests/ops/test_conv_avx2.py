@@ -24,6 +24,7 @@ from tests.ops.test_conv import (
     POOL_CASES,
     TOL,
     _case_id,
+    _pool_id,
     conv_inputs,
     rnd,
 )
@@ -67,9 +68,6 @@ def test_conv_runtime_weights_avx2(xs, ws, attrs):
 AVX2_POOL = [c for i, c in enumerate(POOL_CASES) if i % 2 == 0]
 
 
-@pytest.mark.parametrize("op,xs,attrs", AVX2_POOL,
-                         ids=[f"{o}-{'x'.join(map(str, s))}-"
-                              + ",".join(f"{k}={v}" for k, v in a.items())
-                              for o, s, a in AVX2_POOL])
+@pytest.mark.parametrize("op,xs,attrs", AVX2_POOL, ids=[_pool_id(c) for c in AVX2_POOL])
 def test_pool_avx2(op, xs, attrs):
     check_op(op, [rnd(*xs)], **TOL, **attrs)
