@@ -40,22 +40,9 @@ import onnx
 
 import cannc
 from cannc.native.target import host
-from cannc.schedule.machine import model_name
+from cannc.schedule.machine import family_model, model_name
 from cannc.sidebyside import bench, bench_interleaved, ort_session
 from models import zoo
-
-
-def _family_model() -> str | None:
-    """'family F model M' of /proc/cpuinfo (a guest may name its CPU only generically)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    fam = next((ln.split(":")[1].strip() for ln in text.splitlines()
-                if ln.startswith("cpu family")), None)
-    mod = next((ln.split(":")[1].strip() for ln in text.splitlines()
-                if ln.startswith("model") and not ln.startswith("model name")), None)
-    return f"family {fam} model {mod}" if fam and mod else None
 
 
 def gemm_figure(runs: int) -> dict:
@@ -166,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{geo_ov[str(cores)]:.3f}")
     gemm = None if args.no_gemm else gemm_figure(args.runs)
     out = {"machine": platform.processor() or platform.machine(), "cpu_model": model_name(),
-           "llvm_cpu": host().cpu, "cpu_family_model": _family_model(),
+           "llvm_cpu": host().cpu, "cpu_family_model": family_model(),
            "engines": "each in its own process",
            "cannc": cannc.__version__, "rows": rows, "geomean_ratio": geo,
            "geomean_ratio_openvino": geo_ov, "gemm": gemm,

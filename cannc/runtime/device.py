@@ -117,8 +117,7 @@ class _Pool:
     def finished(self, launch: int) -> bool:
         """Every worker has finished launch `launch` (an id post returned) and reads
         nothing of it any more."""
-        m, first = self.mem, dispatch.POOL_LINES
-        return all(int(m[first + 8 * c]) > launch for c in range(1, self.cores))
+        return all(self.launches_done(c) > launch for c in range(1, self.cores))
 
     def close(self) -> None:
         with self._lock:

@@ -42,14 +42,26 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def model_name() -> str:
-    """/proc/cpuinfo's model name ('' if there is none)."""
+def _cpuinfo_field(name: str) -> str:
+    """The first value of field `name` in /proc/cpuinfo ('' if there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
         return ""
-    m = re.search(r"^model name\s*:\s*(.*)$", text, re.MULTILINE)
+    m = re.search(rf"^{re.escape(name)}\s*:\s*(.*)$", text, re.MULTILINE)
     return m.group(1).strip() if m else ""
+
+
+def model_name() -> str:
+    """/proc/cpuinfo's model name ('' if there is none)."""
+    return _cpuinfo_field("model name")
+
+
+def family_model() -> str:
+    """'family F model M' of /proc/cpuinfo ('' if it has none): a guest may name its
+    CPU only generically ('Intel(R) Xeon(R) Processor')."""
+    fam, mod = _cpuinfo_field("cpu family"), _cpuinfo_field("model")
+    return f"family {fam} model {mod}" if fam and mod else ""
 
 
 # ---------------------------------------------------------------------------
@@ -135,17 +147,16 @@ def _freq_ghz() -> float:
 
 
 # vector FMA issue per cycle at the full vector width
-_FMA_512_TWO = ("skylake-avx512", "cascadelake", "cooperlake", "icelake-server",
-                "sapphirerapids", "emeraldrapids", "graniterapids", "znver5")
+# Intel's AVX-512 server cores: two 512-bit FMA ports, two 512-bit loads a cycle
+_INTEL_AVX512_SERVER = ("skylake-avx512", "cascadelake", "cooperlake", "icelake-server",
+                        "sapphirerapids", "emeraldrapids", "graniterapids")
+_FMA_512_TWO = _INTEL_AVX512_SERVER + ("znver5",)
 
 
 # AVX2 cores whose FMA pipes are 128 bits wide (Zen 1, family 23 models 0x00-0x2f:
 # a ymm FMA is cracked into two halves)
 _FMA_128_TWO = ("znver1",)
 
-# Intel's AVX-512 server cores: two 512-bit FMA ports, two 512-bit loads a cycle
-_INTEL_AVX512_SERVER = ("skylake-avx512", "cascadelake", "cooperlake", "icelake-server",
-                        "sapphirerapids", "emeraldrapids", "graniterapids")
 
 
 def gemm_micro_rows(cpu: str | None = None) -> int:
