@@ -47,6 +47,21 @@ def test_cpu_model_of_this_machine():
     assert cpu.llvm_cpu in cpu.summary()
 
 
+def test_fma_pipes_are_measured_not_named(monkeypatch):
+    """Two full-width FMAs a cycle when full-width chains run twice as many flops as
+    half-width ones; one when they run as many; the name's estimate until measured."""
+    assert machine._pipes_from({"fp32_gflops_per_core": 137.9,
+                                "fp32_gflops_per_core_half": 68.7}) == 2   # Sapphire Rapids
+    assert machine._pipes_from({"fp32_gflops_per_core": 117.0,
+                                "fp32_gflops_per_core_half": 115.0}) == 1  # Zen 4
+    h = machine.host()
+    assert machine._pipes_from({}) == machine._fma_units(h.cpu, h.vector_bytes * 8)
+    p = machine.peaks()
+    assert p["fp32_gflops_per_core"] > 0 and p["fp32_gflops_per_core_half"] > 0
+    assert machine.fma_pipes() in (1, 2)
+    assert machine.cpu_model().fma_units == machine.fma_pipes()
+
+
 def test_cache_sizes_parse(tmp_path):
     for i, (level, kind, size) in enumerate([(1, "Data", "48K"), (1, "Instruction", "32K"),
                                              (2, "Unified", "2048K"), (3, "Unified", "36M")]):

@@ -6,7 +6,8 @@ usable cores, the fp32 peak per core (measured if it has been measured and
 cached, else FMA units x lanes x 2 x clock) and the memory bandwidth (the
 measured copy bandwidth if cached, else an estimate).
 
-`peaks()` measures the fp32 FMA peak of one core (`measure_fma_peak`) and the
+`peaks()` measures the fp32 FMA peak of one core (`measure_fma_peak`, at the full
+and at half the vector width: `fma_pipes()` derives the FMA pipes from them) and the
 memory copy bandwidth once and caches them in ``<cache dir>/machine.json``;
 `measured_peaks()` returns them only if already measured (in this process or
 in the file), never measuring. The cost model and the profiler read them here.
@@ -31,7 +32,7 @@ from .. import config
 from ..native import emit
 from ..native.target import JitLibrary, default_cache, host, new_module
 
-PEAKS_VERSION = 3
+PEAKS_VERSION = 4
 _peaks: dict[str, float] | None = None     # measured (or read) in this process
 
 
@@ -146,8 +147,9 @@ def _freq_ghz() -> float:
     return best or 3.0
 
 
-# vector FMA issue per cycle at the full vector width
-# Intel's AVX-512 server cores: two 512-bit FMA ports, two 512-bit loads a cycle
+# vector FMA issue per cycle at the full vector width, by name: the estimate before the
+# peaks are measured (fma_pipes() measures it). Intel's AVX-512 server cores: two
+# 512-bit FMA ports, two 512-bit loads a cycle
 _INTEL_AVX512_SERVER = ("skylake-avx512", "cascadelake", "cooperlake", "icelake-server",
                         "sapphirerapids", "emeraldrapids", "graniterapids")
 _FMA_512_TWO = _INTEL_AVX512_SERVER + ("znver5",)
@@ -158,15 +160,34 @@ _FMA_512_TWO = _INTEL_AVX512_SERVER + ("znver5",)
 _FMA_128_TWO = ("znver1",)
 
 
+def fma_pipes() -> int:
+    """Full-width vector FMAs one core issues per cycle, measured (see peaks()): twice the
+    FMA rate of full-width chains over that of half-width chains, since every x86 core
+    with FMA issues two half-width FMAs a cycle. 1 on Zen 4 and on Intel's client cores
+    with AVX-512 (a zmm FMA takes both 256-bit pipes) and on Zen 1 (a ymm FMA takes both
+    128-bit pipes); 2 on Intel's AVX-512 server cores, Zen 5 and the AVX2 cores since
+    Haswell. Measured, not looked up by name: a guest's CPU can be named as another
+    (a Sapphire Rapids guest that KVM presents as family 6 model 167, which LLVM calls
+    'rocketlake', a client core with one 512-bit FMA port)."""
+    return _pipes_from(peaks())
 
-def gemm_micro_rows(cpu: str | None = None) -> int:
+
+def _pipes_from(p: dict[str, Any]) -> int:
+    full, half = p.get("fp32_gflops_per_core"), p.get("fp32_gflops_per_core_half")
+    if not full or not half:
+        return _fma_units(host().cpu, host().vector_bytes * 8)
+    return 2 if full > 1.5 * half else 1
+
+
+def gemm_micro_rows(pipes: int | None = None) -> int:
     """Rows of the AVX-512 fp32 GEMM micro-kernel (x 32 columns) of a product of many
-    rows. 6 (12 accumulators) measured best on Zen 4; on Intel's server cores 8 (16
-    accumulators, 10 loads per 16 FMAs instead of 8 per 12; Emerald Rapids, gemm_bench
-    medians against ORT's in the same process: 128x3072x768 x0.80-0.89 -> x0.89-0.98,
-    512x768x768 x0.83 -> x0.94-0.98, 1024^3 level)."""
-    cpu = host().cpu if cpu is None else cpu
-    return 8 if cpu.startswith(_INTEL_AVX512_SERVER) else 6
+    rows, from the measured FMA pipes (fma_pipes()). 6 (12 accumulators) measured best
+    with one 512-bit FMA a cycle (Zen 4); with two, 8 (16 accumulators, 10 loads per
+    16 FMAs instead of 8 per 12; Emerald Rapids, gemm_bench medians against ORT's in
+    the same process: 128x3072x768 x0.80-0.89 -> x0.89-0.98, 512x768x768 x0.83 ->
+    x0.94-0.98, 1024^3 level)."""
+    pipes = fma_pipes() if pipes is None else pipes
+    return 8 if pipes >= 2 else 6
 
 
 @lru_cache(maxsize=1)
@@ -189,15 +210,15 @@ def _fma_units(cpu: str, vector_bits: int) -> int:
 def cpu_model() -> CpuModel:
     """This machine (re-read once its peaks have been measured)."""
     peaks = measured_peaks() or {}
-    return _cpu_model(peaks.get("fp32_gflops_per_core"), peaks.get("mem_gbps"))
+    return _cpu_model(peaks.get("fp32_gflops_per_core"), peaks.get("mem_gbps"),
+                      _pipes_from(peaks))
 
 
 @lru_cache(maxsize=4)
-def _cpu_model(peak: float | None, mem: float | None) -> CpuModel:
+def _cpu_model(peak: float | None, mem: float | None, units: int) -> CpuModel:
     h = host()
     vbits = h.vector_bytes * 8
     lanes = vbits // 32
-    units = _fma_units(h.cpu, vbits)
     freq = _freq_ghz()
     caches = cache_sizes()
     if peak:  # the clock the FMA units ran at (the OS often reports the base clock)
@@ -248,8 +269,10 @@ def _cpu_key() -> str:
 
 def peaks() -> dict[str, float]:
     """fp32 peak per core (``fp32_gflops_per_core``: one core's independent FMA chains,
-    see measure_fma_peak) and the measured copy bandwidth (``mem_gbps``) of this machine;
-    measured once and cached in the cannc cache directory (machine.json)."""
+    see measure_fma_peak; ``fp32_gflops_per_core_half``: the same at half the vector
+    width, which fma_pipes() compares it with) and the measured copy bandwidth
+    (``mem_gbps``) of this machine; measured once (~0.1 s) and cached in the cannc cache
+    directory (machine.json)."""
     global _peaks
     if _peaks is not None:
         return _peaks
@@ -257,8 +280,10 @@ def peaks() -> dict[str, float]:
     if cached is not None:
         _peaks = cached
         return _peaks
+    full, half = _measure_fma_peaks()
     _peaks = {"version": PEAKS_VERSION, "cpu": _cpu_key(),
-              "fp32_gflops_per_core": measure_fma_peak(),
+              "fp32_gflops_per_core": full,
+              "fp32_gflops_per_core_half": half,
               "mem_gbps": measure_copy_bandwidth()}
     path = _peaks_path()
     if path is not None:
@@ -278,13 +303,31 @@ def measure_copy_bandwidth() -> float:
     return 2 * a.nbytes / best / 1e9
 
 
-def measure_fma_peak(iters: int = 2_000_000) -> float:
-    """GFLOP/s of one core running 12 independent FMA chains of the target's full vector
-    width (zmm with AVX-512, ymm with AVX2: 12 accumulators and the constant fit either
-    register file, and 12 in flight cover two pipes of up to 6 cycles' latency): the
-    machine's fp32 peak as generated code can reach it (best of 5)."""
+def _measure_fma_peaks() -> tuple[float, float]:
+    """(full, half): the FMA peaks of the target's full vector width and of half of it,
+    measured in turns (best of 3 rounds each), so that a burst of load from elsewhere
+    slows both alike."""
+    full = max(4, host().vector_bytes // 4)
+    f, h = _fma_peak_fn(full), _fma_peak_fn(full // 2)
+    rf = rh = 0.0
+    for _ in range(3):
+        rf, rh = max(rf, f()), max(rh, h())
+    return rf, rh
+
+
+def measure_fma_peak(iters: int = 2_000_000, lanes: int | None = None) -> float:
+    """GFLOP/s of one core running 12 independent FMA chains of ``lanes`` float32 (by
+    default the target's full vector width: zmm with AVX-512, ymm with AVX2; 12
+    accumulators and the constant fit either register file, and 12 in flight cover two
+    pipes of up to 6 cycles' latency): the machine's fp32 peak as generated code can
+    reach it (best of 5)."""
+    f = _fma_peak_fn(max(4, host().vector_bytes // 4) if lanes is None else lanes, iters)
+    return max(f() for _ in range(5))
+
+
+def _fma_peak_fn(lanes: int, iters: int = 2_000_000):
+    """A function measuring (once per call) the GFLOP/s of 12 FMA chains of ``lanes``."""
     m = new_module("fma_peak")
-    lanes = max(4, host().vector_bytes // 4)
     vt = ir.VectorType(emit.F32, lanes)
     fn = ir.Function(m, ir.FunctionType(emit.F32, [emit.I64]), name="cannc_fma_peak")
     b = ir.IRBuilder(fn.append_basic_block("entry"))
@@ -316,8 +359,11 @@ def measure_fma_peak(iters: int = 2_000_000) -> float:
     lib = JitLibrary([default_cache().compile(str(m), f"fma_peak{lanes}", speed_level=0)])
     f = ctypes.CFUNCTYPE(ctypes.c_float, ctypes.c_int64)(lib.address("cannc_fma_peak"))
     f(iters // 10)
-    best = min(_timed(lambda: f(iters)) for _ in range(5))
-    return chains * lanes * 2 * iters / best / 1e9
+
+    def run() -> float:
+        return chains * lanes * 2 * iters / _timed(lambda: f(iters)) / 1e9
+    run.lib = lib      # (the code lives as long as the function)
+    return run
 
 
 def _timed(fn: Any) -> float:
