@@ -177,6 +177,40 @@ def test_mean_over_an_empty_set_is_zero(opset, dtype, keepdims):
     assert not got.any()
 
 
+@pytest.mark.parametrize("op, attrs", [("GlobalAveragePool", {}), ("GlobalMaxPool", {}),
+                                       ("AveragePool", {"kernel_shape": [1, 1]}),
+                                       ("MaxPool", {"kernel_shape": [1, 1]}),
+                                       ("LpPool", {"kernel_shape": [1, 1]})])
+def test_pool_over_an_empty_plane_is_a_shape_error(op, attrs):
+    """Only the batch of a pool's input may be empty, as onnxruntime says ("Only N can be
+    zero"); a (1, 3, 0, 4) input folded a GlobalAveragePool to NaN (NumPy's mean of nothing).
+    Declared or fed at run time, the error names the node; an empty batch still runs."""
+    declared = _model([helper.make_node(op, ["x"], ["y"], name="pool", **attrs)],
+                      [_vi("x", [1, 3, 0, 4])], [_vi("y", None)])
+    with pytest.raises(cannc.ShapeError, match="'pool'.*dimension 2 of its input is 0"):
+        cannc.compile(declared, cores=1)
+    dynamic = _model([helper.make_node(op, ["x"], ["y"], name="pool", **attrs)],
+                     [_vi("x", ["n", 3, "h", 4])], [_vi("y", None)])
+    sess = cannc.compile(dynamic, cores=1)
+    with pytest.raises(cannc.ShapeError, match="'pool'.*dimension 2 of its input is 0"):
+        sess.run(None, {"x": np.zeros((1, 3, 0, 4), np.float32)})
+    if op != "LpPool":              # (onnxruntime runs no LpPool over an empty batch)
+        assert sess.run(None, {"x": np.zeros((0, 3, 2, 4), np.float32)})[0].shape[0] == 0
+    ok = sess.run(None, {"x": np.ones((1, 3, 2, 4), np.float32)})[0]
+    assert ok.shape[:2] == (1, 3) and np.isfinite(ok).all()
+
+
+@pytest.mark.parametrize("op", ["ArgMax", "ArgMin"])
+def test_arg_extreme_over_an_empty_axis_is_a_shape_error(op):
+    m = _model([helper.make_node(op, ["x"], ["y"], name="arg", axis=1)],
+               [_vi("x", ["n", "k", 3])], [_vi("y", None, T.INT64)])
+    sess = cannc.compile(m, cores=1)
+    with pytest.raises(cannc.ShapeError, match="'arg'.*axis 1, which is empty"):
+        sess.run(None, {"x": np.zeros((2, 0, 3), np.float32)})
+    np.testing.assert_array_equal(sess.run(None, {"x": np.eye(3, dtype=np.float32)[None]})[0],
+                                  [[[0, 1, 2]]] if op == "ArgMax" else [[[1, 0, 0]]])
+
+
 @pytest.mark.parametrize("shapes", [{"x": ("a", 4)}, {"x": 5}, [1], {"x": (2.5, 4)},
                                     {"x": (-1, 4)}, {"x": "24"}])
 def test_bad_shapes_argument_is_an_input_error(shapes):

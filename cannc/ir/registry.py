@@ -135,6 +135,9 @@ class OpDef:
     expr: ExprFn | None = None                # elementwise semantics (maps and fusion)
     flops_per_elem: int = 1                   # of `expr`, per output element
     infer: InferFn | None = None              # inference where ONNX's own has none
+    # input shapes the op's semantics reject though ONNX's inference accepts them (a pool
+    # over an empty window): a reason, raised as a ShapeError naming the node
+    shape_check: Callable[[Node, list[TensorType]], str | None] | None = None
     fold: FoldFn | None = None                # SHAPE ops: outputs from input types
     const_outputs: ConstOutputsFn | None = None  # some outputs known from types alone
     value_inputs: tuple[int, ...] = ()        # inputs whose *value* decides output shapes

@@ -86,6 +86,12 @@ def infer_node(graph: Graph, n: Node) -> list[TensorType]:
     """Concrete output types of node n from its (concrete) input types and constants.
     ONNX's own inference first; an op may supply `infer` where ONNX has none."""
     op = lookup(n.op_type, n.domain)
+    if op is not None and op.shape_check is not None:
+        reason = op.shape_check(n, [graph.values[v] if v else None for v in n.inputs])
+        if reason:
+            shapes = ", ".join(str(graph.values[v]) for v in n.inputs if v)
+            raise ShapeError(f"{n.op_type} at node '{n.name}' rejects its inputs "
+                             f"({shapes}): {reason}")
     own = op.infer if op is not None else None
     if own is not None and op.domain and not onnx.defs.has(n.op_type, n.domain):
         # an op ONNX has no schema for (a custom op): its own inference only

@@ -130,6 +130,20 @@ def _check_pool(node: Any, ins: list[Any], outs: list[Any]) -> str | None:
     return None
 
 
+def only_batch_empty(node: Any, ins: list[Any]) -> str | None:
+    """A pool (windowed or global) reads a window in every channel and spatial position:
+    only the batch may be empty. ONNX's inference passes a (1, 3, 0, 4) input; onnxruntime
+    rejects it at run time ("Only N can be zero") and numpy's mean of nothing is NaN."""
+    x = ins[0] if ins else None
+    if x is None or not x.is_static or x.rank < 3:
+        return None
+    empty = [i for i, d in enumerate(x.shape) if i > 0 and int(d) == 0]
+    if empty:
+        return (f"dimension {empty[0]} of its input is 0; only the batch "
+                "(dimension 0) of a pool's input may be empty")
+    return None
+
+
 def pool_out_size(node: Any, in_sp: list[int], k: list[int], s: list[int],
                   d: list[int]) -> list[int]:
     """A pool's output spatial size (auto_pad, pads, ceil_mode), as ONNX infers it."""
@@ -199,4 +213,4 @@ for _name, _doc in (("MaxPool", "window max, vectorised along the output width")
                    # window ops between narrow convolutions stay narrow (f32 registers)
                    amp=Amp.DENY if _name == "LpPool" else Amp.FOLLOW,
                    reference=maxpool_reference if _name == "MaxPool" else None,
-                   check=_check_pool, doc=_doc))
+                   check=_check_pool, shape_check=only_batch_empty, doc=_doc))

@@ -18,6 +18,7 @@ from ...errors import UnsupportedOpError
 from ..graph import Node
 from ..registry import Amp, Category, Fusion, OpDef, register
 from ..types import TensorType
+from .conv import only_batch_empty
 
 FLOATS = frozenset({"float32", "float64", "float16", "bfloat16"})
 INTS = frozenset({"int32", "int64", "uint32", "uint64"})
@@ -119,18 +120,31 @@ for _name, _kind, _dts, _from in REDUCES:
 
 # (a CNN's head between narrow convolutions: f32 sums in registers, under AMP narrow)
 register(OpDef(name="GlobalAveragePool", category=Category.REDUCTION, dtypes=FLOATS,
-               amp=Amp.FOLLOW))
+               amp=Amp.FOLLOW, shape_check=only_batch_empty))
 register(OpDef(name="GlobalMaxPool", category=Category.REDUCTION, dtypes=FLOATS,
-               amp=Amp.FOLLOW))
+               amp=Amp.FOLLOW, shape_check=only_batch_empty))
 
 
 # ---------------------------------------------------------------------------
 # ArgMax / ArgMin
 # ---------------------------------------------------------------------------
 
+def _arg_axis_nonempty(n: Node, ins: list) -> str | None:
+    """The index of the extreme of nothing does not exist (onnxruntime rejects it too)."""
+    x = ins[0] if ins else None
+    if x is None or not x.is_static or x.rank == 0:
+        return None
+    axis = int(n.attrs.get("axis", 0))
+    axis = axis + x.rank if axis < 0 else axis
+    if 0 <= axis < x.rank and int(x.shape[axis]) == 0:
+        return f"{n.op_type} over axis {axis}, which is empty"
+    return None
+
+
 for _name in ("ArgMax", "ArgMin"):
     register(OpDef(name=_name, category=Category.REDUCTION,
                    check=_dtype_check(FLOATS | INTS | SMALL_INTS),
+                   shape_check=_arg_axis_nonempty,
                    doc="data: floats and ints; int64 indices"))
 
 
