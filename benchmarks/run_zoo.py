@@ -4,14 +4,17 @@ batch 1 and 8.
     python benchmarks/run_zoo.py [--models mlp bert ...] [--onnx A.onnx B.onnx]
                                  [--cores 1 2] [--batch 1 8] [--seq 128]
                                  [--engines ort cannc openvino]
-                                 [--runs 30] [--no-gemm] [--out benchmarks/results/zoo.json]
+                                 [--runs 30] [--rounds 5] [--no-gemm]
+                                 [--out benchmarks/results/zoo.json]
 
 Each engine runs in its own process (cannc.sidebyside.bench: cannc alone, onnxruntime
 with its own defaults -- ORT_ENABLE_ALL, the same thread count, spinning on -- and
 OpenVINO's CPU plugin when it is importable: fp32 inference precision, the latency hint,
-one stream, the same thread count, reshaped to the static shapes), one after the other
-on the same inputs: in one process ORT's pool threads spin after each run and steal the
-second core from whichever session runs next. Medians, spreads and the ratios
+one stream, the same thread count, reshaped to the static shapes), on the same inputs:
+in one process ORT's pool threads spin after each run and steal the second core from
+whichever session runs next. The processes stay alive and take turns, --rounds batches
+of the runs each (default 5; one untimed run starts each batch), so that a shared
+machine's drift over seconds falls on every engine alike. Medians, spreads and the ratios
 cannc/onnxruntime and cannc/OpenVINO (< 1: cannc is faster) are printed and written as
 JSON with the CPU model, plus the geometric mean of the ratios per thread count; every
 output is compared with onnxruntime's. OpenVINO is a benchmark rival, never a cannc
@@ -92,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", nargs="*", type=int, default=[1, 8])
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="the engines take turns in this many batches of the runs")
     ap.add_argument("--engines", nargs="*", default=["ort", "cannc", "openvino"],
                     help="engines to time (ORT CPU always runs: it is the reference)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "zoo.json"))
@@ -113,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                 feeds = zoo.example_inputs(model, batch=batch, seq=args.seq)
                 r = bench(str(path), feeds, threads=cores, warmup=args.warmup,
                           runs=args.runs, engines=engines, errors="record",
-                          workdir=str(tmp))
+                          workdir=str(tmp), rounds=args.rounds)
                 c, o = r["engines"].get("cannc", {}), r["engines"].get("ort", {})
                 v = r["engines"].get("openvino", {})
                 if "median_ms" not in c or "median_ms" not in o:

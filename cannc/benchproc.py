@@ -21,7 +21,15 @@ Engines, all at N threads:
              report says "skipped")
 
 The worker builds the session, runs once (timed as the first run: cannc specialises
-there), runs `warmup` more, then times `runs` single inferences. The JSON line holds
+there), runs `warmup` more, then times `runs` single inferences.
+
+With --serve the worker stays alive so that a parent can alternate engines in rounds
+(the machines are shared: their speed drifts over seconds, and engines timed one after
+the other would each see a different machine): after the warmup it writes the outputs
+and prints {"status": "ready", ...}, then answers each stdin line `run N` with one
+untimed run (the engine's threads slept while the others ran) and N timed ones,
+printed as {"status": "ok", "times_ms": [...]}; `done` ends it with the report of all
+timed runs (--runs is then ignored). The JSON line holds
 status ("ok", "skipped" or "error"), median/p10/p90/min ms, every run's time, build and
 first-run seconds, the engine's version, the outputs' names, shapes and checksums; the
 outputs themselves go to --outputs (an .npz in save_arrays' layout) for the parent to
@@ -193,28 +201,65 @@ _ENGINES = {"cannc": _cannc, "ort": _ort, "ort+cannc": _ort_cannc, "openvino": _
 assert set(_ENGINES) == set(ENGINES)
 
 
-def run_engine(engine: str, model: str, feeds: dict[str, np.ndarray], *, threads: int,
-               warmup: int, runs: int, precision: str = "fp32",
-               options: dict[str, Any] | None = None,
-               spinning: bool = True) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Build `engine`'s session for `model`, time it; (report, outputs by name)."""
+def prepare_engine(engine: str, model: str, feeds: dict[str, np.ndarray], *, threads: int,
+                   warmup: int, precision: str = "fp32", options: dict[str, Any] | None = None,
+                   spinning: bool = True
+                   ) -> tuple[dict[str, Any], dict[str, np.ndarray], Callable[[], Any] | None]:
+    """Build `engine`'s session for `model`, run it once (timed) and `warmup` times:
+    (report without run times, outputs by name, run); run is None when skipped."""
     if engine == "openvino":
         try:
             import openvino  # noqa: F401
         except ImportError as e:
             return {"status": "skipped", "engine": engine,
-                    "note": f"openvino is not importable here ({e})"}, {}
+                    "note": f"openvino is not importable here ({e})"}, {}, None
     t = time.perf_counter()
     rep, names, run = _ENGINES[engine](model, threads, precision, dict(options or {}),
                                        spinning, feeds)
     build_s = time.perf_counter() - t
-    first, times, out = timed(run, warmup, runs)
+    first, _, out = timed(run, warmup, 0)
     outs = {n: savable(a) for n, a in zip(names, out)}
     rep = {"status": "ok", "engine": engine, "pid": os.getpid(), "threads": threads,
-           "precision": precision,
-           **time_stats(times), "times_ms": times, "build_s": build_s, "first_run_s": first,
+           "precision": precision, "build_s": build_s, "first_run_s": first,
            **rep, "output_names": names, "checksums": checksums(outs)}
-    return rep, outs
+    return rep, outs, run
+
+
+def run_engine(engine: str, model: str, feeds: dict[str, np.ndarray], *, threads: int,
+               warmup: int, runs: int, precision: str = "fp32",
+               options: dict[str, Any] | None = None,
+               spinning: bool = True) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Build `engine`'s session for `model`, time it; (report, outputs by name)."""
+    rep, outs, run = prepare_engine(engine, model, feeds, threads=threads, warmup=warmup,
+                                    precision=precision, options=options, spinning=spinning)
+    if run is None:
+        return rep, outs
+    _, times, _ = timed(run, 0, runs)
+    return with_times(rep, times), outs
+
+
+def with_times(rep: dict[str, Any], times: list[float]) -> dict[str, Any]:
+    """The report with the statistics of the timed runs (kept in run order)."""
+    return {**rep, **time_stats(times), "times_ms": times}
+
+
+def serve(rep: dict[str, Any], run: Callable[[], Any], commands: Any, reply: Any) -> dict:
+    """The --serve loop: `run N` -> one untimed run, N timed ones, their times replied;
+    `done` -> the report of every timed run. Anything else is a CanncError."""
+    times: list[float] = []
+    rounds = 0
+    for line in commands:
+        words = line.split()
+        if words == ["done"]:
+            return {**with_times(rep, times), "rounds": rounds}
+        if len(words) != 2 or words[0] != "run" or not words[1].isdigit() \
+                or int(words[1]) < 1:
+            raise CanncError(f"benchmark worker: expected 'run N' or 'done', got {line!r}")
+        _, batch, _ = timed(run, 0, int(words[1]))
+        times += batch
+        rounds += 1
+        print(json.dumps({"status": "ok", "times_ms": batch}), file=reply, flush=True)
+    raise CanncError("benchmark worker: its parent closed the command pipe before 'done'")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -233,6 +278,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--outputs", default=None, help="write the outputs to this .npz")
     ap.add_argument("--no-spin", action="store_true",
                     help="ORT engines: idle pool threads do not busy-wait")
+    ap.add_argument("--serve", action="store_true",
+                    help="after the warmup, time batches of runs on request (stdin: "
+                         "'run N' ... 'done'), so a parent can alternate engines")
     return ap
 
 
@@ -250,11 +298,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not Path(args.model).is_file():
             raise CanncError(f"model file not found: {args.model}")
         feeds = load_arrays(args.feeds)
-        rep, outs = run_engine(args.engine, args.model, feeds, threads=args.threads,
-                               warmup=args.warmup, runs=args.runs, precision=args.precision,
-                               options=options, spinning=not args.no_spin)
-        if args.outputs and rep["status"] == "ok":
+        rep, outs, run = prepare_engine(args.engine, args.model, feeds, threads=args.threads,
+                                        warmup=args.warmup, precision=args.precision,
+                                        options=options, spinning=not args.no_spin)
+        if args.outputs and run is not None:
             save_arrays(args.outputs, outs)
+        if run is not None and args.serve:
+            print(json.dumps({"status": "ready", "engine": args.engine, "pid": os.getpid()}),
+                  file=real_stdout, flush=True)
+            rep = serve(rep, run, sys.stdin, real_stdout)
+        elif run is not None:
+            _, times, _ = timed(run, 0, args.runs)
+            rep = with_times(rep, times)
     except CanncError as e:
         rep, rc = {"status": "error", "engine": args.engine, "error": str(e), "clean": True}, 1
     except Exception as e:

@@ -643,8 +643,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         res = bench(args.model, feeds, threads=threads, warmup=args.warmup, runs=args.runs,
                     engines=engines, precision=precision, options=options or None,
                     onnx_model=onnx_model, spinning=args.ort_spin, rtol=args.rtol,
-                    atol=args.atol, timeout=args.timeout, workdir=tmp)
+                    atol=args.atol, timeout=args.timeout, workdir=tmp, rounds=args.rounds)
     res.update(model=args.model, cores=threads, warmup=args.warmup, runs=args.runs,
+               rounds=min(args.rounds, args.runs),
                precision=precision, ort_spinning=args.ort_spin, processes="one per engine",
                input_shapes={n: list(a.shape) for n, a in feeds.items()},
                onnxruntime=res["ort"]["version"])
@@ -654,7 +655,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return rc
     print(f"{args.model}: {_fmt_shapes({n: a.shape for n, a in feeds.items()})}; "
           f"{threads} thread(s) each, each engine in its own process; {args.warmup} warmup "
-          f"+ {args.runs} runs" + ("" if precision == "fp32" else f"; cannc {precision}")
+          f"+ {args.runs} runs" + (f" in {res['rounds']} alternating rounds"
+                                   if res["rounds"] > 1 else "")
+          + ("" if precision == "fp32" else f"; cannc {precision}")
           + ("" if args.ort_spin else "; onnxruntime thread spinning off"))
     rows = []
     for eng in engines:
@@ -885,6 +888,9 @@ def _parser() -> argparse.ArgumentParser:
     fusion_opts(p)
     p.add_argument("--warmup", type=_int_at_least(0), default=5)
     p.add_argument("--runs", type=_int_at_least(1), default=50)
+    p.add_argument("--rounds", type=_int_at_least(1), default=5,
+                   help="the engines take turns in this many batches of the runs, each "
+                        "process kept alive (default 5; 1: one engine after the other)")
     spin = p.add_mutually_exclusive_group()
     spin.add_argument("--ort-spin", dest="ort_spin", action="store_true", default=True,
                       help="let onnxruntime's idle pool threads busy-wait (its default, and "

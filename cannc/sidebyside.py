@@ -5,7 +5,8 @@ against onnxruntime: an ORT CPU session set up the same way every time, a compar
 one output within the dtype's tolerance, and timing.
 
 `bench` times each engine in its own process (`python -m cannc.benchproc`, one after the
-other, the same feeds file and thread count): ORT's spinning pool threads would otherwise
+other or -- rounds > 1 -- kept alive and taking turns batch by batch, the same feeds file
+and thread count): ORT's spinning pool threads would otherwise
 steal the cores of a neighbour in the same process. `bench_interleaved` is the older
 in-process alternation of a cannc and an ORT session (spinning off), kept for the scans
 that want both engines under the same machine noise.
@@ -208,6 +209,95 @@ def run_worker(engine: str, model: str, feeds: str, *, threads: int, warmup: int
     return rep
 
 
+class ServedWorker:
+    """One engine's worker kept alive (`benchproc --serve`) so that `bench` can time the
+    engines in alternating rounds. Its stderr goes to a file (a full pipe would block
+    it); every reply is awaited for at most `timeout` seconds."""
+
+    def __init__(self, engine: str, model: str, feeds: str, *, threads: int, warmup: int,
+                 precision: str = "fp32", options: dict[str, Any] | None = None,
+                 outputs: str | None = None, spinning: bool = True,
+                 timeout: float | None = None, python: str | None = None,
+                 workdir: str | None = None) -> None:
+        self.engine, self.timeout = engine, timeout
+        cmd = worker_command(engine, model, feeds, threads=threads, warmup=warmup, runs=1,
+                             precision=precision, options=options, outputs=outputs,
+                             spinning=spinning, python=python) + ["--serve"]
+        self._err = tempfile.TemporaryFile(mode="w+", dir=workdir)
+        try:
+            self.proc = subprocess.Popen(cmd, env=worker_env(threads), stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=self._err, text=True,
+                                         bufsize=1)
+        except OSError as e:
+            self._err.close()
+            raise WorkerError(engine, f"cannot start {cmd[0]}: {e}") from None
+        self.ready = self._reply()     # status "ready", "skipped" (then it has exited)
+
+    def _stderr(self) -> str:
+        self._err.seek(0)
+        return self._err.read()
+
+    def _reply(self) -> dict[str, Any]:
+        import selectors
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            if not sel.select(self.timeout):
+                self.close()
+                raise WorkerError(self.engine, f"timed out after {self.timeout:g} s",
+                                  self._stderr())
+        line = self.proc.stdout.readline()
+        rep = None
+        if line.startswith("{"):
+            try:
+                rep = json.loads(line)
+            except ValueError:
+                rep = None
+        if rep is None:
+            rc = self.proc.wait()
+            raise WorkerError(self.engine, f"exit code {rc}, no report", self._stderr())
+        if rep.get("status") == "error":
+            self.proc.wait()
+            raise WorkerError(self.engine, rep.get("error", "unknown error"),
+                              "" if rep.get("clean") else self._stderr())
+        return rep
+
+    def command(self, line: str) -> dict[str, Any]:
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except OSError:
+            rc = self.proc.wait()
+            raise WorkerError(self.engine, f"exit code {rc} while serving",
+                              self._stderr()) from None
+        return self._reply()
+
+    def run(self, n: int) -> list[float]:
+        return self.command(f"run {n}")["times_ms"]
+
+    def finish(self) -> dict[str, Any]:
+        rep = self.command("done")
+        rc = self.proc.wait()
+        if rc != 0:
+            raise WorkerError(self.engine, f"exit code {rc}", self._stderr())
+        self.close()
+        return rep
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f:
+                f.close()
+        self._err.close()
+
+
+def round_sizes(runs: int, rounds: int) -> list[int]:
+    """`runs` timed runs cut into `rounds` batches (nearly equal, none empty)."""
+    rounds = max(1, min(rounds, runs))
+    return [(i + 1) * runs // rounds - i * runs // rounds for i in range(rounds)]
+
+
 def compare_all(got: dict[str, np.ndarray], ref: dict[str, np.ndarray], precision: str,
                 rtol: float | None = None, atol: float | None = None) -> dict[str, Any]:
     """Every reference output against an engine's: float32 within rtol 1e-4 / atol 1e-5,
@@ -236,9 +326,13 @@ def bench(model: str, feeds: dict[str, np.ndarray], *, threads: int, warmup: int
           options: dict[str, Any] | None = None, onnx_model: str | None = None,
           spinning: bool = True, rtol: float | None = None, atol: float | None = None,
           timeout: float | None = None, workdir: str | None = None,
-          errors: str = "raise") -> dict[str, Any]:
-    """Time each engine in its own process, one after the other, on the same feeds and
-    thread count; ORT CPU first (the reference of the ratios and the outputs).
+          errors: str = "raise", rounds: int = 1) -> dict[str, Any]:
+    """Time each engine in its own process on the same feeds and thread count; ORT CPU
+    first (the reference of the ratios and the outputs). rounds = 1: one engine after
+    the other; rounds > 1: every engine's process is built and warmed up (one at a
+    time), then the `runs` are cut into `rounds` batches and the engines take turns,
+    batch by batch (which goes first rotates), so that the drift of a shared machine
+    falls on every engine alike. The reports say "rounds".
 
     `model` is what cannc opens (.onnx or .cnc), `onnx_model` what ORT opens (default
     `model`). `options` are cannc.compile options besides cores and precision (fusion,
@@ -260,24 +354,71 @@ def bench(model: str, feeds: dict[str, np.ndarray], *, threads: int, warmup: int
         outs: dict[str, dict[str, np.ndarray]] = {}
         skipped: dict[str, str] = {}
         failed: dict[str, str] = {}
-        for eng in order:
-            out_path = str(Path(tmp) / f"{eng.replace('+', '_')}.out.npz")
-            src = model if eng == "cannc" else (onnx_model or model)
+        def out_path(eng: str) -> str:
+            return str(Path(tmp) / f"{eng.replace('+', '_')}.out.npz")
+
+        def worker_args(eng: str) -> tuple[tuple, dict[str, Any]]:
+            return ((eng, model if eng == "cannc" else (onnx_model or model), feeds_path),
+                    dict(threads=threads, warmup=warmup,
+                         precision=precision if eng != "ort" else "fp32",
+                         options=options if eng == "cannc" else None,
+                         outputs=out_path(eng), spinning=spinning, timeout=timeout))
+
+        def failure(eng: str, e: WorkerError) -> None:
+            if errors != "record" or eng == "ort":
+                raise e
+            failed[eng] = str(e)
+
+        done: dict[str, dict[str, Any]] = {}
+        if rounds <= 1:
+            for eng in order:
+                a, kw = worker_args(eng)
+                try:
+                    done[eng] = run_worker(*a, runs=runs, **kw)
+                except WorkerError as e:
+                    failure(eng, e)
+        else:
+            live: dict[str, ServedWorker] = {}
             try:
-                rep = run_worker(eng, src, feeds_path, threads=threads, warmup=warmup,
-                                 runs=runs, precision=precision if eng != "ort" else "fp32",
-                                 options=options if eng == "cannc" else None,
-                                 outputs=out_path, spinning=spinning, timeout=timeout)
-            except WorkerError as e:
-                if errors != "record" or eng == "ort":
-                    raise
-                failed[eng] = str(e)
+                for eng in order:
+                    a, kw = worker_args(eng)
+                    try:
+                        w = ServedWorker(*a, workdir=tmp, **kw)
+                    except WorkerError as e:
+                        failure(eng, e)
+                        continue
+                    if w.ready.get("status") == "skipped":
+                        done[eng] = w.ready
+                        w.close()
+                    else:
+                        live[eng] = w
+                for r, n in enumerate(round_sizes(runs, rounds)):
+                    turn = list(live)
+                    turn = turn[r % len(turn):] + turn[:r % len(turn)] if turn else turn
+                    for eng in turn:
+                        try:
+                            live[eng].run(n)
+                        except WorkerError as e:
+                            live.pop(eng).close()
+                            failure(eng, e)
+                for eng, w in list(live.items()):
+                    try:
+                        done[eng] = w.finish()
+                    except WorkerError as e:
+                        failure(eng, e)
+                    live.pop(eng)
+            finally:
+                for w in live.values():
+                    w.close()
+        for eng in order:
+            rep = done.get(eng)
+            if rep is None:
                 continue
             if rep.get("status") == "skipped":
                 skipped[eng] = rep.get("note", "skipped")
                 continue
             reps[eng] = {k: v for k, v in rep.items() if k != "status"}
-            outs[eng] = load_arrays(out_path)
+            outs[eng] = load_arrays(out_path(eng))
     res: dict[str, Any] = {"engines": reps, **reps, "skipped": skipped, "failed": failed}
     ref_ms = reps["ort"]["median_ms"]
     res["ratios"] = {e: r["median_ms"] / ref_ms for e, r in reps.items()}

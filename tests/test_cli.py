@@ -15,6 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import cannc
 from cannc.cli import main
+from cannc.errors import CanncError
 from models import zoo
 from tests.helpers import ort_run
 
@@ -272,7 +273,7 @@ def test_bench_json_every_engine_in_its_own_process(small, capsys, monkeypatch):
         return rep
     monkeypatch.setattr(sbs, "run_worker", spy)
     rc, out, err = _run(capsys, "bench", small, "--runs", "3", "--warmup", "0", "--json",
-                        "--shape", "x=2x64", "--ort-no-spin")
+                        "--shape", "x=2x64", "--ort-no-spin", "--rounds", "1")
     assert rc == 0, err
     rep = json.loads(out)
     assert rep["ratio"] > 0 and rep["runs"] == 3 and rep["ort_spinning"] is False
@@ -289,6 +290,51 @@ def test_bench_json_every_engine_in_its_own_process(small, capsys, monkeypatch):
     # each engine ran in a process of its own, not this one
     assert [e for e, _ in pids] == ["ort", "cannc"]
     assert len({p for _, p in pids} | {os.getpid()}) == 3
+
+
+def test_bench_rounds_alternate_live_workers(small, capsys):
+    rc, out, err = _run(capsys, "bench", small, "--runs", "5", "--warmup", "0", "--json",
+                        "--rounds", "2", "--cores", "1")
+    assert rc == 0, err
+    rep = json.loads(out)
+    assert rep["rounds"] == 2 and rep["outputs_agree"] is True
+    for eng in ("ort", "cannc"):
+        r = rep[eng]
+        assert r["rounds"] == 2 and r["n"] == 5 and len(r["times_ms"]) == 5
+        assert 0 < r["min_ms"] <= r["median_ms"]
+    assert len({rep["ort"]["pid"], rep["cannc"]["pid"], os.getpid()}) == 3
+
+
+def test_benchproc_serve_protocol():
+    import io
+
+    from cannc.benchproc import serve
+    calls = []
+    rep = serve({"engine": "x"}, lambda: calls.append(1), ["run 2\n", "run 1\n", "done\n"],
+                io.StringIO())
+    assert len(calls) == 2 + 1 + 2 and rep["n"] == 3 and rep["rounds"] == 2
+    reply = io.StringIO()
+    with pytest.raises(CanncError, match="expected 'run N' or 'done'"):
+        serve({}, lambda: None, ["run 0\n"], reply)
+    with pytest.raises(CanncError, match="closed the command pipe"):
+        serve({}, lambda: None, ["run 1\n"], reply)
+    assert json.loads(reply.getvalue())["times_ms"][0] >= 0
+
+
+def test_served_worker_that_dies_names_engine_and_stderr(tmp_path):
+    from cannc.sidebyside import ServedWorker, WorkerError
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho '{\"status\": \"ready\"}'\nread line\n"
+                    "echo 'Fatal Python error: Aborted' >&2\nexit 134\n")
+    fake.chmod(0o755)
+    w = ServedWorker("cannc", "m.onnx", "f.npz", threads=1, warmup=0, python=str(fake),
+                     timeout=60)
+    assert w.ready["status"] == "ready"
+    with pytest.raises(WorkerError) as ei:
+        w.run(3)
+    w.close()
+    assert "'cannc' (cannc alone) failed: exit code 134, no report" in str(ei.value)
+    assert "Aborted" in str(ei.value)
 
 
 def test_bench_outputs_disagree_exit_1(small, capsys, monkeypatch):
