@@ -274,6 +274,32 @@ class ServedWorker:
     def run(self, n: int) -> list[float]:
         return self.command(f"run {n}")["times_ms"]
 
+    def cpu_ns(self) -> int | None:
+        """CPU time the worker's threads have used so far (ns; None: unknown here)."""
+        try:
+            tasks = Path(f"/proc/{self.proc.pid}/task")
+            return sum(int((t / "schedstat").read_text().split()[0])
+                       for t in tasks.iterdir())
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def quiesce(self, window: float = 0.01, limit: float = 1.0) -> float:
+        """Wait (at most `limit` s) until the worker's threads have stopped running --
+        onnxruntime's pool threads spin ~50 ms after a run, which would steal a core from
+        the next engine's batch; seconds waited. Without /proc: sleeps `window` * 10."""
+        t0 = time.perf_counter()
+        prev = self.cpu_ns()
+        if prev is None:
+            time.sleep(window * 10)
+            return time.perf_counter() - t0
+        while time.perf_counter() - t0 < limit:
+            time.sleep(window)
+            cur = self.cpu_ns()
+            if cur is None or cur - prev < window * 1e9 * 0.05:
+                break
+            prev = cur
+        return time.perf_counter() - t0
+
     def finish(self) -> dict[str, Any]:
         rep = self.command("done")
         rc = self.proc.wait()
@@ -331,7 +357,8 @@ def bench(model: str, feeds: dict[str, np.ndarray], *, threads: int, warmup: int
     first (the reference of the ratios and the outputs). rounds = 1: one engine after
     the other; rounds > 1: every engine's process is built and warmed up (one at a
     time), then the `runs` are cut into `rounds` batches and the engines take turns,
-    batch by batch (which goes first rotates), so that the drift of a shared machine
+    batch by batch (which goes first rotates; the next batch starts once the last
+    engine's threads have stopped spinning), so that the drift of a shared machine
     falls on every engine alike. The reports say "rounds".
 
     `model` is what cannc opens (.onnx or .cnc), `onnx_model` what ORT opens (default
@@ -401,6 +428,8 @@ def bench(model: str, feeds: dict[str, np.ndarray], *, threads: int, warmup: int
                         except WorkerError as e:
                             live.pop(eng).close()
                             failure(eng, e)
+                            continue
+                        live[eng].quiesce()    # its spinning threads stop first
                 for eng, w in list(live.items()):
                     try:
                         done[eng] = w.finish()
