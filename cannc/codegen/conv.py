@@ -333,17 +333,23 @@ def _grid(geom: ConvGeom, K: int, pu: int, cu: int, pmax: int, cores: int,
             T = geom.N * geom.G * PB * MB
             if T > tmax:
                 continue
-            # tile costs repeat with period PB*MB (tile = (n, g, pb, mb), mb fastest)
+            # tile costs repeat with period PB*MB (tile = (n, g, pb, mb), mb fastest); only
+            # the last channel block and the last pixel block are short, so a tile costs
+            # one of four figures and the cost of tiles [0, t) has a closed form
             per = PB * MB
-            pre = [0.0]
-            for t in range(per):
-                mb, pb = t % MB, t // MB
-                ch = min(Mg, (mb + 1) * CH) - mb * CH
-                px = min(OHW, (pb + 1) * P) - pb * P
-                pre.append(pre[-1] + tile_cost(ch, px))
+            ch_last, px_last = Mg - (MB - 1) * CH, OHW - (PB - 1) * P
+            full, short_ch = tile_cost(CH, P), tile_cost(ch_last, P)
+            last_full, last_short = tile_cost(CH, px_last), tile_cost(ch_last, px_last)
+            row = (MB - 1) * full + short_ch                 # pixel blocks 0 .. PB-2
+            last_row = (MB - 1) * last_full + last_short     # pixel block PB-1
+            period = (PB - 1) * row + last_row
 
-            def upto(t, per=per, pre=pre):
-                return (t // per) * pre[per] + pre[t % per]
+            def upto(t, per=per, MB=MB, PB=PB, row=row, period=period, full=full,
+                     last_full=last_full):
+                q, r = divmod(t, per)
+                pb, mb = divmod(r, MB)     # rows pb complete, then mb tiles of row pb
+                # (a row's first mb < MB tiles are full-width channel blocks)
+                return q * period + pb * row + mb * (full if pb < PB - 1 else last_full)
 
             worst = dispatch_time(T, cores, lambda t0, t1: upto(t1) - upto(t0))
             if (best is None or worst < best[0] * 0.995

@@ -288,7 +288,11 @@ def pack_winograd_weights(geom: ConvGeom, plan: WinoPlan, w: np.ndarray) -> np.n
     _, G, _ = matrices(plan.m)
     Gf = np.array(G, dtype=np.float64)
     w = np.asarray(w, dtype=np.float64).reshape(geom.M, geom.C, 3, 3)
-    u = np.einsum("ik,mckl,jl->ijmc", Gf, w, Gf).reshape(plan.a * plan.a, geom.M, geom.C)
+    # G w G^T for every (m, c) as two large products (a plain three-operand einsum took
+    # 0.3 s of a warm ResNet-18 compile, batched 3x3 matmuls 0.25 s)
+    t = np.tensordot(Gf, w.reshape(geom.M * geom.C, 3, 3), axes=([1], [1]))  # [a, MC, 3]
+    u = np.tensordot(t, Gf, axes=([2], [1]))                                  # [a, MC, a]
+    u = u.transpose(0, 2, 1).reshape(plan.a * plan.a, geom.M, geom.C)
     NR = plan.NR
     Mp = rup(geom.M, NR)
     out = np.zeros((plan.a * plan.a, Mp, geom.C), dtype=np.float32)
