@@ -44,7 +44,6 @@ when ``iv % stride == 0``, with the kernel flipped and in/out channels swapped
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -53,6 +52,7 @@ import numpy as np
 
 from ..native.emit import BF16, F32, I8, I32, I64, PTR, i64, masked_load, masked_store
 from ..schedule.split import claim_chunks
+from .plancache import persistent
 from .vec import VF, VI32, VM, VPTR, VecBuilder, abi_function, wide_registers
 
 VI = VI32  # <16 x i32>: the lane indices and offsets of the window kernels
@@ -378,7 +378,7 @@ def plan_conv(geom: ConvGeom, const_weights: bool = True, cores: int = 2,
     return _plan_conv(geom, const_weights, cores, tun)
 
 
-@functools.lru_cache(maxsize=4096)
+@persistent("plan_conv")
 def _plan_conv_default(geom: ConvGeom, const_weights: bool, cores: int) -> ConvPlan:
     return _plan_conv(geom, const_weights, cores, {})
 

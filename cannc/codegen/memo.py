@@ -44,6 +44,7 @@ from ..native.target import host, read_checksummed, write_checksummed
 from ..schedule import tuning
 from . import amx, amx_conv, conv, winograd
 from .lower import conv as lower_conv
+from .plancache import source_digest
 
 _MAGIC = b"CNCMEMO1\n"
 # attributes that name where a node came from and never change its code
@@ -62,22 +63,6 @@ class MemoEntry:
     flops: int
     notes: dict[str, Any] = field(default_factory=dict)
     baked: tuple[int, ...] = ()        # constant inputs whose content is in the key
-
-
-_source_digest: str | None = None
-
-
-def source_digest() -> str:
-    """A digest of cannc's own sources: a changed emitter never reuses old entries."""
-    global _source_digest
-    if _source_digest is None:
-        root = Path(__file__).resolve().parent.parent
-        h = hashlib.sha256()
-        for p in sorted(root.rglob("*.py")):
-            h.update(str(p.relative_to(root)).encode())
-            h.update(p.read_bytes())
-        _source_digest = h.hexdigest()[:16]
-    return _source_digest
 
 
 _array_digests: dict[int, tuple[Any, str]] = {}

@@ -59,6 +59,7 @@ from .conv import (
     distinct_splits,
     rup,
 )
+from .plancache import persistent
 from .vec import VF, VPTR, abi_function, wide_registers
 
 # interpolation points of F(m, 3) (plus the point at infinity)
@@ -209,6 +210,17 @@ def plan_winograd(geom: ConvGeom, cores: int = 2, tuning: dict | None = None) ->
     split of that image (so the plan, but for ``num_tiles = N x tiles_per_image``, does not
     depend on the batch). ``tuning`` overrides: m, MR, NV, PT, CH, CB."""
     tun = dict(FORCE_TUNING if tuning is None else tuning)
+    if not tun:     # a pure function of the geometry: kept across processes
+        return _plan_winograd_default(geom, cores)
+    return _plan_winograd(geom, cores, tun)
+
+
+@persistent("plan_winograd")
+def _plan_winograd_default(geom: ConvGeom, cores: int) -> WinoPlan:
+    return _plan_winograd(geom, cores, {})
+
+
+def _plan_winograd(geom: ConvGeom, cores: int, tun: dict) -> WinoPlan:
     m = tun.get("m", 2)
     a = m + 2
     M, C = geom.M, geom.C

@@ -1,0 +1,82 @@
+"""Planner results kept across processes: a warm compile does not plan again.
+
+The conv and Winograd planners search their tile grids in Python (tens of ms per
+distinct convolution); their default plans are pure functions of the geometry, the
+core count and the host, so `persistent` keeps them in memory and, checksummed, in the
+cache directory (``plans/``), keyed by the planner, its arguments, the host target and
+cannc's sources (`source_digest`: a changed planner never reuses old plans). A
+missing, damaged or unreadable file only costs the planning.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import pickle
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .. import config
+from ..native.target import host, read_checksummed, write_checksummed
+
+_MAGIC = b"CNCPLAN1\n"
+F = TypeVar("F", bound=Callable[..., Any])
+_source_digest: str | None = None
+
+
+def source_digest() -> str:
+    """A digest of cannc's own sources: a changed emitter never reuses old entries."""
+    global _source_digest
+    if _source_digest is None:
+        root = Path(__file__).resolve().parent.parent
+        h = hashlib.sha256()
+        for p in sorted(root.rglob("*.py")):
+            h.update(str(p.relative_to(root)).encode())
+            h.update(p.read_bytes())
+        _source_digest = h.hexdigest()[:16]
+    return _source_digest
+
+
+def persistent(name: str) -> Callable[[F], F]:
+    """Memoise a pure planner of hashable, picklable arguments in memory and in the cache
+    directory (``<cache>/plans/<digest>``)."""
+    def wrap(fn: F) -> F:
+        memory: dict[tuple, Any] = {}
+        lock = threading.Lock()
+
+        @functools.wraps(fn)
+        def planned(*args: Any) -> Any:
+            k = (host().fingerprint, *args)
+            with lock:
+                if k in memory:
+                    return memory[k]
+            root = config.cache_dir()
+            path = None
+            if root is not None:
+                h = hashlib.sha256(f"{name}|{host().fingerprint}|{source_digest()}".encode())
+                h.update(pickle.dumps(args, protocol=4))
+                path = Path(root) / "plans" / h.hexdigest()[:32]
+                data = read_checksummed(path, _MAGIC)
+                if data:
+                    try:
+                        got = pickle.loads(data)
+                    except Exception:          # a stale or foreign file: plan again
+                        got = None
+                    if got is not None:
+                        with lock:
+                            memory[k] = got
+                        return got
+            got = fn(*args)
+            if path is not None:
+                write_checksummed(path, _MAGIC, pickle.dumps(got, protocol=4))
+            with lock:
+                if len(memory) > 4096:
+                    memory.clear()
+                memory[k] = got
+            return got
+
+        planned.cache_clear = memory.clear  # type: ignore[attr-defined]
+        return planned  # type: ignore[return-value]
+    return wrap
