@@ -128,7 +128,7 @@ class OpDef:
     check: CheckFn | None = None              # extra support check, returns a reason or None
     value_check: ValueCheckFn | None = None   # support check on constant input values
     flops: FlopsFn | None = None
-    reference: Callable[..., list[np.ndarray]] | None = None
+    reference: Callable[..., list[np.ndarray] | None] | None = None   # None: onnx.reference
     fusible: bool = False
     doc: str = ""
     # -- typed per-op behaviour (what passes, the compiler and the faces ask) ------------

@@ -50,7 +50,9 @@ def reference_eval(graph: Graph, n: Node,
     opset; one array per output (None for an absent optional output)."""
     op = lookup(n.op_type, n.domain)
     if op is not None and op.reference is not None:
-        return op.reference(n, inputs)
+        got = op.reference(n, inputs)
+        if got is not None:       # (None: a case the op's own reference leaves to onnx's)
+            return got
     if op is not None and op.category in MAP_CATEGORIES and inputs and all(
             a is None or np.ndim(a) == 0 for a in inputs):
         # elementwise over scalars: as 1-element arrays (some onnx.reference kernels,

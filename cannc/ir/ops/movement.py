@@ -39,7 +39,22 @@ def _reg(name: str, dtypes: frozenset[str] = ALL, check: Any = None,
 
 
 _reg("Transpose", doc="strided copy; blocked in-register transpose")
-_reg("Concat", doc="one copy per input, one kernel")
+def _concat_reference(n: Node, inputs: list) -> list[np.ndarray] | None:
+    """np.concatenate for the constant folder; None (the general evaluator) for anything
+    unusual."""
+    xs = [x for x in inputs if x is not None]
+    axis = n.attrs.get("axis")
+    if (not xs or axis is None or not all(isinstance(x, np.ndarray) for x in xs)
+            or len({x.dtype for x in xs}) != 1 or len({x.ndim for x in xs}) != 1
+            or not -xs[0].ndim <= int(axis) < xs[0].ndim):
+        return None
+    try:
+        return [np.concatenate(xs, axis=int(axis))]
+    except ValueError:
+        return None
+
+
+_reg("Concat", doc="one copy per input, one kernel", reference=_concat_reference)
 
 
 def _split_check(n: Node, ins: list[Any], outs: list[Any]) -> str | None:
@@ -117,7 +132,23 @@ _reg("Pad", check=_pad_check, doc="constant/reflect/edge/wrap; copy + fill piece
      value_inputs=(1, 3), reference=pad_reference)
 
 
-_reg("Gather", doc="runtime indices, checked natively (out of range: zeros)")
+def _gather_reference(n: Node, inputs: list) -> list[np.ndarray] | None:
+    """np.take for the constant folder when every index is in range; None (the general
+    evaluator) otherwise."""
+    if len(inputs) < 2 or not all(isinstance(x, np.ndarray) for x in inputs[:2]):
+        return None
+    x, idx = inputs[0], inputs[1]
+    axis = int(n.attrs.get("axis", 0))
+    if x.ndim == 0 or not -x.ndim <= axis < x.ndim or idx.dtype.kind not in "iu":
+        return None
+    d = x.shape[axis]
+    if idx.size and (idx.min() < -d or idx.max() >= d):
+        return None
+    return [np.take(x, idx.astype(np.int64), axis=axis)]
+
+
+_reg("Gather", doc="runtime indices, checked natively (out of range: zeros)",
+     reference=_gather_reference)
 
 
 def _gather_elements_reference(n: Any, inputs: list) -> list[np.ndarray]:
