@@ -42,12 +42,13 @@ from .compiler.pipeline import DEFAULT_PIPELINE, PIPELINES
 from .compiler.report import support_report
 from .compiler.shapes import Shapes, complete_input_shapes, type_string
 from .compiler.support import supported_ops
-from .compiler.tune import tune_gemms
+from .compiler.tune import gemm_items, tune_gemms
 from .config import fmt_bytes
 from .custom_op import load_ops_file
 from .errors import CacheError, CanncError, InputError, ModelError
 from .export import save_fused_graph
 from .passes.precision import PRECISIONS
+from .progress import show_progress
 from .schedule.machine import cpu_model, usable_cores
 from .session import Session, load
 from .sidebyside import LABELS, bench, compare, ort_run, ort_session
@@ -546,32 +547,38 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------
 
 class _Progress:
-    """One status line on stderr: rewritten in place (\r) on a terminal, otherwise
-    printed as plain lines at most every few seconds."""
+    """tune's progress on stderr: on a terminal a tqdm bar of the GEMMs (what is being
+    measured and the time spent in its postfix); elsewhere plain status lines, one per
+    GEMM and at most every few seconds between."""
 
-    def __init__(self, budget: float, stream: Any = None, every: float = 5.0) -> None:
+    def __init__(self, budget: float, total: int, stream: Any = None,
+                 every: float = 5.0) -> None:
         self.stream = stream or sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.budget, self.every = budget, every
         self.t0 = time.perf_counter()
         self.last = -every
-        self.width = 0
+        self.bar = None
+        self.gemms = 0
+        if total and bool(getattr(self.stream, "isatty", lambda: False)()):
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc="tune", unit="GEMM", file=self.stream,
+                            leave=False, dynamic_ncols=True)
 
     def update(self, text: str, force: bool = False) -> None:
         now = time.perf_counter() - self.t0
-        line = f"tune: {text}; {now:.1f}/{self.budget:.0f} s"
-        if self.tty:
-            self.stream.write("\r" + line.ljust(self.width))
-            self.width = max(self.width, len(line))
-            self.stream.flush()
+        status = f"{text}; {now:.1f}/{self.budget:.0f} s"
+        if self.bar is not None:
+            if force and self.gemms:        # a new GEMM: the one before it is done
+                self.bar.update(1)
+            self.gemms += force
+            self.bar.set_postfix_str(status)
         elif force or now - self.last >= self.every:
-            print(line, file=self.stream, flush=True)
+            print(f"tune: {status}", file=self.stream, flush=True)
             self.last = now
 
     def done(self) -> None:
-        if self.tty and self.width:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self.bar is not None:
+            self.bar.close()
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -583,7 +590,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     sess = _open(args.model, cores=threads)
     prog = _specialize(sess, dict(args.shape or []))
-    progress = _Progress(args.budget)
+    progress = _Progress(args.budget, len(gemm_items(prog.spec.kernels)))
     results = tune_gemms(prog.spec.kernels, threads, t_start + args.budget, path=path,
                          progress=lambda text, force: progress.update(text, force=force),
                          min_speedup=1.0 + args.min_gain / 100)
@@ -956,7 +963,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for f in getattr(args, "ops", None) or ():
             load_ops_file(f)
-        return int(args.func(args))
+        with show_progress():     # long compiles draw their stages on a terminal
+            return int(args.func(args))
     except CanncError as e:
         if debug:
             traceback.print_exc()

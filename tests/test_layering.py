@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1] / "cannc"
 # layer of a module: the longest matching prefix wins
 LAYER_OF = {
     "cannc.errors": "base", "cannc.config": "base", "cannc._version": "base",
+    "cannc.progress": "base",
     "cannc.ir": "ir",
     "cannc.te": "ir",            # tensor expressions of custom ops: no LLVM
     "cannc.native": "native",

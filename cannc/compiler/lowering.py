@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import progress
 from ..artifact import Kernel, Tiling
 from ..codegen.kernel import ConstRef, LowerCtx, apply_recipe, finish
 from ..codegen.lower import Lowering, lowering_for
@@ -48,21 +49,25 @@ def lower_graph(g: Graph, cache: ObjectCache | None = None, memo: LoweringMemo |
             v = aliases[v]
         return v
 
-    for n in g.nodes():
-        op = lookup(n.op_type, n.domain)
-        assert op is not None
-        if op.category == Category.VIEW:
-            src = root(n.inputs[0])
-            for o in n.outputs[:1]:
-                aliases[o] = src
-            continue
-        try:
-            kernels.append(lw.lower_node(g, n, op, root, constants))
-        except CanncError:
-            raise
-        except Exception as e:   # (tiling, memo keys, ...: anything around the lowering)
-            raise CompileError(f"lowering {n.op_type} at node '{n.name}' failed: "
-                               f"{type(e).__name__}: {e}") from e
+    nodes = [(n, lookup(n.op_type, n.domain)) for n in g.nodes()]
+    with progress.stage("kernels lowered", sum(
+            op is not None and op.category != Category.VIEW for _, op in nodes),
+            "kernel") as shown:
+        for n, op in nodes:
+            assert op is not None
+            if op.category == Category.VIEW:
+                src = root(n.inputs[0])
+                for o in n.outputs[:1]:
+                    aliases[o] = src
+                continue
+            try:
+                kernels.append(lw.lower_node(g, n, op, root, constants))
+            except CanncError:
+                raise
+            except Exception as e:   # (tiling, memo keys, ...: anything around the lowering)
+                raise CompileError(f"lowering {n.op_type} at node '{n.name}' failed: "
+                                   f"{type(e).__name__}: {e}") from e
+            shown.advance()
     return kernels, aliases, constants, lw.modules, lw.objects
 
 
@@ -236,9 +241,14 @@ def onnx_origin(n: Node) -> tuple[list[str], list[str]]:
 
 def compile_modules(modules: dict[str, str], cache: ObjectCache) -> dict[str, bytes]:
     items = sorted(modules.items())
-    if len(items) <= 1:
-        return {s: cache.compile(t, s) for s, t in items}
-    workers = min(len(items), max(1, os.cpu_count() or 1))
-    with ThreadPoolExecutor(max_workers=workers) as ex:
-        objs = list(ex.map(lambda st: cache.compile(st[1], st[0]), items))
+    with progress.stage("LLVM", len(items), "module") as shown:
+        def one(st: tuple[str, str]) -> bytes:
+            obj = cache.compile(st[1], st[0])
+            shown.advance()
+            return obj
+        if len(items) <= 1:
+            return {s: one((s, t)) for s, t in items}
+        workers = min(len(items), max(1, os.cpu_count() or 1))
+        with ThreadPoolExecutor(max_workers=workers) as ex:
+            objs = list(ex.map(one, items))
     return {s: o for (s, _), o in zip(items, objs)}

@@ -21,7 +21,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from .. import config
+from .. import config, progress
 from ..errors import CanncError, CompileError
 from ..ir.graph import Graph, verify
 
@@ -149,8 +149,14 @@ class PassManager:
             except AssertionError as e:
                 raise CompileError(f"IR invalid before pass '{self._resolved[0].name}': "
                                    f"{e}") from e
+        with progress.stage("passes", len(self._resolved), "pass") as shown:
+            self._run(graph, shown)
+        return graph
+
+    def _run(self, graph: Graph, shown: progress.Stage) -> None:
         for p, ctx in zip(self._resolved, self._contexts):
             name = p.name
+            shown.advance(0, name)
             t0 = time.perf_counter()
             try:
                 changed = bool(p.fn(graph, ctx))
@@ -175,4 +181,4 @@ class PassManager:
                     d = Path(self.dump_dir)
                     d.mkdir(parents=True, exist_ok=True)
                     (d / f"after_{name}.txt").write_text(text)
-        return graph
+            shown.advance()
