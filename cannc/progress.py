@@ -2,8 +2,8 @@
 
 The compiler reports stages (`stage(desc, total, unit)`, then `advance()` per step):
 the passes, the kernels lowered of the total and the LLVM modules compiled. Nothing is
-shown unless a caller turned reporting on with `show_progress()` (the CLI does, for
-`compile`, `run`, `profile`, `inspect` and `tune`; `cannc.compile` in Python stays quiet), and then
+shown unless a caller turned reporting on with `show_progress()` (the CLI does, around
+every verb; `cannc.compile` in Python stays quiet), and then
 only once the compile has taken `delay` seconds (2 by default: a warm compile shows
 nothing) and only on a terminal (tqdm disables itself when the stream is not one, so
 logs and pipes get no control characters; `force=True` draws anyway, for tests).
