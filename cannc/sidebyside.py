@@ -231,7 +231,11 @@ class ServedWorker:
         except OSError as e:
             self._err.close()
             raise WorkerError(engine, f"cannot start {cmd[0]}: {e}") from None
-        self.ready = self._reply()     # status "ready", "skipped" (then it has exited)
+        try:
+            self.ready = self._reply()     # status "ready", "skipped" (then it has exited)
+        except WorkerError:
+            self.close()
+            raise
 
     def _stderr(self) -> str:
         self._err.seek(0)
@@ -242,9 +246,9 @@ class ServedWorker:
         with selectors.DefaultSelector() as sel:
             sel.register(self.proc.stdout, selectors.EVENT_READ)
             if not sel.select(self.timeout):
+                err = self._stderr()
                 self.close()
-                raise WorkerError(self.engine, f"timed out after {self.timeout:g} s",
-                                  self._stderr())
+                raise WorkerError(self.engine, f"timed out after {self.timeout:g} s", err)
         line = self.proc.stdout.readline()
         rep = None
         if line.startswith("{"):
@@ -309,11 +313,12 @@ class ServedWorker:
         return rep
 
     def close(self) -> None:
+        """Kill the worker if it still runs and release its pipes (idempotent)."""
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
         for f in (self.proc.stdin, self.proc.stdout):
-            if f:
+            if f and not f.closed:
                 f.close()
         self._err.close()
 

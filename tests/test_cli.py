@@ -337,6 +337,17 @@ def test_served_worker_that_dies_names_engine_and_stderr(tmp_path):
     assert "Aborted" in str(ei.value)
 
 
+def test_served_worker_that_hangs_times_out_with_its_stderr(tmp_path):
+    from cannc.sidebyside import ServedWorker, WorkerError
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'loading the model' >&2\nsleep 30\n")
+    fake.chmod(0o755)
+    with pytest.raises(WorkerError) as ei:
+        ServedWorker("ort", "m.onnx", "f.npz", threads=1, warmup=0, python=str(fake),
+                     timeout=0.5)
+    assert "timed out after 0.5 s" in str(ei.value) and "loading the model" in str(ei.value)
+
+
 def test_bench_outputs_disagree_exit_1(small, capsys, monkeypatch):
     import cannc.sidebyside as sbs
     real = sbs.load_arrays
