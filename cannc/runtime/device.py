@@ -19,6 +19,7 @@ share.
 from __future__ import annotations
 
 import atexit
+import collections
 import ctypes
 import os
 import threading
@@ -153,6 +154,11 @@ class Device:
         self.cores = n
         self._mem_lock = threading.Lock()
         self._used: dict[str, int] = {}
+        # (kind, bytes) of buffers collected since the last accounting: a buffer's
+        # finalizer may run inside any allocation -- a garbage collection triggered while
+        # this thread holds _mem_lock -- so it only appends here and never takes the lock
+        # (taking it deadlocked a test worker inside malloc)
+        self._freed: collections.deque[tuple[str, int]] = collections.deque()
         self.peak_bytes = 0
         self._pool = _Pool(n) if n > 1 else None
         _live.add(self)
@@ -173,18 +179,28 @@ class Device:
         """Page-aligned device memory; accounted by kind until the buffer is collected."""
         buf = aligned_empty(int(nbytes))
         with self._mem_lock:
+            self._account_freed()
             self._used[kind] = self._used.get(kind, 0) + int(nbytes)
             self.peak_bytes = max(self.peak_bytes, sum(self._used.values()))
         weakref.finalize(buf.base if buf.base is not None else buf, self._free, kind, int(nbytes))
         return buf
 
     def _free(self, kind: str, nbytes: int) -> None:
-        with self._mem_lock:
+        self._freed.append((kind, nbytes))      # (a finalizer: no lock, see __init__)
+
+    def _account_freed(self) -> None:
+        """Subtract the buffers collected so far (the caller holds _mem_lock)."""
+        while True:
+            try:
+                kind, nbytes = self._freed.popleft()
+            except IndexError:
+                return
             self._used[kind] = self._used.get(kind, 0) - nbytes
 
     def mem_info(self) -> dict[str, int]:
         """Bytes of device memory in use, by kind and in total, and the peak."""
         with self._mem_lock:
+            self._account_freed()
             info = {f"{k}_bytes": v for k, v in self._used.items()}
             info["used_bytes"] = sum(self._used.values())
             info["peak_bytes"] = self.peak_bytes

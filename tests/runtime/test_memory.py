@@ -69,3 +69,30 @@ def test_plan_is_made_at_compile_time_and_read_by_the_runtime():
     assert spec.memory.lower_bound_bytes <= spec.memory.arena_bytes < spec.memory.naive_bytes
     # planning again gives the same plan
     assert plan_memory(spec.graph, spec.kernels, spec.aliases, spec.constants) == spec.memory
+
+
+def test_a_buffer_collected_while_the_memory_lock_is_held_does_not_deadlock():
+    # a garbage collection can run a buffer's finalizer inside Device.malloc, where the
+    # thread holds the memory lock: the finalizer must not wait for that lock (it did,
+    # and hung an xdist worker for good)
+    import gc
+    import threading
+
+    from cannc.runtime.device import Device
+    dev = Device(cores=1)
+    done = threading.Event()
+
+    def finalizer_under_the_lock():
+        with dev._mem_lock:
+            dev._free("other", 4096)
+        done.set()
+    t = threading.Thread(target=finalizer_under_the_lock, daemon=True)
+    t.start()
+    t.join(10)
+    assert done.is_set(), "a finalizer run under the memory lock deadlocked"
+    assert dev.mem_info().get("other_bytes") == -4096
+    b = dev.malloc(8192, "weights")
+    used = dev.mem_info()["weights_bytes"]
+    del b
+    gc.collect()
+    assert dev.mem_info()["weights_bytes"] == used - 8192
