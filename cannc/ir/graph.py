@@ -119,11 +119,9 @@ class Graph:
     def nodes(self) -> Iterator[Node]:
         # the order is kept until a node is added or removed (passes and lowering ask
         # for it thousands of times: 0.19 s of a warm MiniLM compile)
-        topo = getattr(self, "_topo", None)     # (a Graph unpickled from an older cannc)
-        if topo is None:
-            topo = self._topo = list(nx.lexicographical_topological_sort(
-                self.g, key=self._order_key))
-        for n in topo:
+        if self._topo is None:
+            self._topo = list(nx.lexicographical_topological_sort(self.g, key=self._order_key))
+        for n in self._topo:
             yield self.node(n)
 
     def _order_key(self, name: str) -> Any:
@@ -158,8 +156,7 @@ class Graph:
         g._producer = dict(self._producer)
         g._consumers = {k: set(v) for k, v in self._consumers.items()}
         g._counter = self._counter
-        topo = getattr(self, "_topo", None)
-        g._topo = list(topo) if topo is not None else None
+        g._topo = list(self._topo) if self._topo is not None else None
         return g
 
     def used_values(self) -> set[str]:
