@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from . import config
+from . import config, progress
 from ._version import __version__
 from .compiler.inspect import annotate_profile
 from .compiler.pipeline import DEFAULT_PIPELINE, PIPELINES
@@ -547,9 +547,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------
 
 class _Progress:
-    """tune's progress on stderr: on a terminal a tqdm bar of the GEMMs (what is being
-    measured and the time spent in its postfix); elsewhere plain status lines, one per
-    GEMM and at most every few seconds between."""
+    """tune's progress on stderr: on a terminal a bar of the GEMMs (cannc.progress; what is
+    being measured and the time spent in its postfix); elsewhere plain status lines, one
+    per GEMM and at most every few seconds between."""
 
     def __init__(self, budget: float, total: int, stream: Any = None,
                  every: float = 5.0) -> None:
@@ -557,28 +557,23 @@ class _Progress:
         self.budget, self.every = budget, every
         self.t0 = time.perf_counter()
         self.last = -every
-        self.bar = None
         self.gemms = 0
-        if total and bool(getattr(self.stream, "isatty", lambda: False)()):
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, desc="tune", unit="GEMM", file=self.stream,
-                            leave=False, dynamic_ncols=True)
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.bar = progress.stage("tune", total, "GEMM") if self.tty else progress.Stage()
 
     def update(self, text: str, force: bool = False) -> None:
         now = time.perf_counter() - self.t0
         status = f"{text}; {now:.1f}/{self.budget:.0f} s"
-        if self.bar is not None:
-            if force and self.gemms:        # a new GEMM: the one before it is done
-                self.bar.update(1)
+        if self.tty:
+            # a new GEMM (force): the one before it is done
+            self.bar.advance(1 if force and self.gemms else 0, status)
             self.gemms += force
-            self.bar.set_postfix_str(status)
         elif force or now - self.last >= self.every:
             print(f"tune: {status}", file=self.stream, flush=True)
             self.last = now
 
     def done(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self.bar.close()
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -590,11 +585,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     sess = _open(args.model, cores=threads)
     prog = _specialize(sess, dict(args.shape or []))
-    progress = _Progress(args.budget, len(gemm_items(prog.spec.kernels)))
+    status = _Progress(args.budget, len(gemm_items(prog.spec.kernels)))
     results = tune_gemms(prog.spec.kernels, threads, t_start + args.budget, path=path,
-                         progress=lambda text, force: progress.update(text, force=force),
+                         progress=lambda text, force: status.update(text, force=force),
                          min_speedup=1.0 + args.min_gain / 100)
-    progress.done()
+    status.done()
     elapsed = time.perf_counter() - t_start
     if args.json:
         _print_json({"model": args.model, "cache": str(path), "threads": threads,

@@ -54,7 +54,11 @@ class Stage:
             return
         with _lock:
             if note is not None:
-                self._bar.set_postfix_str(note, refresh=False)
+                # a new note alone is drawn now (update(0) would not), once the bar's
+                # delay has passed (a refresh draws regardless of it)
+                b = self._bar
+                shown = not b.disable and time.time() - b.start_t >= b.delay
+                b.set_postfix_str(note, refresh=n == 0 and shown)
             self._bar.update(n)
 
     def close(self) -> None:
