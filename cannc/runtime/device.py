@@ -185,6 +185,19 @@ class Device:
         weakref.finalize(buf.base if buf.base is not None else buf, self._free, kind, int(nbytes))
         return buf
 
+    def account(self, buf: np.ndarray, kind: str) -> None:
+        """Count memory that is not Device.malloc's (weights read from the program cache)
+        as device memory of `kind` until `buf`'s memory is collected."""
+        n = int(buf.nbytes)
+        with self._mem_lock:
+            self._account_freed()
+            self._used[kind] = self._used.get(kind, 0) + n
+            self.peak_bytes = max(self.peak_bytes, sum(self._used.values()))
+        owner = buf
+        while isinstance(owner.base, np.ndarray):
+            owner = owner.base
+        weakref.finalize(owner, self._free, kind, n)
+
     def _free(self, kind: str, nbytes: int) -> None:
         self._freed.append((kind, nbytes))      # (a finalizer: no lock, see __init__)
 

@@ -91,10 +91,28 @@ class WeightPool:
             self._bufs[id(a)] = (weakref.ref(a), buf)
             return buf
 
+    def adopt(self, a: np.ndarray) -> np.ndarray:
+        """`a`'s own pages as the device copy, without a copy: for constants that already
+        live in page-aligned memory of their own (a program-cache entry's weights, read
+        by cannc.compiler.snapshot); accounted as device weights while they live."""
+        with self._lock:
+            hit = self._bufs.get(id(a))
+            if hit is not None and hit[0]() is a:
+                return hit[1]
+            buf = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+            if buf.ctypes.data % ALIGN:
+                buf = None
+        if buf is None:
+            return self.upload(a)
+        self.device.account(buf, "weights")
+        with self._lock:
+            self._bufs[id(a)] = (weakref.ref(a), buf)
+        return buf
+
 
 class Program:
     def __init__(self, spec: Specialization, device: Device, dispatcher_obj: bytes,
-                 pool: WeightPool | None = None) -> None:
+                 pool: WeightPool | None = None, adopt: bool = False) -> None:
         self.spec = spec
         self.device = device
         g = spec.graph
@@ -104,7 +122,8 @@ class Program:
         self.pool = pool if pool is not None else WeightPool(device)
         used = list(dict.fromkeys(v for k in kernels for v in k.inputs
                                   if v and v in spec.constants))
-        self.wbuf = {c: self.pool.upload(spec.constants[c]) for c in used}
+        put = self.pool.adopt if adopt else self.pool.upload
+        self.wbuf = {c: put(spec.constants[c]) for c in used}
         self.waddr = {c: b.ctypes.data for c, b in self.wbuf.items()}
         self.weights_bytes = sum(align_up(max(spec.constants[c].nbytes, 1)) for c in used)
 
