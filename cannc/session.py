@@ -22,8 +22,8 @@ import onnx
 from ._version import __version__
 from .accuracy import accuracy_guard
 from .artifact import Specialization
-from .compiler import PIPELINES, CompileOptions
-from .compiler.control import ControlProgram, compile_program
+from .compiler import PIPELINES, CompileOptions, snapshot
+from .compiler.control import ControlProgram, check_memory_budget, compile_program
 from .compiler.inspect import inspect_report
 from .compiler.inspect import without_fusion as without_fusion_figures
 from .compiler.shapes import (
@@ -33,8 +33,9 @@ from .compiler.shapes import (
     value_deciding_inputs,
 )
 from .config import check_size
-from .errors import CacheError, CanncError, CompileError, InputError, ShapeError
+from .errors import CacheError, CanncError, CompileError, InputError, ModelError, ShapeError
 from .frontend import import_model, load_model_proto
+from .ir.graph import Graph
 from .ir.registry import Amp
 from .ir.types import onnx_type_string
 from .native.target import ObjectCache, default_cache, elf_symbols, host
@@ -42,7 +43,7 @@ from .passes.fusion import RULES
 from .passes.precision import LIST_KINDS, PRECISIONS, PrecisionOptions
 from .runtime.device import shared_device
 from .runtime.profiler import Profile, profile
-from .runtime.program import Program, WeightPool
+from .runtime.program import Program, WeightPool, dispatcher_object
 from .runtime.stream import Event, is_pinned
 
 # Compiled specialisations kept per session for models with value-deciding inputs (one per
@@ -84,21 +85,48 @@ class Session:
             raise CanncError(f"unknown pipeline {pipeline!r}; choose one of "
                              f"{', '.join(PIPELINES)}")
         fusion = _fusion_switches(fusion)
-        proto, _ = load_model_proto(model)
-        self._proto = proto                      # serialised only when saved
+        dump_after = set(dump_after)
         # the model's file (or the .cnc's, see load), named by reports
         self.source: str | None = str(model) if isinstance(model, (str, PathLike)) else None
-        self.graph, _ = import_model(proto)
+        self._model_ref = model if isinstance(model, (str, PathLike, bytes)) else None
+        self._graph_lock = threading.RLock()
+        self._precision_args = (precision, precision_lists, keep_fp32)
         pass_options = dict(pass_options or {})
-        amp = precision_pass_options(self.graph, precision, precision_lists, keep_fp32)
-        if amp is not None:
-            if "mixed_precision" in pass_options:
-                raise CanncError("give the precision options as precision=, precision_lists= "
-                                 "and keep_fp32=, or as pass_options['mixed_precision'], "
-                                 "not both")
-            pass_options["mixed_precision"] = amp
+        # a whole compiled program kept from an earlier process (compiler.snapshot): on a
+        # hit the model is not even parsed until something needs its graph
+        self._snap_options: dict[str, Any] | None = None
+        self._digest: str | None = None
+        snap = None
+        if cache is None and accuracy is None and not dump_after \
+                and self._model_ref is not None and snapshot.root() is not None:
+            self._digest = snapshot.model_digest(model)
+            if self._digest is not None:
+                self._snap_options = {
+                    "cores": shared_device(cores).cores, "pipeline": pipeline,
+                    "fusion": fusion, "pass_options": pass_options, "precision": precision,
+                    "precision_lists": precision_lists, "keep_fp32": keep_fp32}
+                if eager:
+                    snap = snapshot.load(self._snapshot_key(
+                        "given", {k: list(v) for k, v in given_shapes(shapes).items()}))
+        self._proto: onnx.ModelProto | None = None       # serialised only when saved
+        self._graph: Graph | None = None
+        if snap is None:
+            proto, _ = load_model_proto(model)
+            self._proto = proto
+            self._graph, _ = import_model(proto)
+            amp = precision_pass_options(self._graph, precision, precision_lists, keep_fp32)
+            if amp is not None:
+                if "mixed_precision" in pass_options:
+                    raise CanncError("give the precision options as precision=, "
+                                     "precision_lists= and keep_fp32=, or as "
+                                     "pass_options['mixed_precision'], not both")
+                pass_options["mixed_precision"] = amp
+            self._io = snapshot.io_face(self._graph)
+            self._num_nodes = self._graph.num_nodes()
+        else:
+            self._io, self._num_nodes = snap.face, snap.num_nodes
         self.options = CompileOptions(pipeline=pipeline,
-                                      dump_after=set(dump_after), cache=cache, fusion=fusion,
+                                      dump_after=dump_after, cache=cache, fusion=fusion,
                                       pass_options=pass_options)
         self.options.pass_manager()   # a misspelt pass, option or dump name fails here
         self.device = shared_device(cores)
@@ -118,26 +146,79 @@ class Session:
         # scales, Slice starts... fed at run time): their values are part of the program key
         # and they become constants of the specialisation; every other input stays a
         # runtime input of native code (cannc.compiler.shapes.value_deciding_inputs)
-        self._value_inputs: tuple[str, ...] = value_deciding_inputs(self.graph)
+        self._value_inputs: tuple[str, ...] = (
+            () if snap is not None else value_deciding_inputs(self.graph))
         # input shapes (tuples per input) a full check has accepted, and the dtypes
         self._accepted: set[tuple] = set()
-        self._in_dtypes = [np.dtype(self.graph.values[n].dtype) for n in self.graph.inputs]
+        io = self._io
+        self._in_dtypes = [np.dtype(io.values[n].dtype) for n in io.inputs]
         self._last_values: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
         self._pipe: dict[str, Any] | None = None
         self._compute_log: list[tuple[float, float]] | None = None
         self.inflight = inflight
-        self._inputs = [NodeArg(n, list(self.graph.values[n].shape),
-                                onnx_type_string(self.graph.values[n].dtype))
-                        for n in self.graph.inputs]
+        self._inputs = [NodeArg(n, list(io.values[n].shape),
+                                onnx_type_string(io.values[n].dtype))
+                        for n in io.inputs]
         self._outputs = []
-        for n in self.graph.outputs:
-            t = self.graph.values.get(n)
+        for n in io.outputs:
+            t = io.values.get(n)
             self._outputs.append(NodeArg(n, list(t.shape) if t else [],
                                          onnx_type_string(t.dtype) if t else "tensor(float)"))
-        if eager and not self._value_inputs:
+        if snap is not None:
+            shp = self._default_shapes(shapes or {})
+            key = tuple(tuple(int(d) for d in shp[n]) for n in self._io.inputs)
+            self._programs[key] = self._adopt(snap)
+        elif eager and not self._value_inputs:
             # (with value-deciding inputs, each run's values pick the specialisation)
-            self.specialize(self._default_shapes(shapes or {}))
+            prog = self.specialize(self._default_shapes(shapes or {}))
+            if self._snap_options is not None and isinstance(prog, Program):
+                snapshot.store(self._snapshot_key(
+                    "given", {k: list(v) for k, v in given_shapes(shapes).items()}),
+                    prog.spec, self._io, self._num_nodes)
+
+    def _snapshot_key(self, kind: str, shapes: Any) -> str:
+        assert self._digest is not None and self._snap_options is not None
+        return snapshot.program_key(self._digest, {**self._snap_options, kind: shapes})
+
+    def _adopt(self, snap: snapshot.Snapshot) -> Program:
+        """The program of a stored specialisation (its weights are the entry's mapped
+        pages: WeightPool.adopt)."""
+        spec = snap.spec
+        check_memory_budget(spec, self.device.cores)
+        return Program(spec, self.device, dispatcher_object(), pool=self._weights, adopt=True)
+
+    @property
+    def graph(self) -> Graph:
+        """The model's graph as imported (parsed on first use after a program-cache hit)."""
+        if self._graph is None:
+            self._load_graph()
+        assert self._graph is not None
+        return self._graph
+
+    def _load_graph(self) -> None:
+        with self._graph_lock:
+            if self._graph is not None:
+                return
+            if self._digest is not None and snapshot.model_digest(self._model_ref) != \
+                    self._digest:
+                raise ModelError(f"the model {self.source or '(bytes)'} changed after this "
+                                 "session was created from its compiled program: it cannot "
+                                 "be compiled for other shapes or inspected; create the "
+                                 "session again")
+            proto, _ = load_model_proto(self._model_ref)
+            graph, _ = import_model(proto)
+            amp = precision_pass_options(graph, *self._precision_args)
+            if amp is not None:
+                self.options.pass_options.setdefault("mixed_precision", amp)
+            self._proto = proto
+            self._graph = graph
+
+    def _model_proto(self) -> onnx.ModelProto:
+        if self._proto is None:
+            self._load_graph()
+        assert self._proto is not None
+        return self._proto
 
     # -- onnxruntime-compatible API ------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:
@@ -155,7 +236,7 @@ class Session:
         names = self._check_output_names(output_names)
         prog = self._program(key, feeds)
         outs = prog.execute({k: v for k, v in feeds.items() if k in prog.input_names})
-        by_name = dict(zip(self.graph.outputs, outs))
+        by_name = dict(zip(self._io.outputs, outs))
         return [by_name[n] for n in names]
 
     def run_async(self, output_names: Sequence[str] | None, input_feed: dict[str, Any]
@@ -219,7 +300,7 @@ class Session:
                     outs.append(host)
                 for f in futs:
                     f.result()
-                by_name = dict(zip(self.graph.outputs, outs))
+                by_name = dict(zip(self._io.outputs, outs))
                 fut.set_result([by_name[n] for n in names])
             except BaseException as e:
                 fut.set_exception(e)
@@ -246,7 +327,7 @@ class Session:
 
         def job() -> None:
             try:
-                by_name = dict(zip(self.graph.outputs, prog.execute(feeds)))
+                by_name = dict(zip(self._io.outputs, prog.execute(feeds)))
                 fut.set_result([by_name[n] for n in names])
             except BaseException as e:
                 fut.set_exception(e)
@@ -305,7 +386,7 @@ class Session:
                              "kernel list; its segments and subgraphs are compiled on first "
                              "use")
         rep = inspect_report(prog, cores=self.cores, pipeline=self.options.pipeline,
-                             input_shapes=full, onnx_nodes=self.graph.num_nodes(),
+                             input_shapes=full, onnx_nodes=self._num_nodes,
                              fusion=self.options.fusion)
         rep["model"] = self.source
         rep["precision"] = self._precision_of(prog)
@@ -321,7 +402,7 @@ class Session:
                         f"evicted beyond {MAX_VALUE_PROGRAMS}); every other input is a "
                         "runtime input"}
         if without_fusion and self.options.fusion is not False:
-            base = Session(self._proto, cores=self.cores, pipeline=self.options.pipeline,
+            base = Session(self._model_proto(), cores=self.cores, pipeline=self.options.pipeline,
                            eager=False, cache=self.options.cache, fusion=False)
             rep["fusion"]["without_fusion"] = without_fusion_figures(base.inspect(
                 full, values=prog.spec.values or None, without_fusion=False))
@@ -365,7 +446,7 @@ class Session:
         """The program for these input shapes (compiled if need be). A model with
         value-deciding inputs (`value_inputs` of inspect's report) needs their `values`."""
         shapes = self._default_shapes(shapes)   # checked against the declared shapes
-        key = tuple(tuple(int(d) for d in shapes[n]) for n in self.graph.inputs)
+        key = tuple(tuple(int(d) for d in shapes[n]) for n in self._io.inputs)
         if self._value_inputs:
             missing = [n for n in self._value_inputs if n not in (values or {})]
             if missing:
@@ -374,7 +455,7 @@ class Session:
                                  "time (or give values=)")
             vals = {}
             for n in self._value_inputs:
-                t = self.graph.values[n]
+                t = self._io.values[n]
                 vals[n] = np.asarray(values[n], dtype=t.dtype)
             return self._program(key, vals)
         return self._program(key)
@@ -393,16 +474,25 @@ class Session:
                     self._programs.move_to_end(full)
                     self._last_values = prog.spec.values
                 return prog
-            shapes = dict(zip(self.graph.inputs, key))
+            shapes = dict(zip(self._io.inputs, key))
             for n, v in values.items():
                 if v.size > VALUE_SPECIALISATION_ELEMS:
                     raise ShapeError(
                         f"input '{n}' decides shapes by its values, but has {v.size} elements "
                         f"(at most {VALUE_SPECIALISATION_ELEMS} are specialised on)")
+            # a program compiled by an earlier process for these shapes
+            snap_key = (self._snapshot_key("shapes", [list(s) for s in key])
+                        if self._snap_options is not None and not values else None)
+            snap = snapshot.load(snap_key) if snap_key is not None else None
+            if snap is not None:
+                prog = self._programs[full] = self._adopt(snap)
+                return prog
             # one program, or a host program over compiled ones (runtime control flow)
             prog = compile_program(self.graph, shapes, self.options, self.device,
                                    self._weights,
                                    {n: np.array(v, copy=True) for n, v in values.items()})
+            if snap_key is not None and isinstance(prog, Program):
+                snapshot.store(snap_key, prog.spec, self._io, self._num_nodes)
             spec = prog.spec
             if values:
                 while len(self._programs) >= MAX_VALUE_PROGRAMS:
@@ -431,22 +521,22 @@ class Session:
 
     def _default_shapes(self, shapes: Any) -> dict[str, tuple[int, ...]]:
         given = given_shapes(shapes)
-        unknown = set(given) - set(self.graph.inputs)
+        unknown = set(given) - set(self._io.inputs)
         if unknown:
             raise InputError(f"shapes given for unknown inputs {sorted(unknown, key=str)}; "
-                             f"model inputs: {self.graph.inputs}")
+                             f"model inputs: {self._io.inputs}")
         out = {}
-        for n in self.graph.inputs:
+        for n in self._io.inputs:
             if n in given:
                 shape = given[n]
-                decl = self.graph.values[n].shape
+                decl = self._io.values[n].shape
                 if len(shape) != len(decl) or any(d < 0 for d in shape) or any(
                         isinstance(e, int) and e != d for d, e in zip(shape, decl)):
                     raise InputError(f"shape {list(shape)} given for input '{n}' does not "
                                      f"fit its declared shape {fmt_dims(decl)}")
                 out[n] = shape
             else:
-                out[n] = tuple(d if isinstance(d, int) else 1 for d in self.graph.values[n].shape)
+                out[n] = tuple(d if isinstance(d, int) else 1 for d in self._io.values[n].shape)
         return out
 
     # -- input checking: nothing unchecked reaches native code -------------------------
@@ -455,14 +545,14 @@ class Session:
         # already accepted (the full check below has passed them once)
         if type(feed) is dict and len(feed) == len(self._in_dtypes):
             try:
-                arrs = [feed[n] for n in self.graph.inputs]
+                arrs = [feed[n] for n in self._io.inputs]
             except KeyError:
                 arrs = None
             if arrs is not None and all(type(a) is np.ndarray and a.dtype == dt
                                         for a, dt in zip(arrs, self._in_dtypes)):
                 key = tuple(a.shape for a in arrs)
                 if key in self._accepted:
-                    return dict(zip(self.graph.inputs, arrs)), key
+                    return dict(zip(self._io.inputs, arrs)), key
         feeds, key = self._check_inputs_full(feed)
         if all(type(feeds[n]) is np.ndarray and feeds[n] is feed[n] for n in feeds):
             if len(self._accepted) >= MAX_ACCEPTED_SHAPES:
@@ -473,7 +563,7 @@ class Session:
     def _check_inputs_full(self, feed: dict[str, Any]) -> tuple[dict[str, np.ndarray], tuple]:
         if not isinstance(feed, dict):
             raise InputError(f"inputs must be a dict name -> array, got {type(feed).__name__}")
-        expected = self.graph.inputs
+        expected = self._io.inputs
         unknown = [k for k in feed if k not in expected]
         missing = [k for k in expected if k not in feed]
         if unknown or missing:
@@ -486,7 +576,7 @@ class Session:
         feeds, key, bound = {}, [], {}
         for name in expected:
             arr = feed[name]
-            t = self.graph.values[name]
+            t = self._io.values[name]
             if not isinstance(arr, np.ndarray):
                 try:
                     arr = np.asarray(arr)
@@ -517,13 +607,13 @@ class Session:
 
     def _check_output_names(self, names: Sequence[str] | None) -> list[str]:
         if names is None:
-            return list(self.graph.outputs)
+            return list(self._io.outputs)
         if isinstance(names, str):
             names = [names]
-        bad = [n for n in names if n not in self.graph.outputs]
+        bad = [n for n in names if n not in self._io.outputs]
         if bad:
             raise InputError(f"unknown output name(s) {bad}; the model's outputs are "
-                             f"{self.graph.outputs}")
+                             f"{self._io.outputs}")
         return list(names)
 
     # -- save / load ------------------------------------------------------------------
@@ -547,7 +637,7 @@ class Session:
 
     def _write_artifact(self, path: str | Path, manifest: dict[str, Any]) -> None:
         with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
-            model = self._proto.SerializeToString()
+            model = self._model_proto().SerializeToString()
             manifest["model_sha256"] = hashlib.sha256(model).hexdigest()
             z.writestr("model.onnx", model)
             for prog in self._programs.values():
