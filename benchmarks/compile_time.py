@@ -1,6 +1,7 @@
 """Compile time of a BERT-base-sized encoder: cold, warm, and a new input shape.
 
     python benchmarks/compile_time.py [--model PATH.onnx] [--layers 12] [--runs 3]
+                                      [--json OUT.json]
 
 Without --model it builds the zoo BERT at BERT-base size (hidden 768, 12 heads,
 intermediate 3072, vocab 30522; --layers of them). Every measurement runs in a
@@ -8,10 +9,15 @@ fresh Python process (so nothing is cached in memory) against a fresh cache
 directory for "cold" and the same directory again for "warm":
 
 - cold: `cannc.compile(path)` + the first run at batch 1, seq 128 (code generated);
-- warm: the same in a new process with the object cache and lowering memo filled;
-- new shape: in that warm process, the first run at seq 77 and at batch 4 (no
+- warm: the same in a new process with the caches filled: a hit of the program cache
+  (cannc.compiler.snapshot: nothing parsed or compiled);
+- warm, objects only: the same with the program cache off (CANNC_PROGRAM_CACHE=0): the
+  model parsed and every pass run, the code from the object cache and lowering memo;
+- ORT: onnxruntime.InferenceSession(path) in a fresh process (its "compile");
+- new shape: in the objects-only process, the first run at seq 77 and at batch 4 (no
   code should be generated: the counters of node lowerings and LLVM compiles
-  are printed before and after).
+  are printed before and after; in the warm process these shapes, which the cold one
+  ran, are program-cache hits too).
 """
 
 from __future__ import annotations
@@ -56,9 +62,19 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def run_child(path: str, cache: str) -> dict:
-    env = dict(os.environ, CANNC_CACHE_DIR=cache, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-c", CHILD, path], env=env, check=True,
+ORT_CHILD = textwrap.dedent("""
+    import json, sys, time
+    import onnxruntime as ort
+    t0 = time.perf_counter()
+    ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
+    print(json.dumps({"compile_s": time.perf_counter() - t0}))
+""")
+
+
+def run_child(path: str, cache: str, code: str = CHILD, **env_extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "CANNC_PROGRAM_CACHE"}
+    env.update(CANNC_CACHE_DIR=cache, PYTHONPATH=str(ROOT), **env_extra)
+    out = subprocess.run([sys.executable, "-c", code, path], env=env, check=True,
                          capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -68,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="an ONNX encoder with input_ids/attention_mask inputs")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--runs", type=int, default=3, help="cold/warm pairs (medians reported)")
+    ap.add_argument("--json", help="write the measurements here")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="cannc-compile-time-") as tmp:
         path = args.model
@@ -84,13 +101,17 @@ def main(argv: list[str] | None = None) -> int:
             cache = os.path.join(tmp, f"cache{i}")
             cold = run_child(path, cache)
             warm = run_child(path, cache)
-            rows.append({"cold": cold, "warm": warm})
+            objs = run_child(path, cache, CANNC_PROGRAM_CACHE="0")
+            onnxrt = run_child(path, cache, ORT_CHILD)
+            rows.append({"cold": cold, "warm": warm, "warm_objects": objs, "ort": onnxrt})
             print(f"run {i}: cold compile {cold['compile_s']:.2f} s + first run "
                   f"{cold['first_run_s']:.2f} s | warm compile {warm['compile_s']:.2f} s + first "
-                  f"run {warm['first_run_s']:.2f} s | new seq {warm['new_seq_first_run_s']:.2f} s, "
-                  f"new batch {warm['new_batch_first_run_s']:.2f} s (steady "
-                  f"{warm['steady_run_s']:.2f} s); lowerings/LLVM compiles "
-                  f"{warm['counts_after_first']} -> {warm['counts_end']}", flush=True)
+                  f"run {warm['first_run_s']:.2f} s | objects only {objs['compile_s']:.2f} s + "
+                  f"{objs['first_run_s']:.2f} s | ORT session {onnxrt['compile_s']:.2f} s | "
+                  f"new seq {objs['new_seq_first_run_s']:.2f} s, "
+                  f"new batch {objs['new_batch_first_run_s']:.2f} s (steady "
+                  f"{objs['steady_run_s']:.2f} s); lowerings/LLVM compiles "
+                  f"{objs['counts_after_first']} -> {objs['counts_end']}", flush=True)
 
         def med(which: str, key: str) -> float:
             return statistics.median(r[which][key] for r in rows)
@@ -98,9 +119,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model {Path(path).name} ({size / 2**20:.0f} MiB): median cold compile "
               f"{med('cold', 'compile_s'):.2f} s (+ first run {med('cold', 'first_run_s'):.2f} s), "
               f"warm compile {med('warm', 'compile_s'):.2f} s (+ first run "
-              f"{med('warm', 'first_run_s'):.2f} s); a new sequence length's first run "
-              f"{med('warm', 'new_seq_first_run_s'):.2f} s, a new batch's "
-              f"{med('warm', 'new_batch_first_run_s'):.2f} s")
+              f"{med('warm', 'first_run_s'):.2f} s), objects only "
+              f"{med('warm_objects', 'compile_s'):.2f} s "
+              f"(+ {med('warm_objects', 'first_run_s'):.2f} s); ORT session "
+              f"{med('ort', 'compile_s'):.2f} s; a new sequence length's first run"
+              f" {med('warm_objects', 'new_seq_first_run_s'):.2f} s, a new batch's "
+              f"{med('warm_objects', 'new_batch_first_run_s'):.2f} s")
+        if args.json:
+            sys.path.insert(0, str(ROOT))
+            from cannc.native.target import host
+            from cannc.schedule.machine import family_model, model_name
+            Path(args.json).write_text(json.dumps(
+                {"model": Path(path).name, "model_mib": size / 2**20, "cpu_model": model_name(),
+                 "llvm_cpu": host().cpu, "cpu_family_model": family_model(),
+                 "cores": os.cpu_count(), "rows": rows}, indent=1) + "\n")
     return 0
 
 
