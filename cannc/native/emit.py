@@ -261,9 +261,28 @@ def const_lanes(v: ir.Value, depth: int = 0) -> list[int | None] | None:
     """The lanes of an integer (or i1) vector or scalar that are compile-time constants
     (``None`` where a lane is not known; ``None`` for a value not understood at all).
     Understands constants and the integer arithmetic, compares, selects, shuffles and
-    insertions that codegen builds its masks from (llvmlite folds none of them)."""
+    insertions that codegen builds its masks from (llvmlite folds none of them).
+
+    The answer is kept on the value (``_cannc_lanes``, with the depth it was found at):
+    masks share their sub-expressions, and without it the walk revisited them once per
+    path (a BERT-base GEMM's masks cost ~260 visits a query, 1.5 s a compile). An answer
+    found at a depth no deeper than this query's is reused: it had at least this query's
+    budget, so it knows at least as many lanes, and every lane it knows is exact. The
+    returned list is shared: callers read it, never change it."""
     if depth > 24:
         return None
+    memo = getattr(v, "_cannc_lanes", None)
+    if memo is not None and memo[0] <= depth:
+        return memo[1]
+    out = _const_lanes(v, depth)
+    try:
+        v._cannc_lanes = (depth, out)
+    except AttributeError:               # a value type with __slots__: not kept
+        pass
+    return out
+
+
+def _const_lanes(v: ir.Value, depth: int) -> list[int | None] | None:
     ty = v.type
     n = ty.count if isinstance(ty, ir.VectorType) else 1
     et = ty.element if isinstance(ty, ir.VectorType) else ty
