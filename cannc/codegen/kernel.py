@@ -23,6 +23,7 @@ from ..ir.registry import OpDef
 from ..ir.types import TensorType
 from ..native import emit
 from ..native.target import new_module
+from ..runtime.memory import is_device_ready
 
 ENTRY = "__cannc_kernel__"
 
@@ -61,7 +62,9 @@ def apply_recipe(fn: Callable[..., np.ndarray], args: tuple,
                  consts: list[np.ndarray | None]) -> np.ndarray:
     vals = [consts[a.index] if isinstance(a, ConstRef) else a for a in args]
     v = np.asarray(fn(*vals))
-    if v.base is not None or not v.flags.c_contiguous or any(v is x for x in vals):
+    if is_device_ready(v):                      # fresh memory of its own (packed weights)
+        pass
+    elif v.base is not None or not v.flags.c_contiguous or any(v is x for x in vals):
         v = np.array(v, order="C", copy=True)   # never a view of (or the) source constant
     v.setflags(write=False)                     # shared between specialisations
     return v

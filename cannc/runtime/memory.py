@@ -9,6 +9,7 @@ specialisation's compile-time memory plan (artifact.MemoryPlan).
 from __future__ import annotations
 
 import mmap
+import weakref
 
 import numpy as np
 
@@ -22,3 +23,30 @@ def aligned_empty(nbytes: int, align: int = PAGE, zero: bool = True) -> np.ndarr
     buf = raw[off:off + nbytes]
     assert buf.ctypes.data % align == 0
     return buf
+
+
+# Arrays that cannc allocated with `device_ready_empty` (packed weights): page-aligned
+# memory of their own that nothing outside cannc holds, which a WeightPool may adopt
+# as the device copy instead of copying it (id -> array; an entry goes with its array).
+_DEVICE_READY: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+
+
+def device_ready_empty(shape: int | tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array in page-aligned memory of its own, marked so
+    that WeightPool adopts it as its device copy (`is_device_ready`) rather than copying
+    it: for constants cannc computes (packed weights) and never changes once written."""
+    dt = np.dtype(dtype)
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    n = int(np.prod(shape, dtype=np.int64))
+    nbytes = n * dt.itemsize
+    # whole 64-byte lines, as Device.malloc's copies have: a kernel's vector access at
+    # the end stays inside the allocation
+    a = aligned_empty(max(-(-nbytes // 64) * 64, 64), zero=False)[:nbytes]
+    a = a.view(dt).reshape(shape)
+    _DEVICE_READY[id(a)] = a
+    return a
+
+
+def is_device_ready(a: np.ndarray) -> bool:
+    """Whether `a` is the very array `device_ready_empty` returned."""
+    return _DEVICE_READY.get(id(a)) is a

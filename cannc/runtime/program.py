@@ -26,6 +26,7 @@ from ..artifact import ALIGN, Kernel, MemoryPlan, Specialization, align_up
 from ..native.target import JitLibrary
 from . import dispatch
 from .device import Device
+from .memory import is_device_ready
 
 MAX_CONTEXTS = 8
 COUNTER_SLOTS = 4   # launch counter sets per context (see Context.counters)
@@ -79,6 +80,14 @@ class WeightPool:
         self._lock = threading.Lock()
 
     def upload(self, a: np.ndarray) -> np.ndarray:
+        """The device copy of `a`: a copy in Device.malloc memory, or `a`'s own pages
+        when cannc allocated them for the purpose (memory.device_ready_empty: packed
+        weights, written once where the device reads them, not copied a second time)."""
+        if is_device_ready(a):
+            return self.adopt(a)
+        return self._copy(a)
+
+    def _copy(self, a: np.ndarray) -> np.ndarray:
         with self._lock:
             hit = self._bufs.get(id(a))
             if hit is not None and hit[0]() is a:
@@ -103,7 +112,7 @@ class WeightPool:
             if buf.ctypes.data % ALIGN:
                 buf = None
         if buf is None:
-            return self.upload(a)
+            return self._copy(a)
         self.device.account(buf, "weights")
         with self._lock:
             self._bufs[id(a)] = (weakref.ref(a), buf)
