@@ -10,6 +10,7 @@ import pytest
 
 import cannc
 from cannc.runtime.device import Device
+from cannc.runtime.memory import device_ready_empty, is_device_ready
 from cannc.runtime.stream import Event, is_pinned
 from models import zoo
 
@@ -99,6 +100,36 @@ def test_device_memory_accounting(mlp):
     assert info["weights_bytes"] >= prog.weights_bytes > 0
     assert info["arena_bytes"] >= prog.plan.arena_bytes
     assert info["peak_bytes"] >= info["used_bytes"] > 0
+
+
+def test_packed_weights_are_adopted_not_copied(mlp):
+    # prepack_b writes the panels into page-aligned memory of their own, which the
+    # device reads in place (no second copy of the weights); other constants are copied
+    sess, feeds, ref = mlp
+    (prog,) = sess.programs.values()
+    consts = prog.spec.constants
+    adopted = [c for c, b in prog.wbuf.items() if np.shares_memory(b, consts[c])]
+    copied = [c for c in prog.wbuf if c not in adopted]
+    assert adopted, "no packed weight was adopted"
+    for c in adopted:
+        assert is_device_ready(consts[c]) and not consts[c].flags.writeable
+        assert prog.wbuf[c].ctypes.data % 4096 == 0
+    for c in copied:
+        assert not is_device_ready(consts[c])
+    assert prog.weights_bytes <= sess.mem_info()["weights_bytes"]
+    assert np.array_equal(sess.run(None, feeds)[0], ref[0])
+
+
+def test_device_ready_arrays_are_page_aligned_whole_lines():
+    a = device_ready_empty((3, 5), np.float32)
+    assert a.shape == (3, 5) and a.flags.c_contiguous and a.ctypes.data % 4096 == 0
+    assert is_device_ready(a)
+    assert not is_device_ready(a.reshape(-1)) and not is_device_ready(np.zeros(3))
+    # the allocation behind it holds whole 64-byte lines
+    owner = a
+    while owner.base is not None:
+        owner = owner.base
+    assert owner.nbytes - (a.ctypes.data - owner.ctypes.data) >= 64
 
 
 def test_profiler_and_chrome_trace(mlp, tmp_path):
