@@ -8,11 +8,9 @@ object cache.
 
 from __future__ import annotations
 
-import os
 import pickle
 import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -242,13 +240,4 @@ def onnx_origin(n: Node) -> tuple[list[str], list[str]]:
 def compile_modules(modules: dict[str, str], cache: ObjectCache) -> dict[str, bytes]:
     items = sorted(modules.items())
     with progress.stage("LLVM", len(items), "module") as shown:
-        def one(st: tuple[str, str]) -> bytes:
-            obj = cache.compile(st[1], st[0])
-            shown.advance()
-            return obj
-        if len(items) <= 1:
-            return {s: one((s, t)) for s, t in items}
-        workers = min(len(items), max(1, os.cpu_count() or 1))
-        with ThreadPoolExecutor(max_workers=workers) as ex:
-            objs = list(ex.map(one, items))
-    return {s: o for (s, _), o in zip(items, objs)}
+        return cache.compile_many(items, done=lambda _name: shown.advance())

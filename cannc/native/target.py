@@ -22,6 +22,7 @@ import hashlib
 import os
 import re
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,8 @@ import llvmlite.ir as ir
 
 from .. import config
 from ..errors import CompileError
+from . import llvm_procs
+from ._llvm_worker import optimise
 
 _init_lock = threading.Lock()
 _initialised = False
@@ -177,11 +180,15 @@ def emitted_modules() -> int:
     return _emitted
 
 
-def optimise_and_emit(module_ir: str, name: str, speed_level: int = 2) -> bytes:
-    """Parse, verify, optimise, verify and emit an object file for host."""
+def _count_emitted() -> None:
     global _emitted
     with _emitted_lock:
         _emitted += 1
+
+
+def optimise_and_emit(module_ir: str, name: str, speed_level: int = 2) -> bytes:
+    """Parse, verify, optimise, verify and emit an object file for host."""
+    _count_emitted()
     mod, tm = _optimise(module_ir, name, speed_level)
     return tm.emit_object(mod)
 
@@ -223,22 +230,13 @@ def _optimise(module_ir: str, name: str,
         raise CompileError(f"kernel {name} calls {missing[0]}, which needs the CPU feature "
                            f"{missing[1]}: this target has none" +
                            (f" (CANNC_ISA={config.ISA})" if config.ISA else ""))
+    tm = tgt.machine()
     try:
-        mod = llvm.parse_assembly(module_ir)
-        mod.verify()
+        mod = optimise(module_ir, tm, tgt.triple, speed_level)
     except RuntimeError as e:
         if config.DUMP_DIR:
             _dump(name, module_ir)
         raise CompileError(f"invalid LLVM IR for kernel {name}: {e}") from e
-    tm = tgt.machine()
-    mod.triple = tgt.triple
-    mod.data_layout = str(tm.target_data)
-    pto = llvm.create_pipeline_tuning_options(speed_level=speed_level)
-    pto.loop_vectorization = speed_level >= 2
-    pto.slp_vectorization = speed_level >= 2
-    pb = llvm.create_pass_builder(tm, pto)
-    pb.getModulePassManager().run(mod, pb)
-    mod.verify()
     if config.DUMP_DIR:
         _dump(name, str(mod))
         _dump(name + ".s", tgt.machine().emit_assembly(mod), ext="")
@@ -340,6 +338,51 @@ class ObjectCache:
         obj = optimise_and_emit(module_ir, name, speed_level)
         self.put(key, obj)
         return obj
+
+    def compile_many(self, modules: Sequence[tuple[str, str]], speed_level: int = 2,
+                     done: Callable[[str], None] | None = None) -> dict[str, bytes]:
+        """{name: object} of (name, module IR) pairs: cached ones read, the others
+        compiled on every core (cannc.native.llvm_procs: LLVM in worker processes
+        beside this one, since llvmlite lets one thread at a time into LLVM);
+        done(name) is called as each is ready."""
+        out: dict[str, bytes] = {}
+        jobs: list[tuple[str, str, int]] = []
+        keys: list[str] = []
+        for name, module_ir in modules:
+            key = self.key(module_ir, speed_level)
+            obj = self.get(key)
+            if obj is not None:
+                self.hits += 1
+                out[name] = obj
+                if done is not None:
+                    done(name)
+                continue
+            missing = isa_missing(module_ir, host())
+            if missing:          # before any worker sees it (LLVM aborts on it)
+                _optimise(module_ir, name, speed_level)      # raises its CompileError
+            jobs.append((name, module_ir, speed_level))
+            keys.append(key)
+        tgt = host()
+        target = (tgt.triple, tgt.cpu, tgt.features, 3, CODE_MODEL[1], CODE_MODEL[0])
+
+        lock = threading.Lock()
+
+        def finished(i: int, obj: bytes) -> None:
+            _count_emitted()
+            with lock:
+                self.misses += 1
+            self.put(keys[i], obj)
+            out[jobs[i][0]] = obj
+            if done is not None:
+                done(jobs[i][0])
+
+        def here(job: tuple[str, str, int]) -> bytes:
+            name, module_ir, level = job
+            mod, tm = _optimise(module_ir, name, level)
+            return tm.emit_object(mod)
+
+        llvm_procs.compile_jobs(jobs, target, here, finished)
+        return {name: out[name] for name, _ in modules}
 
 
 _default_cache: ObjectCache | None = None
