@@ -173,7 +173,7 @@ class Session:
             # (with value-deciding inputs, each run's values pick the specialisation)
             prog = self.specialize(self._default_shapes(shapes or {}))
             if self._snap_options is not None and isinstance(prog, Program):
-                snapshot.store(self._snapshot_key(
+                snapshot.store_later(self._snapshot_key(
                     "given", {k: list(v) for k, v in given_shapes(shapes).items()}),
                     prog.spec, self._io, self._num_nodes)
 
@@ -492,7 +492,7 @@ class Session:
                                    self._weights,
                                    {n: np.array(v, copy=True) for n, v in values.items()})
             if snap_key is not None and isinstance(prog, Program):
-                snapshot.store(snap_key, prog.spec, self._io, self._num_nodes)
+                snapshot.store_later(snap_key, prog.spec, self._io, self._num_nodes)
             spec = prog.spec
             if values:
                 while len(self._programs) >= MAX_VALUE_PROGRAMS:

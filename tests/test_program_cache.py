@@ -5,6 +5,7 @@ changes the program changes its key; a damaged entry is compiled and written aga
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,16 @@ def progs(tmp_path, monkeypatch):
     monkeypatch.delenv("CANNC_PROGRAM_CACHE", raising=False)
     monkeypatch.setattr(snapshot, "root", lambda: base)
     monkeypatch.setattr(snapshot, "stats", snapshot.Stats())
+    # stores are written by a background thread; these tests look at the cache right
+    # after a compile, so each store is waited for (test_compile_returns_before_... not)
+    def store_and_wait(*a, **k):
+        _store_later(*a, **k)
+        assert snapshot.wait_stores(60)
+    monkeypatch.setattr(snapshot, "store_later", store_and_wait)
     return base
+
+
+_store_later = snapshot.store_later
 
 
 def _mlp(path: Path, seed: int = 0, hidden=(64, 64)) -> Path:
@@ -344,3 +354,39 @@ assert (snapshot.stats.hits, snapshot.stats.misses) == want, snapshot.stats
     warm = np.load(tmp_path / "warm.npy")
     np.testing.assert_array_equal(warm, np.load(tmp_path / "cold.npy"))
     np.testing.assert_allclose(warm, _ort(path, feeds)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_compile_returns_before_its_program_is_written(progs, tmp_path, monkeypatch):
+    monkeypatch.setattr(snapshot, "store_later", _store_later)
+    gate = threading.Event()
+    real_store = snapshot.store
+
+    def gated(*a, **k):
+        assert gate.wait(30)
+        return real_store(*a, **k)
+    monkeypatch.setattr(snapshot, "store", gated)
+    path = _mlp(tmp_path / "m.onnx")
+    sess = cannc.compile(str(path), cores=2)        # the writer waits at the gate
+    assert snapshot.stats.stored == 0 and not list(progs.glob("*/meta"))
+    ref = sess.run(None, _x())[0]
+    # a lookup of an entry being written waits for it (and then hits)
+    threading.Timer(0.3, gate.set).start()
+    again = cannc.compile(str(path), cores=2)
+    assert snapshot.stats.stored >= 1 and snapshot.stats.hits == 1
+    np.testing.assert_array_equal(again.run(None, _x())[0], ref)
+    assert snapshot.wait_stores(30)
+
+
+def test_a_failing_store_is_counted_and_the_session_runs(progs, tmp_path, monkeypatch):
+    monkeypatch.setattr(snapshot, "store_later", _store_later)
+
+    def broken(*a, **k):
+        raise RuntimeError("cannot pickle this")
+    monkeypatch.setattr(snapshot, "store", broken)
+    path = _mlp(tmp_path / "m.onnx")
+    sess = cannc.compile(str(path), cores=2)
+    assert snapshot.wait_stores(30)
+    assert snapshot.stats.store_errors >= 1
+    assert "cannot pickle this" in snapshot.stats.last_store_error
+    np.testing.assert_allclose(sess.run(None, _x())[0], _ort(path, _x())[0],
+                               rtol=1e-4, atol=1e-5)

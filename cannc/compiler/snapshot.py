@@ -26,6 +26,7 @@ default 8G), least recently used first out.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import dataclasses
 import io
@@ -73,6 +74,8 @@ class Stats:
     stored: int = 0
     damaged: int = 0
     evicted: int = 0
+    store_errors: int = 0           # stores that failed other than by a full disk
+    last_store_error: str = ""
 
 
 stats = Stats()
@@ -302,12 +305,15 @@ def trimmed(spec: Specialization) -> Specialization:
 _last: tuple[weakref.ref, Path, bytes] | None = None     # the entry store wrote last
 
 
-def store(key: str, spec: Specialization, face: Graph, num_nodes: int) -> bool:
+def store(key: str, spec: Specialization, face: Graph, num_nodes: int,
+          base: Path | None = None, limit: int | None = None) -> bool:
     """Write the entry (its meta last, atomically, so a reader never sees half of it);
-    False when it is not written (no cache, over the budget, a full or read-only disk)."""
-    base = root()
+    False when it is not written (no cache, over the budget, a full or read-only disk).
+    `base` and `limit` default to the cache directory and budget of the moment."""
     if base is None:
-        return False
+        base = root()
+        if base is None:
+            return False
     meta_path = base / key / "meta"
     if meta_path.exists():
         return False
@@ -330,8 +336,89 @@ def store(key: str, spec: Specialization, face: Graph, num_nodes: int) -> bool:
         return False
     with _lock:
         stats.stored += 1
-    evict(base, keep=meta_path.parent)
+    evict(base, keep=meta_path.parent, limit=limit)
     return True
+
+
+# -- stores in the background ------------------------------------------------------------
+# Writing an entry is I/O over the model's weights (BERT-base: 440 MB, ~1 s here): the
+# compile returns without waiting for it. One thread writes the entries in the order
+# they were asked for (a program stored under a second key reuses the first's meta);
+# a lookup in this process (`load`) and the end of the process wait for it, so a
+# `cannc compile` leaves its entry behind and a session never misses its own store.
+
+_cv = threading.Condition()
+_queue: list[tuple] = []
+_pending = 0
+_inflight: dict[str, int] = {}        # key -> stores of it asked for, not yet written
+_writer: threading.Thread | None = None
+
+
+def store_later(key: str, spec: Specialization, face: Graph, num_nodes: int) -> None:
+    """`store` on the background writer, with this moment's cache directory and budget."""
+    global _pending, _writer
+    base = root()
+    if base is None:
+        return
+    with _cv:
+        _queue.append((key, spec, face, num_nodes, base, budget()))
+        _pending += 1
+        _inflight[key] = _inflight.get(key, 0) + 1
+        if _writer is None or not _writer.is_alive():
+            _writer = threading.Thread(target=_write_loop, name="cannc-snapshot",
+                                       daemon=True)
+            _writer.start()
+        _cv.notify_all()
+
+
+def _write_loop() -> None:
+    global _pending
+    while True:
+        with _cv:
+            while not _queue:
+                _cv.wait()
+            job = _queue.pop(0)
+        try:
+            store(*job)
+        except Exception as e:          # a bug, not the disk: counted, the program runs
+            with _lock:
+                stats.store_errors += 1
+                stats.last_store_error = f"{type(e).__name__}: {e}"
+            if config.DEBUG:
+                import sys
+                print(f"[cannc] program cache: store failed: {e!r}", file=sys.stderr)
+        finally:
+            with _cv:
+                _pending -= 1
+                n = _inflight.pop(job[0]) - 1
+                if n:
+                    _inflight[job[0]] = n
+                _cv.notify_all()
+            del job
+
+
+def wait_stores(timeout: float | None = None, key: str | None = None) -> bool:
+    """Wait until every store asked for so far (of `key` only, if given) is written
+    (False: timed out)."""
+    with _cv:
+        if key is not None:
+            return _cv.wait_for(lambda: key not in _inflight, timeout)
+        return _cv.wait_for(lambda: _pending == 0, timeout)
+
+
+def _writer_forgotten_in_child() -> None:
+    # a forked child has no writer thread; the parent writes what it asked for
+    global _cv, _pending, _writer
+    _cv = threading.Condition()
+    _queue.clear()
+    _inflight.clear()
+    _pending = 0
+    _writer = None
+
+
+atexit.register(wait_stores)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_writer_forgotten_in_child)
 
 
 def _header(meta: Path) -> dict[str, int] | None:
@@ -345,10 +432,11 @@ def _header(meta: Path) -> dict[str, int] | None:
     return blobs if isinstance(blobs, dict) else None
 
 
-def evict(base: Path, keep: Path | None = None) -> None:
-    """Least recently used entries out until the cache is within the budget, then the
-    blobs no entry names."""
-    limit = budget()
+def evict(base: Path, keep: Path | None = None, limit: int | None = None) -> None:
+    """Least recently used entries out until the cache is within the budget (`limit`,
+    default this moment's), then the blobs no entry names."""
+    if limit is None:
+        limit = budget()
     try:
         entries = []
         for d in base.iterdir():
@@ -460,10 +548,12 @@ class _Unpickler(pickle.Unpickler):
 
 
 def load(key: str) -> Snapshot | None:
-    """The entry for `key`, or None (missing; damaged entries are removed)."""
+    """The entry for `key`, or None (missing; damaged entries are removed). A store of
+    `key` in flight is waited for."""
     base = root()
     if base is None:
         return None
+    wait_stores(key=key)
     d = base / key
     data = read_checksummed(d / "meta", _MAGIC)
     if data is None:
