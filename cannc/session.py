@@ -34,7 +34,7 @@ from .compiler.shapes import (
 )
 from .config import check_size
 from .errors import CacheError, CanncError, CompileError, InputError, ModelError, ShapeError
-from .frontend import import_model, load_model_proto
+from .frontend import LoadedModel, import_model, load_model
 from .ir.graph import Graph
 from .ir.registry import Amp
 from .ir.types import onnx_type_string
@@ -108,12 +108,12 @@ class Session:
                 if eager:
                     snap = snapshot.load(self._snapshot_key(
                         "given", {k: list(v) for k, v in given_shapes(shapes).items()}))
-        self._proto: onnx.ModelProto | None = None       # serialised only when saved
+        self._proto: LoadedModel | None = None       # serialised only when saved
         self._graph: Graph | None = None
         if snap is None:
-            proto, _ = load_model_proto(model)
-            self._proto = proto
-            self._graph, _ = import_model(proto)
+            loaded = load_model(model)
+            self._proto = loaded
+            self._graph, _ = import_model(loaded)
             amp = precision_pass_options(self._graph, precision, precision_lists, keep_fp32)
             if amp is not None:
                 if "mixed_precision" in pass_options:
@@ -206,19 +206,21 @@ class Session:
                                  "session was created from its compiled program: it cannot "
                                  "be compiled for other shapes or inspected; create the "
                                  "session again")
-            proto, _ = load_model_proto(self._model_ref)
-            graph, _ = import_model(proto)
+            loaded = load_model(self._model_ref)
+            graph, _ = import_model(loaded)
             amp = precision_pass_options(graph, *self._precision_args)
             if amp is not None:
                 self.options.pass_options.setdefault("mixed_precision", amp)
-            self._proto = proto
+            self._proto = loaded
             self._graph = graph
 
     def _model_proto(self) -> onnx.ModelProto:
+        """The whole model (its weights put back in, if they were viewed in the file's
+        bytes: a copy, made for save and inspect's comparison without fusion)."""
         if self._proto is None:
             self._load_graph()
         assert self._proto is not None
-        return self._proto
+        return self._proto.complete()
 
     # -- onnxruntime-compatible API ------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:

@@ -56,7 +56,7 @@ def _ort(path: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
 def _no_parse(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the model was parsed on a program-cache hit")
-    monkeypatch.setattr(session_mod, "load_model_proto", refuse)
+    monkeypatch.setattr(session_mod, "load_model", refuse)
     monkeypatch.setattr(session_mod, "import_model", refuse)
 
 
@@ -340,7 +340,7 @@ from pathlib import Path
 snapshot.root = lambda: Path({str(progs)!r})
 if sys.argv[1] == "warm":
     def refuse(*a, **k): raise SystemExit("parsed")
-    s.load_model_proto = refuse
+    s.load_model = refuse
 sess = cannc.compile({str(path)!r}, cores=2)
 x = np.load({str(tmp_path / 'x.npy')!r})
 np.save({str(tmp_path)!r} + "/" + sys.argv[1] + ".npy", sess.run(None, {{"x": x}})[0])

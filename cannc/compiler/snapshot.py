@@ -48,6 +48,7 @@ from .. import config
 from .._version import __version__
 from ..artifact import Specialization
 from ..codegen.memo import salt
+from ..frontend.wire import fields
 from ..ir.graph import Graph
 from ..ir.registry import registered_ops
 from ..native.target import read_checksummed, write_checksummed
@@ -147,43 +148,6 @@ def model_digest(model: Any) -> str | None:
         return None
 
 
-def _varint(b: Any, i: int, end: int) -> tuple[int, int]:
-    v = shift = 0
-    while True:
-        if i >= end or shift > 63:
-            raise ValueError("bad varint")
-        c = b[i]
-        i += 1
-        v |= (c & 0x7F) << shift
-        if c < 0x80:
-            return v, i
-        shift += 7
-
-
-def _fields(b: Any, i: int, end: int) -> Any:
-    """(field number, wire type, value or (start, end) of a length-delimited field)."""
-    while i < end:
-        tag, i = _varint(b, i, end)
-        field, wire = tag >> 3, tag & 7
-        if wire == 0:
-            v, i = _varint(b, i, end)
-            yield field, wire, v
-        elif wire == 2:
-            n, i = _varint(b, i, end)
-            if i + n > end:
-                raise ValueError("truncated field")
-            yield field, wire, (i, i + n)
-            i += n
-        elif wire == 1:
-            i += 8
-        elif wire == 5:
-            i += 4
-        else:
-            raise ValueError("group fields")
-    if i != end:
-        raise ValueError("truncated message")
-
-
 def external_locations(b: Any) -> list[str] | None:
     """The external data files the initializers of a serialised ModelProto name, read off
     the protobuf wire format without parsing the model (the weights are skipped, not
@@ -191,16 +155,16 @@ def external_locations(b: Any) -> list[str] | None:
     .external_data (13) {key (1), value (2)}. None when the bytes do not parse so."""
     try:
         locs: set[str] = set()
-        for f, w, v in _fields(b, 0, len(b)):
+        for f, w, v in fields(b, 0, len(b)):
             if f != 7 or w != 2:
                 continue
-            for gf, gw, gv in _fields(b, *v):
+            for gf, gw, gv in fields(b, *v):
                 if gf != 5 or gw != 2:
                     continue
-                for tf, tw, tv in _fields(b, *gv):
+                for tf, tw, tv in fields(b, *gv):
                     if tf != 13 or tw != 2:
                         continue
-                    entry = {ef: bytes(b[ev[0]:ev[1]]) for ef, ew, ev in _fields(b, *tv)
+                    entry = {ef: bytes(b[ev[0]:ev[1]]) for ef, ew, ev in fields(b, *tv)
                              if ew == 2}
                     if entry.get(1) == b"location" and 2 in entry:
                         locs.add(entry[2].decode())

@@ -1,3 +1,3 @@
-from .onnx_import import import_model, load_model_proto
+from .onnx_import import LoadedModel, import_model, load_model, load_model_proto
 
-__all__ = ["import_model", "load_model_proto"]
+__all__ = ["LoadedModel", "import_model", "load_model", "load_model_proto"]

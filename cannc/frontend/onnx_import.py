@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ from ..errors import CanncError, ModelError, ShapeError, UnsupportedOpError
 from ..ir.graph import Graph, Node
 from ..ir.ops import lookup
 from ..ir.types import Dim, TensorType, np_dtype
+from . import wire
 
 MIN_OPSET = 7
 
@@ -45,6 +48,94 @@ def load_model_proto(model: Any) -> tuple[onnx.ModelProto, str | None]:
     except Exception as e:  # protobuf DecodeError, OSError, ...
         raise ModelError(f"cannot read the model: {type(e).__name__}: {e}") from e
     return proto, base_dir
+
+
+# A model file at least this large has its weights viewed in the file's bytes rather
+# than parsed out of them (wire.strip_raw_data): they are then copied once, by the read,
+# instead of three times (read, parse, to_array)
+LAZY_MIN_FILE = 32 << 20
+
+# element types whose raw_data is the array's bytes as numpy lays them out
+_PLAIN = {
+    onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.DOUBLE: np.float64,
+    onnx.TensorProto.FLOAT16: np.float16, onnx.TensorProto.INT8: np.int8,
+    onnx.TensorProto.UINT8: np.uint8, onnx.TensorProto.INT16: np.int16,
+    onnx.TensorProto.UINT16: np.uint16, onnx.TensorProto.INT32: np.int32,
+    onnx.TensorProto.UINT32: np.uint32, onnx.TensorProto.INT64: np.int64,
+    onnx.TensorProto.UINT64: np.uint64,
+}
+
+
+@dataclass
+class LoadedModel:
+    """A model read for import: its ModelProto and, for a large model file, the values
+    of its big initializers, viewed in the file's bytes (`weights`, by initializer
+    index), whose raw_data the proto then lacks. `complete()` is the whole model."""
+
+    proto: onnx.ModelProto
+    base_dir: str | None = None
+    weights: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def complete(self) -> onnx.ModelProto:
+        """The ModelProto with every initializer's data (a copy when any was viewed)."""
+        if not self.weights:
+            return self.proto
+        full = onnx.ModelProto()
+        full.CopyFrom(self.proto)
+        for i, a in self.weights.items():
+            full.graph.initializer[i].raw_data = a.tobytes()
+        return full
+
+
+def load_model(model: Any) -> LoadedModel:
+    """`load_model_proto`, with a large model file's weights viewed, not parsed."""
+    if isinstance(model, LoadedModel):
+        return model
+    if isinstance(model, (str, os.PathLike)) and sys.byteorder == "little":
+        try:
+            lazy = _load_viewed(Path(model))
+        except Exception:       # not a model this reader takes: the usual path reports it
+            lazy = None
+        if lazy is not None:
+            return lazy
+    proto, base_dir = load_model_proto(model)
+    return LoadedModel(proto, base_dir)
+
+
+def _load_viewed(path: Path) -> LoadedModel | None:
+    size = path.stat().st_size
+    if size < LAZY_MIN_FILE:
+        return None
+    buf = np.empty(size, np.uint8)
+    with open(path, "rb") as f:
+        view, got = memoryview(buf), 0
+        while got < size:
+            n = f.readinto(view[got:])
+            if not n:
+                return None                 # (the file shrank meanwhile)
+            got += n
+    reduced, spans = wire.strip_raw_data(buf, EXACT_CHECK_BYTES + 1)
+    if sum(e - s for s, e in spans.values()) < SKELETON_BYTES:
+        return None     # the checker must not see a weight without its data (skeleton)
+    proto = onnx.ModelProto()
+    proto.ParseFromString(reduced)
+    inits = proto.graph.initializer
+    weights: dict[int, np.ndarray] = {}
+    for i, (s, e) in spans.items():
+        t = inits[i]
+        dt = _PLAIN.get(t.data_type)
+        n = 1
+        for d in t.dims:
+            n *= int(d)
+        if dt is None or t.data_location == _T.EXTERNAL or \
+                n * np.dtype(dt).itemsize != e - s or min(t.dims, default=1) < 0:
+            t.raw_data = bytes(buf[s:e])    # as parsed: the usual checks report it
+            continue
+        weights[i] = buf[s:e].view(dt).reshape(tuple(int(d) for d in t.dims))
+    if _uses_external_data(proto):
+        from onnx.external_data_helper import load_external_data_for_model
+        load_external_data_for_model(proto, str(path.parent))
+    return LoadedModel(proto, str(path.parent), weights)
 
 
 def _uses_external_data(proto: onnx.ModelProto) -> bool:
@@ -422,14 +513,17 @@ def _infer_untyped(g: Graph) -> None:
 def import_model(model: Any) -> tuple[Graph, onnx.ModelProto]:
     """Read, check and import a model. Returns the IR graph (symbolic shapes kept)
     and the checked ModelProto (with inferred shapes)."""
-    proto, _ = load_model_proto(model)
+    loaded = load_model(model)
+    proto = loaded.proto
     inferred = check_model(proto)
     g = Graph(proto.graph.name or "graph")
     for o in proto.opset_import:
         g.opsets[o.domain or ""] = o.version
     init_names = set()
-    for t in proto.graph.initializer:
-        arr = _tensor_array(t, f"initializer '{t.name}'")
+    for i, t in enumerate(proto.graph.initializer):
+        arr = loaded.weights.get(i)
+        if arr is None:
+            arr = _tensor_array(t, f"initializer '{t.name}'")
         g.set_constant(t.name, arr)
         init_names.add(t.name)
     for vi in proto.graph.input:
