@@ -45,6 +45,13 @@ def _in_process(job):
     return tm.emit_object(mod)
 
 
+def _compile_jobs(jobs, target_, in_process, done):
+    batch = llvm_procs.Batch(target_, in_process, done)
+    for job in jobs:
+        batch.submit(job)
+    batch.finish()
+
+
 @pytest.fixture
 def procs(monkeypatch):
     monkeypatch.setenv("CANNC_LLVM_PROCS", "2")
@@ -54,10 +61,33 @@ def procs(monkeypatch):
     llvm_procs.shutdown()
 
 
+def test_a_batch_compiles_while_its_submitter_works(procs):
+    # modules submitted one by one are compiled by the workers before finish is called
+    batch = llvm_procs.Batch(_target(), _in_process, lambda i, o: None)
+    ready: list[int] = []
+    batch.done = lambda i, o: ready.append(i)
+    for i in range(3):
+        batch.submit((f"k{i}", _module(50 + i), 2))
+    t = time.monotonic()
+    while len(ready) < 3 and time.monotonic() - t < 30:
+        time.sleep(0.01)
+    assert sorted(ready) == [0, 1, 2], "the workers did not compile during the submitter's work"
+    batch.finish()
+
+
+def test_an_abandoned_batch_stops_and_its_workers_are_idle_again(procs):
+    batch = llvm_procs.Batch(_target(), _in_process, lambda i, o: None)
+    for i in range(4):
+        batch.submit((f"k{i}", _module(60 + i), 2))
+    batch.abandon()
+    assert all(not t.is_alive() for t in batch._threads)
+    assert len(llvm_procs._idle) == llvm_procs._started
+
+
 def test_workers_make_the_same_objects_as_the_process(procs):
     jobs = [(f"k{i}", _module(i), 2) for i in range(6)]
     got: dict[int, bytes] = {}
-    llvm_procs.compile_jobs(jobs, _target(), _in_process, got.__setitem__)
+    _compile_jobs(jobs, _target(), _in_process, got.__setitem__)
     assert sorted(got) == list(range(6))
     for i, job in enumerate(jobs):
         assert got[i] == _in_process(job), f"module {i} differs from the in-process object"
@@ -71,9 +101,9 @@ def test_object_cache_compiles_many_and_counts_them(procs, tmp_path):
     cache = target.ObjectCache(tmp_path)
     before = target.emitted_modules()
     mods = [(f"k{i}", _module(10 + i)) for i in range(4)]
-    seen: list[str] = []
-    out = cache.compile_many(mods, done=seen.append)
-    assert list(out) == [n for n, _ in mods] and sorted(seen) == sorted(out)
+    seen: list[int] = []
+    out = cache.compile_many(mods, done=lambda: seen.append(1))
+    assert list(out) == [n for n, _ in mods] and len(seen) == len(mods)
     assert target.emitted_modules() - before == 4 and cache.misses == 4
     again = target.ObjectCache(tmp_path).compile_many(mods)
     assert again == out and target.emitted_modules() - before == 4
@@ -83,7 +113,7 @@ def test_invalid_ir_in_a_worker_is_a_compile_error(procs):
     jobs = [("good", _module(1), 2), ("bad", "define i64 @g() { ret i32 0 }", 2),
             ("good2", _module(2), 2)]
     with pytest.raises(CompileError, match="invalid LLVM IR for kernel bad"):
-        llvm_procs.compile_jobs(jobs, _target(), _in_process, lambda i, o: None)
+        _compile_jobs(jobs, _target(), _in_process, lambda i, o: None)
 
 
 def _fake_worker(monkeypatch, tmp_path, body: str) -> None:
@@ -108,7 +138,7 @@ def test_a_worker_that_dies_fails_its_module_not_the_process(procs, monkeypatch,
 
     jobs = [(f"k{i}", _module(40 + i), 2) for i in range(3)]
     with pytest.raises(CompileError) as e:
-        llvm_procs.compile_jobs(jobs, _target(), slow, lambda i, o: None)
+        _compile_jobs(jobs, _target(), slow, lambda i, o: None)
     msg = str(e.value)
     assert "died (exit status 134)" in msg and "Cannot select" in msg
     assert "LLVM failed on kernel k" in msg
@@ -117,7 +147,7 @@ def test_a_worker_that_dies_fails_its_module_not_the_process(procs, monkeypatch,
     _fake_worker(monkeypatch, tmp_path, llvm_procs.Path(target.__file__).with_name(
         "_llvm_worker.py").read_text())
     got: dict[int, bytes] = {}
-    llvm_procs.compile_jobs(jobs, _target(), slow, got.__setitem__)
+    _compile_jobs(jobs, _target(), slow, got.__setitem__)
     assert sorted(got) == [0, 1, 2]
 
 
@@ -126,7 +156,7 @@ def test_a_worker_that_cannot_start_leaves_the_compile_to_the_process(procs, mon
     _fake_worker(monkeypatch, tmp_path, "import sys; sys.exit('no llvmlite here')\n")
     jobs = [(f"k{i}", _module(20 + i), 2) for i in range(3)]
     got: dict[int, bytes] = {}
-    llvm_procs.compile_jobs(jobs, _target(), _in_process, got.__setitem__)
+    _compile_jobs(jobs, _target(), _in_process, got.__setitem__)
     assert sorted(got) == [0, 1, 2]
     assert llvm_procs._broken and llvm_procs._checkout(2) == []
 
@@ -148,7 +178,7 @@ def test_no_workers_means_in_process(monkeypatch):
     started = llvm_procs._started
     jobs = [(f"k{i}", _module(30 + i), 2) for i in range(3)]
     got: dict[int, bytes] = {}
-    llvm_procs.compile_jobs(jobs, _target(), _in_process, got.__setitem__)
+    _compile_jobs(jobs, _target(), _in_process, got.__setitem__)
     assert sorted(got) == [0, 1, 2] and llvm_procs._started == started
 
 

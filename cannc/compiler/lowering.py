@@ -26,18 +26,21 @@ from ..ir.graph import Graph, Node
 from ..ir.ops import lookup
 from ..ir.registry import Category, OpDef
 from ..native import target
-from ..native.target import ObjectCache, default_cache
+from ..native.target import ObjectBatch, ObjectCache, default_cache
 
 
-def lower_graph(g: Graph, cache: ObjectCache | None = None, memo: LoweringMemo | None = None
+def lower_graph(g: Graph, cache: ObjectCache | None = None, memo: LoweringMemo | None = None,
+                batch: ObjectBatch | None = None
                 ) -> tuple[list[Kernel], dict[str, str], dict[str, np.ndarray],
                            dict[str, str], dict[str, bytes]]:
     """Lower every node (views alias their source). Returns the kernels, the
     aliases, the constants, the modules still to compile (symbol -> IR) and the
-    object code of kernels the memo already had (symbol -> object)."""
+    object code of kernels the memo already had (symbol -> object). With a `batch`
+    (cache.batch()), each module is submitted to it as soon as it is made, so LLVM
+    compiles it in a worker process while the next kernels are lowered."""
     cache = cache or default_cache()
     memo = memo or default_memo()
-    lw = _Lowering(cache, memo, memo_salt())
+    lw = _Lowering(cache, memo, memo_salt(), batch)
     kernels: list[Kernel] = []
     aliases: dict[str, str] = {}
     constants = dict(g.constants)
@@ -84,8 +87,9 @@ class _Lowering:
     """One specialisation's lowering: memo lookups, lowerings on a miss, replayed
     constant recipes on a hit."""
 
-    def __init__(self, cache: ObjectCache, memo: LoweringMemo, salt: str) -> None:
-        self.cache, self.memo, self.salt = cache, memo, salt
+    def __init__(self, cache: ObjectCache, memo: LoweringMemo, salt: str,
+                 batch: ObjectBatch | None = None) -> None:
+        self.cache, self.memo, self.salt, self.batch = cache, memo, salt, batch
         self.modules: dict[str, str] = {}
         self.objects: dict[str, bytes] = {}
 
@@ -173,8 +177,10 @@ class _Lowering:
                                f"{type(e).__name__}: {e}") from e
         symbol, text = finish(ctx)
         okey = self.cache.key(text, 2)
-        if symbol not in self.objects:
-            self.modules.setdefault(symbol, text)
+        if symbol not in self.objects and symbol not in self.modules:
+            self.modules[symbol] = text
+            if self.batch is not None:
+                self.batch.submit(symbol, text)
         # a constant read without a recipe may be folded into the code
         baked = tuple(sorted(i for i in ctx.const_reads
                              if i not in ctx.recipes and consts[i] is not None))
@@ -237,7 +243,12 @@ def onnx_origin(n: Node) -> tuple[list[str], list[str]]:
     return [n.name], [n.op_type]
 
 
-def compile_modules(modules: dict[str, str], cache: ObjectCache) -> dict[str, bytes]:
-    items = sorted(modules.items())
-    with progress.stage("LLVM", len(items), "module") as shown:
-        return cache.compile_many(items, done=lambda _name: shown.advance())
+def compile_modules(modules: dict[str, str], cache: ObjectCache,
+                    batch: ObjectBatch | None = None) -> dict[str, bytes]:
+    """The objects of `modules`: compiled now, or the rest of those lower_graph
+    submitted to `batch` (compiled, in part, while it lowered)."""
+    with progress.stage("LLVM", len(modules), "module") as shown:
+        if batch is None:
+            return cache.compile_many(sorted(modules.items()), done=shown.advance)
+        out = batch.finish(shown.advance)
+    return {s: out[s] for s in modules}

@@ -106,10 +106,15 @@ def specialize(base: Graph, shapes: dict[str, tuple[int, ...]],
         raise UnsupportedOpError(problems)
     cache = options.cache or default_cache()
     h0, m0 = cache.hits, cache.misses
+    batch = cache.batch()       # LLVM starts on each module as soon as it is lowered
     with _stage("lowering"):
-        kernels, aliases, constants, modules, objects = lower_graph(g, cache)
+        try:
+            kernels, aliases, constants, modules, objects = lower_graph(g, cache, batch=batch)
+        except BaseException:
+            batch.abandon()
+            raise
     with _stage("code generation"):
-        objects.update(compile_modules(modules, cache))
+        objects.update(compile_modules(modules, cache, batch))
     with _stage("cost model"):
         costmodel.annotate(kernels)  # notes['predicted_us'], notes['tiling'] (usable cores)
     with _stage("memory planning"):

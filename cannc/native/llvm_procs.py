@@ -24,13 +24,12 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
-import queue
 import struct
 import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 from .. import config
@@ -194,67 +193,111 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
 
 
-def compile_jobs(jobs: Sequence[Job], target: tuple,
-                 in_process: Callable[[Job], bytes],
+class Batch:
+    """Modules compiled as they are submitted: worker processes (started as the work
+    arrives, up to `max_workers()`) take them while the submitting thread goes on with
+    its own work (lowering the next kernels); `finish` has that thread compile what is
+    left, waits for the rest and raises the first failure (a CompileError naming the
+    kernel). done(index, object) is called as each module is ready, from any thread."""
+
+    def __init__(self, target: tuple, in_process: Callable[[Job], bytes],
                  done: Callable[[int, bytes], None]) -> None:
-    """Compile every job, calling done(index, object) as each finishes: the calling
-    thread compiles with `in_process`, the workers for `target` (triple, cpu, features,
-    opt, reloc, codemodel) alongside it, the largest modules first. The first failure
-    is raised once the modules in flight are done (a CompileError naming the kernel)."""
-    order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][1]))
-    workers = [] if len(jobs) < 2 or config.DUMP_DIR else _checkout(len(jobs) - 1)
-    if not workers:
-        for i in order:
-            done(i, in_process(jobs[i]))
-        return
-    todo: queue.SimpleQueue[int] = queue.SimpleQueue()
-    for i in order:
-        todo.put(i)
-    errors: list[BaseException] = []
+        self.target, self.in_process, self.done = target, in_process, done
+        self.jobs: list[Job] = []
+        self._todo: list[int] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self._waiting = 0                   # feed threads waiting for a job
+        self._threads: list[threading.Thread] = []
+        self.errors: list[BaseException] = []
+        self._cap = 0 if config.DUMP_DIR else max_workers()
 
-    def next_job() -> int | None:
-        if errors:
-            return None
-        try:
-            return todo.get_nowait()
-        except queue.Empty:
-            return None
+    def submit(self, job: Job) -> int:
+        with self._cv:
+            i = len(self.jobs)
+            self.jobs.append(job)
+            self._todo.append(i)
+            grow = self._waiting == 0 and len(self._threads) < self._cap
+            self._cv.notify()
+        if grow:
+            self._grow()
+        return i
 
-    def feed(w: _Worker) -> None:
+    def _grow(self) -> None:
+        got = _checkout(1)
+        if not got:
+            self._cap = len(self._threads)      # no more workers to be had
+            return
+        t = threading.Thread(target=self._feed, args=(got[0],), name="cannc-llvm",
+                             daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def _next(self, wait: bool) -> int | None:
+        with self._cv:
+            while True:
+                if self.errors:
+                    return None
+                if self._todo:
+                    return self._todo.pop(0)
+                if self._closed or not wait:
+                    return None
+                self._waiting += 1
+                self._cv.wait()
+                self._waiting -= 1
+
+    def _feed(self, w: _Worker) -> None:
         global _broken
-        ok = w.start()
-        if not ok:
+        if not w.start():
             _broken = True
             _checkin(w, False)
             return
+        ok = True
         try:
-            while (i := next_job()) is not None:
-                name = jobs[i][0]
+            while (i := self._next(wait=True)) is not None:
+                name = self.jobs[i][0]
                 try:
-                    status, out = w.compile(target, jobs[i])
+                    status, out = w.compile(self.target, self.jobs[i])
                 except WorkerDied as e:
                     ok = False
-                    errors.append(CompileError(f"LLVM failed on kernel {name}: {e}"))
+                    self._fail(CompileError(f"LLVM failed on kernel {name}: {e}"))
                     return
                 if status != "ok":
-                    errors.append(CompileError(f"invalid LLVM IR for kernel {name}: {out}"))
+                    self._fail(CompileError(f"invalid LLVM IR for kernel {name}: {out}"))
                     return
-                done(i, out)
-        except BaseException as e:      # done() failed: reported by the caller
-            errors.append(e)
+                self.done(i, out)
+        except BaseException as e:          # done() failed: raised by finish
+            self._fail(e)
         finally:
             _checkin(w, ok)
 
-    threads = [threading.Thread(target=feed, args=(w,), name="cannc-llvm", daemon=True)
-               for w in workers]
-    for t in threads:
-        t.start()
-    try:
-        while (i := next_job()) is not None:
-            done(i, in_process(jobs[i]))
-    except BaseException as e:
-        errors.append(e)
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    def _fail(self, e: BaseException) -> None:
+        with self._cv:
+            self.errors.append(e)
+            self._cv.notify_all()
+
+    def finish(self) -> None:
+        """Compile what is left here and beside the workers; wait for them; raise the
+        first failure."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        try:
+            while (i := self._next(wait=False)) is not None:
+                self.done(i, self.in_process(self.jobs[i]))
+        except BaseException as e:
+            self._fail(e)
+        for t in self._threads:
+            t.join()
+        if self.errors:
+            raise self.errors[0]
+
+    def abandon(self) -> None:
+        """Stop (the submitter failed): nothing more is compiled; the modules in flight
+        finish in their workers, which are then idle again."""
+        with self._cv:
+            self._closed = True
+            self._todo.clear()
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join()

@@ -340,49 +340,84 @@ class ObjectCache:
         return obj
 
     def compile_many(self, modules: Sequence[tuple[str, str]], speed_level: int = 2,
-                     done: Callable[[str], None] | None = None) -> dict[str, bytes]:
-        """{name: object} of (name, module IR) pairs: cached ones read, the others
-        compiled on every core (cannc.native.llvm_procs: LLVM in worker processes
-        beside this one, since llvmlite lets one thread at a time into LLVM);
-        done(name) is called as each is ready."""
-        out: dict[str, bytes] = {}
-        jobs: list[tuple[str, str, int]] = []
-        keys: list[str] = []
-        for name, module_ir in modules:
-            key = self.key(module_ir, speed_level)
-            obj = self.get(key)
-            if obj is not None:
-                self.hits += 1
-                out[name] = obj
-                if done is not None:
-                    done(name)
-                continue
-            missing = isa_missing(module_ir, host())
-            if missing:          # before any worker sees it (LLVM aborts on it)
-                _optimise(module_ir, name, speed_level)      # raises its CompileError
-            jobs.append((name, module_ir, speed_level))
-            keys.append(key)
-        tgt = host()
-        target = (tgt.triple, tgt.cpu, tgt.features, 3, CODE_MODEL[1], CODE_MODEL[0])
-
-        lock = threading.Lock()
-
-        def finished(i: int, obj: bytes) -> None:
-            _count_emitted()
-            with lock:
-                self.misses += 1
-            self.put(keys[i], obj)
-            out[jobs[i][0]] = obj
-            if done is not None:
-                done(jobs[i][0])
-
-        def here(job: tuple[str, str, int]) -> bytes:
-            name, module_ir, level = job
-            mod, tm = _optimise(module_ir, name, level)
-            return tm.emit_object(mod)
-
-        llvm_procs.compile_jobs(jobs, target, here, finished)
+                     done: Callable[[], None] | None = None) -> dict[str, bytes]:
+        """{name: object} of (name, module IR) pairs, the largest compiled first (see
+        ObjectBatch); done() is called as each is ready."""
+        batch = self.batch(speed_level)
+        for name, module_ir in sorted(modules, key=lambda m: -len(m[1])):
+            batch.submit(name, module_ir)
+        out = batch.finish(done)
         return {name: out[name] for name, _ in modules}
+
+    def batch(self, speed_level: int = 2) -> ObjectBatch:
+        return ObjectBatch(self, speed_level)
+
+
+class ObjectBatch:
+    """Objects of modules submitted one by one (a specialisation's lowering submits each
+    module as it is made): cached ones are read at once, the others are compiled on
+    every core while the submitter goes on (cannc.native.llvm_procs: LLVM in worker
+    processes, since llvmlite lets one thread at a time into LLVM). `finish` compiles
+    the rest, waits, and returns {name: object}; `abandon` stops it."""
+
+    def __init__(self, cache: ObjectCache, speed_level: int) -> None:
+        self.cache, self.level = cache, speed_level
+        self.out: dict[str, bytes] = {}
+        self._keys: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._ready = 0
+        self._tick: Callable[[], None] | None = None
+        tgt = host()
+        self.llvm = llvm_procs.Batch(
+            (tgt.triple, tgt.cpu, tgt.features, 3, CODE_MODEL[1], CODE_MODEL[0]),
+            self._here, self._finished)
+
+    def submit(self, name: str, module_ir: str) -> None:
+        if name in self._keys:
+            return
+        key = self._keys[name] = self.cache.key(module_ir, self.level)
+        obj = self.cache.get(key)
+        if obj is not None:
+            self.cache.hits += 1
+            self._done(name, obj)
+            return
+        if isa_missing(module_ir, host()):     # before any worker sees it (LLVM aborts)
+            _optimise(module_ir, name, self.level)         # raises its CompileError
+        self.llvm.submit((name, module_ir, self.level))
+
+    def _here(self, job: tuple[str, str, int]) -> bytes:
+        name, module_ir, level = job
+        mod, tm = _optimise(module_ir, name, level)
+        return tm.emit_object(mod)
+
+    def _finished(self, i: int, obj: bytes) -> None:
+        name = self.llvm.jobs[i][0]
+        _count_emitted()
+        with self._lock:
+            self.cache.misses += 1
+        self.cache.put(self._keys[name], obj)
+        self._done(name, obj)
+
+    def _done(self, name: str, obj: bytes) -> None:
+        with self._lock:
+            self.out[name] = obj
+            self._ready += 1
+            tick = self._tick
+        if tick is not None:
+            tick()
+
+    def finish(self, done: Callable[[], None] | None = None) -> dict[str, bytes]:
+        """Every object; done() once for each ready so far and each still to come."""
+        if done is not None:
+            with self._lock:
+                self._tick, ready = done, self._ready
+            for _ in range(ready):
+                done()
+        self.llvm.finish()
+        return dict(self.out)
+
+    def abandon(self) -> None:
+        self.llvm.abandon()
 
 
 _default_cache: ObjectCache | None = None
