@@ -172,6 +172,13 @@ def test_procs_setting(monkeypatch):
         llvm_procs.max_workers()
 
 
+def test_no_workers_without_a_python_interpreter_to_start(monkeypatch):
+    monkeypatch.delenv("CANNC_LLVM_PROCS", raising=False)
+    for exe in ("", "/usr/bin/my-onnx-server", sys.executable + "-missing"):
+        monkeypatch.setattr(llvm_procs.sys, "executable", exe)
+        assert llvm_procs.max_workers() == 0, exe
+
+
 def test_no_workers_means_in_process(monkeypatch):
     monkeypatch.setenv("CANNC_LLVM_PROCS", "0")
     llvm_procs.shutdown()

@@ -15,7 +15,8 @@ aborts the process it runs in) fails its module with a CompileError carrying the
 of its stderr; the caller's process lives on.
 
 CANNC_LLVM_PROCS=N caps the workers (0: every module compiled in process); the default
-is one fewer than the usable cores. With CANNC_DUMP_DIR set everything is compiled in
+is one fewer than the usable cores, and none when sys.executable is not a Python
+interpreter (Python embedded in another program). With CANNC_DUMP_DIR set everything is compiled in
 process (the dumps are written there).
 """
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
+import re
 import struct
 import subprocess
 import sys
@@ -54,11 +56,22 @@ def max_workers() -> int:
         if n < 0:
             raise CanncError(f"CANNC_LLVM_PROCS={v!r}: expected 0 or more")
         return n
+    if not _python_interpreter():
+        return 0
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
     return max(0, cores - 1)
+
+
+def _python_interpreter() -> bool:
+    """Whether sys.executable is a Python interpreter to start the worker with (in a
+    program that embeds Python -- onnxruntime's execution provider inside a C++ host --
+    it may be the host program itself, which must not be started)."""
+    exe = sys.executable
+    return bool(exe) and os.path.isfile(exe) and \
+        re.fullmatch(r"(python|pypy)[0-9.]*(\.exe)?", os.path.basename(exe).lower()) is not None
 
 
 class WorkerDied(Exception):
