@@ -2,22 +2,24 @@
 
 llvmlite serialises every call into LLVM with one lock per process
 (llvmlite.binding.ffi), so threads compile one module at a time: a cold BERT-base
-compile spent 2.4 s in LLVM on 2 cores whether one thread or two asked. A compile of
-several modules therefore hands them to worker processes (`_llvm_worker.py`, run as a
-script: it imports llvmlite, not cannc) while the calling thread compiles too, the
-largest modules first. The workers are started on first need, kept for the process
-(idle, they wait on a pipe and cost no CPU) and ended with it.
+compile spent 2.4 s in LLVM on 2 cores whether one thread or two asked. Modules are
+therefore handed to worker processes (`_llvm_worker.py`, run as a script: it imports
+llvmlite, not cannc; ready in ~0.07 s), as soon as each is lowered (`Batch`), while
+the compiling thread goes on lowering. The workers are started on first need, kept for
+the process (idle, they wait on a pipe and cost no CPU) and ended with it.
 
 A worker runs the same optimisation function as the process (`_llvm_worker.optimise`)
 for a target machine made from the same triple, CPU, features and code model, so an
-object is the same bytes wherever it was made. A worker that dies (an LLVM assertion
-aborts the process it runs in) fails its module with a CompileError carrying the end
-of its stderr; the caller's process lives on.
+object is the same bytes wherever it was made. While workers run, no module is
+compiled in the caller's process: a worker that dies (an LLVM assertion aborts the
+process it runs in) fails its module with a CompileError carrying the end of its
+stderr, and the caller lives on.
 
 CANNC_LLVM_PROCS=N caps the workers (0: every module compiled in process); the default
-is one fewer than the usable cores, and none when sys.executable is not a Python
-interpreter (Python embedded in another program). With CANNC_DUMP_DIR set everything is compiled in
-process (the dumps are written there).
+is the usable cores, and none when sys.executable is not a Python interpreter (Python
+embedded in another program). Workers that cannot start leave the modules to the
+process. With CANNC_DUMP_DIR set everything is compiled in process (the dumps are
+written there).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ Job = tuple[str, str, int]
 
 def max_workers() -> int:
     """How many worker processes a compile may use (CANNC_LLVM_PROCS, default the
-    usable cores less the caller's own)."""
+    usable cores: the caller waits while they compile)."""
     v = os.environ.get("CANNC_LLVM_PROCS", "").strip()
     if v:
         try:
@@ -62,7 +64,7 @@ def max_workers() -> int:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return max(0, cores - 1)
+    return max(1, cores)
 
 
 def _python_interpreter() -> bool:
@@ -209,9 +211,10 @@ if hasattr(os, "register_at_fork"):
 class Batch:
     """Modules compiled as they are submitted: worker processes (started as the work
     arrives, up to `max_workers()`) take them while the submitting thread goes on with
-    its own work (lowering the next kernels); `finish` has that thread compile what is
-    left, waits for the rest and raises the first failure (a CompileError naming the
-    kernel). done(index, object) is called as each module is ready, from any thread."""
+    its own work (lowering the next kernels); `finish` waits for them and raises the
+    first failure (a CompileError naming the kernel). Only when no worker could be had
+    does the submitting thread compile (`in_process`). done(index, object) is called as
+    each module is ready, from any thread."""
 
     def __init__(self, target: tuple, in_process: Callable[[Job], bytes],
                  done: Callable[[int, bytes], None]) -> None:
@@ -290,18 +293,18 @@ class Batch:
             self._cv.notify_all()
 
     def finish(self) -> None:
-        """Compile what is left here and beside the workers; wait for them; raise the
-        first failure."""
+        """Wait for the workers to compile what is left (or compile it here, if none
+        could be had or they could not start); raise the first failure."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
+        for t in self._threads:
+            t.join()
         try:
             while (i := self._next(wait=False)) is not None:
                 self.done(i, self.in_process(self.jobs[i]))
         except BaseException as e:
             self._fail(e)
-        for t in self._threads:
-            t.join()
         if self.errors:
             raise self.errors[0]
 
