@@ -40,11 +40,10 @@ from .. import config
 from ..ir.graph import Node
 from ..ir.ops import lookup
 from ..ir.types import TensorType, dtype_key
-from ..native.target import host, read_checksummed, write_checksummed
+from ..native.target import host, read_checksummed, source_digest, write_checksummed
 from ..schedule import tuning
 from . import amx, amx_conv, conv, winograd
 from .lower import conv as lower_conv
-from .plancache import source_digest
 
 _MAGIC = b"CNCMEMO1\n"
 # attributes that name where a node came from and never change its code

@@ -19,25 +19,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .. import config
-from ..native.target import host, read_checksummed, write_checksummed
+from ..native.target import host, read_checksummed, source_digest, write_checksummed
 
 _MAGIC = b"CNCPLAN1\n"
 F = TypeVar("F", bound=Callable[..., Any])
-_source_digest: str | None = None
-
-
-def source_digest() -> str:
-    """A digest of cannc's own sources: a changed emitter never reuses old entries."""
-    global _source_digest
-    if _source_digest is None:
-        root = Path(__file__).resolve().parent.parent
-        h = hashlib.sha256()
-        for p in sorted(root.rglob("*.py")):
-            h.update(str(p.relative_to(root)).encode())
-            h.update(p.read_bytes())
-        _source_digest = h.hexdigest()[:16]
-    return _source_digest
-
 
 def persistent(name: str) -> Callable[[F], F]:
     """Memoise a pure planner of hashable, picklable arguments in memory and in the cache

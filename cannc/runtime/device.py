@@ -53,7 +53,7 @@ def _pool_library() -> JitLibrary:
             lib = JitLibrary([dispatch.build_pool()])
             cyc = ctypes.CFUNCTYPE(ctypes.c_int64)(lib.address(dispatch.POOL_CYCLES))
             c0, t0 = cyc(), time.perf_counter()
-            time.sleep(0.002)
+            time.sleep(0.0005)   # (it sets how long idle cores spin: 10% off is fine)
             _cycles_per_us = max((cyc() - c0) / ((time.perf_counter() - t0) * 1e6), 1.0)
             _pool_lib = lib
         return _pool_lib

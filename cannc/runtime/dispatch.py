@@ -99,6 +99,10 @@ def _emit_wait(m: ir.Module) -> ir.Function:
 
 
 def build_dispatcher() -> bytes:
+    return default_cache().compile_built("cannc_dispatch", _build_dispatcher_module)
+
+
+def _build_dispatcher_module() -> ir.Module:
     m = new_module("cannc_dispatch")
     wait = _emit_wait(m)
     kty = ir.FunctionType(VOID, [PTR, I64, I64, PTR])
@@ -177,7 +181,7 @@ def build_dispatcher() -> bytes:
     cf = ir.Function(m, ir.FunctionType(I64, []), name=CYCLES)
     cb = ir.IRBuilder(cf.append_basic_block("entry"))
     cb.ret(cb.call(cyc, []))
-    return default_cache().compile(str(m), "cannc_dispatch", speed_level=2)
+    return m
 
 
 CYCLES_FUNC_TYPE = ctypes.CFUNCTYPE(ctypes.c_int64)
@@ -220,6 +224,10 @@ def _word(b: ir.IRBuilder, base: ir.Value, w: ir.Value | int) -> ir.Value:
 
 
 def build_pool() -> bytes:
+    return default_cache().compile_built("cannc_pool", _build_pool_module)
+
+
+def _build_pool_module() -> ir.Module:
     m = new_module("cannc_pool")
     wait = _emit_wait(m)
     sysc = ir.Function(m, ir.FunctionType(I64, [I64], var_arg=True), name="syscall")
@@ -326,7 +334,7 @@ def build_pool() -> bytes:
     cf = ir.Function(m, ir.FunctionType(I64, []), name=POOL_CYCLES)
     cb = ir.IRBuilder(cf.append_basic_block("entry"))
     cb.ret(cb.call(cyc, []))
-    return default_cache().compile(str(m), "cannc_pool", speed_level=2)
+    return m
 
 
 POOL_POST_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
