@@ -2,6 +2,7 @@
 
     python benchmarks/compile_time.py [--model PATH.onnx] [--layers 12] [--runs 3]
                                       [--json OUT.json]
+    python benchmarks/compile_time.py --zoo mlp mobilenet gpt [--runs 3] [--json OUT.json]
 
 Without --model it builds the zoo BERT at BERT-base size (hidden 768, 12 heads,
 intermediate 3072, vocab 30522; --layers of them). Every measurement runs in a
@@ -71,6 +72,49 @@ ORT_CHILD = textwrap.dedent("""
 """)
 
 
+GENERIC_CHILD = textwrap.dedent("""
+    import json, sys, time
+    import numpy as np
+    import cannc
+    t1 = time.perf_counter()
+    sess = cannc.compile(sys.argv[1])
+    t2 = time.perf_counter()
+    feeds = dict(np.load(sys.argv[1] + ".inputs.npz"))
+    sess.run(None, feeds)
+    print(json.dumps({"compile_s": t2 - t1, "first_run_s": time.perf_counter() - t2}))
+""")
+
+
+def zoo_rows(names: list[str], runs: int, tmp: str) -> dict[str, list[dict]]:
+    """Cold, warm (a program-cache hit), objects-only and onnxruntime session times of
+    zoo models (their example inputs for the first run), each in a fresh process."""
+    sys.path.insert(0, str(ROOT))
+    from models import zoo
+    out: dict[str, list[dict]] = {}
+    for name in names:
+        m = zoo.build(name)
+        path = os.path.join(tmp, f"{name}.onnx")
+        zoo.onnx.save(m, path)
+        import numpy as np
+        np.savez(path + ".inputs.npz", **zoo.example_inputs(m))
+        rows = out[name] = []
+        for i in range(runs):
+            cache = os.path.join(tmp, f"cache-{name}{i}")
+            r = {"cold": run_child(path, cache, GENERIC_CHILD),
+                 "warm": run_child(path, cache, GENERIC_CHILD),
+                 "warm_objects": run_child(path, cache, GENERIC_CHILD,
+                                           CANNC_PROGRAM_CACHE="0"),
+                 "ort": run_child(path, cache, ORT_CHILD)}
+            rows.append(r)
+            print(f"{name} run {i}: " + ", ".join(
+                f"{k} {v['compile_s']:.3f} s" for k, v in r.items()), flush=True)
+        med = {k: statistics.median(r[k]["compile_s"] for r in rows) for k in rows[0]}
+        print(f"{name}: median cold {med['cold']:.2f} s, warm {med['warm']:.3f} s, objects "
+              f"only {med['warm_objects']:.2f} s, ORT session {med['ort']:.3f} s: warm/ORT "
+              f"{med['warm'] / med['ort']:.2f}", flush=True)
+    return out
+
+
 def run_child(path: str, cache: str, code: str = CHILD, **env_extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "CANNC_PROGRAM_CACHE"}
     env.update(CANNC_CACHE_DIR=cache, PYTHONPATH=str(ROOT), **env_extra)
@@ -85,8 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--runs", type=int, default=3, help="cold/warm pairs (medians reported)")
     ap.add_argument("--json", help="write the measurements here")
+    ap.add_argument("--zoo", nargs="+", metavar="NAME",
+                    help="instead: compile times of these zoo models (mlp, mobilenet, gpt...)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="cannc-compile-time-") as tmp:
+        if args.zoo:
+            found = zoo_rows(args.zoo, args.runs, tmp)
+            if args.json:
+                Path(args.json).write_text(json.dumps({**_machine(), "zoo": found},
+                                                      indent=1) + "\n")
+            return 0
         path = args.model
         if path is None:
             sys.path.insert(0, str(ROOT))
@@ -126,14 +178,18 @@ def main(argv: list[str] | None = None) -> int:
               f" {med('warm_objects', 'new_seq_first_run_s'):.2f} s, a new batch's "
               f"{med('warm_objects', 'new_batch_first_run_s'):.2f} s")
         if args.json:
-            sys.path.insert(0, str(ROOT))
-            from cannc.native.target import host
-            from cannc.schedule.machine import family_model, model_name
             Path(args.json).write_text(json.dumps(
-                {"model": Path(path).name, "model_mib": size / 2**20, "cpu_model": model_name(),
-                 "llvm_cpu": host().cpu, "cpu_family_model": family_model(),
-                 "cores": os.cpu_count(), "rows": rows}, indent=1) + "\n")
+                {"model": Path(path).name, "model_mib": size / 2**20, **_machine(),
+                 "rows": rows}, indent=1) + "\n")
     return 0
+
+
+def _machine() -> dict:
+    sys.path.insert(0, str(ROOT))
+    from cannc.native.target import host
+    from cannc.schedule.machine import family_model, model_name
+    return {"cpu_model": model_name(), "llvm_cpu": host().cpu,
+            "cpu_family_model": family_model(), "cores": os.cpu_count()}
 
 
 if __name__ == "__main__":
