@@ -56,6 +56,7 @@ def _compile_jobs(jobs, target_, in_process, done):
 def procs(monkeypatch):
     monkeypatch.setenv("CANNC_LLVM_PROCS", "2")
     monkeypatch.setattr(llvm_procs, "_broken", False)
+    monkeypatch.setattr(llvm_procs.config, "DUMP_DIR", None)     # (dumps compile in process)
     llvm_procs.shutdown()
     yield
     llvm_procs.shutdown()
@@ -114,6 +115,26 @@ def test_invalid_ir_in_a_worker_is_a_compile_error(procs):
             ("good2", _module(2), 2)]
     with pytest.raises(CompileError, match="invalid LLVM IR for kernel bad"):
         _compile_jobs(jobs, _target(), _in_process, lambda i, o: None)
+
+
+# LLVM aborts the process that emits this (report_fatal_error: the streamer has no asm
+# parser): in a worker it is a CompileError, and this process lives on
+_ABORTS_LLVM = """
+define i32 @f(i32 %x) {
+  call void asm sideeffect "bogus_insn %eax", ""()
+  ret i32 %x
+}
+"""
+
+
+def test_an_llvm_abort_is_a_compile_error_not_a_crash(procs, tmp_path):
+    cache = target.ObjectCache(tmp_path)
+    with pytest.raises(CompileError) as e:
+        cache.compile_many([("fine", _module(70)), ("doomed", _ABORTS_LLVM)])
+    msg = str(e.value)
+    assert "kernel doomed" in msg and "LLVM ERROR" in msg and "signal 6" in msg
+    # and the next compile goes on (a new worker)
+    assert set(cache.compile_many([("k", _module(71))])) == {"k"}
 
 
 def _fake_worker(monkeypatch, tmp_path, body: str) -> None:
