@@ -172,10 +172,13 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
     out = Path(args.out)
     data = json.loads(out.read_text()) if out.exists() else {}
-    data["cpu_model"] = cpu_model()
-    data["nproc"] = os.cpu_count()
+    # each set names its machine (the top-level cpu_model/nproc describe the sets that
+    # do not: the file's first machine, never overwritten by a later one)
+    data.setdefault("cpu_model", cpu_model())
+    data.setdefault("nproc", os.cpu_count())
     data.setdefault("sets", {})[args.label] = {"date": time.strftime("%Y-%m-%d %H:%M"),
-                                               "rows": rows}
+                                               "cpu_model": cpu_model(),
+                                               "nproc": os.cpu_count(), "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1))
     return 0
