@@ -7,6 +7,12 @@ rounding once in one implementation and maybe not in the other (fused); ints and
 exact).
 A failing case is written as a reproducer: `<dir>/<kind>-seed<N>/model.onnx`,
 `feeds.npz` and `report.txt` (the error or the worst mismatch, and the op list).
+
+A mismatch that onnxruntime itself shows when its float inputs move by a few ulps is
+`ill_conditioned`, not a failure: random graphs make chains such as Sin(Pow(x, -3)) with x
+near 0.04, where one ulp of Pow (a legitimate rounding difference) is 0.001 after the Sin.
+Each differing element must lie within twice onnxruntime's own spread under those
+perturbations; the case is still saved and counted, so a campaign shows how many it had.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ class Result:
     seed: int
     # ok | mismatch | error (a cannc error) | crash (any other) | invalid (onnxruntime
     # refuses the model) | ort_bug (cannc matches onnxruntime without its graph
-    # optimisations, which disagree with it: e.g. Transpose -> MatMul with a 1-D B)
+    # optimisations, which disagree with it: e.g. Transpose -> MatMul with a 1-D B) |
+    # ill_conditioned (onnxruntime moves as far when its inputs move by a few ulps)
     kind: str
     detail: str = ""
     seconds: float = 0.0
@@ -57,6 +64,10 @@ def ort_outputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray],
     return s.run(None, feeds)
 
 
+def _tolerances(e: np.ndarray, rtol: float, atol: float) -> tuple[float, float]:
+    return (max(rtol, F16_TOL), max(atol, F16_TOL)) if e.dtype == np.float16 else (rtol, atol)
+
+
 def compare(got: list[np.ndarray], expected: list[np.ndarray], names: list[str],
             rtol: float = RTOL, atol: float = ATOL) -> str:
     """'' when every output matches, else what differs first."""
@@ -67,8 +78,7 @@ def compare(got: list[np.ndarray], expected: list[np.ndarray], names: list[str],
         if g.dtype != e.dtype or g.shape != e.shape:
             return f"{n}: {g.dtype}{g.shape} != onnxruntime's {e.dtype}{e.shape}"
         if e.dtype.kind in "fc":
-            rt, at = (max(rtol, F16_TOL), max(atol, F16_TOL)) if e.dtype == np.float16 \
-                else (rtol, atol)
+            rt, at = _tolerances(e, rtol, atol)
             g, e = g.astype(np.float64), e.astype(np.float64)
             bad = ~np.isclose(g, e, rtol=rt, atol=at, equal_nan=True)
             if bad.any():
@@ -79,6 +89,53 @@ def compare(got: list[np.ndarray], expected: list[np.ndarray], names: list[str],
         elif not np.array_equal(g, e):
             return f"{n}: integer values differ"
     return ""
+
+
+ULP_TRIALS = 4
+
+
+def _nudged(model: onnx.ModelProto, feeds: dict[str, np.ndarray], rng: np.random.Generator
+            ) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """The model and feeds with every float32 input and initializer element moved by -2..2
+    ulps at random."""
+    def nudge(a: np.ndarray) -> np.ndarray:
+        if a.dtype != np.float32 or not a.size:
+            return a
+        steps = rng.integers(-2, 3, a.shape).astype(np.float32)
+        return (a * (1 + steps * np.float32(2.0 ** -23))).astype(np.float32)
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for t in m.graph.initializer:
+        a = onnx.numpy_helper.to_array(t)
+        if a.dtype == np.float32:
+            t.CopyFrom(onnx.numpy_helper.from_array(nudge(a), t.name))
+    return m, {k: nudge(v) for k, v in feeds.items()}
+
+
+def ill_conditioned(case: Case, got: list[np.ndarray], expected: list[np.ndarray],
+                    trials: int = ULP_TRIALS) -> bool:
+    """True when every element where cannc and onnxruntime differ is within twice the spread
+    of onnxruntime's own results over `trials` runs on inputs moved by a few ulps."""
+    rng = np.random.default_rng(case.seed & 0xFFFFFFFF)
+    spread = [np.zeros(np.shape(e)) for e in expected]
+    for _ in range(trials):
+        m, feeds = _nudged(case.model, case.feeds, rng)
+        for i, (e, n) in enumerate(zip(expected, ort_outputs(m, feeds))):
+            if np.asarray(e).dtype.kind == "f" and np.shape(n) == np.shape(e):
+                d = np.abs(np.asarray(n, np.float64) - np.asarray(e, np.float64))
+                spread[i] = np.fmax(spread[i], np.nan_to_num(d, nan=np.inf))
+    for g, e, sp in zip(got, expected, spread):
+        g, e = np.asarray(g), np.asarray(e)
+        if e.dtype.kind != "f" or g.shape != e.shape:
+            if not np.array_equal(g, e):
+                return False
+            continue
+        rt, at = _tolerances(e, RTOL, ATOL)
+        g64, e64 = g.astype(np.float64), e.astype(np.float64)
+        bad = ~np.isclose(g64, e64, rtol=rt, atol=at, equal_nan=True)
+        if (np.abs(g64 - e64)[bad] > 2 * sp[bad] + at).any():
+            return False
+    return True
 
 
 def check(case: Case, cores: int = 2) -> Result:
@@ -105,6 +162,10 @@ def check(case: Case, cores: int = 2) -> Result:
         plain = ort_outputs(case.model, case.feeds, optimize=False)
         if not compare(got, plain, names) and compare(expected, plain, names):
             return Result(case.seed, "ort_bug", f"onnxruntime's optimised graph: {diff}",
+                          time.perf_counter() - t0)
+        if ill_conditioned(case, got, expected):
+            return Result(case.seed, "ill_conditioned",
+                          f"within onnxruntime's spread under ulp-sized input changes: {diff}",
                           time.perf_counter() - t0)
     return Result(case.seed, "mismatch" if diff else "ok", diff, time.perf_counter() - t0)
 
@@ -142,7 +203,7 @@ def campaign(seeds, out_dir: str | None = None, deadline: float | None = None,
             continue
         res = check(case, cores)
         results.append(res)
-        if res.failed or res.kind == "ort_bug":
+        if res.failed or res.kind in ("ort_bug", "ill_conditioned"):
             where = save_reproducer(case, res, out_dir) if out_dir else ""
             log(f"seed {seed}: {res.kind}: {res.detail.splitlines()[0][:300]} {where}")
     return results

@@ -103,3 +103,36 @@ def test_prune_keeps_what_the_outputs_need():
 def _ort(model, feeds):
     from tests.fuzz.run import ort_outputs
     return ort_outputs(model, feeds)
+
+
+def _one_path_case(nodes, x):
+    from onnx import TensorProto, helper
+
+    from tests.fuzz.gen import Case
+    g = helper.make_graph(nodes, "c", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                      list(x.shape))],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                          initializer=[onnx.numpy_helper.from_array(np.float32(-3.0), "e")])
+    return Case(5, helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]),
+                {"x": x}, [n.op_type for n in nodes])
+
+
+def test_ill_conditioned_graphs_are_told_apart_from_wrong_results():
+    """Sin(Pow(x, -3)) at x ~ 0.043 (x^-3 ~ 12500, where one ulp is 0.001): a result off by
+    what one ulp of the Pow gives is ill-conditioned, not a mismatch; a result off by the
+    same amount on a well-conditioned graph (Relu) still fails."""
+    from onnx import helper
+
+    from tests.fuzz.run import ill_conditioned
+    x = np.full((4, 8), 0.04307521, np.float32) * (1 + np.arange(32, dtype=np.float32)
+                                                   .reshape(4, 8) * np.float32(1e-6))
+    case = _one_path_case([helper.make_node("Pow", ["x", "e"], ["p"]),
+                           helper.make_node("Sin", ["p"], ["y"])], x)
+    (exp,) = _ort(case.model, case.feeds)
+    p = np.power(x.astype(np.float64), -3).astype(np.float32)
+    off = np.sin(np.nextafter(p, np.float32(np.inf)).astype(np.float64)).astype(np.float32)
+    assert compare([off], [exp], ["y"]), "the ulp of the Pow must show after the Sin"
+    assert ill_conditioned(case, [off], [exp])
+    relu = _one_path_case([helper.make_node("Relu", ["x"], ["y"])], x)
+    (exp,) = _ort(relu.model, relu.feeds)
+    assert not ill_conditioned(relu, [exp + np.float32(1e-3)], [exp])
