@@ -23,8 +23,11 @@ input channels (``KC = CB*KK`` reduction rows) one of three schemes runs:
 * swapped (small images, e.g. 14x14 and 7x7 whose pixel count is no multiple
   of 32): im2col, then a micro-tile of MR pixels x 32 output channels with the
   vectors along channels (weights packed in 32-channel panels), so no lanes are
-  wasted on ragged pixel counts; partial sums live in the workspace between
-  reduction blocks and the results are scattered to Y once.
+  wasted on ragged pixel counts; the sums live in the workspace ([P][CH],
+  pixel-major) and, after the last reduction block, are transposed 16 x 16 in
+  registers and written to Y's channel planes with whole-vector stores (a
+  16-lane scatter per pixel, as before, cost the 96->576 1x1 conv of a 14x14
+  MobileNetV2 block 35% of its time at batch 8).
 
 The micro-kernel (``_ConvGen.micro``) keeps ``MR x NV`` ``<16 x float>``
 accumulators as phi values (``llvm.fma.v16f32``, one operand broadcast, the
@@ -250,7 +253,8 @@ class ConvPlan:
     pixels (vectors along pixels). With ``swap`` it is MR output pixels x
     16*NV output channels (vectors along channels, weights packed as
     16*NV-channel panels): no lanes are wasted on small images (7x7, 14x14)
-    whose pixel count is not a multiple of 32; results are scattered to Y.
+    whose pixel count is not a multiple of 32; results reach Y through the workspace
+    (see _ConvGen.swap_out).
     """
 
     swap: bool
@@ -268,7 +272,7 @@ class ConvPlan:
     unroll: int
     ws_col: int      # byte offsets in the workspace
     ws_a: int
-    ws_acc: int      # swap: partial sums [P][CH] between reduction blocks
+    ws_acc: int      # swap: the sums [rup(P, 16)][CH], written to Y after the last block
     ws_bytes: int
     num_tiles: int
 
@@ -310,12 +314,18 @@ KC_MAX = 256         # reduction rows per block (B micro-panel 32*KC*4 bytes)
 KC_MAX_DIRECT = 512  # direct mode: the block of A (Mg x KC) should stay in L2
 P_MAX = 256          # pixels per block
 SWAP_MAX_PIXELS = 1024
-# swapped orientation: one 16-lane scatter of results to Y (measured: 40 made 1x1 stride-2
-# convs on 56x56 images pick the swapped orientation, 5-20% slower than the normal one)
-SCATTER_COST = 200.0
-# AVX2 has no scatter: the 16 lanes are extracted and stored one by one (Zen 3: the swapped
+# swapped orientation: writing 16 results to Y (the sums' round trip through the workspace
+# and their share of a 16 x 16 transpose). Zen 4, 1x1 convs at batch 1: 0.13 ns an output,
+# ~15 flop units; at batch 8, when Y leaves L2, 0.33 ns. The value is the one measured for
+# the 16-lane scatter this write-out replaced (40 made 1x1 stride-2 convs on 56x56 images
+# pick the swapped orientation, 5-20% slower than the normal one); with it, the choice on
+# MobileNetV2's and ResNet-50's 1x1 convs at 28x28, 14x14 and 7x7 (batch 1 and 8) is the
+# faster orientation, measured, in all but one (64->384 at 14x14: 5% off).
+SWAP_OUT_COST = 200.0
+# AVX2: the transpose's 2-source shuffles of 16 lanes are split into ymm permutes and blends
+# (the scatter it replaced was 16 extracts and scalar stores: Zen 3, the swapped
 # orientation of ResNet's 7x7 stride-2 stem took 3.0 ms where the normal one takes 1.8)
-SCATTER_COST_AVX2 = 1000.0
+SWAP_OUT_COST_AVX2 = 1000.0
 
 
 def _grid(geom: ConvGeom, K: int, pu: int, cu: int, pmax: int, cores: int,
@@ -413,11 +423,11 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict) -> Co
         NVs = tun.get("NV", default_nv(Mg, wide))
         NRs = 16 * NVs
         mrs = [8, 7, 6, 5, 4] if wide else [6, 5, 4]
-        scatter = SCATTER_COST if wide else SCATTER_COST_AVX2
+        out_cost = SWAP_OUT_COST if wide else SWAP_OUT_COST_AVX2
         for MRs in ([tun["MR"]] if "MR" in tun else mrs):
             def cost_s(ch, px, MRs=MRs):
                 c = (2.0 * rup(ch, NRs) * rup(px, MRs) * K + 6.0 * K * px + 3000.0
-                     + scatter * ch * px / 16)
+                     + out_cost * ch * px / 16)
                 c += weight_traffic(ch, K)
                 if not const_weights:
                     c += 4.0 * rup(ch, NRs) * K
@@ -450,7 +460,8 @@ def plan_workspace(plan: ConvPlan, const_weights: bool) -> ConvPlan:
     ws_a = rup(col_bytes, 64)
     a_bytes = 0 if const_weights else rup(plan.CH, plan.CU) * plan.KC * 4
     ws_acc = rup(ws_a + a_bytes, 64)
-    acc_bytes = plan.P * plan.CH * 4 if (plan.swap and plan.nkb > 1) else 0
+    # (rows up to a multiple of 16: the write-out transposes whole 16 x 16 blocks)
+    acc_bytes = rup(plan.P, 16) * plan.CH * 4 if plan.swap else 0
     return replace(plan, ws_col=0, ws_a=ws_a, ws_acc=ws_acc, ws_bytes=rup(ws_acc + acc_bytes, 64))
 
 
@@ -596,7 +607,7 @@ class _ConvGen:
                     with v.loop(i64(0), npix, p.MR, "ir") as ir_:
                         npx = v.smin(b.sub(npix, ir_), p.MR)
                         segs = [(v.gep(self.col, ir_), p.NCP, b_base, p.NR, kc, None)]
-                        io = _SwapIO(self, y_ng, ch0, jr, m_lo, ir_, p0, npx, chmask)
+                        io = _SwapIO(self, jr, m_lo, ir_, npx, chmask)
                         self.micro(segs, io, first, last)
                 return
             with v.loop(i64(0), npix, p.NR, "jr") as jr:
@@ -630,6 +641,39 @@ class _ConvGen:
                 first = b.icmp_signed("==", kb, i64(0))
                 last = b.icmp_signed("==", kb, i64(p.nkb - 1))
                 body(kb, first, last)
+        if p.swap:
+            self.swap_out(ch0, y_ng, p0, npix, m_lo, m_hi)
+
+    def swap_out(self, ch0, y_ng, p0, npix, m_lo, m_hi):
+        """Swapped orientation: the tile's sums acc[px][c - m_lo] (pixel-major) to
+        Y[c][p0 + px], 16 channels x 16 pixels at a time: 16 rows loaded whole, transposed
+        in registers, bias and epilogue applied along pixels (stride 1, as in the normal
+        orientation), stored as channel-plane vectors masked to the tile."""
+        v, g, p = self.v, self.g, self.p
+        b = v.b
+        with v.loop(m_lo, m_hi, 16, "oc") as c:
+            nch = v.smin(b.sub(m_hi, c), 16)
+            chok = [True] + [b.icmp_signed("<", i64(i), nch) for i in range(1, 16)]
+            src = v.gep(self.acc, b.sub(c, m_lo))
+            y_c = v.gep(y_ng, b.add(b.mul(c, i64(g.OHW)), p0))
+            with v.loop(i64(0), npix, 16, "op") as px:
+                pxmask = v.lanes_lt(0, b.sub(npix, px))
+                row0 = v.gep(src, b.mul(px, i64(p.CH)))
+                # rows past npix (up to the 16-multiple the workspace holds) are read but
+                # never stored
+                cols = v.transpose16([v.load_v(v.gep(row0, i * p.CH)) for i in range(16)])
+                for i in range(16):
+                    val = cols[i]
+                    m = v.mask_and(pxmask, chok[i])
+                    if self.Bias is not None:
+                        ci = b.add(c, i64(i)) if i else c
+                        ci = b.select(chok[i], ci, c) if i else ci
+                        bias = b.load(v.gep(self.Bias, b.add(ch0, ci)), typ=F32, align=4)
+                        val = b.fadd(val, v.splat(bias, VF))
+                    ptr = v.gep(y_c, b.add(b.mul(i64(i), i64(g.OHW)), px) if i else px)
+                    if self.epilogue is not None:
+                        val = self.epilogue(b, val, v.flat_index(ptr, self.Y), 1, m)
+                    v.mstore(val, ptr, m)
 
     def tap_masks(self, pix0, colmask):
         """Direct mode: per tap and vector, the lanes (output pixels pix0 + i) whose
@@ -1004,47 +1048,24 @@ class _NormalIO(_MicroIO):
 
 
 class _SwapIO(_MicroIO):
-    """Micro-tile of MR output pixels (rows) x 16*NV channels: partial sums in the
-    workspace ([P][CH], pixel-major), final values scattered to Y."""
+    """Micro-tile of MR output pixels (rows) x 16*NV channels: its sums live in the
+    workspace ([P][CH], pixel-major) between reduction blocks and after the last one,
+    from where _ConvGen.swap_out writes the tile to Y."""
 
-    def __init__(self, gen, y_ng, ch0, jr, m_lo, ir_, p0, npx, chmask):
+    def __init__(self, gen, jr, m_lo, ir_, npx, chmask):
         self.gen, self.v, self.p = gen, gen.v, gen.p
-        v, b, p, g = self.v, gen.v.b, gen.p, gen.g
-        self.jr = jr
-        self.ch0 = ch0
-        self.chmask = chmask
+        v, b, p = self.v, gen.v.b, gen.p
         pxok = [True] + [b.icmp_signed("<", i64(r), npx) for r in range(1, p.MR)]
         self.masks = [[v.mask_and(chmask[j], pxok[r]) for j in range(p.NV)] for r in range(p.MR)]
-        # partial sums: acc[(ir + r) * CH + (jr - m_lo) + 16j]
+        # sums: acc[(ir + r) * CH + (jr - m_lo) + 16j]
         base = b.add(b.mul(ir_, i64(p.CH)), b.sub(jr, m_lo))
         self.partial = [v.gep(gen.acc, b.add(base, i64(r * p.CH))) for r in range(p.MR)]
-        # Y[(jr + lane) * OHW + p0 + ir + r]
-        self.y_pix = v.gep(y_ng, b.add(b.mul(jr, i64(g.OHW)), b.add(p0, ir_)))
-        self.lane_off = [ir.Constant(VI, [(16 * j + i) * g.OHW for i in range(16)])
-                         for j in range(p.NV)]
 
     def prefetch(self):
         pass
 
     def store_final(self, accs):
-        v, b, gen, p = self.v, self.v.b, self.gen, self.p
-        biases = []
-        if gen.Bias is not None:
-            bp = v.gep(gen.Bias, b.add(self.ch0, self.jr))
-            biases = [v.mload(v.gep(bp, 16 * j), self.chmask[j]) for j in range(p.NV)]
-        for r in range(p.MR):
-            yp = v.gep(self.y_pix, r)
-            for j in range(p.NV):
-                val = accs[r][j]
-                if biases:
-                    val = b.fadd(val, biases[j])
-                if gen.epilogue is not None:
-                    lane0 = v.gep(yp, 16 * j * gen.g.OHW)
-                    val = gen.epilogue(b, val, v.flat_index(lane0, gen.Y), gen.g.OHW,
-                                       self.masks[r][j])
-                ptrs = b.gep(yp, [self.lane_off[j]], source_etype=F32)
-                ptrs.type = VPTR
-                v.scatter(val, ptrs, self.masks[r][j])
+        self.store_partial(accs)
 
 
 # ---------------------------------------------------------------------------
