@@ -47,6 +47,7 @@ when ``iv % stride == 0``, with the kernel flipped and in/out channels swapped
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -54,6 +55,7 @@ import llvmlite.ir as ir
 import numpy as np
 
 from ..native.emit import BF16, F32, I8, I32, I64, PTR, i64, masked_load, masked_store
+from ..schedule.machine import l1d_sets
 from ..schedule.split import claim_chunks
 from .plancache import persistent
 from .vec import VF, VI32, VM, VPTR, VecBuilder, abi_function, wide_registers
@@ -307,6 +309,23 @@ def default_nv(n: int, wide: bool) -> int:
     return 2 if wide and n > 16 else 1
 
 
+def planes_alias_in_l1(plane_bytes: int) -> bool:
+    """Channel planes ``plane_bytes`` apart fall into at most a quarter of the L1 data
+    cache's sets (the same few sets for every plane): 112x112 fp32 planes (49 KiB) into 4
+    of Zen 4's 64, 56x56 into 16; 28x28 and 14x14 planes spread over all of them."""
+    sets, line = l1d_sets()
+    if plane_bytes % line:
+        return False
+    return sets // math.gcd(sets, (plane_bytes // line) % sets) <= sets // 4
+
+
+# A 1x1 conv of at most this many input channels whose planes alias in L1 reads X through
+# im2col (a contiguous copy per block) rather than in place: Zen 4, MobileNetV2's
+# expansions 16->96 at 112x112, 24->144 and 32->192 at 56x56 and its 32->16 at 112x112 ran
+# 5-20% faster in the model at batch 1 and 8, 1 and 2 cores; its 96->24 and 144->24
+# projections at 56x56 ran 17-18% slower, so wider reductions keep the direct path.
+IM2COL_ALIASED_MAX_C = 32
+
 # tunables (measured on Zen 4, see benchmarks/conv_bench.py)
 DIRECT_MAX_TAPS = 9         # the direct mode unrolls one k-loop per tap (code size, compile time)
 IM2COL_CHANNEL_INNER = 8    # im2col loops over channels innermost from this many per block
@@ -404,6 +423,9 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict) -> Co
     NV = tun.get("NV", default_nv(OHW, wide))
     NR = 16 * NV
     direct = tun.get("direct", True) and geom.direct_ok
+    if direct and "direct" not in tun and geom.KK == 1 and geom.Cg <= IM2COL_ALIASED_MAX_C \
+            and planes_alias_in_l1(geom.DHW * 4):
+        direct = False
     im2col_cost = 0.0 if direct else 6.0
 
     def cost_n(ch, px):

@@ -165,6 +165,40 @@ def test_conv_plan_orientation():
     assert p.direct and not p.swap and p.num_tiles >= 2
 
 
+def test_small_1x1_convs_over_aliasing_planes_take_im2col(monkeypatch):
+    """A 1x1 conv reading <= 32 channel planes that share a few L1 sets (112x112 and 56x56
+    fp32 planes with 64 sets of 64-byte lines) copies them (im2col); wider reductions and
+    planes that spread over the sets read X in place."""
+    from cannc.schedule import machine
+    monkeypatch.setattr(conv_codegen, "l1d_sets", lambda: (64, 64))
+
+    def plan(c, m, hw, tuning=None):     # (not the on-disk plan cache: sets are patched)
+        g = conv_codegen.ConvGeom(N=1, C=c, M=m, G=1, isz=(1, hw, hw), osz=(1, hw, hw),
+                                  k=(1, 1, 1))
+        return conv_codegen._plan_conv(g, True, 2, tuning or {})
+    assert conv_codegen.planes_alias_in_l1(112 * 112 * 4)      # 4 of 64 sets
+    assert conv_codegen.planes_alias_in_l1(56 * 56 * 4)        # 16 of 64
+    assert not conv_codegen.planes_alias_in_l1(28 * 28 * 4)    # all 64
+    assert not conv_codegen.planes_alias_in_l1(14 * 14 * 4)    # not whole lines
+    assert not plan(16, 96, 112).direct and not plan(32, 16, 112).direct
+    assert plan(144, 24, 56).direct and plan(32, 192, 28).direct
+    assert plan(16, 96, 112, {"direct": True}).direct          # an explicit choice stands
+    assert machine.l1d_sets()[0] > 0
+
+
+def test_l1d_sets_from_sysfs(tmp_path):
+    from cannc.schedule import machine
+    for i, (level, kind, sets) in enumerate([(1, "Instruction", 32), (1, "Data", 64),
+                                             (2, "Unified", 2048)]):
+        d = tmp_path / f"index{i}"
+        d.mkdir()
+        for name, val in (("level", level), ("type", kind), ("number_of_sets", sets),
+                          ("coherency_line_size", 64)):
+            (d / name).write_text(f"{val}\n")
+    assert machine.l1d_sets.__wrapped__(str(tmp_path)) == (64, 64)
+    assert machine.l1d_sets.__wrapped__(str(tmp_path / "missing")) == (64, 64)
+
+
 def test_conv_unsupported_dtype():
     x = rnd(1, 2, 5, 5).astype(np.float64)
     w = rnd(3, 2, 3, 3).astype(np.float64)
