@@ -546,6 +546,11 @@ def op_conv(b: Builder) -> str:
     if c > 1 and b.rng.random() < 0.3:
         group = c
     m = int(b.rng.integers(1, 5)) * group
+    if group == 1 and b.rng.random() < 0.3:
+        # 16-40 output channels: several channel blocks and ragged micro-tile rows, with
+        # fused epilogues (the orientation is the cost model's; on these few input channels
+        # it is the normal one: tests/ops/test_conv.py forces the swapped one)
+        m = int(b.rng.integers(16, 41))
     kh, kw = int(b.rng.integers(1, min(h, 3) + 1)), int(b.rng.integers(1, min(w, 3) + 1))
     wt = b.fconst((m, c // group, kh, kw), scale=1 / np.sqrt(c * kh * kw / group))
     ins = [x, wt] + ([b.fconst((m,))] if b.rng.random() < 0.7 else [])
