@@ -172,8 +172,8 @@ def test_winograd_fused_epilogue(act):
 
 
 def test_winograd_epilogue_offsets():
-    """The epilogue sees lane i as Y.flat[offset + i*stride] (stride OD*OH*OW): an
-    epilogue adding that index reveals where each lane is stored."""
+    """The epilogue sees lane i as Y.flat[offset + i*stride] (stride 1: F(2,3) stores
+    along pixels): an epilogue adding that index reveals where each lane is stored."""
     from tests.ops.test_conv import _index_epilogue
 
     x, w, bias = conv_inputs((2, 12, 9, 11), (40, 12, 3, 3))
