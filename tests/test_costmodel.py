@@ -178,3 +178,13 @@ def test_peaks_are_timed_in_cpu_time_not_wall_time():
     assert time.perf_counter() - t0 >= 0.05 and asleep < 0.02
     busy = machine._cpu_timed(lambda: sum(range(200_000)))
     assert busy > 0
+
+
+def test_measured_fma_pipes_are_in_the_code_caches_salt(monkeypatch):
+    """The FMA pipes pick the GEMM micro-kernel, so the lowering memo and the program cache
+    (both keyed by codegen.memo.salt) must not serve one measurement's kernels to another."""
+    from cannc.codegen import memo
+    monkeypatch.setattr(machine, "fma_pipes", lambda: 1)
+    one = memo.salt()
+    monkeypatch.setattr(machine, "fma_pipes", lambda: 2)
+    assert memo.salt() != one

@@ -41,7 +41,7 @@ from ..ir.graph import Node
 from ..ir.ops import lookup
 from ..ir.types import TensorType, dtype_key
 from ..native.target import host, read_checksummed, source_digest, write_checksummed
-from ..schedule import tuning
+from ..schedule import machine, tuning
 from . import amx, amx_conv, conv, winograd
 from .lower import conv as lower_conv
 
@@ -263,10 +263,13 @@ def default_memo() -> LoweringMemo:
 
 def salt() -> str:
     """Everything global the generated code depends on: the host target, cannc's
-    sources, the tuning cache in effect and the codegen switches (environment
-    and the FORCE_TUNING overrides tests and experiments set)."""
+    sources, the tuning cache in effect, the FMA pipes measured on this machine (they
+    pick the GEMM's micro-kernel: a re-measurement that says otherwise must not find the
+    other kernels) and the codegen switches (environment and the FORCE_TUNING overrides
+    tests and experiments set)."""
     switches = (f"wino={config.WINOGRAD}|conv={sorted(conv.FORCE_TUNING.items())!r}|"
                 f"wg={sorted(winograd.FORCE_TUNING.items())!r}|"
                 f"lowp={lower_conv.FORCE_LOWP_MODE}|amx={amx.OVERLAP_STORES}|"
                 f"amxconv={amx_conv.CB_CHUNK_MIN_P},{amx_conv.CB_OUTER_MIN_NCB}")
-    return f"{host().fingerprint}|{source_digest()}|{tuning.fingerprint()}|{switches}"
+    return (f"{host().fingerprint}|{source_digest()}|{tuning.fingerprint()}|"
+            f"pipes={machine.fma_pipes()}|{switches}")
