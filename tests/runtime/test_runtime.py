@@ -245,3 +245,25 @@ def test_launch_counters_reused_only_when_every_worker_is_done(mlp):
     for _ in range(3 * len(ctx.counter_addrs)):
         assert np.array_equal(sess.run(None, feeds)[0], ref[0])
     assert all(launch >= 0 for launch in ctx.counter_launch) or prog.device.cores == 1
+
+
+def test_profile_peak_share_of_a_winograd_conv_counts_its_real_multiplies():
+    """A Winograd conv does ~2.25x fewer multiply-adds than the direct conv its op GFLOP/s
+    count: %peak is taken from what the kernel executes (its gemm_flops), GFLOP/s from the
+    op, so %peak / GFLOP/s is the executed share over the peak."""
+    from tests.helpers import single_node_model
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 64, 28, 28)).astype(np.float32)
+    w = (rng.standard_normal((64, 64, 3, 3)) / 24).astype(np.float32)
+    b = rng.standard_normal(64).astype(np.float32)
+    m, feeds = single_node_model("Conv", [x, w, b], const_inputs=(1, 2), pads=[1, 1, 1, 1])
+    sess = cannc.compile(m, cores=1)
+    prof = sess.profile(feeds, runs=3, warmup=1)
+    (k,) = [k for k in prof.kernels if "Conv" in k["op_types"]]
+    (kern,) = [kk for kk in sess.programs[next(iter(sess.programs))].kernels
+               if "Conv" in kk.op_types]
+    assert "gemm_flops" in kern.notes, "a 3x3 64->64 conv at 28x28 takes Winograd"
+    assert k["executed_flops"] == kern.notes["gemm_flops"] < k["flops"]
+    peak = prof.peaks["fp32_gflops_per_core"]
+    want = 100 * k["gflops"] * k["executed_flops"] / k["flops"] / peak
+    assert abs(k["flops_peak_pct"] - want) < 1e-6 * max(want, 1)
