@@ -674,28 +674,17 @@ class _ConvGen:
         v, g, p = self.v, self.g, self.p
         b = v.b
         with v.loop(m_lo, m_hi, 16, "oc") as c:
-            nch = v.smin(b.sub(m_hi, c), 16)
-            chok = [True] + [b.icmp_signed("<", i64(i), nch) for i in range(1, 16)]
+            chok = channel_lanes(v, c, m_hi)
+            biases = channel_biases(v, self.Bias, b.add(ch0, c), chok)
             src = v.gep(self.acc, b.sub(c, m_lo))
-            y_c = v.gep(y_ng, b.add(b.mul(c, i64(g.OHW)), p0))
+            y_c = v.flat_index(v.gep(y_ng, b.add(b.mul(c, i64(g.OHW)), p0)), self.Y)
             with v.loop(i64(0), npix, 16, "op") as px:
-                pxmask = v.lanes_lt(0, b.sub(npix, px))
                 row0 = v.gep(src, b.mul(px, i64(p.CH)))
                 # rows past npix (up to the 16-multiple the workspace holds) are read but
                 # never stored
                 cols = v.transpose16([v.load_v(v.gep(row0, i * p.CH)) for i in range(16)])
-                for i in range(16):
-                    val = cols[i]
-                    m = v.mask_and(pxmask, chok[i])
-                    if self.Bias is not None:
-                        ci = b.add(c, i64(i)) if i else c
-                        ci = b.select(chok[i], ci, c) if i else ci
-                        bias = b.load(v.gep(self.Bias, b.add(ch0, ci)), typ=F32, align=4)
-                        val = b.fadd(val, v.splat(bias, VF))
-                    ptr = v.gep(y_c, b.add(b.mul(i64(i), i64(g.OHW)), px) if i else px)
-                    if self.epilogue is not None:
-                        val = self.epilogue(b, val, v.flat_index(ptr, self.Y), 1, m)
-                    v.mstore(val, ptr, m)
+                store_channel_columns(v, self.Y, cols, biases, b.add(y_c, px), g.OHW,
+                                      v.lanes_lt(0, b.sub(npix, px)), chok, self.epilogue)
 
     def tap_masks(self, pix0, colmask):
         """Direct mode: per tap and vector, the lanes (output pixels pix0 + i) whose
@@ -1005,6 +994,43 @@ class _ConvGen:
                 out.append(ph)
             merged.append(out)
         return merged
+
+
+def channel_lanes(v: VB, c: ir.Value, c_hi: ir.Value) -> list:
+    """Which of the 16 channels c .. c+15 lie below c_hi: True for the first, i1 values
+    for the others."""
+    n = v.smin(v.b.sub(c_hi, c), 16)
+    return [True] + [v.b.icmp_signed("<", i64(i), n) for i in range(1, 16)]
+
+
+def channel_biases(v: VB, bias: ir.Value | None, c: ir.Value, chok: list) -> list:
+    """The biases of channels c .. c+15 splat to vectors (a channel past the end reads
+    channel c's: its lanes are never stored); [] without a bias."""
+    if bias is None:
+        return []
+    b = v.b
+    out = []
+    for i in range(16):
+        ci = b.select(chok[i], b.add(c, i64(i)), c) if i else c
+        out.append(v.splat(b.load(v.gep(bias, ci), typ=F32, align=4), VF))
+    return out
+
+
+def store_channel_columns(v: VB, Y: ir.Value, cols: list, biases: list, off0: ir.Value,
+                          plane: int, pxmask: ir.Value, chok: list,
+                          epilogue: Epilogue | None) -> None:
+    """Store 16 vectors of 16 pixels, column i to channel i's plane at flat index
+    off0 + i*plane of Y: bias added, epilogue applied along pixels (stride 1), lanes
+    masked to pxmask and to the channels chok says exist (the write-outs of the swapped
+    orientation and of Winograd F(2,3), after their 16 x 16 transposes)."""
+    b = v.b
+    for i in range(16):
+        val = b.fadd(cols[i], biases[i]) if biases else cols[i]
+        mask = v.mask_and(pxmask, chok[i])
+        off = b.add(off0, i64(i * plane)) if i else off0
+        if epilogue is not None:
+            val = epilogue(b, val, off, 1, mask)
+        v.mstore(val, v.gep(Y, off), mask)
 
 
 @dataclass

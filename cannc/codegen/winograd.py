@@ -56,10 +56,13 @@ from .conv import (
     Epilogue,
     Slots,
     cdiv,
+    channel_biases,
+    channel_lanes,
     default_nv,
     dispatch_time,
     distinct_splits,
     rup,
+    store_channel_columns,
 )
 from .plancache import persistent
 from .vec import VF, VPTR, abi_function, wide_registers
@@ -566,13 +569,8 @@ class _WinoGen:
         SEG = min(8, TW)
         t1 = b.add(q0, npix)
         with v.loop(m_lo, m_hi, 16, "oc") as ch:
-            nch = v.smin(b.sub(m_hi, ch), 16)
-            chok = [True] + [b.icmp_signed("<", i64(c), nch) for c in range(1, 16)]
-            biases = []
-            if self.Bias is not None:
-                for c in range(16):
-                    cc = b.select(chok[c], b.add(ch, i64(c)), ch) if c else ch
-                    biases.append(v.splat(b.load(v.gep(self.Bias, cc), typ=F32, align=4), VF))
+            chok = channel_lanes(v, ch, m_hi)
+            biases = channel_biases(v, self.Bias, ch, chok)
             zc = v.gep(self.Z, b.sub(ch, m_lo))
             y_ch = b.add(self.y_img, b.mul(ch, i64(OHW)))
             with v.loop(b.udiv(q0, i64(TW)), b.add(b.udiv(b.sub(t1, i64(1)), i64(TW)), i64(1)),
@@ -602,15 +600,8 @@ class _WinoGen:
                         px = [outs[t][i][j] for t in range(SEG) for j in range(m)]
                         cols = v.transpose16(px + [v.zero_v] * (16 - len(px)))
                         off0 = b.add(y_ch, b.add(b.mul(oh, i64(OW)), ow0))
-                        for c in range(16):
-                            val = cols[c]
-                            if biases:
-                                val = b.fadd(val, biases[c])
-                            mask = v.mask_and(rmask, chok[c])
-                            off = b.add(off0, i64(c * OHW)) if c else off0
-                            if self.epilogue is not None:
-                                val = self.epilogue(b, val, off, 1, mask)
-                            v.mstore(val, v.gep(self.Y, off), mask)
+                        store_channel_columns(v, self.Y, cols, biases, off0, OHW, rmask,
+                                              chok, self.epilogue)
 
     def output_transform(self, q0, npix, m_lo, m_hi):
         """Any m: per Winograd tile and 16 channels, its m*m output vectors (lanes =
