@@ -20,6 +20,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -117,18 +118,25 @@ def _parse_size(text: str) -> int:
     return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
 
 
-def cache_sizes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> dict[int, int]:
-    """{level: bytes} of the data/unified caches of cpu0 (empty if sysfs is not there)."""
-    out: dict[int, int] = {}
+def _data_caches(root: str, fields: tuple[str, ...]) -> Iterator[tuple[int, list[str]]]:
+    """(level, the text of `fields`) of each of cpu0's data or unified caches in sysfs (a
+    cache whose files cannot be read is passed over)."""
     for d in sorted(Path(root).glob("index*")):
         try:
             level = int((d / "level").read_text())
-            kind = (d / "type").read_text().strip()
-            size = _parse_size((d / "size").read_text())
+            if (d / "type").read_text().strip() not in ("Data", "Unified"):
+                continue
+            yield level, [(d / f).read_text() for f in fields]
         except (OSError, ValueError):
             continue
-        if kind in ("Data", "Unified") and size:
-            out[level] = size
+
+
+def cache_sizes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> dict[int, int]:
+    """{level: bytes} of the data/unified caches of cpu0 (empty if sysfs is not there)."""
+    out: dict[int, int] = {}
+    for level, (size,) in _data_caches(root, ("size",)):
+        if _parse_size(size):
+            out[level] = _parse_size(size)
     return out
 
 
@@ -136,16 +144,12 @@ def cache_sizes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> dict[int, i
 def l1d_sets(root: str = "/sys/devices/system/cpu/cpu0/cache") -> tuple[int, int]:
     """(sets, line bytes) of cpu0's L1 data cache, from sysfs; (64, 64) where it does not
     say (Zen 4 and 5, and Intel's recent cores, all have 64 sets of 64-byte lines)."""
-    for d in sorted(Path(root).glob("index*")):
+    for level, texts in _data_caches(root, ("number_of_sets", "coherency_line_size")):
         try:
-            if int((d / "level").read_text()) != 1 or \
-                    (d / "type").read_text().strip() not in ("Data", "Unified"):
-                continue
-            sets = int((d / "number_of_sets").read_text())
-            line = int((d / "coherency_line_size").read_text())
-        except (OSError, ValueError):
+            sets, line = (int(t) for t in texts)
+        except ValueError:
             continue
-        if sets > 0 and line > 0:
+        if level == 1 and sets > 0 and line > 0:
             return sets, line
     return 64, 64
 
