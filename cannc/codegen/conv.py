@@ -895,13 +895,13 @@ class _ConvGen:
     def micro(self, segs, io, first, last):
         """acc[MR][NV] += sum over segments (a, a_ks, b, b_ks, count, bmasks) of
         a[k*a_ks + r] * b[k*b_ks + 16j] (b loads masked by bmasks[j] when given);
-        `io` initialises (zero or partial sums) and stores the accumulators."""
+        the sums begin at zero; `io` reads the earlier blocks' partial sums, added at
+        the end (VecBuilder.add_partials), and stores the accumulators."""
         v, p = self.v, self.p
         b = v.b
         MR, NV, U = p.MR, p.NV, p.unroll
         io.prefetch()
-        accs = [[v.zero_v if first is True else io.load_partial(r, j, first) for j in range(NV)]
-                for r in range(MR)]
+        accs = [[v.zero_v] * NV for _ in range(MR)]
 
         def step(accs, a_ptr, b_ptr, u, a_ks, b_ks, bmasks):
             if isinstance(bmasks, _AndMasks):   # readable: plain loads, lanes cleared
@@ -948,6 +948,7 @@ class _ConvGen:
             else:
                 accs = segment(accs, a_base, a_ks, b_base, b_ks, kc, bmasks)
 
+        accs = v.add_partials(accs, first, io.load_partial)
         v.finish_block(last, lambda: io.store_final(accs), lambda: io.store_partial(accs), "st")
 
 

@@ -131,6 +131,10 @@ __all__ = [
 ]
 
 PANEL = 32  # columns of a packed B panel
+# k steps summed in one chain of fp32 FMAs before its sums join the K block's (where the
+# registers allow, _Gen.subchains): rounding error grows with the length of a chain, and
+# a small-M GEMM (K block = K) summed 2048-4096 terms in one; MLAS's chains are 256 long
+SUBCHAIN = 256
 KC_MAX = 2048  # the K block of a (not packed) A
 # the K block of a few rows (2..FEW_ROWS) read in place: they sit a row stride apart,
 # at a multiple of 4 KiB (K = 1024, 2048...) in one L1 set, and a long K block streams
@@ -1533,13 +1537,13 @@ class _Gen(VecBuilder):
         p = self.p
         MR, NV = MR or p.MR, NV or p.NV
         U = p.unroll if (MR, NV) == (p.MR, p.NV) else (4 if MR * NV <= 8 else 1)
-        colmask, masks, c_rows, accs = self.tile_setup(c_ptr, mr, nr, first, MR, NV)
+        colmask, masks, c_rows, accs = self.tile_setup(c_ptr, mr, nr, MR, NV)
         self.micro_k(a_ptrs, b_base, b_pstride, kc, c_ptr, mr, nr, first, last, m0, n0,
                      MR, NV, U, colmask, masks, c_rows, accs)
 
-    def tile_setup(self, c_ptr, mr, nr, first, MR, NV):
+    def tile_setup(self, c_ptr, mr, nr, MR, NV):
         """A micro-tile's column masks, row x vector store masks, C row pointers (with a
-        write prefetch) and initial accumulators (0, or the partial sums in C)."""
+        write prefetch) and initial accumulators (0)."""
         s, p, b = self.s, self.p, self.b
         ldc = s.ldc_
         nr_s = self.splat(nr, VI64)
@@ -1563,18 +1567,8 @@ class _Gen(VecBuilder):
                 for line in range(NV * _esize(s.c_type) // 4):
                     self.prefetch_w(self.gep(c_rows[r], 16 * line))
 
-        # initial accumulators: 0, or the partial sums in C (K blocks after the first)
-        accs = []
-        for r in range(MR):
-            row = []
-            for v in range(NV):
-                if first is True:
-                    row.append(self.zero_v)
-                else:
-                    assert s.c_type == "float32", "partial sums need a float32 C"
-                    mk = b.select(first, self.zero_m, masks[r][v])
-                    row.append(self.load_v(self.gep(c_rows[r], 16 * v), mk))
-            accs.append(row)
+        # every K block's sums begin at 0 (store_tile adds the earlier blocks' to them)
+        accs = [[self.zero_v] * NV for _ in range(MR)]
         return colmask, masks, c_rows, accs
 
     def micro_k(self, a_ptrs, b_base, b_pstride, kc, c_ptr, mr, nr, first, last, m0, n0,
@@ -1650,17 +1644,50 @@ class _Gen(VecBuilder):
             k, accs, ptrs = self.grid_loop(k0, kend, nstep, accs, ptrs, body, tag, iv_name="k")
             return k, accs, ptrs[:na], ptrs[na:]
 
-        if U > 1:
-            kmain = b.sub(kc, b.srem(kc, i64(U)))
-            k, accs, a_ps, b_ps = kloop(i64(0), kmain, accs, a_ptrs, b_ptrs, U, "ku")
-            _, accs, _, _ = kloop(k, kc, accs, a_ps, b_ps, 1, "kr")
+        def chain(k0, kend, accs, a_ps, b_ps):
+            if U > 1:
+                kmain = b.add(k0, b.sub(b.sub(kend, k0), b.srem(b.sub(kend, k0), i64(U))))
+                k, accs, a_ps, b_ps = kloop(k0, kmain, accs, a_ps, b_ps, U, "ku")
+                _, accs, a_ps, b_ps = kloop(k, kend, accs, a_ps, b_ps, 1, "kr")
+            else:
+                _, accs, a_ps, b_ps = kloop(k0, kend, accs, a_ps, b_ps, 1, "k")
+            return accs, a_ps, b_ps
+
+        if self.subchains(MR, NV):
+            # the K block in chains of SUBCHAIN k (sums begun at zero, then added to the
+            # block's): where the registers hold a second set of accumulators
+            def chunk(k, tot, ptrs):
+                n = len(a_ptrs)
+                kend = self.smin(b.add(k, i64(SUBCHAIN)), kc)
+                part, a_ps, b_ps = chain(k, kend, [[self.zero_v] * NV for _ in range(MR)],
+                                         ptrs[:n], ptrs[n:])
+                tot = [[b.fadd(t, q) for t, q in zip(trow, prow)] for trow, prow in zip(tot, part)]
+                return tot, list(a_ps) + list(b_ps)
+
+            _, accs, _ = self.grid_loop(i64(0), kc, SUBCHAIN, accs, list(a_ptrs) + list(b_ptrs),
+                                        chunk, "kch", iv_name="kc0")
         else:
-            _, accs, _, _ = kloop(i64(0), kc, accs, a_ptrs, b_ptrs, 1, "k")
+            accs, _, _ = chain(i64(0), kc, accs, a_ptrs, b_ptrs)
 
-        self.store_tile(accs, c_rows, masks, last, m0, n0, MR, NV)
+        self.store_tile(accs, c_rows, masks, first, last, m0, n0, MR, NV)
 
-    def store_tile(self, accs, c_rows, masks, last, m0, n0, MR, NV):
-        """The final values (last K block) or the partial sums (float32 C) of a tile."""
+    def subchains(self, MR, NV):
+        """Whether an MR x 16*NV fp32 micro-tile sums its K blocks in chains of SUBCHAIN:
+        blocks longer than that, and registers for the chain's accumulators besides the
+        block's (and the B vectors and an A broadcast)."""
+        per, regs = (2, 16) if self.p.isa == "avx2" else (1, 32)
+        return self.p.KC > SUBCHAIN and (2 * MR * NV + NV + 1) * per <= regs
+
+    def store_tile(self, accs, c_rows, masks, first, last, m0, n0, MR, NV):
+        """The final values (last K block) or the partial sums (float32 C) of a tile: its
+        sums over this K block plus the partial sums in C (K blocks after the first)."""
+        def earlier(r, v, first):
+            assert self.s.c_type == "float32", "partial sums need a float32 C"
+            mk = self.b.select(first, self.zero_m, masks[r][v])
+            return self.load_v(self.gep(c_rows[r], 16 * v), mk)
+
+        accs = self.add_partials(accs, first, earlier)
+
         def partial():
             assert self.s.c_type == "float32", "partial sums need a float32 C"
             for r in range(MR):
@@ -1679,7 +1706,7 @@ class _Gen(VecBuilder):
         kc ends with a pair A[i,k], 0 (B's pad row is zero)."""
         p, b = self.p, self.b
         U = p.unroll if (MR, NV) == (p.MR, p.NV) else (4 if MR * NV <= 8 else 1)
-        colmask, masks, c_rows, accs = self.tile_setup(c_ptr, mr, nr, first, MR, NV)
+        colmask, masks, c_rows, accs = self.tile_setup(c_ptr, mr, nr, MR, NV)
         dp = self.intr("llvm.x86.avx512bf16.dpbf16ps.512", VF, [VF, V32BF, V32BF])
         b_ptrs = [b_base] + [self.gep(b_base, b.mul(b_pstride, i64(q)), I16)
                              for q in range(1, NV // 2)]
@@ -1750,7 +1777,7 @@ class _Gen(VecBuilder):
                 ph.add_incoming(taccs[r][v], tail_end)
                 row.append(ph)
             out.append(row)
-        self.store_tile(out, c_rows, masks, last, m0, n0, MR, NV)
+        self.store_tile(out, c_rows, masks, first, last, m0, n0, MR, NV)
 
     def convert_a(self, A_b, ic, mc, pc, kc):
         """The mc x kc block of A at (ic, pc) as row-major bf16 in the workspace (row

@@ -519,15 +519,11 @@ class _WinoGen:
                     self.micro(v.gep(v_xi, ir_), u_pan, cb, zrow, masks, first)
 
     def micro(self, a_ptr, b_ptr, kc, zrow, masks, first):
-        """acc[r][j] = (first ? 0 : Z) + sum_k a[k*PTP + r] * b[k*NR + 16j]; stored to Z."""
+        """acc[r][j] = sum_k a[k*PTP + r] * b[k*NR + 16j] + (first ? 0 : Z); stored to Z."""
         v, p = self.v, self.p
         b = v.b
         MR, NV, a_ks, b_ks = p.MR, p.NV, p.PTP, p.NR
-        if first is True:
-            accs = [[v.zero_v] * NV for _ in range(MR)]
-        else:
-            accs = [[v.mload(v.gep(zrow[r], 16 * j), b.select(first, v.zero_m, masks[r][j]))
-                     for j in range(NV)] for r in range(MR)]
+        accs = [[v.zero_v] * NV for _ in range(MR)]
 
         def step(cur, ap, bp, u):
             bv = [v.load_v(v.gep(bp, u * b_ks + 16 * j)) for j in range(NV)]
@@ -549,6 +545,8 @@ class _WinoGen:
         kmain = b.sub(kc, b.srem(kc, i64(U)))
         k, accs, ap, bp = kloop(i64(0), kmain, accs, a_ptr, b_ptr, U, "ku")
         _, accs, _, _ = kloop(k, kc, accs, ap, bp, 1, "kr")
+        accs = v.add_partials(accs, first, lambda r, j, first: v.mload(
+            v.gep(zrow[r], 16 * j), b.select(first, v.zero_m, masks[r][j])))
         for r in range(MR):
             for j in range(NV):
                 v.mstore(accs[r][j], v.gep(zrow[r], 16 * j), masks[r][j])
