@@ -2,6 +2,7 @@
 
     pip install torch transformers          # not cannc dependencies
     python benchmarks/export_torch_models.py OUT_DIR [bert minilm gpt2 resnet18 mobilenet]
+    pip install torchvision; python benchmarks/export_torch_models.py OUT_DIR more
     python benchmarks/run_zoo.py --onnx OUT_DIR/*.onnx
 
 bert: Hugging Face BertModel at BERT-base size (eager attention, padding mask),
@@ -14,6 +15,10 @@ mobilenet: torchvision's architectures written out in plain torch (dynamic
 batch, 224x224, BatchNorm statistics randomised). torch.onnx's TorchScript
 exporter, opset 17. These are the "models this repository does not contain"
 the issue measures against; the files are big (bert 418 MiB) and not committed.
+"more" (see the end of the file) exports a second set: nine torchvision CNNs and
+transformers (resnet50, efficientnet_b0, mobilenet_v3 large, convnext_tiny,
+shufflenet v2, regnet_y_800mf, vit_b16, squeezenet 1.1, densenet121) and two Hugging
+Face encoders (distilbert, a T5-small-sized encoder).
 """
 import os
 import sys
@@ -167,3 +172,47 @@ if "resnet18" in which:
 if "mobilenet" in which:
     export(_randbn(MobileNetV2()), (torch.randn(1, 3, 224, 224),), ["x"],
            {"x": {0: "batch"}, "out": {0: "batch"}}, f"{out}/mobilenet_v2.onnx")
+
+# The second set (`... OUT_DIR more`, or any of its names): torchvision's own definitions
+# (pip install torchvision; random weights, no downloads) and three more Hugging Face
+# encoders. torchvision's C++ operators are not needed for these models; a torchvision
+# wheel built for another torch build fails registering them at import, so that
+# registration is skipped.
+MORE_VISION = {"resnet50": "resnet50", "efficientnet_b0": "efficientnet_b0",
+               "mobilenet_v3": "mobilenet_v3_large", "convnext_tiny": "convnext_tiny",
+               "shufflenet": "shufflenet_v2_x1_0", "regnet": "regnet_y_800mf",
+               "vit_b16": "vit_b_16", "squeezenet": "squeezenet1_1",
+               "densenet121": "densenet121"}
+MORE_TEXT = ["distilbert", "t5_encoder"]
+if "more" in which:
+    which += list(MORE_VISION) + MORE_TEXT
+if any(k in which for k in MORE_VISION):
+    torch.library.register_fake = lambda *a, **k: (lambda f: f)
+    import torchvision
+    for name, fn in MORE_VISION.items():
+        if name in which:
+            export(_randbn(getattr(torchvision.models, fn)(weights=None)),
+                   (torch.randn(1, 3, 224, 224),), ["x"], {"x": {0: "batch"}, "out": {0: "batch"}},
+                   f"{out}/{name}.onnx")
+
+
+class _Encoder(torch.nn.Module):
+    def __init__(s, m):
+        super().__init__()
+        s.m = m
+    def forward(s, ids, mask): return s.m(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
+_TEXT_AXES = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"},
+              "out": {0: "batch", 1: "seq"}}
+if "distilbert" in which:
+    from transformers import DistilBertConfig, DistilBertModel
+    export(_Encoder(DistilBertModel(DistilBertConfig(attn_implementation="eager"))),
+           (torch.randint(0, 30000, (1, 128)), torch.ones(1, 128, dtype=torch.int64)),
+           ["input_ids", "attention_mask"], _TEXT_AXES, f"{out}/distilbert.onnx")
+if "t5_encoder" in which:
+    from transformers import T5Config, T5EncoderModel
+    cfg = T5Config(d_model=512, d_ff=2048, num_layers=6, num_heads=8, vocab_size=32128)
+    export(_Encoder(T5EncoderModel(cfg)),
+           (torch.randint(0, 30000, (1, 128)), torch.ones(1, 128, dtype=torch.int64)),
+           ["input_ids", "attention_mask"], _TEXT_AXES, f"{out}/t5_encoder.onnx")
