@@ -3,8 +3,13 @@
 `cannc_run(sched, nk, core, ncores, counters, ws_base, ws_stride, times)` walks
 the schedule (one 4 x i64 record per kernel: function pointer, argument table,
 number of tiles, flags). For each kernel the cores *claim* chunks of tiles
-from an atomic counter (compare-and-swap; chunks shrink as the tiles run out:
-schedule/split.py claim_chunks), run them, and add them to a done counter; a core moves
+from atomic counters (compare-and-swap; chunks shrink as the tiles run out:
+schedule/split.py claim_chunks), run them, and add them to a done counter. With up to
+MAX_REGION_CORES cores the tiles are cut into one contiguous region per core, each with
+its own claim counter: core c claims region c's tiles in order, then what is left of
+regions c+1, c+2, ... So each core walks its weights in address order (the hardware
+prefetchers keep one stream going across tiles, where interleaved claims broke it at
+every chunk) and a late or slow core's tiles are still taken by the others. A core moves
 to the next kernel once every tile of this one is done. Launching a kernel
 thus costs no Python time, and the cores never wait for each other at a
 barrier: a core that the OS deschedules (the machines are shared) holds back
@@ -15,7 +20,9 @@ for each kernel (for the profiler): PROFILE_WORDS i64 per (kernel, core) =
 start of its first chunk, end of its last chunk, cycles inside kernel calls,
 and the moment the kernel was complete.
 
-`counters` holds two i64 per kernel (claimed, done) and must be zero at entry;
+`counters` holds COUNTER_WORDS i64 per kernel (claimed by a single-core kernel or on
+more than MAX_REGION_CORES cores, done, then the claims of each core's region) and must
+be zero at entry;
 the word after them is the start gate: core 0 opens it on entry and the other
 cores wait for it, so they can be woken (the native pool below) while the
 caller is still copying the inputs in, and be spinning, ready, when it starts.
@@ -32,11 +39,11 @@ import llvmlite.ir as ir
 from ..native import emit
 from ..native.emit import I32, I64, PTR, VOID, for_range, i64
 from ..native.target import default_cache, new_module
-from ..schedule.split import CHUNKS_PER_CORE, MIN_CHUNK_DIVISOR
+from ..schedule.split import CHUNKS_PER_CORE, MAX_REGION_CORES, MIN_CHUNK_DIVISOR
 
 FLAG_SINGLE_CORE = 1
 RECORD_WORDS = 4
-COUNTER_WORDS = 8      # claimed and done of one kernel on their own cache line
+COUNTER_WORDS = 8      # claimed, done and the region claims of one kernel: one cache line
 PROFILE_WORDS = 4
 ENTRY = "cannc_run"
 CYCLES = "cannc_cycles"
@@ -133,35 +140,54 @@ def _build_dispatcher_module() -> ir.Module:
         # guided claims (schedule/split.py claim_chunks): ceil(left / pieces), at least lo
         lo = b.sdiv(b.add(tiles, b.sub(minpieces, i64(1))), minpieces)
         lo = b.select(b.icmp_signed("<", lo, i64(1)), i64(1), lo)
-        claim_p = emit.gep(b, counters, b.mul(k, i64(COUNTER_WORDS)), I64)
-        done_p = emit.gep(b, counters, b.add(b.mul(k, i64(COUNTER_WORDS)), i64(1)), I64)
-        # claim chunks until none is left
+        line = b.mul(k, i64(COUNTER_WORDS))
+        done_p = emit.gep(b, counters, b.add(line, i64(1)), I64)
+        # regions (split.py): with up to MAX_REGION_CORES cores core c claims the tiles of
+        # region c first, then those left in the others (c+1, c+2, ...); a single-core
+        # kernel, or more cores, take one region with the shared counter (word 0)
+        regions = b.and_(b.not_(single), b.icmp_signed("<=", ncores, i64(MAX_REGION_CORES)))
+        nreg = b.select(regions, ncores, i64(1))
+        rpieces = b.select(regions, i64(CHUNKS_PER_CORE), pieces)
         pre = b.block
         claim_bb = b.append_basic_block("claim")
         cas_bb = b.append_basic_block("cas")
         run_bb = b.append_basic_block("run")
+        next_bb = b.append_basic_block("next")
         after_bb = b.append_basic_block("after")
         b.branch(claim_bb)
         b.position_at_end(claim_bb)
         first = b.phi(I64, name="first")     # profile: start of the first chunk (0: none)
         last = b.phi(I64, name="last")       # end of the last chunk
         busy = b.phi(I64, name="busy")       # cycles inside the kernel
-        first.add_incoming(zero, pre)
-        last.add_incoming(zero, pre)
-        busy.add_incoming(zero, pre)
-        start = b.load_atomic(claim_p, "monotonic", 8, typ=I64)
-        b.cbranch(b.icmp_signed("<", start, tiles), cas_bb, after_bb)
-        b.position_at_end(cas_bb)
-        per = b.sdiv(b.add(b.sub(tiles, start), b.sub(pieces, i64(1))), pieces)
-        chunk = b.select(single, tiles, b.select(b.icmp_signed("<", per, lo), lo, per))
-        won = b.extract_value(b.cmpxchg(claim_p, start, b.add(start, chunk), "monotonic",
-                                        "monotonic"), 1)
+        step = b.phi(I64, name="step")       # regions visited before this one
+        for ph in (first, last, busy, step):
+            ph.add_incoming(zero, pre)
+        j = b.srem(b.add(core, step), nreg)
+        r_lo = b.sdiv(b.mul(j, tiles), nreg)
+        r_len = b.sub(b.sdiv(b.mul(b.add(j, i64(1)), tiles), nreg), r_lo)
+        claim_p = emit.gep(b, counters, b.add(line, b.select(regions, b.add(j, i64(2)), zero)),
+                           I64)
+        off = b.load_atomic(claim_p, "monotonic", 8, typ=I64)
+        b.cbranch(b.icmp_signed("<", off, r_len), cas_bb, next_bb)
+        b.position_at_end(next_bb)
+        step1 = b.add(step, i64(1))
         for ph in (first, last, busy):
+            ph.add_incoming(ph, next_bb)
+        step.add_incoming(step1, next_bb)
+        b.cbranch(b.icmp_signed("<", step1, nreg), claim_bb, after_bb)
+        b.position_at_end(cas_bb)
+        per = b.sdiv(b.add(b.sub(r_len, off), b.sub(rpieces, i64(1))), rpieces)
+        chunk = b.select(single, tiles, b.select(b.icmp_signed("<", per, lo), lo, per))
+        won = b.extract_value(b.cmpxchg(claim_p, off, b.add(off, chunk), "monotonic",
+                                        "monotonic"), 1)
+        for ph in (first, last, busy, step):
             ph.add_incoming(ph, cas_bb)
         b.cbranch(won, run_bb, claim_bb)
         b.position_at_end(run_bb)
+        start = b.add(r_lo, off)
         end = b.add(start, chunk)
-        end = b.select(b.icmp_signed("<", end, tiles), end, tiles)
+        r_hi = b.add(r_lo, r_len)
+        end = b.select(b.icmp_signed("<", end, r_hi), end, r_hi)
         t0 = b.select(profiling, b.call(cyc, []), zero)
         b.call(_Callee(kfn, kty), [kargs, start, end, ws])
         t1 = b.select(profiling, b.call(cyc, []), zero)
@@ -169,6 +195,7 @@ def _build_dispatcher_module() -> ir.Module:
         first.add_incoming(b.select(b.icmp_signed("==", first, zero), t0, first), run_bb)
         last.add_incoming(t1, run_bb)
         busy.add_incoming(b.add(busy, b.sub(t1, t0)), run_bb)
+        step.add_incoming(step, run_bb)
         b.branch(claim_bb)
         b.position_at_end(after_bb)
         b.call(wait, [done_p, tiles])

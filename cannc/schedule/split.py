@@ -6,7 +6,10 @@ tiles in chunks that shrink as the work runs out (guided self-scheduling): each 
 takes ceil(R / (cores * CHUNKS_PER_CORE)) of the R tiles left, but no fewer than
 ceil(T / (cores * MIN_CHUNK_DIVISOR)) (`claim_chunks` lists them). A core that starts
 late or runs slow (woken from an idle state, descheduled on a shared machine) thus
-holds back at most a small last chunk, not a quarter of the kernel; the tuner
+holds back at most a small last chunk, not a quarter of the kernel. On up to
+MAX_REGION_CORES cores each core claims such chunks from a contiguous region of its own
+first (T * c / cores onwards), then from the others' (the cost model's `claim_chunks`
+walk, one shared sequence, stands for both: the chunk sizes are the same); the tuner
 times a GEMM's tiles split evenly (`split_even`); `gemm_groups` is the blocks one
 call of a GEMM kernel processes for a tile range (as the generated code walks them).
 """
@@ -22,6 +25,9 @@ CHUNKS_PER_CORE = 2
 # tiles) bert_base b1 2 cores ran 113.6 -> 109.3 ms, minilm 15.5 -> 15.1, resnet18 13.1 ->
 # 12.9, mobilenet_v2 level (4.25 -> 4.13 and 3.91 -> 4.00 in two A/Bs)
 MIN_CHUNK_DIVISOR = 32
+# regions: with up to this many cores a kernel's tiles are cut into one contiguous region
+# per core (the dispatcher's spare counter words hold their claims, runtime/dispatch.py)
+MAX_REGION_CORES = 6
 
 
 def cdiv(a: int, b: int) -> int:
