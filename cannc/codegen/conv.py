@@ -948,7 +948,7 @@ class _ConvGen:
             else:
                 accs = segment(accs, a_base, a_ks, b_base, b_ks, kc, bmasks)
 
-        accs = v.add_partials(accs, first, io.load_partial)
+        accs = v.add_partials(accs, first, io.partial, io.masks)
         v.finish_block(last, lambda: io.store_final(accs), lambda: io.store_partial(accs), "st")
 
 
@@ -1044,11 +1044,6 @@ class _AndMasks:
 class _MicroIO:
     """Where a micro-tile's MR x 16*NV accumulators live between K blocks: rows
     ``self.partial`` (one pointer per accumulator row) under ``self.masks``."""
-
-    def load_partial(self, r, j, first):
-        v = self.v
-        mk = v.b.select(first, v.zero_m, self.masks[r][j])
-        return v.mload(v.gep(self.partial[r], 16 * j), mk)
 
     def store_partial(self, accs):
         for r in range(self.p.MR):

@@ -1646,7 +1646,7 @@ class _Gen(VecBuilder):
 
         def chain(k0, kend, accs, a_ps, b_ps):
             if U > 1:
-                kmain = b.add(k0, b.sub(b.sub(kend, k0), b.srem(b.sub(kend, k0), i64(U))))
+                kmain = b.sub(kend, b.srem(b.sub(kend, k0), i64(U)))
                 k, accs, a_ps, b_ps = kloop(k0, kmain, accs, a_ps, b_ps, U, "ku")
                 _, accs, a_ps, b_ps = kloop(k, kend, accs, a_ps, b_ps, 1, "kr")
             else:
@@ -1681,12 +1681,9 @@ class _Gen(VecBuilder):
     def store_tile(self, accs, c_rows, masks, first, last, m0, n0, MR, NV):
         """The final values (last K block) or the partial sums (float32 C) of a tile: its
         sums over this K block plus the partial sums in C (K blocks after the first)."""
-        def earlier(r, v, first):
+        if first is not True:
             assert self.s.c_type == "float32", "partial sums need a float32 C"
-            mk = self.b.select(first, self.zero_m, masks[r][v])
-            return self.load_v(self.gep(c_rows[r], 16 * v), mk)
-
-        accs = self.add_partials(accs, first, earlier)
+        accs = self.add_partials(accs, first, c_rows, masks)
 
         def partial():
             assert self.s.c_type == "float32", "partial sums need a float32 C"

@@ -249,19 +249,22 @@ class VecBuilder:
         return i, rows(vals), list(vals[nacc:])
 
     def add_partials(self, accs: list[list[ir.Value]], first: ir.Value | bool,
-                     load: Callable[[int, int, ir.Value], ir.Value]) -> list[list[ir.Value]]:
+                     rows: Sequence[ir.Value], masks: Sequence[Sequence[ir.Value]]
+                     ) -> list[list[ir.Value]]:
         """A micro-tile's sums over one reduction block (begun at zero) plus the partial
-        sums the earlier blocks kept: ``load(r, j, first)`` reads those of accumulator
-        [r][j], all lanes masked off (0) when the i1 ``first`` holds; ``first`` True: the
-        only block. Each block is summed in a chain of its own and the blocks' sums are
-        then added (the order MLAS sums in): an fp32 dot product over K in blocks of KC
-        rounds like chains of KC and K/KC terms, not one of K -- 2.7x less error at
-        K = 2048 and KC = 256 than begun from the partial sums -- for one add per
-        accumulator and block. (x + 0.0 is x for every sum begun at +0.0.)"""
+        sums the earlier blocks kept: those of accumulator [r][j] are the 16 floats at
+        ``rows[r] + 16*j`` under ``masks[r][j]``, not read (0) when the i1 ``first``
+        holds; ``first`` True: the only block. Each block is summed in a chain of its own
+        and the blocks' sums are then added (the order MLAS sums in): an fp32 dot product
+        over K in blocks of KC rounds like chains of KC and K/KC terms, not one of K --
+        2.7x less error at K = 2048 and KC = 256 than begun from the partial sums -- for
+        one add per accumulator and block. (x + 0.0 is x for every sum begun at +0.0.)"""
         if first is True:
             return accs
-        return [[self.b.fadd(a, load(r, j, first)) for j, a in enumerate(row)]
-                for r, row in enumerate(accs)]
+        b = self.b
+        return [[b.fadd(a, self.mload(self.gep(rows[r], 16 * j),
+                                      b.select(first, self.zero_m, masks[r][j])))
+                 for j, a in enumerate(row)] for r, row in enumerate(accs)]
 
     def finish_block(self, last: ir.Value | bool, final: Callable[[], None],
                      partial: Callable[[], None], name: str = "st") -> None:

@@ -545,8 +545,7 @@ class _WinoGen:
         kmain = b.sub(kc, b.srem(kc, i64(U)))
         k, accs, ap, bp = kloop(i64(0), kmain, accs, a_ptr, b_ptr, U, "ku")
         _, accs, _, _ = kloop(k, kc, accs, ap, bp, 1, "kr")
-        accs = v.add_partials(accs, first, lambda r, j, first: v.mload(
-            v.gep(zrow[r], 16 * j), b.select(first, v.zero_m, masks[r][j])))
+        accs = v.add_partials(accs, first, zrow, masks)
         for r in range(MR):
             for j in range(NV):
                 v.mstore(accs[r][j], v.gep(zrow[r], 16 * j), masks[r][j])
