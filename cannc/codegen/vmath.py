@@ -335,6 +335,21 @@ _SQRT_HALF_BITS64 = 0x3FE6A09E667F3BCD
 # float32 kernels
 # ---------------------------------------------------------------------------
 
+def _exp_reduced_f32(e: _E, xc: ir.Value, xlo: ir.Value | None = None):
+    """(p, k, magic + k): e^(xc + xlo) = p * 2^k, k = round(xc / ln2) as a float, p the
+    polynomial of the reduced argument (in [sqrt(1/2), sqrt(2)])."""
+    t = e.fma(xc, e.c(_LOG2E), e.c(_MAGIC32))      # magic + round(x / ln2)
+    kf = e.sub(t, e.c(_MAGIC32))
+    r = e.fma(kf, e.c(-_LN2_HI), xc)               # exact
+    r = e.fma(kf, e.c(-_LN2_LO), r)
+    if xlo is not None:
+        r = e.add(r, xlo)
+    p = e.horner(r, _EXP_P)
+    p = e.fma(p, r, e.c(1.0))
+    p = e.fma(p, r, e.c(1.0))
+    return p, kf, t
+
+
 def _exp_f32(e: _E, x: ir.Value, xlo: ir.Value | None = None,
              special: bool = True, bounded: bool = False) -> ir.Value:
     """e^(x + xlo); ``xlo`` is an optional tiny low part (|xlo| << ulp(1)).
@@ -355,16 +370,8 @@ def _exp_f32(e: _E, x: ir.Value, xlo: ir.Value | None = None,
         # above 89 the result overflows to inf by itself (no penalty); NaN is
         # clamped here and restored at the end
         xc = e.sel(below, e.c(0.0), e.min_c(x, 89.0))
-    t = e.fma(xc, e.c(_LOG2E), e.c(_MAGIC32))      # magic + round(x / ln2)
-    kf = e.sub(t, e.c(_MAGIC32))
+    p, kf, t = _exp_reduced_f32(e, xc, xlo)
     ki = e.isub(e.bits(t), e.ci(_MAGIC32_BITS))    # k in [-150, 128]
-    r = e.fma(kf, e.c(-_LN2_HI), xc)               # exact
-    r = e.fma(kf, e.c(-_LN2_LO), r)
-    if xlo is not None:
-        r = e.add(r, xlo)
-    p = e.horner(r, _EXP_P)
-    p = e.fma(p, r, e.c(1.0))
-    p = e.fma(p, r, e.c(1.0))
     if bounded:                                    # k in [-126, 127]
         return e.mul(p, e.from_bits(e.ishl(e.iadd(ki, e.ci(127)), 23)))
     # 2^k as two normal powers of two, so denormal results round only once
@@ -506,25 +513,23 @@ def _tanh_f32(e: _E, x: ir.Value) -> ir.Value:
 def _sigmoid_f32(e: _E, x: ir.Value, xlo: ir.Value | None = None) -> ir.Value:
     """sigmoid(x + xlo), xlo an optional tiny low part."""
     # t = e^-|x|;  x >= 0: 1/(1+t),  x < 0: t/(1+t)  (no overflow, no cancellation)
-    if xlo is None and e.has_scalef():
-        # e^-|x| = p(r) 2^k, the 2^k applied by vscalefps (one rounding, denormal tails
-        # included); beyond 104.5, where e^-|x| rounds to 0, |x| is clamped (NaN kept)
+    if xlo is None:
+        # beyond |x| = 104.5 e^-|x| rounds to 0: |x| is clamped there (NaN kept, and it
+        # propagates through the exp and the division)
         a = e.fabs(x)
-        xc = e.neg(e.sel(e.cmp(">", a, e.c(104.5)), e.c(104.5), a))
-        kf = e.sub(e.fma(xc, e.c(_LOG2E), e.c(_MAGIC32)), e.c(_MAGIC32))
-        r = e.fma(kf, e.c(-_LN2_LO), e.fma(kf, e.c(-_LN2_HI), xc))
-        p = e.fma(e.fma(e.horner(r, _EXP_P), r, e.c(1.0)), r, e.c(1.0))
-        t = e.scalef(p, kf)
-    elif xlo is None:
-        # e^-|x| by the bounded exp (one scaling, no special cases: 30% faster). Where
-        # e^-|x| is denormal (|x| > 87.3) the exp takes 18 - |x| (exact) and the result
-        # is scaled by e^-18; beyond 104.5, where e^-|x| rounds to 0, |x| is clamped.
-        # NaN propagates through the exp and the division.
-        a = e.fabs(x)
-        far = e.cmp(">", a, e.c(87.3))
         ac = e.sel(e.cmp(">", a, e.c(104.5)), e.c(104.5), a)
-        t = _exp_f32(e, e.sub(e.sel(far, e.c(18.0), e.c(0.0)), ac), bounded=True)
-        t = e.sel(far, e.mul(t, e.c(math.exp(-18.0))), t)
+        if e.has_scalef():
+            # e^-|x| = p 2^k, the 2^k applied by vscalefps (one rounding, denormal tails
+            # included)
+            p, kf, _ = _exp_reduced_f32(e, e.neg(ac))
+            t = e.scalef(p, kf)
+        else:
+            # the bounded exp (one scaling, no special cases: 30% faster); where e^-|x| is
+            # denormal (|x| > 87.3) it takes 18 - |x| (exact) and the result is scaled by
+            # e^-18
+            far = e.cmp(">", a, e.c(87.3))
+            t = _exp_f32(e, e.sub(e.sel(far, e.c(18.0), e.c(0.0)), ac), bounded=True)
+            t = e.sel(far, e.mul(t, e.c(math.exp(-18.0))), t)
     else:
         neg = e.cmp("<", x, e.c(0.0))
         t = _exp_f32(e, e.neg(e.fabs(x)), xlo=e.sel(neg, xlo, e.neg(xlo)))
