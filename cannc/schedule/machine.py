@@ -134,9 +134,9 @@ def _data_caches(root: str, fields: tuple[str, ...]) -> Iterator[tuple[int, list
 def cache_sizes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> dict[int, int]:
     """{level: bytes} of the data/unified caches of cpu0 (empty if sysfs is not there)."""
     out: dict[int, int] = {}
-    for level, (size,) in _data_caches(root, ("size",)):
-        if _parse_size(size):
-            out[level] = _parse_size(size)
+    for level, (text,) in _data_caches(root, ("size",)):
+        if size := _parse_size(text):
+            out[level] = size
     return out
 
 

@@ -9,7 +9,8 @@ late or runs slow (woken from an idle state, descheduled on a shared machine) th
 holds back at most a small last chunk, not a quarter of the kernel. On up to
 MAX_REGION_CORES cores each core claims such chunks from a contiguous region of its own
 first (T * c / cores onwards), then from the others' (the cost model's `claim_chunks`
-walk, one shared sequence, stands for both: the chunk sizes are the same); the tuner
+walk, one shared sequence, stands for both: the first chunks are the same size, T /
+(2 cores)); the tuner
 times a GEMM's tiles split evenly (`split_even`); `gemm_groups` is the blocks one
 call of a GEMM kernel processes for a tile range (as the generated code walks them).
 """
