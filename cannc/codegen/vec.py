@@ -134,6 +134,11 @@ class VecBuilder:
         f = self.intr("llvm.prefetch.p0", VOID, [PTR, I32, I32, I32])
         self.b.call(f, [ptr, i32(1), i32(3), i32(1)])
 
+    def prefetch_r(self, ptr: ir.Value, locality: int = 3) -> None:
+        """Prefetch the line at ptr for reading (locality 3: into L1, 2: into L2)."""
+        f = self.intr("llvm.prefetch.p0", VOID, [PTR, I32, I32, I32])
+        self.b.call(f, [ptr, i32(0), i32(locality), i32(1)])
+
     # -- scalars and splats --------------------------------------------------
     def arg(self, args: ir.Value, i: int) -> ir.Value:
         """The i-th pointer of the kernel's argument array."""

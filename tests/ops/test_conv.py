@@ -165,6 +165,22 @@ def test_conv_plan_orientation():
     assert p.direct and not p.swap and p.num_tiles >= 2
 
 
+@pytest.mark.parametrize("prepacked", [True, False], ids=["const-w", "runtime-w"])
+def test_swapped_conv_prefetches_the_next_weight_panel(prepacked):
+    """The swapped orientation with constant weights prefetches the next 32-channel panel
+    into L2 (locality 2) in its micro-kernel; weights packed per tile are not streamed."""
+    from cannc.native.target import new_module
+    g = conv_codegen.ConvGeom(N=1, C=320, M=320, G=1, isz=(1, 14, 14), osz=(1, 14, 14),
+                              k=(1, 1, 1))
+    plan = conv_codegen.plan_conv(g)
+    assert plan.swap
+    module = new_module("prefetch_test")
+    conv_codegen.emit_conv(module, "k", g, plan, a_prepacked=prepacked)
+    l2_reads = [ln for ln in str(module).splitlines()
+                if '@"llvm.prefetch.p0"' in ln and ln.endswith("i32 0, i32 2, i32 1)")]
+    assert bool(l2_reads) == prepacked
+
+
 def test_small_1x1_convs_over_aliasing_planes_take_im2col(monkeypatch):
     """A 1x1 conv reading <= 32 channel planes that share a few L1 sets (112x112 and 56x56
     fp32 planes with 64 sets of 64-byte lines) copies them (im2col); wider reductions and
