@@ -75,6 +75,12 @@ CONV_CASES = [
                                         dilations=[2, 1])),
     ((1, 5, 9, 300), (5, 1, 3, 3), dict(group=5, pads=[1, 1, 1, 1])),
     ((3, 7, 7, 9), (7, 1, 7, 7), dict(group=7, auto_pad="SAME_UPPER")),
+    # depthwise over padded row copies (pool.PaddedRows): small images, 5x5 stride 2
+    ((1, 6, 14, 14), (6, 1, 5, 5), dict(group=6, pads=[2, 2, 2, 2])),
+    ((2, 4, 21, 23), (8, 1, 5, 5), dict(group=4, pads=[2, 1, 2, 3], strides=[2, 2])),
+    ((1, 3, 13, 13), (3, 1, 3, 3), dict(group=3, pads=[2, 2, 2, 2], dilations=[2, 2])),
+    ((1, 2, 30, 27), (2, 1, 5, 5), dict(group=2, pads=[1, 2, 3, 0], strides=[1, 2],
+                                        dilations=[1, 2])),
     # ResNet / MobileNet-like: direct GEMM, K blocks, the swapped orientation
     ((1, 64, 28, 28), (32, 64, 3, 3), dict(pads=[1, 1, 1, 1])),
     ((1, 96, 14, 14), (64, 96, 3, 3), dict(pads=[1, 1, 1, 1])),
@@ -202,6 +208,23 @@ def test_small_1x1_convs_over_aliasing_planes_take_im2col(monkeypatch):
     assert machine.l1d_sets()[0] > 0
 
 
+def test_window_plans_pad_rows_where_masks_cost_most():
+    """Small images (steps mostly in the padding) and stride-2 rows of 5+ taps are copied
+    padded, in L1-sized row blocks; 3x3 stride 2 and big stride-1 images read X in place."""
+    from cannc.codegen import pool
+
+    def plan(hw, k, s, c=64):
+        o = (hw + 2 * (k // 2) - k) // s + 1
+        return pool.plan_window(pool.WindowSpec(kind="dw", N=1, C=c, M=c, isz=(1, hw, hw),
+                                                osz=(1, o, o), k=(1, k, k), s=(1, s, s),
+                                                pb=(0, k // 2, k // 2)))
+    assert plan(14, 5, 1).padded and plan(14, 3, 1).padded and plan(56, 5, 2).padded
+    assert not plan(56, 3, 2).padded and not plan(56, 3, 1).padded
+    assert not plan(7, 5, 1).padded                 # one step per plane
+    big = plan(300, 5, 2, c=2)
+    assert big.padded and 0 < big.ws_bytes <= pool.PAD_BYTES and big.nrb > 1
+
+
 def test_l1d_sets_from_sysfs(tmp_path):
     from cannc.schedule import machine
     for i, (level, kind, sets) in enumerate([(1, "Instruction", 32), (1, "Data", 64),
@@ -290,6 +313,14 @@ POOL_CASES = [
     ("AveragePool", (1, 2, 6, 7, 8), dict(kernel_shape=[3, 2, 3], pads=[1, 0, 1, 1, 1, 0],
                                           count_include_pad=1)),
     ("LpPool", (1, 3, 10, 11), dict(kernel_shape=[3, 3], p=2, pads=[1, 1, 1, 1])),
+    # padded row copies (pool.PaddedRows): the identity fills the padding
+    ("MaxPool", (1, 3, 20, 22), dict(kernel_shape=[5, 5], strides=[2, 2], pads=[2, 2, 2, 2])),
+    ("MaxPool", (1, 3, 14, 14), dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])),
+    ("AveragePool", (1, 3, 20, 22), dict(kernel_shape=[5, 5], strides=[2, 2],
+                                         pads=[2, 1, 1, 2])),
+    ("AveragePool", (1, 3, 14, 14), dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1],
+                                         count_include_pad=1)),
+    ("LpPool", (1, 3, 14, 15), dict(kernel_shape=[3, 3], p=2, pads=[1, 1, 1, 1])),
     ("LpPool", (1, 3, 10, 11), dict(kernel_shape=[2, 2], p=1, strides=[2, 2])),
     ("LpPool", (2, 3, 12), dict(kernel_shape=[4], strides=[3])),
 ]
@@ -415,7 +446,7 @@ def test_window_and_convtranspose_epilogue_offsets():
     plan = pool_codegen.plan_window(spec)
     got = _run_kernel(lambda mod, name: pool_codegen.emit_window(mod, name, spec, plan,
                                                                  epilogue=_index_epilogue),
-                      plan.num_tiles, 0, [x], ref.shape)
+                      plan.num_tiles, plan.ws_bytes, [x], ref.shape)
     np.testing.assert_allclose(got, ref + np.arange(ref.size).reshape(ref.shape), rtol=1e-5)
 
     x, w, bias = conv_inputs((1, 4, 5, 6), (4, 3, 3, 3), transpose=True)

@@ -259,8 +259,8 @@ def conv_tiling(node: Any, ins: list[Any], outs: list[Any]) -> Tiling | None:
         spec = _dw_spec(one, _dts(ins, outs))
         wplan = plan_window(spec)
         key: tuple = ("conv", "dw", spec, wplan)
-        tiles, ws = wplan.num_tiles, 0
-        notes["path"] = f"depthwise R{wplan.R}xV{wplan.V}"
+        tiles, ws = wplan.num_tiles, wplan.ws_bytes
+        notes["path"] = window_path("depthwise", wplan)
         if _dw_note(spec):
             notes["precision"] = _dw_note(spec)
     elif (types := lowp_types(node, ins, outs)) is not None:
@@ -310,8 +310,8 @@ def _lower_conv(ctx: LowerCtx, epilogue: Any = None, y_slot: int | None = None,
         spec = _dw_spec(geom, _dts(ctx.in_types, ctx.out_types))
         plan = plan_window(spec)
         emit_window(ctx.module, ctx.symbol, spec, plan, slots, epilogue=epilogue)
-        ctx.num_tiles = plan.num_tiles
-        ctx.notes["path"] = f"depthwise R{plan.R}xV{plan.V}"
+        ctx.num_tiles, ctx.workspace_bytes = plan.num_tiles, plan.ws_bytes
+        ctx.notes["path"] = window_path("depthwise", plan)
         if _dw_note(spec):
             ctx.notes["precision"] = _dw_note(spec)
         return
@@ -352,8 +352,8 @@ def _lower_conv_any_batch(ctx: LowerCtx, tkey: tuple, epilogue: Any, y_slot: int
     slots = Slots(x=0, w=1, b=2 if geom.bias else -1, y=y_slot)
     if kind == "dw":
         emit_window(ctx.module, ctx.symbol, geom, plan, slots, epilogue=epilogue)
-        ctx.num_tiles = plan.num_tiles
-        ctx.notes["path"] = f"depthwise R{plan.R}xV{plan.V}"
+        ctx.num_tiles, ctx.workspace_bytes = plan.num_tiles, plan.ws_bytes
+        ctx.notes["path"] = window_path("depthwise", plan)
         if _dw_note(geom):
             ctx.notes["precision"] = _dw_note(geom)
         return
@@ -524,6 +524,12 @@ def pool_spec(node: Any, x_t: Any, y_t: Any) -> WindowSpec:
     return WindowSpec(kind=kind, **g, **extra, dts=dts)
 
 
+def window_path(what: str, plan: Any) -> str:
+    """The path note of a window kernel: R rows x V vectors a step, '+pad' when the
+    tile's rows are copied padded (pool.PaddedRows)."""
+    return f"{what} R{plan.R}xV{plan.V}" + ("+pad" if plan.padded else "")
+
+
 def _has_indices(node: Any) -> bool:
     return node.op_type == "MaxPool" and len(node.outputs) > 1 and bool(node.outputs[1])
 
@@ -540,8 +546,9 @@ def pool_tiling(node: Any, ins: list[Any], outs: list[Any]) -> Tiling | None:
     plan = plan_window(one)
     work = outs[0].numel * spec.KK
     return Tiling(key=("window", one, plan), dims=(), num_tiles=spec.N * plan.num_tiles,
+                  workspace_bytes=plan.ws_bytes,
                   single_core=work < SINGLE_CORE_FLOPS // 4, flops=work,
-                  notes={"path": f"window {spec.kind} R{plan.R}xV{plan.V}"}
+                  notes={"path": window_path(f"window {spec.kind}", plan)}
                   | ({"precision": f"{spec.dts[0]} storage, fp32 compute"}
                      if spec.dts[0] != "float32" else {}))
 
@@ -625,10 +632,10 @@ def _lower_pool(ctx: LowerCtx) -> None:
         spec = pool_spec(ctx.node, ctx.in_types[0], ctx.out_types[0])
         plan = plan_window(spec)
     emit_window(ctx.module, ctx.symbol, spec, plan, Slots(x=0, w=-1, b=-1, y=len(ctx.node.inputs)))
-    ctx.num_tiles = plan.num_tiles
+    ctx.num_tiles, ctx.workspace_bytes = plan.num_tiles, plan.ws_bytes
     ctx.single_core = ctx.out_types[0].numel * spec.KK < SINGLE_CORE_FLOPS // 4
     ctx.flops = ctx.out_types[0].numel * spec.KK
-    ctx.notes["path"] = f"window {spec.kind} R{plan.R}xV{plan.V}"
+    ctx.notes["path"] = window_path(f"window {spec.kind}", plan)
     if spec.dts[0] != "float32":
         ctx.notes["precision"] = f"{spec.dts[0]} storage, fp32 compute"
 
