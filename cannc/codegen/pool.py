@@ -134,7 +134,10 @@ def plan_window(spec: WindowSpec, cores: int = 2) -> WindowPlan:
         V = min(range(max(1, acc // 2), acc + 1), key=lambda v: (rup(nvec, v) - nvec, -v))
         chunks = cdiv(nvec, V)
     rows = spec.rows
-    R = max(1, min(rows, acc // V))
+    # rows a step: as many as the accumulators allow, or a few fewer where that wastes
+    # fewer rows past the plane's last (14 rows: 2 steps of 7, not 8 + 6 of 8)
+    rmax = max(1, min(rows, acc // V))
+    R = min(range(max(1, rmax // 2 + 1), rmax + 1), key=lambda r: (rup(rows, r), -r))
     planes = spec.N * spec.M
     # enough tiles for the cores to balance, each at least ~2 KFLOP of work
     per_row = OW * spec.KK
