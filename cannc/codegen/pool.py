@@ -161,18 +161,21 @@ def plan_window(spec: WindowSpec, cores: int = 2) -> WindowPlan:
 
 def pad_rows(spec: WindowSpec, plan: WindowPlan) -> bool:
     """Copy the tile's rows padded (PaddedRows) rather than read X in place with masked
-    loads: 2-D windows of more than one step per plane with a column stride of 2 and 5 or
-    more taps a row (each tap one load instead of two and a shuffle: fewer taps do not
-    repay the copy), or whose steps mostly touch the padding (fewer than half of a
-    plane's steps lie inside it: small images, e.g. 14x14), whose row tests and masks
-    cost more than the arithmetic. Zen 4, depthwise convs alone: 5x5 on 14x14 0.18 ->
-    0.13 ms (672 channels), 3x3 on 14x14 0.050 -> 0.028 (384), 5x5 stride 2 on 56x56
-    0.24 -> 0.15 (144); 3x3 stride 2 8-14% slower padded (not taken)."""
+    loads: 2-D windows of more than one step per plane with 5 or more taps a row (stride
+    1 or 2), or whose steps mostly touch the padding (fewer than half of a plane's steps
+    lie inside it: small images, e.g. 14x14). There the masked, mostly line-splitting
+    loads (stride 2: two loads and a shuffle a tap) cost more than the arithmetic; with
+    3 taps a row and big images the copy does not pay. Zen 4, depthwise convs alone:
+    7x7 on 28x28 (192 channels) 0.38-0.48 -> 0.175 ms, on 56x56 (96) 0.57 -> 0.35, 5x5 on
+    14x14 (672) 0.18 -> 0.13, 3x3 on 14x14 (384) 0.050 -> 0.028, 5x5 stride 2 on 56x56
+    (144) 0.24 -> 0.15; 3x3 on 28x28-112x112 and 3x3 stride 2 10-35% slower padded."""
     if not PAD_ROWS or spec.k[0] != 1 or spec.osz[0] != 1 or spec.s[2] > 2 \
             or spec.osz[1] <= plan.R:
         return False
+    if spec.k[2] >= 5:
+        return True
     if spec.s[2] == 2:
-        return spec.k[2] >= 5
+        return False
     OH, sh, dh, ph, H = spec.osz[1], spec.s[1], spec.d[1], spec.pb[1], spec.isz[1]
     steps = cdiv(OH, plan.R)
     inner = sum(1 for r0 in range(0, OH, plan.R)

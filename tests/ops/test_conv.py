@@ -209,8 +209,8 @@ def test_small_1x1_convs_over_aliasing_planes_take_im2col(monkeypatch):
 
 
 def test_window_plans_pad_rows_where_masks_cost_most():
-    """Small images (steps mostly in the padding) and stride-2 rows of 5+ taps are copied
-    padded, in L1-sized row blocks; 3x3 stride 2 and big stride-1 images read X in place."""
+    """Small images (steps mostly in the padding) and rows of 5+ taps are copied padded,
+    in L1-sized row blocks; 3x3 windows over big images (stride 1 or 2) read X in place."""
     from cannc.codegen import pool
 
     def plan(hw, k, s, c=64):
@@ -219,6 +219,7 @@ def test_window_plans_pad_rows_where_masks_cost_most():
                                                 osz=(1, o, o), k=(1, k, k), s=(1, s, s),
                                                 pb=(0, k // 2, k // 2)))
     assert plan(14, 5, 1).padded and plan(14, 3, 1).padded and plan(56, 5, 2).padded
+    assert plan(28, 7, 1).padded and plan(56, 5, 1).padded
     assert not plan(56, 3, 2).padded and not plan(56, 3, 1).padded
     assert not plan(7, 5, 1).padded                 # one step per plane
     big = plan(300, 5, 2, c=2)
