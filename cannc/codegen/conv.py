@@ -336,6 +336,7 @@ IM2COL_CHANNEL_INNER = 8    # im2col loops over channels innermost from this man
 # whose weights leave L3 (784->784 at 7x7, 512->512 at 7x7, 320->320 at 14x14) ran
 # 8-17% faster, as fast as with their weights in L3.
 SWAP_PREFETCH = True
+DIRECT_PREFETCH = True
 KC_MAX = 256         # reduction rows per block (B micro-panel 32*KC*4 bytes)
 KC_MAX_DIRECT = 512  # direct mode: the block of A (Mg x KC) should stay in L2
 P_MAX = 256          # pixels per block
@@ -677,7 +678,14 @@ class _ConvGen:
                         segs = [(a_base, p.MR, b_jr, p.NCP, kc, None)]
                     c_ptr = v.gep(y_ng, b.add(b.mul(ir_, i64(g.OHW)), b.add(p0, jr)))
                     io = _NormalIO(self, c_ptr, mr, colmask, b.add(ch0, ir_))
-                    self.micro(segs, io, first, last)
+                    pf = None
+                    if DIRECT_PREFETCH and p.direct and g.KK == 1:
+                        # the next pixel panel of X's channel rows into L2 (line
+                        # (ir / MR) % NV of each): reading KC channel planes at once is
+                        # more streams than the hardware prefetchers follow
+                        line = b.urem(b.udiv(b.sub(ir_, m_lo), i64(p.MR)), i64(p.NV))
+                        pf = (v.gep(b_jr, b.add(i64(p.NR), b.mul(line, i64(16)))), g.DHW)
+                    self.micro(segs, io, first, last, pf)
 
         if p.nkb == 1:
             body(None, True, True)
