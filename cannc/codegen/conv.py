@@ -289,6 +289,11 @@ class ConvPlan:
 
 
 MR_EFFICIENCY = {8: 1.0, 7: 0.97, 6: 0.93, 5: 0.88, 4: 0.83}   # relative, measured roughly
+# the normal orientation's micro-tile of MR x 16 (NV = 1) against MR x 32 (NV = 2) on
+# images with no ragged vector: Zen 4, 1x1 and grouped 3x3 convs at 56x56 0-2% slower.
+# Where a row of 32 wastes lanes it wins: 196 pixels (14x14) are 13 vectors of 16, 7
+# pairs; grouped 3x3 convs on 14x14 ran 10% faster (RegNet-Y's 320 and 784 channels)
+NV_EFFICIENCY = {1: 0.97, 2: 1.0}
 # AVX2 (16 ymm): MR x 16 tiles, 2*MR ymm accumulators (at most 12)
 MR_EFFICIENCY_AVX2 = {6: 1.0, 5: 0.93, 4: 0.85, 3: 0.72}
 
@@ -429,20 +434,22 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict) -> Co
     # normal orientation: MR channels x 16*NV pixels
     wide = wide_registers()
     MR = tun.get("MR", choose_mr(Mg, wide))
-    NV = tun.get("NV", default_nv(OHW, wide))
-    NR = 16 * NV
     direct = tun.get("direct", True) and geom.direct_ok
     if direct and "direct" not in tun and geom.KK == 1 and geom.Cg <= IM2COL_ALIASED_MAX_C \
             and planes_alias_in_l1(geom.DHW * 4):
         direct = False
     im2col_cost = 0.0 if direct else 6.0
 
-    def cost_n(ch, px):
-        c = 2.0 * rup(ch, MR) * rup(px, NR) * K + im2col_cost * K * px + 3000.0
-        c += weight_traffic(ch, K)
-        if not const_weights:
-            c += 4.0 * rup(ch, MR) * K
-        return c
+    def cost_n_of(NR):
+        eff = NV_EFFICIENCY.get(NR // 16, 1.0) if wide else 1.0
+
+        def cost_n(ch, px):
+            c = 2.0 * rup(ch, MR) * rup(px, NR) * K / eff + im2col_cost * K * px + 3000.0
+            c += weight_traffic(ch, K)
+            if not const_weights:
+                c += 4.0 * rup(ch, MR) * K
+            return c
+        return cost_n
 
     want_swap = tun.get("swap")
     if want_swap is not True:
@@ -451,7 +458,16 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict) -> Co
         # it is small: Zen 4, 3x3 stride-2 convs of 16-channel groups (64 channels at
         # 112x112, 144 at 56x56) 7-11% faster with 64 pixels a tile than with 256
         pmax_n = pmax if direct or "P" in tun or Mg > 2 * MR else min(pmax, IM2COL_FEW_CH_P)
-        g = _grid(geom, K, NR, MR, pmax_n, cores, cost_n)
+        NV = tun.get("NV", default_nv(OHW, wide))
+        g = _grid(geom, K, 16 * NV, MR, pmax_n, cores, cost_n_of(16 * NV))
+        # vectors a micro-tile row: 2 (32 pixels) unless one wastes enough fewer lanes
+        # past the image's last pixel to make up for its lower speed (NV_EFFICIENCY).
+        # The orientation is chosen on the cost of NV = 2 (measured against the swapped
+        # one): 1x1 expansions on 14x14 (80->480) stay swapped, 7% faster than NV = 1
+        if "NV" not in tun and NV == 2:
+            g1 = _grid(geom, K, 16, MR, pmax_n, cores, cost_n_of(16))
+            if g1[0] < g[0]:
+                NV, g = 1, (g[0], *g1[1:])
         cands.append((g[0], False, MR, NV, direct, g))
 
     # swapped: MR pixels x 32 channels (im2col only)
@@ -473,7 +489,6 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict) -> Co
             # a small preference for the normal orientation (cheaper stores, maybe direct)
             cands.append((g[0] * 1.02, True, MRs, NVs, False, g))
     cost, swap, MR, NV, direct, (_, PB, P, MB, CH, T) = min(cands, key=lambda c: c[0])
-    NR = 16 * NV
     if swap:
         direct = False
     # reduction blocks of whole input channels
