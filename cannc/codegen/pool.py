@@ -40,9 +40,9 @@ from .conv import (
 from .vec import ACC_BUDGET_AVX2, VF, VM, abi_function, wide_registers
 
 KINDS = ("dw", "max", "avg", "lp")
-INTERIOR_STEPS = True
-PAD_ROWS = True
-PAD_BYTES = 24 * 1024
+INTERIOR_STEPS = True     # steps inside the image run without row tests (_WindowGen.interior)
+PAD_ROWS = True           # tiles may read padded row copies (PaddedRows, pad_rows)
+PAD_BYTES = 24 * 1024     # a tile's padded rows at most this (L1-resident): rows per tile cut
 
 
 @dataclass(frozen=True)
