@@ -139,7 +139,7 @@ def dispatch_time(T: int, cores: int, range_cost) -> float:
         return range_cost(0, T)
     free = [0.0] + [WAKE_COST] * (cores - 1)
     for t0, t1 in claim_chunks(T, cores):
-        c = min(range(cores), key=lambda i: free[i])
+        c = free.index(min(free))
         free[c] += range_cost(t0, t1)
     return max(free)
 

@@ -17,6 +17,7 @@ call of a GEMM kernel processes for a tile range (as the generated code walks th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 CHUNKS_PER_CORE = 2
@@ -69,8 +70,14 @@ def min_chunk(T: int, cores: int) -> int:
     return max(1, cdiv(T, cores * MIN_CHUNK_DIVISOR))
 
 
-def claim_chunks(T: int, cores: int) -> list[tuple[int, int]]:
-    """The tile ranges the dispatcher's claims take, in order (whichever core claims)."""
+@functools.lru_cache(maxsize=4096)
+def claim_chunks(T: int, cores: int) -> tuple[tuple[int, int], ...]:
+    """The tile ranges the dispatcher's claims take, in order (whichever core claims).
+    Memoised: the conv planner asks for the same few (T, cores) thousands of times."""
+    return tuple(_claim_chunks(T, cores))
+
+
+def _claim_chunks(T: int, cores: int) -> list[tuple[int, int]]:
     if cores <= 1:
         return [(0, T)] if T > 0 else []
     lo, pieces = min_chunk(T, cores), cores * CHUNKS_PER_CORE
