@@ -348,6 +348,7 @@ KC_MAX = 256         # reduction rows per block (B micro-panel 32*KC*4 bytes)
 KC_MAX_DIRECT = 512  # direct mode: the block of A (Mg x KC) should stay in L2
 P_MAX = 256          # pixels per block
 IM2COL_FEW_CH_P = 64  # pixels per block of an im2col conv of at most 2*MR output channels
+IM2COL_FEW_CH_MIN_K = 64  # ... whose reduction is longer than this
 SWAP_MAX_PIXELS = 1024
 # swapped orientation: writing 16 results to Y (the sums' round trip through the workspace
 # and their share of a 16 x 16 transpose). Zen 4, 1x1 convs at batch 1: 0.13 ns an output,
@@ -457,9 +458,12 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict) -> Co
     if want_swap is not True:
         # an im2col block that one or two MR-row passes read (few output channels, e.g.
         # RegNet's grouped convs of 16 channels a group) is read back from L1 only when
-        # it is small: Zen 4, 3x3 stride-2 convs of 16-channel groups (64 channels at
-        # 112x112, 144 at 56x56) 7-11% faster with 64 pixels a tile than with 256
-        pmax_n = pmax if direct or "P" in tun or Mg > 2 * MR else min(pmax, IM2COL_FEW_CH_P)
+        # it is small: Zen 4, 3x3 stride-2 convs of 16-channel groups (K = 144; 64 channels
+        # at 112x112, 144 at 56x56) 7-11% faster with 64 pixels a tile than with 256. Short
+        # reductions keep the long tiles: MobileNetV3's 3x3 stride-2 stem (K = 27, 16
+        # channels) was 10% slower with 64
+        few = Mg <= 2 * MR and K > IM2COL_FEW_CH_MIN_K
+        pmax_n = min(pmax, IM2COL_FEW_CH_P) if few and not direct and "P" not in tun else pmax
         NV = tun.get("NV", default_nv(OHW, wide))
         g = _grid(geom, K, 16 * NV, MR, pmax_n, cores, cost_n_of(16 * NV))
         # vectors a micro-tile row: 2 (32 pixels) unless one wastes enough fewer lanes
