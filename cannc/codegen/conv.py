@@ -671,10 +671,7 @@ class _ConvGen:
                         npx = v.smin(b.sub(npix, ir_), p.MR)
                         segs = [(v.gep(self.col, ir_), p.NCP, b_base, p.NR, kc, None)]
                         io = _SwapIO(self, jr, m_lo, ir_, npx, chmask)
-                        pf = None
-                        if nxt is not None:
-                            line = b.urem(b.udiv(ir_, i64(p.MR)), i64(p.NV))
-                            pf = (v.gep(nxt, b.mul(line, i64(16))), p.NR)
+                        pf = None if nxt is None else (self.pf_line(nxt, ir_), p.NR)
                         self.micro(segs, io, first, last, pf)
                 return
             with v.loop(i64(0), npix, p.NR, "jr") as jr:
@@ -701,11 +698,10 @@ class _ConvGen:
                     io = _NormalIO(self, c_ptr, mr, colmask, b.add(ch0, ir_))
                     pf = None
                     if DIRECT_PREFETCH and p.direct and g.KK == 1:
-                        # the next pixel panel of X's channel rows into L2 (line
-                        # (ir / MR) % NV of each): reading KC channel planes at once is
-                        # more streams than the hardware prefetchers follow
-                        line = b.urem(b.udiv(b.sub(ir_, m_lo), i64(p.MR)), i64(p.NV))
-                        pf = (v.gep(b_jr, b.add(i64(p.NR), b.mul(line, i64(16)))), g.DHW)
+                        # the next pixel panel of X's channel rows into L2: reading KC
+                        # channel planes at once is more streams than the hardware
+                        # prefetchers follow
+                        pf = (self.pf_line(v.gep(b_jr, p.NR), b.sub(ir_, m_lo)), g.DHW)
                     self.micro(segs, io, first, last, pf)
 
         if p.nkb == 1:
@@ -944,6 +940,16 @@ class _ConvGen:
                     b.store(x, v.gep(dst, r), align=4)
 
     # -- micro-kernel ------------------------------------------------------------
+    def pf_line(self, panel, i):
+        """The prefetch stream of the micro-tile at offset i (a multiple of MR) of a loop
+        whose micro-tiles share a panel of NV lines a k step (the next panel's weights,
+        or X's next pixels): line (i / MR) % NV of each k row, so the first NV micro-tiles
+        cover the panel."""
+        v, p = self.v, self.p
+        b = v.b
+        line = b.urem(b.udiv(i, i64(p.MR)), i64(p.NV))
+        return v.gep(panel, b.mul(line, i64(16)))
+
     def micro(self, segs, io, first, last, pf=None):
         """acc[MR][NV] += sum over segments (a, a_ks, b, b_ks, count, bmasks) of
         a[k*a_ks + r] * b[k*b_ks + 16j] (b loads masked by bmasks[j] when given);

@@ -80,24 +80,6 @@ class WindowSpec:
 
 
 @dataclass(frozen=True)
-class WindowPlan:
-    V: int        # vectors per row step
-    chunks: int   # row chunks of 16*V columns
-    R: int        # rows per step
-    RB: int       # rows per tile
-    nrb: int      # row blocks per plane
-    num_tiles: int
-    # the padded copy (see PaddedRows): its row length in floats (0: X is read in place)
-    # and the workspace it takes
-    row_len: int = 0
-    ws_bytes: int = 0
-
-    @property
-    def padded(self) -> bool:
-        return self.row_len > 0
-
-
-@dataclass(frozen=True)
 class PaddedRows:
     """The input rows of a tile copied into the workspace with the padding written out
     (the reduction's identity) and, for stride s > 1, split by column phase, so that
@@ -120,6 +102,23 @@ class PaddedRows:
 
     def nbytes(self, spec: WindowSpec) -> int:
         return rup(self.rows * spec.s[2] * self.row_len * 4, 64)
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    V: int        # vectors per row step
+    chunks: int   # row chunks of 16*V columns
+    R: int        # rows per step
+    RB: int       # rows per tile
+    nrb: int      # row blocks per plane
+    num_tiles: int
+    # the padded copy of a tile's rows (None: X is read in place) and the workspace it takes
+    pad: PaddedRows | None = None
+    ws_bytes: int = 0
+
+    @property
+    def padded(self) -> bool:
+        return self.pad is not None
 
 
 def plan_window(spec: WindowSpec, cores: int = 2) -> WindowPlan:
@@ -154,7 +153,7 @@ def plan_window(spec: WindowSpec, cores: int = 2) -> WindowPlan:
             RB -= R
         nrb = cdiv(rows, RB)
         pr = PaddedRows.of(spec, RB, R, chunks * V * 16)
-        plan = replace(plan, RB=RB, nrb=nrb, num_tiles=planes * nrb, row_len=pr.row_len,
+        plan = replace(plan, RB=RB, nrb=nrb, num_tiles=planes * nrb, pad=pr,
                        ws_bytes=pr.nbytes(spec))
     return plan
 
@@ -279,7 +278,7 @@ class _WindowGen:
         b = v.b
         H, W = s.isz[1], s.isz[2]
         sh, ph, sw = s.s[1], s.pb[1], s.s[2]
-        pr = PaddedRows.of(s, p.RB, p.R, p.chunks * p.V * 16)
+        pr = p.pad
         ident = self.identity()
         top = b.sub(b.mul(r_lo, i64(sh)), i64(ph))
         with v.loop(0, pr.rows, 1, "prow") as rho:
@@ -313,7 +312,7 @@ class _WindowGen:
         pd, ph, pw = s.pb
         R, V = p.R, p.V
         const_cols = isinstance(ow0, ir.Constant)
-        pr = PaddedRows.of(s, p.RB, p.R, p.chunks * p.V * 16) if p.padded else None
+        pr = p.pad
         # per-row data
         rows = []
         for i in range(R):
@@ -338,7 +337,7 @@ class _WindowGen:
                             tap = (kd * KH + kh) * KW + kw
                             a = kw * dw - pw
                             row = v.gep(self.ws, b.add(b.mul(b.add(b.mul(rho, i64(sw)),
-                                                                 i64(a % sw)), i64(p.row_len)),
+                                                                 i64(a % sw)), i64(pr.row_len)),
                                                      b.add(ow0, i64(pr.L + a // sw))))
                             for j in range(V):
                                 x = v.load_v(v.gep(row, 16 * j))

@@ -131,13 +131,13 @@ class VecBuilder:
 
     def prefetch_w(self, ptr: ir.Value) -> None:
         """Prefetch the line at ptr for writing, into all cache levels."""
-        f = self.intr("llvm.prefetch.p0", VOID, [PTR, I32, I32, I32])
-        self.b.call(f, [ptr, i32(1), i32(3), i32(1)])
+        self.prefetch_r(ptr, write=True)
 
-    def prefetch_r(self, ptr: ir.Value, locality: int = 3) -> None:
-        """Prefetch the line at ptr for reading (locality 3: into L1, 2: into L2)."""
+    def prefetch_r(self, ptr: ir.Value, locality: int = 3, write: bool = False) -> None:
+        """Prefetch the line at ptr for reading (or writing) (locality 3: into L1, 2: into
+        L2)."""
         f = self.intr("llvm.prefetch.p0", VOID, [PTR, I32, I32, I32])
-        self.b.call(f, [ptr, i32(0), i32(locality), i32(1)])
+        self.b.call(f, [ptr, i32(int(write)), i32(locality), i32(1)])
 
     # -- scalars and splats --------------------------------------------------
     def arg(self, args: ir.Value, i: int) -> ir.Value:
