@@ -11,7 +11,9 @@ once (``R*V`` independent accumulators), loading the input with masked vector
 loads: stride 1 directly, stride 2 as two loads and an even-lane shuffle, other
 strides as masked gathers. Padding and the window parts outside the input are
 the load masks (the pass-through value is the reduction's identity), so no
-border special cases are needed.
+border special cases are needed. Depthwise convs on small planes (rows narrower than
+a vector, e.g. 7x7) take a tile per plane instead and compute it as one flat row of
+pixels (FlatPlane), so their vectors are not mostly empty lanes.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ KINDS = ("dw", "max", "avg", "lp")
 INTERIOR_STEPS = True     # steps inside the image run without row tests (_WindowGen.interior)
 PAD_ROWS = True           # tiles may read padded row copies (PaddedRows, pad_rows)
 PAD_BYTES = 24 * 1024     # a tile's padded rows at most this (L1-resident): rows per tile cut
+FLAT_PLANES = True        # small depthwise planes computed as one flat row (FlatPlane)
+FLAT_MAX_VECTORS = 8      # ... of at most this many vectors of output pixels
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,48 @@ class PaddedRows:
 
 
 @dataclass(frozen=True)
+class FlatPlane:
+    """A small plane (at most FLAT_MAX_VECTORS vectors of output pixels, rows narrower
+    than a vector) computed as one flat row: output pixel ``q = oh*OW + ow`` reads tap
+    (kh, kw) at input index ``q + (kh*dh - ph)*W + kw*dw - pw`` (stride 1, OW = W), so a
+    tap is one load a vector of 16 pixels, masked (a compile-time constant) where its
+    lanes leave the plane or cross a row's edge. By rows, rows of 7 (7x7 planes) used 7
+    of 16 lanes a vector; flat, 49 of 64. (A copy of the plane into a zeroed workspace,
+    the taps then loaded unmasked, was slower than the rows: its loads overlap the
+    copy's fresh stores, which the CPU cannot forward.)"""
+
+    nv: int         # vectors of output pixels
+
+    @staticmethod
+    def of(spec: WindowSpec) -> FlatPlane:
+        return FlatPlane(nv=cdiv(spec.osz[1] * spec.osz[2], 16))
+
+    @staticmethod
+    def tap_mask(spec: WindowSpec, kh: int, kw: int, j: int) -> list[int]:
+        """Lanes of vector j (output pixels) whose tap (kh, kw) lies inside the input."""
+        H, W = spec.isz[1], spec.isz[2]
+        OH, OW = spec.osz[1], spec.osz[2]
+        res = []
+        for i in range(16):
+            q = 16 * j + i
+            ih = q // OW + kh * spec.d[1] - spec.pb[1]
+            iw = q % OW + kw * spec.d[2] - spec.pb[2]
+            res.append(1 if q < OH * OW and 0 <= ih < H and 0 <= iw < W else 0)
+        return res
+
+
+def flat_plane(spec: WindowSpec) -> bool:
+    """Compute each plane flat (FlatPlane): depthwise float32 2-D windows of stride 1
+    whose output rows are as wide as the input's and narrower than 16, on planes of at
+    most FLAT_MAX_VECTORS vectors (7x7: MobileNet's, EfficientNet's and ConvNeXt's last
+    stages)."""
+    return (FLAT_PLANES and spec.kind == "dw" and spec.dts[0] == "float32"
+            and spec.k[0] == 1 and spec.isz[0] == 1 and spec.osz[0] == 1
+            and spec.s[1] == spec.s[2] == 1 and spec.osz[2] == spec.isz[2] < 16
+            and spec.osz[1] > 1 and cdiv(spec.osz[1] * spec.osz[2], 16) <= FLAT_MAX_VECTORS)
+
+
+@dataclass(frozen=True)
 class WindowPlan:
     V: int        # vectors per row step
     chunks: int   # row chunks of 16*V columns
@@ -115,6 +161,8 @@ class WindowPlan:
     # the padded copy of a tile's rows (None: X is read in place) and the workspace it takes
     pad: PaddedRows | None = None
     ws_bytes: int = 0
+    # the plane computed as one flat row (None: by rows)
+    flat: FlatPlane | None = None
 
     @property
     def padded(self) -> bool:
@@ -122,6 +170,11 @@ class WindowPlan:
 
 
 def plan_window(spec: WindowSpec, cores: int = 2) -> WindowPlan:
+    if flat_plane(spec):
+        fp = FlatPlane.of(spec)
+        planes = spec.N * spec.M
+        return WindowPlan(V=fp.nv, chunks=1, R=1, RB=spec.rows, nrb=1, num_tiles=planes,
+                          flat=fp)
     OW = spec.osz[2]
     nvec = cdiv(OW, 16)
     # accumulators: 8 <16 x float> with AVX-512; with AVX2 (two ymm each) half the budget
@@ -241,22 +294,65 @@ class _WindowGen:
                        for i in range(s.KK)]
                 if Bias is not None:
                     init = v.splat(sload_dt(v, v.gep(Bias, co, elem_type(bdt)), bdt), VF)
-            r_lo = b.mul(rb, i64(p.RB))
-            r_hi = v.smin(b.add(r_lo, i64(p.RB)), s.rows)
-            self.r_lo = r_lo
-            if p.padded:
-                self.copy_padded(x_p, r_lo)
-            with v.loop(r_lo, r_hi, p.R, "rows") as r0:
-                inner = self.interior(r0, r_hi)
-                if inner is None:
-                    self.steps(x_p, y_p, r0, r_hi, wts, init, False)
-                else:
-                    with b.if_else(inner, likely=True) as (then, otherwise):
-                        with then:
-                            self.steps(x_p, y_p, r0, r_hi, wts, init, True)
-                        with otherwise:
-                            self.steps(x_p, y_p, r0, r_hi, wts, init, False)
+            if p.flat is not None:
+                self.flat_tile(x_p, y_p, wts, init)
+            else:
+                self.row_blocks(x_p, y_p, rb, wts, init)
         b.ret_void()
+
+    def row_blocks(self, x_p, y_p, rb, wts, init):
+        """Row block rb of a plane, R rows a step."""
+        v, s, p = self.v, self.s, self.p
+        b = v.b
+        r_lo = b.mul(rb, i64(p.RB))
+        r_hi = v.smin(b.add(r_lo, i64(p.RB)), s.rows)
+        self.r_lo = r_lo
+        if p.padded:
+            self.copy_padded(x_p, r_lo)
+        with v.loop(r_lo, r_hi, p.R, "rows") as r0:
+            inner = self.interior(r0, r_hi)
+            if inner is None:
+                self.steps(x_p, y_p, r0, r_hi, wts, init, False)
+            else:
+                with b.if_else(inner, likely=True) as (then, otherwise):
+                    with then:
+                        self.steps(x_p, y_p, r0, r_hi, wts, init, True)
+                    with otherwise:
+                        self.steps(x_p, y_p, r0, r_hi, wts, init, False)
+
+    def flat_tile(self, x_p, y_p, wts, init):
+        """One plane computed flat (FlatPlane): every tap one (masked) load and FMA a
+        vector of output pixels; taps wholly outside the input skipped."""
+        v, s, p = self.v, self.s, self.p
+        fp = p.flat
+        OH, OW = s.osz[1], s.osz[2]
+        KH, KW = s.k[1], s.k[2]
+        accs = [init] * fp.nv
+        for kh in range(KH):
+            for kw in range(KW):
+                w = wts[kh * KW + kw]
+                off = (kh * s.d[1] - s.pb[1]) * s.isz[2] + kw * s.d[2] - s.pb[2]
+                for j in range(fp.nv):
+                    m = fp.tap_mask(s, kh, kw, j)
+                    if not any(m):
+                        continue
+                    x = v.load_v(v.gep(x_p, 16 * j + off),
+                                 None if all(m) else ir.Constant(VM, m))
+                    accs[j] = v.fma(w, x, accs[j])
+        for j in range(fp.nv):
+            self.store_out(accs[j], v.gep(y_p, 16 * j, self.yt), v.lanes_lt(16 * j, OH * OW))
+
+    def store_out(self, val, ptr, m):
+        """Store a vector of final values (the epilogue applied) under mask m."""
+        v, s = self.v, self.s
+        b = v.b
+        if self.epilogue is not None:
+            flat = b.sub(b.ptrtoint(ptr, I64), b.ptrtoint(self.Y, I64))
+            flat = b.ashr(flat, i64(2 if s.dts[3] == "float32" else 1))
+            val = self.epilogue(b, val, flat, 1, m)
+            if val.type != VF:
+                val = b.fpext(val, VF)
+        vstore_dt(v, val, ptr, s.dts[3], m)
 
     def interior(self, r0, r_hi):
         """i1: rows r0 .. r0+R-1 all lie in the tile and every tap row of theirs inside X
@@ -382,14 +478,7 @@ class _WindowGen:
                 else:
                     m = v.lanes_lt(b.add(ow0, i64(16 * j)), OW)
                 m = v.mask_and(m, act)
-                ptr = v.gep(y_row, 16 * j, self.yt)
-                if self.epilogue is not None:
-                    flat = b.sub(b.ptrtoint(ptr, I64), b.ptrtoint(self.Y, I64))
-                    flat = b.ashr(flat, i64(2 if s.dts[3] == "float32" else 1))
-                    val = self.epilogue(b, val, flat, 1, m)
-                    if val.type != VF:
-                        val = b.fpext(val, VF)
-                vstore_dt(v, val, ptr, s.dts[3], m)
+                self.store_out(val, v.gep(y_row, 16 * j, self.yt), m)
 
     def col_masks(self, ow0, j, off, sw, W, const_cols):
         """(first input column, masks) of vector j for a tap at column offset `off`."""

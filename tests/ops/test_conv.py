@@ -81,6 +81,15 @@ CONV_CASES = [
     ((1, 3, 13, 13), (3, 1, 3, 3), dict(group=3, pads=[2, 2, 2, 2], dilations=[2, 2])),
     ((1, 2, 30, 27), (2, 1, 5, 5), dict(group=2, pads=[1, 2, 3, 0], strides=[1, 2],
                                         dilations=[1, 2])),
+    # depthwise on small planes, computed flat (pool.FlatPlane): 7x7 with 3x3 / 5x5 / 7x7
+    # windows, multiplier 2 with dilation and asymmetric pads, taps wholly outside a 2x2
+    # plane, 8 vectors of pixels (11x11)
+    ((2, 24, 7, 7), (24, 1, 3, 3), dict(group=24, pads=[1, 1, 1, 1])),
+    ((1, 16, 7, 7), (16, 1, 5, 5), dict(group=16, pads=[2, 2, 2, 2])),
+    ((1, 8, 7, 7), (8, 1, 7, 7), dict(group=8, pads=[3, 3, 3, 3])),
+    ((1, 6, 5, 6), (12, 1, 3, 3), dict(group=6, pads=[0, 1, 2, 1], dilations=[2, 1])),
+    ((1, 4, 2, 2), (4, 1, 3, 3), dict(group=4, pads=[1, 1, 1, 1])),
+    ((1, 4, 11, 11), (4, 1, 5, 5), dict(group=4, pads=[2, 2, 2, 2])),
     # ResNet / MobileNet-like: direct GEMM, K blocks, the swapped orientation
     ((1, 64, 28, 28), (32, 64, 3, 3), dict(pads=[1, 1, 1, 1])),
     ((1, 96, 14, 14), (64, 96, 3, 3), dict(pads=[1, 1, 1, 1])),
@@ -224,6 +233,35 @@ def test_window_plans_pad_rows_where_masks_cost_most():
     assert not plan(7, 5, 1).padded                 # one step per plane
     big = plan(300, 5, 2, c=2)
     assert big.padded and 0 < big.ws_bytes <= pool.PAD_BYTES and big.nrb > 1
+
+
+def test_window_plans_flat_small_planes():
+    """Depthwise convs of stride 1 on planes of at most 8 vectors of pixels with rows
+    narrower than a vector run flat (one masked load a tap and vector of 16 pixels); wider
+    planes, strides, pools and widths that change do not."""
+    from cannc.codegen import pool
+
+    def plan(hw, k, s=1, kind="dw", w=None, pw=None):
+        w = hw if w is None else w
+        pw = k // 2 if pw is None else pw
+        oh, ow = (hw + 2 * (k // 2) - k) // s + 1, (w + 2 * pw - k) // s + 1
+        return pool.plan_window(pool.WindowSpec(kind=kind, N=1, C=8, M=8, isz=(1, hw, w),
+                                                osz=(1, oh, ow), k=(1, k, k), s=(1, s, s),
+                                                pb=(0, k // 2, pw)))
+    for hw, k in ((7, 3), (7, 5), (7, 7), (4, 3), (11, 5)):
+        p = plan(hw, k)
+        assert p.flat is not None and p.V == -(-hw * hw // 16) and p.num_tiles == 8
+        assert p.ws_bytes == 0
+    assert plan(12, 3).flat is None                 # 9 vectors
+    assert plan(7, 3, s=2).flat is None and plan(7, 3, kind="max").flat is None
+    assert plan(7, 3, pw=0).flat is None            # OW = 5 != W
+    assert plan(4, 3, w=20).flat is None            # rows of a vector or more
+    # the masks: lanes inside the plane whose tap lies inside the input
+    spec = pool.WindowSpec(kind="dw", N=1, C=1, M=1, isz=(1, 7, 7), osz=(1, 7, 7),
+                           k=(1, 3, 3), pb=(0, 1, 1))
+    m = pool.FlatPlane.tap_mask(spec, 0, 0, 0)      # up-left tap: row 0 and column 0 out
+    assert m == [0] * 8 + [0 if i % 7 == 0 else 1 for i in range(8, 16)]
+    assert sum(pool.FlatPlane.tap_mask(spec, 1, 1, 3)) == 1    # pixel 48 only
 
 
 def test_l1d_sets_from_sysfs(tmp_path):

@@ -526,7 +526,10 @@ def pool_spec(node: Any, x_t: Any, y_t: Any) -> WindowSpec:
 
 def window_path(what: str, plan: Any) -> str:
     """The path note of a window kernel: R rows x V vectors a step, '+pad' when the
-    tile's rows are copied padded (pool.PaddedRows)."""
+    tile's rows are copied padded (pool.PaddedRows); 'flat V' when the plane is computed
+    as one row of V vectors (pool.FlatPlane)."""
+    if plan.flat is not None:
+        return f"{what} flat V{plan.V}"
     return f"{what} R{plan.R}xV{plan.V}" + ("+pad" if plan.padded else "")
 
 
