@@ -326,10 +326,14 @@ def planes_alias_in_l1(plane_bytes: int) -> bool:
 
 # A 1x1 conv of at most this many input channels whose planes alias in L1 reads X through
 # im2col (a contiguous copy per block) rather than in place: Zen 4, MobileNetV2's
-# expansions 16->96 at 112x112, 24->144 and 32->192 at 56x56 and its 32->16 at 112x112 ran
-# 5-20% faster in the model at batch 1 and 8, 1 and 2 cores; its 96->24 and 144->24
-# projections at 56x56 ran 17-18% slower, so wider reductions keep the direct path.
-IM2COL_ALIASED_MAX_C = 32
+# expansions 16->96 at 112x112 and 24->144 at 56x56 ran 5-20% faster in the model at batch
+# 1 and 8, 1 and 2 cores; its 96->24 and 144->24 projections at 56x56 ran 17-18% slower,
+# so wider reductions keep the direct path. 32 input channels were on the im2col side
+# until the direct path prefetched X's next pixel panel (DIRECT_PREFETCH); since then the
+# 32->16 at 112x112 of MobileNetV2 and EfficientNet and RegNet's 32->64 run faster in
+# place: 1 core 147-151 -> 121-125 us and 558 -> 520, 2 cores 77-84 -> 64-66 and 296 ->
+# 275, batch 8 1621 -> 1147 and 4889 -> 4440 (16->96 at batch 8 stays 5% faster copied).
+IM2COL_ALIASED_MAX_C = 24
 
 # tunables (measured on Zen 4, see benchmarks/conv_bench.py)
 DIRECT_MAX_TAPS = 9         # the direct mode unrolls one k-loop per tap (code size, compile time)

@@ -197,7 +197,7 @@ def test_swapped_conv_prefetches_the_next_weight_panel(prepacked):
 
 
 def test_small_1x1_convs_over_aliasing_planes_take_im2col(monkeypatch):
-    """A 1x1 conv reading <= 32 channel planes that share a few L1 sets (112x112 and 56x56
+    """A 1x1 conv reading <= 24 channel planes that share a few L1 sets (112x112 and 56x56
     fp32 planes with 64 sets of 64-byte lines) copies them (im2col); wider reductions and
     planes that spread over the sets read X in place."""
     from cannc.schedule import machine
@@ -211,7 +211,8 @@ def test_small_1x1_convs_over_aliasing_planes_take_im2col(monkeypatch):
     assert conv_codegen.planes_alias_in_l1(56 * 56 * 4)        # 16 of 64
     assert not conv_codegen.planes_alias_in_l1(28 * 28 * 4)    # all 64
     assert not conv_codegen.planes_alias_in_l1(14 * 14 * 4)    # not whole lines
-    assert not plan(16, 96, 112).direct and not plan(32, 16, 112).direct
+    assert not plan(16, 96, 112).direct and not plan(24, 144, 56).direct
+    assert plan(32, 16, 112).direct and plan(32, 64, 112).direct
     assert plan(144, 24, 56).direct and plan(32, 192, 28).direct
     assert plan(16, 96, 112, {"direct": True}).direct          # an explicit choice stands
     assert machine.l1d_sets()[0] > 0
