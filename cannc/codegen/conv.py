@@ -47,6 +47,7 @@ when ``iv % stride == 0``, with the kernel flipped and in/out channels swapped
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -433,6 +434,16 @@ def _plan_conv_default(geom: ConvGeom, const_weights: bool, cores: int) -> ConvP
     return _plan_conv(geom, const_weights, cores, {})
 
 
+def swap_reads_x(geom: ConvGeom, MR: int) -> bool:
+    """The swapped orientation's micro-kernel can broadcast its MR pixels a k step from X
+    itself rather than from an im2col copy: a 1x1 conv (stride 1, no padding: X is the
+    col matrix, rows a plane apart) whose planes are a multiple of MR pixels (the last
+    micro-tile reads no pixel past a plane, so none past X's end) and do not alias in
+    L1. Zen 4, the copy was ~15% of a 1x1 conv on 7x7 or 14x14 images: 1152->192 at 7x7
+    0.2225 -> 0.19 ms."""
+    return geom.pointwise and geom.OHW % MR == 0 and not planes_alias_in_l1(geom.DHW * 4)
+
+
 def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict) -> ConvPlan:
     Mg, K, OHW = geom.Mg, geom.K, geom.OHW
     pmax = tun.get("P", P_MAX)
@@ -480,16 +491,23 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict) -> Co
                 NV, g = 1, (g[0], *g1[1:])
         cands.append((g[0], False, MR, NV, direct, g))
 
-    # swapped: MR pixels x 32 channels (im2col only)
+    # swapped: MR pixels x 16*NV channels (im2col, or X itself for 1x1 convs)
     if want_swap is True or (want_swap is None and Mg >= 16 and OHW <= SWAP_MAX_PIXELS):
-        NVs = tun.get("NV", default_nv(Mg, wide))
-        NRs = 16 * NVs
+        # NV = 1 where 32-channel panels waste lanes: measured as fast as NV = 2 when
+        # neither wastes (Zen 4, 1x1 convs at 7x7 and 14x14), and 672->112 at 14x14 (3.5
+        # panels of 32) 0.293 -> 0.256 ms
+        nvs = [tun["NV"]] if "NV" in tun else sorted({default_nv(Mg, wide), 1}, reverse=True)
         mrs = [8, 7, 6, 5, 4] if wide else [6, 5, 4]
         out_cost = SWAP_OUT_COST if wide else SWAP_OUT_COST_AVX2
-        for MRs in ([tun["MR"]] if "MR" in tun else mrs):
-            def cost_s(ch, px, MRs=MRs):
-                c = (2.0 * rup(ch, NRs) * rup(px, MRs) * K + 6.0 * K * px + 3000.0
-                     + out_cost * ch * px / 16)
+        for NVs, MRs in itertools.product(nvs, [tun["MR"]] if "MR" in tun else mrs):
+            NRs = 16 * NVs
+            # a 1x1 conv reads X itself as the col matrix (rows of MR pixels, a plane
+            # apart) where the micro-tiles never run past a plane's last pixel (X's end)
+            xa = swap_reads_x(geom, MRs) and tun.get("direct", True)
+
+            def cost_s(ch, px, MRs=MRs, xa=xa, NRs=NRs):
+                c = (2.0 * rup(ch, NRs) * rup(px, MRs) * K + (0.0 if xa else 6.0) * K * px
+                     + 3000.0 + out_cost * ch * px / 16)
                 c += weight_traffic(ch, K)
                 if not const_weights:
                     c += 4.0 * rup(ch, NRs) * K
@@ -497,12 +515,10 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict) -> Co
             pm = max(MRs, (pmax // MRs) * MRs)
             g = _grid(geom, K, MRs, NRs, pm, cores, cost_s)
             # a small preference for the normal orientation (cheaper stores, maybe direct)
-            cands.append((g[0] * 1.02, True, MRs, NVs, False, g))
+            cands.append((g[0] * 1.02, True, MRs, NVs, xa, g))
     cost, swap, MR, NV, direct, (_, PB, P, MB, CH, T) = min(cands, key=lambda c: c[0])
-    if swap:
-        direct = False
     # reduction blocks of whole input channels
-    kcmax = tun.get("KC", KC_MAX_DIRECT if direct else KC_MAX)
+    kcmax = tun.get("KC", KC_MAX_DIRECT if direct and not swap else KC_MAX)
     nkb = cdiv(K, kcmax)
     CB = cdiv(geom.Cg, nkb)
     nkb = cdiv(geom.Cg, CB)
@@ -673,7 +689,10 @@ class _ConvGen:
                         nxt = w_panel(b.add(jr, i64(p.NR)), k0, kc)
                     with v.loop(i64(0), npix, p.MR, "ir") as ir_:
                         npx = v.smin(b.sub(npix, ir_), p.MR)
-                        segs = [(v.gep(self.col, ir_), p.NCP, b_base, p.NR, kc, None)]
+                        if p.direct:    # X is the col matrix (swap_reads_x)
+                            segs = [(v.gep(x_blk, ir_), g.DHW, b_base, p.NR, kc, None)]
+                        else:
+                            segs = [(v.gep(self.col, ir_), p.NCP, b_base, p.NR, kc, None)]
                         io = _SwapIO(self, jr, m_lo, ir_, npx, chmask)
                         pf = None if nxt is None else (self.pf_line(nxt, ir_), p.NR)
                         self.micro(segs, io, first, last, pf)

@@ -169,6 +169,30 @@ def test_conv_forced_plans(monkeypatch, tuning, const):
     check_op("Conv", inputs, const_inputs=(1, 2) if const else (), pads=[1, 2, 1, 0], **TOL)
 
 
+# 1x1 convs in the swapped orientation: X itself as the col matrix where the micro-tile
+# rows divide the planes (conv.swap_reads_x), else an im2col copy; K blocks, NV = 1
+POINTWISE_SWAPPED = [
+    (dict(swap=True, MR=7), True),
+    (dict(swap=True, MR=7, NV=1, KC=8), True),
+    (dict(swap=True, MR=7, direct=False), False),
+    (dict(swap=True, MR=5), False),
+]
+
+
+@pytest.mark.parametrize("tuning,reads_x", POINTWISE_SWAPPED,
+                         ids=[",".join(f"{k}={v}" for k, v in t.items())
+                              for t, _ in POINTWISE_SWAPPED])
+@pytest.mark.parametrize("const", [True, False], ids=["const-w", "runtime-w"])
+def test_pointwise_swapped_reads_x(monkeypatch, tuning, reads_x, const):
+    g = conv_codegen.ConvGeom(N=2, C=40, M=48, G=2, isz=(1, 7, 7), osz=(1, 7, 7),
+                              k=(1, 1, 1))
+    p = conv_codegen.plan_conv(g, tuning=tuning)
+    assert p.swap and p.direct == reads_x and (p.ws_col == p.ws_a or not reads_x)
+    monkeypatch.setattr(conv_codegen, "FORCE_TUNING", tuning)
+    inputs = conv_inputs((2, 40, 7, 7), (48, 20, 1, 1))
+    check_op("Conv", inputs, const_inputs=(1, 2) if const else (), group=2, **TOL)
+
+
 def test_conv_plan_orientation():
     """Small images use the swapped orientation; big ones read X in place."""
     g = conv_codegen.ConvGeom(N=1, C=256, M=256, G=1, isz=(1, 14, 14), osz=(1, 14, 14),
