@@ -21,9 +21,10 @@ input channels (``KC = CB*KK`` reduction rows) one of three schemes runs:
   and an even-lane shuffle (stride 2) or masked gathers (other strides,
   transposed convolutions); padding is the load masks (zeros).
 * swapped (small images, e.g. 14x14 and 7x7 whose pixel count is no multiple
-  of 32): im2col, then a micro-tile of MR pixels x 32 output channels with the
-  vectors along channels (weights packed in 32-channel panels), so no lanes are
-  wasted on ragged pixel counts; the sums live in the workspace ([P][CH],
+  of 32): im2col (a 1x1 conv whose planes are a multiple of MR pixels reads X
+  itself instead, ``swap_reads_x``), then a micro-tile of MR pixels x 16*NV output
+  channels with the vectors along channels (weights packed in 16*NV-channel panels),
+  so no lanes are wasted on ragged pixel counts; the sums live in the workspace ([P][CH],
   pixel-major) and, after the last reduction block, are transposed 16 x 16 in
   registers and written to Y's channel planes with whole-vector stores (a
   16-lane scatter per pixel, as before, cost the 96->576 1x1 conv of a 14x14
@@ -270,7 +271,8 @@ class ConvPlan:
     CH: int          # output channels per channel block
     MB: int          # channel blocks per group
     NCP: int         # row stride of the col buffer (floats)
-    direct: bool     # read X in place per tap (no col buffer), see ConvGeom.direct_ok
+    direct: bool     # read X in place per tap (no col buffer), see ConvGeom.direct_ok;
+                     # swapped: X is the col matrix of a 1x1 conv (swap_reads_x)
     CB: int          # input channels per reduction block (KC = CB*KK)
     unroll: int
     ws_col: int      # byte offsets in the workspace
