@@ -239,8 +239,11 @@ def _plan_winograd(geom: ConvGeom, cores: int, tun: dict) -> WinoPlan:
     mrs = [tun["MR"]] if "MR" in tun else ([8, 7, 6] if wide else [6, 5, 4])
     gather = GATHER_COST if wide else GATHER_COST_AVX2
     scatter = SCATTER_COST if wide else SCATTER_COST_AVX2
-    pts = [tun["PT"]] if "PT" in tun else [16, 24, 32, 48, 64, 96, 128]
     for MR in mrs:
+        # fixed block sizes, and the image's P tiles cut into k even blocks (49 tiles of a
+        # 14x14 image: 25 + 24 rather than 24 + 24 + 1)
+        pts = [tun["PT"]] if "PT" in tun else sorted(
+            {16, 24, 32, 48, 64, 96, 128} | {rup(cdiv(P, k), MR) for k in range(1, 9)})
         for PT0 in pts:
             PT = min(PT0, rup(P, MR)) if "PT" not in tun else PT0
             PB = cdiv(P, PT)
