@@ -85,6 +85,21 @@ def gemm_figure(runs: int) -> dict:
     return out
 
 
+def referee_note(r: dict) -> str:
+    """One line on outputs that disagree: the largest errors, and what the float64
+    referee (sidebyside.float64_referee) says of them."""
+    errs = ", ".join(f"{e} max_abs {c['max_abs']:.3g} max_rel {c['max_rel']:.3g}"
+                     for e, c in (r.get("outputs") or {}).items() if not c.get("ok"))
+    ref = r.get("float64_referee") or {}
+    if not ref.get("available"):
+        return f"{errs}; no float64 referee ({ref.get('why', 'not run')})"
+    vs = ", ".join(f"{e} {v['max_abs']:.3g} ({v['max_abs_over_max']:.2g} of the largest value)"
+                   for e, v in ref["engines"].items())
+    verdict = ("cannc is as close to it as onnxruntime: float32 rounding"
+               if ref.get("cannc_as_close_as_ort") else "cannc is FURTHER from it than onnxruntime")
+    return f"{errs}; against a float64 evaluation: {vs}; {verdict}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="*", default=list(zoo.ZOO))
@@ -130,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                              "cannc": c, "ort": o, "ratio": r["ratios"]["cannc"],
                              "outputs_agree": r.get("outputs_agree"),
                              "outputs": r.get("outputs"),
+                             "float64_referee": r.get("float64_referee"),
                              "compile_s": c.get("build_s"), "first_run_s": c.get("first_run_s")})
                 if "median_ms" in v:
                     rows[-1]["openvino"] = v
@@ -144,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{o['median_ms']:9.3f} {ov_ms} {rows[-1]['ratio']:6.3f} {ov_r}  "
                       f"{c.get('build_s') or 0:9.2f} {c.get('first_run_s') or 0:9.2f}",
                       flush=True)
+                if not r.get("outputs_agree"):
+                    print(f"  outputs differ from onnxruntime's: {referee_note(r)}")
     geo: dict[str, float] = {}
     geo_ov: dict[str, float] = {}
     for cores in args.cores:

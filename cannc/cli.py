@@ -691,6 +691,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if "ort+cannc" in res["engines"]:
         r = res["ratios"]["ort+cannc"]
         print(f"ratio ORT+cannc/ORT CPU: {r:.3f}; ORT+cannc/cannc alone: {r / ratio:.3f}")
+    ref = res.get("float64_referee")
+    if ref is not None:
+        if not ref.get("available"):
+            print(f"float64 referee: not available ({ref['why']})")
+        else:
+            errs = ", ".join(f"{LABELS.get(e, e)} {v['max_abs']:.3g}"
+                             for e, v in ref["engines"].items())
+            print(f"float64 referee (the model evaluated in float64): largest errors {errs}; "
+                  + ("cannc is as close to it as ORT CPU: the difference is float32 rounding"
+                     if ref.get("cannc_as_close_as_ort")
+                     else "cannc is further from it than ORT CPU"))
     if rc:
         print("outputs differ from ORT CPU's (see above)", file=sys.stderr)
     return rc

@@ -491,3 +491,41 @@ def test_python_dash_m_cannc():
     r = subprocess.run([sys.executable, "-m", "cannc", "--version"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and cannc.__version__ in r.stdout
+
+
+def test_float64_referee_judges_float32_disagreements(tmp_path):
+    """Outputs that disagree beyond the float32 tolerance are judged against the model
+    evaluated in float64 (initializers, Cast targets and Constant tensors widened): an
+    engine whose error is float32 rounding is as close to it as onnxruntime's result; one
+    off by more is not."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from cannc.sidebyside import float64_referee
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 64)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["a"]),
+             helper.make_node("Constant", [], ["c"],
+                              value=numpy_helper.from_array(np.float32([0.5]), "c")),
+             helper.make_node("Mul", ["a", "c"], ["b"]),
+             helper.make_node("Cast", ["b"], ["y"], to=TensorProto.FLOAT)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                     [8, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 64])],
+                          [numpy_helper.from_array(w, "w")])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    x = rng.standard_normal((8, 64)).astype(np.float32)
+    exact = (x.astype(np.float64) @ w.astype(np.float64)) * 0.5
+    f32 = ((x @ w) * np.float32(0.5)).astype(np.float32)
+    r = float64_referee(str(path), {"x": x}, {"ort": {"y": f32}, "cannc": {"y": f32 + 1e-6}})
+    assert r["available"] and r["cannc_as_close_as_ort"]
+    assert r["engines"]["ort"]["max_abs"] == pytest.approx(np.abs(f32 - exact).max())
+    r = float64_referee(str(path), {"x": x}, {"ort": {"y": f32}, "cannc": {"y": f32 + 1e-3}})
+    assert not r["cannc_as_close_as_ort"]
+    assert r["engines"]["cannc"]["max_abs"] > 100 * r["engines"]["ort"]["max_abs"]
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not a model")
+    assert not float64_referee(str(bad), {"x": x}, {"ort": {"y": f32}})["available"]
