@@ -24,6 +24,11 @@ models from files (e.g. PyTorch exports; symbolic dims named batch/seq take
 Last, a 1024^3 fp32 MatMul with a constant B, compiled by cannc and run on one
 core, against the machine's measured fp32 peak and onnxruntime's MatMul.
 The machines are shared: compare ratios, not absolute times, and repeat noisy runs.
+Two-core rows record the cache-line round trip between the two CPUs before and after
+(benchmarks/corelat.py): on the 2-vCPU guests it flips between ~55 ns and 330-440 ns,
+and every engine's two-core times with it. Outputs that differ from onnxruntime's beyond
+the float32 tolerance are judged against the model evaluated in float64
+(sidebyside.float64_referee).
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ from cannc.native.target import host
 from cannc.schedule.machine import family_model, model_name
 from cannc.sidebyside import bench, bench_interleaved, ort_session
 from models import zoo
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from corelat import round_trip_ns
 
 
 def gemm_figure(runs: int) -> dict:
@@ -131,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         for cores in args.cores:
             for batch in args.batch:
                 feeds = zoo.example_inputs(model, batch=batch, seq=args.seq)
+                rtt0 = round_trip_ns() if cores > 1 else None
                 r = bench(str(path), feeds, threads=cores, warmup=args.warmup,
                           runs=args.runs, engines=engines, errors="record",
                           workdir=str(tmp), rounds=args.rounds)
@@ -146,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
                              "outputs_agree": r.get("outputs_agree"),
                              "outputs": r.get("outputs"),
                              "float64_referee": r.get("float64_referee"),
+                             # the guest's state (corelat.py): before and after the row
+                             "cross_core_rtt_ns": (None if rtt0 is None
+                                                   else [rtt0, round_trip_ns()]),
                              "compile_s": c.get("build_s"), "first_run_s": c.get("first_run_s")})
                 if "median_ms" in v:
                     rows[-1]["openvino"] = v
@@ -160,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{o['median_ms']:9.3f} {ov_ms} {rows[-1]['ratio']:6.3f} {ov_r}  "
                       f"{c.get('build_s') or 0:9.2f} {c.get('first_run_s') or 0:9.2f}",
                       flush=True)
+                if rows[-1]["cross_core_rtt_ns"]:
+                    a, b = rows[-1]["cross_core_rtt_ns"]
+                    print(f"  cache-line round trip between the CPUs {a:.0f} / {b:.0f} ns "
+                          "before / after (~55: shared L3; 300+: not, 2-core figures slower)")
                 if not r.get("outputs_agree"):
                     print(f"  outputs differ from onnxruntime's: {referee_note(r)}")
     geo: dict[str, float] = {}
