@@ -71,3 +71,31 @@ AVX2_POOL = [c for i, c in enumerate(POOL_CASES) if i % 2 == 0]
 @pytest.mark.parametrize("op,xs,attrs", AVX2_POOL, ids=[_pool_id(c) for c in AVX2_POOL])
 def test_pool_avx2(op, xs, attrs):
     check_op(op, [rnd(*xs)], **TOL, **attrs)
+
+
+# depthwise convs on small planes computed flat (pool.FlatPlane: masked loads split into
+# ymm halves), and 1x1 convs whose swapped micro-kernel reads X itself (MR 4 divides
+# 14x14's 196 pixels; AVX2 micro-tiles are 6, 5 or 4 pixels)
+@pytest.mark.parametrize("xs,ws,attrs", [
+    ((2, 24, 7, 7), (24, 1, 5, 5), dict(group=24, pads=[2, 2, 2, 2])),
+    ((1, 6, 4, 4), (12, 1, 3, 3), dict(group=6, pads=[1, 1, 1, 1])),
+])
+def test_flat_depthwise_avx2(xs, ws, attrs):
+    from cannc.codegen import pool
+    spec = pool.WindowSpec(kind="dw", N=1, C=xs[1], M=ws[0], isz=(1,) + xs[2:],
+                           osz=(1,) + xs[2:], k=(1,) + ws[2:],
+                           pb=(0, attrs["pads"][0], attrs["pads"][1]))
+    assert pool.plan_window(spec).flat is not None
+    check_op("Conv", conv_inputs(xs, ws), const_inputs=(1, 2), **TOL, **attrs)
+
+
+@pytest.mark.parametrize("const", [True, False], ids=["const-w", "runtime-w"])
+def test_pointwise_swapped_reads_x_avx2(monkeypatch, const):
+    from cannc.codegen import conv as conv_codegen
+    tuning = dict(swap=True, MR=4)
+    g = conv_codegen.ConvGeom(N=2, C=40, M=24, G=1, isz=(1, 14, 14), osz=(1, 14, 14),
+                              k=(1, 1, 1))
+    assert conv_codegen.plan_conv(g, tuning=tuning).direct
+    monkeypatch.setattr(conv_codegen, "FORCE_TUNING", tuning)
+    check_op("Conv", conv_inputs((2, 40, 14, 14), (24, 40, 1, 1)),
+             const_inputs=(1, 2) if const else (), **TOL)
