@@ -49,7 +49,7 @@ import onnx
 import cannc
 from cannc.native.target import host
 from cannc.schedule.machine import family_model, model_name
-from cannc.sidebyside import bench, bench_interleaved, ort_session
+from cannc.sidebyside import bench, bench_interleaved, ort_session, referee_summary
 from models import zoo
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -98,14 +98,7 @@ def referee_note(r: dict) -> str:
     referee (sidebyside.float64_referee) says of them."""
     errs = ", ".join(f"{e} max_abs {c['max_abs']:.3g} max_rel {c['max_rel']:.3g}"
                      for e, c in (r.get("outputs") or {}).items() if not c.get("ok"))
-    ref = r.get("float64_referee") or {}
-    if not ref.get("available"):
-        return f"{errs}; no float64 referee ({ref.get('why', 'not run')})"
-    vs = ", ".join(f"{e} {v['max_abs']:.3g} ({v['max_abs_over_max']:.2g} of the largest value)"
-                   for e, v in ref["engines"].items())
-    verdict = ("cannc is as close to it as onnxruntime: float32 rounding"
-               if ref.get("cannc_as_close_as_ort") else "cannc is FURTHER from it than onnxruntime")
-    return f"{errs}; against a float64 evaluation: {vs}; {verdict}"
+    return f"{errs}; float64 referee: {referee_summary(r.get('float64_referee') or {})}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,7 +51,7 @@ from .passes.precision import PRECISIONS
 from .progress import show_progress
 from .schedule.machine import cpu_model, usable_cores
 from .session import Session, load
-from .sidebyside import LABELS, bench, compare, ort_run, ort_session
+from .sidebyside import LABELS, bench, compare, ort_run, ort_session, referee_summary
 
 # onnxruntime is imported inside the verbs that use it (run --check, bench): it takes a
 # few tenths of a second to import, which `cannc check` or `cannc --version` need not wait.
@@ -691,17 +691,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if "ort+cannc" in res["engines"]:
         r = res["ratios"]["ort+cannc"]
         print(f"ratio ORT+cannc/ORT CPU: {r:.3f}; ORT+cannc/cannc alone: {r / ratio:.3f}")
-    ref = res.get("float64_referee")
-    if ref is not None:
-        if not ref.get("available"):
-            print(f"float64 referee: not available ({ref['why']})")
-        else:
-            errs = ", ".join(f"{LABELS.get(e, e)} {v['max_abs']:.3g}"
-                             for e, v in ref["engines"].items())
-            print(f"float64 referee (the model evaluated in float64): largest errors {errs}; "
-                  + ("cannc is as close to it as ORT CPU: the difference is float32 rounding"
-                     if ref.get("cannc_as_close_as_ort")
-                     else "cannc is further from it than ORT CPU"))
+    if res.get("float64_referee") is not None:
+        print("float64 referee: "
+              + referee_summary(res["float64_referee"], lambda e: LABELS.get(e, e)))
     if rc:
         print("outputs differ from ORT CPU's (see above)", file=sys.stderr)
     return rc

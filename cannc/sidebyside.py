@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +173,20 @@ def float64_referee(onnx_path: str, feeds: dict[str, np.ndarray],
         c, o = res["engines"]["cannc"]["max_abs"], res["engines"]["ort"]["max_abs"]
         res["cannc_as_close_as_ort"] = bool(c <= 2.0 * o + 1e-12)
     return res
+
+
+def referee_summary(ref: dict[str, Any], label: Callable[[str], str] = str) -> str:
+    """One line of what `float64_referee` found: each engine's largest error against the
+    float64 evaluation and the verdict (engine names through ``label``)."""
+    if not ref.get("available"):
+        return f"not available ({ref.get('why', 'not run')})"
+    errs = ", ".join(f"{label(e)} {v['max_abs']:.3g} ({v['max_abs_over_max']:.2g} of the "
+                     "largest value)" for e, v in ref["engines"].items())
+    out = f"largest errors against the model evaluated in float64: {errs}"
+    if "cannc_as_close_as_ort" in ref:
+        out += ("; cannc is as close to it as onnxruntime: the difference is float32 rounding"
+                if ref["cannc_as_close_as_ort"] else "; cannc is further from it than onnxruntime")
+    return out
 
 
 # ---------------------------------------------------------------------------------------

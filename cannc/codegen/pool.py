@@ -338,7 +338,7 @@ class _WindowGen:
                         continue
                     x = v.load_v(v.gep(x_p, 16 * j + off),
                                  None if all(m) else ir.Constant(VM, m))
-                    accs[j] = v.fma(w, x, accs[j])
+                    accs[j] = self.combine(accs[j], x, w)
         for j in range(fp.nv):
             self.store_out(accs[j], v.gep(y_p, 16 * j, self.yt), v.lanes_lt(16 * j, OH * OW))
 
