@@ -81,6 +81,14 @@ CONV_CASES = [
     ((1, 3, 13, 13), (3, 1, 3, 3), dict(group=3, pads=[2, 2, 2, 2], dilations=[2, 2])),
     ((1, 2, 30, 27), (2, 1, 5, 5), dict(group=2, pads=[1, 2, 3, 0], strides=[1, 2],
                                         dilations=[1, 2])),
+    # stride-2 windows read by input row and column phase (pool.s2_rows): 5x5 and 3x3,
+    # rows wider than one chunk of vectors (a runtime column offset; the phase vectors
+    # left of it are real columns), dilation, a multiplier and odd widths
+    ((1, 3, 9, 300), (3, 1, 5, 5), dict(group=3, pads=[2, 2, 2, 2], strides=[2, 2])),
+    ((1, 2, 7, 290), (2, 1, 3, 3), dict(group=2, pads=[1, 1, 1, 1], strides=[1, 2])),
+    ((1, 4, 17, 35), (8, 1, 3, 3), dict(group=4, pads=[2, 3, 1, 0], strides=[2, 2],
+                                        dilations=[1, 2])),
+    ((2, 5, 23, 45), (5, 1, 5, 5), dict(group=5, pads=[2, 1, 0, 2], strides=[2, 2])),
     # depthwise on small planes, computed flat (pool.FlatPlane): 7x7 with 3x3 / 5x5 / 7x7
     # windows, multiplier 2 with dilation and asymmetric pads, taps wholly outside a 2x2
     # plane, 8 vectors of pixels (11x11)
@@ -244,7 +252,8 @@ def test_small_1x1_convs_over_aliasing_planes_take_im2col(monkeypatch):
 
 def test_window_plans_pad_rows_where_masks_cost_most():
     """Small images (steps mostly in the padding) and rows of 5+ taps are copied padded,
-    in L1-sized row blocks; 3x3 windows over big images (stride 1 or 2) read X in place."""
+    in L1-sized row blocks; 3x3 windows over big images read X in place; stride-2
+    windows read X by column phase (s2_rows), except 5x5 ones one vector wide."""
     from cannc.codegen import pool
 
     def plan(hw, k, s, c=64):
@@ -252,12 +261,19 @@ def test_window_plans_pad_rows_where_masks_cost_most():
         return pool.plan_window(pool.WindowSpec(kind="dw", N=1, C=c, M=c, isz=(1, hw, hw),
                                                 osz=(1, o, o), k=(1, k, k), s=(1, s, s),
                                                 pb=(0, k // 2, k // 2)))
-    assert plan(14, 5, 1).padded and plan(14, 3, 1).padded and plan(56, 5, 2).padded
+    assert plan(14, 5, 1).padded and plan(14, 3, 1).padded
     assert plan(28, 7, 1).padded and plan(56, 5, 1).padded
-    assert not plan(56, 3, 2).padded and not plan(56, 3, 1).padded
+    assert not plan(56, 3, 1).padded and not plan(56, 3, 1).s2
     assert not plan(7, 5, 1).padded                 # one step per plane
-    big = plan(300, 5, 2, c=2)
+    big = plan(300, 5, 1, c=2)
     assert big.padded and 0 < big.ws_bytes <= pool.PAD_BYTES and big.nrb > 1
+    for hw, k in ((56, 5), (56, 3), (28, 3), (14, 3), (300, 5)):
+        p = plan(hw, k, 2)
+        assert p.s2 and not p.padded and p.ws_bytes == 0, (hw, k)
+    assert not plan(14, 5, 2).s2                    # 7 columns, 25 taps: per tap
+    assert not pool.plan_window(pool.WindowSpec(
+        kind="dw", N=1, C=4, M=4, isz=(1, 28, 28), osz=(1, 14, 14), k=(1, 3, 3),
+        s=(1, 2, 2), pb=(0, 1, 1), dts=("float16",) * 4)).s2
 
 
 def test_window_plans_flat_small_planes():
@@ -385,6 +401,10 @@ POOL_CASES = [
     ("AveragePool", (1, 3, 14, 14), dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1],
                                          count_include_pad=1)),
     ("LpPool", (1, 3, 14, 15), dict(kernel_shape=[3, 3], p=2, pads=[1, 1, 1, 1])),
+    # stride-2 windows by column phase (pool.s2_rows): wide rows (runtime column chunks)
+    ("MaxPool", (1, 3, 12, 301), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
+    ("AveragePool", (1, 2, 9, 70), dict(kernel_shape=[5, 3], strides=[1, 2], pads=[2, 1, 2, 1],
+                                        count_include_pad=1)),
     ("LpPool", (1, 3, 10, 11), dict(kernel_shape=[2, 2], p=1, strides=[2, 2])),
     ("LpPool", (2, 3, 12), dict(kernel_shape=[4], strides=[3])),
 ]

@@ -530,7 +530,8 @@ def window_path(what: str, plan: Any) -> str:
     as one row of V vectors (pool.FlatPlane)."""
     if plan.flat is not None:
         return f"{what} flat V{plan.V}"
-    return f"{what} R{plan.R}xV{plan.V}" + ("+pad" if plan.padded else "")
+    return f"{what} R{plan.R}xV{plan.V}" + ("+pad" if plan.padded else "") + \
+        ("+s2" if plan.s2 else "")
 
 
 def _has_indices(node: Any) -> bool:
