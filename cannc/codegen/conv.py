@@ -22,13 +22,15 @@ input channels (``KC = CB*KK`` reduction rows) one of three schemes runs:
   transposed convolutions); padding is the load masks (zeros).
 * swapped (small images, e.g. 14x14 and 7x7 whose pixel count is no multiple
   of 32): im2col (a 1x1 conv whose planes are a multiple of MR pixels reads X
-  itself instead, ``swap_reads_x``), then a micro-tile of MR pixels x 16*NV output
-  channels with the vectors along channels (weights packed in 16*NV-channel panels),
-  so no lanes are wasted on ragged pixel counts; the sums live in the workspace ([P][CH],
-  pixel-major) and, after the last reduction block, are transposed 16 x 16 in
-  registers and written to Y's channel planes with whole-vector stores (a
-  16-lane scatter per pixel, as before, cost the 96->576 1x1 conv of a 14x14
-  MobileNetV2 block 35% of its time at batch 8).
+  itself instead, ``swap_reads_x``, and so does a KxK conv of few channels a group
+  whose output rows are: a segment per tap, the micro-tile's pixels at stride s in one
+  input row, ``_ConvGen.swap_taps``; strided ones on images of any size), then a
+  micro-tile of MR pixels x 16*NV output channels with the vectors along channels
+  (weights packed in 16*NV-channel panels), so no lanes are wasted on ragged pixel
+  counts; the sums live in the workspace ([P][CH], pixel-major) and, after the last
+  reduction block, are transposed 16 x 16 in registers and written to Y's channel
+  planes with whole-vector stores (a 16-lane scatter per pixel, as before, cost the
+  96->576 1x1 conv of a 14x14 MobileNetV2 block 35% of its time at batch 8).
 
 The micro-kernel (``_ConvGen.micro``) keeps ``MR x NV`` ``<16 x float>``
 accumulators as phi values (``llvm.fma.v16f32``, one operand broadcast, the
@@ -348,6 +350,7 @@ IM2COL_CHANNEL_INNER = 8    # im2col loops over channels innermost from this man
 # whose weights leave L3 (784->784 at 7x7, 512->512 at 7x7, 320->320 at 14x14) ran
 # 8-17% faster, as fast as with their weights in L3.
 SWAP_PREFETCH = True
+SWAP_TAPS = True             # KxK convs may take the swapped orientation reading X (swap_reads_x)
 # direct 1x1 convs: the next pixel panel of X's KC channel rows, likewise (more streams
 # than the hardware prefetchers follow; at batch 8, where X comes from L3: 5-11% faster)
 DIRECT_PREFETCH = True
@@ -373,10 +376,36 @@ SWAP_OUT_COST = 200.0
 # MobileNetV2, EfficientNet, RegNet and ResNet-50 (normal still for 32->192, 40->240,
 # 240->40, 48->120: short reductions or channel counts that waste swapped lanes)
 SWAP_READS_X_GAIN = 0.92
+# the swapped orientation reading a KxK conv's taps from X (swap_reads_x): with one vector
+# of 16 channels a micro-tile row each k step loads a weight vector and broadcasts MR
+# pixels for MR FMAs (the normal orientation's direct path: 2 X vectors and MR weights
+# for 2*MR). Zen 4, 3x3 stride 1, 16 channels a group: 144 ch at 28x28 and 320 at 14x14
+# 22-40% slower swapped than the normal direct path, 784 at 7x7 (49 pixels: a third of
+# the normal tile's lanes idle) 32% faster; stride 2 (no normal direct path): 64 ch at
+# 112x112 25% faster than im2col, 144 at 56x56 17%, MobileNetV3's 3->16 stem 23%. Dense
+# stride-2 convs stay on im2col (SWAP_TAPS_MAX_MG): alone 512 at 14x14 ran 7% faster
+# reading X, but in the models 7% slower (ResNet-50's layer4.0 conv2 2.14 -> 2.29 ms,
+# ResNet-18's 256->512; ConvNeXt's 2x2 downsampling 384->768 3% slower); 256 at 28x28 7%
+# slower alone, 128 at 56x56 5%
+SWAP_TAPS_EFF = 0.85
+SWAP_TAPS_MAX_MG = 32
+# im2col, per reduction row and pixel (flop units): a plain copy at stride 1; at larger
+# strides each vector is two loads and a shuffle (or a gather). Zen 4, 3x3 stride-2
+# convs of 16 channels a group (the GEMM 32 units a K x pixel): im2col 0.697 ms at
+# 112x112 (64 ch) where reading X swapped takes 0.520. Only the swapped path reading X
+# is costed with the strided figure (a credit): the im2col paths' choices among
+# themselves (dense strided convs) are those measured with IM2COL_COST
+IM2COL_COST = 6.0
+IM2COL_STRIDED_COST = 16.0
 # AVX2: the transpose's 2-source shuffles of 16 lanes are split into ymm permutes and blends
 # (the scatter it replaced was 16 extracts and scalar stores: Zen 3, the swapped
 # orientation of ResNet's 7x7 stride-2 stem took 3.0 ms where the normal one takes 1.8)
 SWAP_OUT_COST_AVX2 = 1000.0
+
+
+def im2col_unit_cost(geom: ConvGeom) -> float:
+    """IM2COL_COST at stride 1, IM2COL_STRIDED_COST otherwise."""
+    return IM2COL_COST if geom.s == (1, 1, 1) else IM2COL_STRIDED_COST
 
 
 def _grid(geom: ConvGeom, K: int, pu: int, cu: int, pmax: int, cores: int,
@@ -446,12 +475,27 @@ def _plan_conv_default(geom: ConvGeom, const_weights: bool, cores: int) -> ConvP
 
 def swap_reads_x(geom: ConvGeom, MR: int) -> bool:
     """The swapped orientation's micro-kernel can broadcast its MR pixels a k step from X
-    itself rather than from an im2col copy: a 1x1 conv (stride 1, no padding: X is the
-    col matrix, rows a plane apart) whose planes are a multiple of MR pixels (the last
-    micro-tile reads no pixel past a plane, so none past X's end) and do not alias in
-    L1. Zen 4, the copy was ~15% of a 1x1 conv on 7x7 or 14x14 images: 1152->192 at 7x7
-    0.2225 -> 0.19 ms."""
-    return geom.pointwise and geom.OHW % MR == 0 and not planes_alias_in_l1(geom.DHW * 4)
+    itself rather than from an im2col copy:
+
+    - a 1x1 conv (stride 1, no padding: X is the col matrix, rows a plane apart) whose
+      planes are a multiple of MR pixels (the last micro-tile reads no pixel past a plane,
+      so none past X's end). Zen 4, the copy was ~15% of a 1x1 conv on 7x7 or 14x14
+      images: 1152->192 at 7x7 0.2225 -> 0.19 ms;
+    - a 2-D KxK conv of any stride whose output rows are a multiple of MR pixels: a
+      micro-tile's pixels lie in one output row, so a tap reads them at a constant stride
+      from one input row (_ConvGen.swap_taps; taps in the padding are skipped or read
+      as zeros in the micro-tiles at the image's edges). This is the path of strided convs
+      with few channels a group (at most SWAP_TAPS_MAX_MG), whose im2col copy cost as
+      much as their GEMM.
+
+    A 1x1 conv only where X's channel planes do not alias in L1 (a k step reads the next
+    one). The KxK taps do not mind: 3x3 stride 2 over 112x112 planes (49 KiB apart, 4
+    of Zen 4's 64 L1 sets), 16 channels a group, 0.695 ms im2col -> 0.522 swapped."""
+    if geom.pointwise:
+        return geom.OHW % MR == 0 and not planes_alias_in_l1(geom.DHW * 4)
+    return (SWAP_TAPS and 1 < geom.KK <= DIRECT_MAX_TAPS and geom.k[0] == 1
+            and geom.osz[0] == 1 and not geom.transposed and geom.osz[2] % MR == 0
+            and geom.Mg <= SWAP_TAPS_MAX_MG)
 
 
 def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict) -> ConvPlan:
@@ -466,7 +510,7 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict) -> Co
     if direct and "direct" not in tun and geom.KK == 1 and geom.Cg <= IM2COL_ALIASED_MAX_C \
             and planes_alias_in_l1(geom.DHW * 4):
         direct = False
-    im2col_cost = 0.0 if direct else 6.0
+    im2col_cost = 0.0 if direct else IM2COL_COST
 
     def cost_n_of(NR):
         eff = NV_EFFICIENCY.get(NR // 16, 1.0) if wide else 1.0
@@ -501,28 +545,50 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict) -> Co
                 NV, g = 1, (g[0], *g1[1:])
         cands.append((g[0], False, MR, NV, direct, g))
 
-    # swapped: MR pixels x 16*NV channels (im2col, or X itself for 1x1 convs)
-    if want_swap is True or (want_swap is None and Mg >= 16 and OHW <= SWAP_MAX_PIXELS):
+    # swapped: MR pixels x 16*NV channels (im2col, or X itself: swap_reads_x); on images
+    # of more than SWAP_MAX_PIXELS pixels only reading X, for KxK convs the normal
+    # orientation cannot read in place (strided)
+    mrs = [tun["MR"]] if "MR" in tun else ([8, 7, 6, 5, 4] if wide else [6, 5, 4])
+    big = OHW > SWAP_MAX_PIXELS
+    taps_x = (not geom.pointwise and not direct and tun.get("direct", True)
+              and any(swap_reads_x(geom, mr) for mr in mrs))
+    if want_swap is True or (want_swap is None and Mg >= 16 and (not big or taps_x)):
         # NV = 1 where 32-channel panels waste lanes: measured as fast as NV = 2 when
         # neither wastes (Zen 4, 1x1 convs at 7x7 and 14x14), and 672->112 at 14x14 (3.5
         # panels of 32) 0.293 -> 0.256 ms
         nvs = [tun["NV"]] if "NV" in tun else sorted({default_nv(Mg, wide), 1}, reverse=True)
-        mrs = [8, 7, 6, 5, 4] if wide else [6, 5, 4]
         mr_eff = MR_EFFICIENCY if wide else MR_EFFICIENCY_AVX2
         out_cost = SWAP_OUT_COST if wide else SWAP_OUT_COST_AVX2
-        for NVs, MRs in itertools.product(nvs, [tun["MR"]] if "MR" in tun else mrs):
-            NRs = 16 * NVs
-            # a 1x1 conv reads X itself as the col matrix (rows of MR pixels, a plane
-            # apart) where the micro-tiles never run past a plane's last pixel (X's end)
+        # X itself as the col matrix where the micro-tiles never run past a plane's last
+        # pixel (1x1) or an output row's (KxK); a KxK conv weighs the im2col copy too
+        variants = []
+        for NVs, MRs in itertools.product(nvs, mrs):
             xa = swap_reads_x(geom, MRs) and tun.get("direct", True)
+            if not big or xa or want_swap is True:
+                variants.append((NVs, MRs, xa))
+            if xa and not geom.pointwise and not big:
+                variants.append((NVs, MRs, False))
+        for NVs, MRs, xa in variants:
+            NRs = 16 * NVs
 
             # (MR pixels a micro-tile: fewer rows run slower, as in the normal orientation:
             # Zen 4, 480->80 at 14x14 MR4 0.152 ms, MR7 0.132; 576->96 0.194, 0.188)
             eff_s = mr_eff.get(MRs, 1.0)
 
-            def cost_s(ch, px, MRs=MRs, xa=xa, NRs=NRs, eff_s=eff_s):
+            # (KxK taps read from X: per k step a weight vector per 16 channels and MR
+            # pixel broadcasts from scattered rows, SWAP_TAPS_EFF)
+            if xa and not geom.pointwise:
+                eff_s *= SWAP_TAPS_EFF
+
+            # the im2col copy (reading X: none; a strided one costs more than the
+            # IM2COL_COST charged to the paths that make it, so reading X is credited
+            # the difference, which leaves their choices among themselves as they were)
+            col = IM2COL_COST if not xa else \
+                0.0 if geom.pointwise else IM2COL_COST - im2col_unit_cost(geom)
+
+            def cost_s(ch, px, MRs=MRs, NRs=NRs, eff_s=eff_s, col=col):
                 c = (2.0 * rup(ch, NRs) * rup(px, MRs) * K / eff_s
-                     + (0.0 if xa else 6.0) * K * px + 3000.0 + out_cost * ch * px / 16)
+                     + col * K * px + 3000.0 + out_cost * ch * px / 16)
                 c += weight_traffic(ch, K)
                 if not const_weights:
                     c += 4.0 * rup(ch, NRs) * K
@@ -531,8 +597,8 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict) -> Co
             g = _grid(geom, K, MRs, NRs, pm, cores, cost_s)
             # a small preference for the normal orientation (cheaper stores, maybe direct),
             # less where the swapped one reads X itself (SWAP_READS_X_GAIN)
-            cands.append((g[0] * 1.02 * (SWAP_READS_X_GAIN if xa else 1.0), True, MRs, NVs,
-                          xa, g))
+            gain = SWAP_READS_X_GAIN if xa and geom.pointwise else 1.0
+            cands.append((g[0] * 1.02 * gain, True, MRs, NVs, xa, g))
     cost, swap, MR, NV, direct, (_, PB, P, MB, CH, T) = min(cands, key=lambda c: c[0])
     # reduction blocks of whole input channels
     kcmax = tun.get("KC", KC_MAX_DIRECT if direct and not swap else KC_MAX)
@@ -706,13 +772,18 @@ class _ConvGen:
                         nxt = w_panel(b.add(jr, i64(p.NR)), k0, kc)
                     with v.loop(i64(0), npix, p.MR, "ir") as ir_:
                         npx = v.smin(b.sub(npix, ir_), p.MR)
-                        if p.direct:    # X is the col matrix (swap_reads_x)
-                            segs = [(v.gep(x_blk, ir_), g.DHW, b_base, p.NR, kc, None)]
-                        else:
-                            segs = [(v.gep(self.col, ir_), p.NCP, b_base, p.NR, kc, None)]
                         io = _SwapIO(self, jr, m_lo, ir_, npx, chmask)
                         pf = None if nxt is None else (self.pf_line(nxt, ir_), p.NR)
-                        self.micro(segs, io, first, last, pf)
+                        if p.direct and g.KK > 1:       # KxK reading X (swap_reads_x)
+                            # (a segment per tap: no next-panel prefetch)
+                            self.swap_taps(x_ng, c0, cb, b_base, b.add(p0, ir_), io, first,
+                                           last)
+                        elif p.direct:    # X is the col matrix (swap_reads_x)
+                            segs = [(v.gep(x_blk, ir_), g.DHW, b_base, p.NR, kc, None)]
+                            self.micro(segs, io, first, last, pf)
+                        else:
+                            segs = [(v.gep(self.col, ir_), p.NCP, b_base, p.NR, kc, None)]
+                            self.micro(segs, io, first, last, pf)
                 return
             with v.loop(i64(0), npix, p.NR, "jr") as jr:
                 nr = v.smin(b.sub(npix, jr), p.NR)
@@ -753,6 +824,58 @@ class _ConvGen:
                 body(kb, first, last)
         if p.swap:
             self.swap_out(ch0, y_ng, p0, npix, m_lo, m_hi)
+
+    def swap_taps(self, x_ng, c0, cb, b_base, q, io, first, last):
+        """The swapped micro-tile of output pixels q .. q+MR-1 (one output row: OW is a
+        multiple of MR) of a KxK conv, read from X: a segment per tap, the MR pixels at
+        stride sw from one input row. Inside the image every tap reads plain addresses;
+        a micro-tile whose window crosses the padding skips the taps whose input row is
+        outside (no k steps) and reads the pixels whose column is outside as zeros (their
+        address clamped into the row)."""
+        v, g, p = self.v, self.g, self.p
+        b = v.b
+        _, H, W = g.isz
+        _, KH, KW = g.k
+        _, sh, sw = g.s
+        _, dh, dw = g.d
+        _, ph, pw = g.pb
+        MR = p.MR
+        oh, ow0 = v.divmod_c(q, g.osz[2])
+        x_c0 = v.gep(x_ng, b.mul(c0, i64(g.DHW))) if p.nkb > 1 else x_ng
+        top = b.sub(b.mul(oh, i64(sh)), i64(ph))        # input row of tap row 0
+        left = b.sub(b.mul(ow0, i64(sw)), i64(pw))      # input column of pixel 0, tap column 0
+        inside = b.and_(
+            b.and_(b.icmp_signed(">=", top, i64(0)),
+                   b.icmp_signed("<", b.add(top, i64((KH - 1) * dh)), i64(H))),
+            b.and_(b.icmp_signed(">=", left, i64(0)),
+                   b.icmp_signed("<", b.add(left, i64((MR - 1) * sw + (KW - 1) * dw)), i64(W))))
+
+        def segs(edge: bool) -> list:
+            out = []
+            for tap in range(KH * KW):
+                kh, kw = divmod(tap, KW)
+                ih = b.add(top, i64(kh * dh))
+                bt = v.gep(b_base, b.mul(cb, i64(tap * p.NR))) if tap else b_base
+                if not edge:
+                    a = v.gep(x_c0, b.add(b.mul(ih, i64(W)), b.add(left, i64(kw * dw))))
+                    out.append((a, g.DHW, bt, p.NR, cb, None, [r * sw for r in range(MR)], None))
+                    continue
+                row_ok = b.icmp_unsigned("<", ih, i64(H))
+                a = v.gep(x_c0, b.mul(b.select(row_ok, ih, i64(0)), i64(W)))
+                offs, oks = [], []
+                for r in range(MR):
+                    col = b.add(left, i64(r * sw + kw * dw))
+                    ok = b.icmp_unsigned("<", col, i64(W))
+                    oks.append(ok)
+                    offs.append(v.smin(v.smax(col, i64(0)), W - 1))
+                out.append((a, g.DHW, bt, p.NR, b.select(row_ok, cb, i64(0)), None, offs, oks))
+            return out
+
+        with b.if_else(inside, likely=True) as (then, otherwise):
+            with then:
+                self.micro(segs(False), io, first, last)
+            with otherwise:
+                self.micro(segs(True), io, first, last)
 
     def swap_out(self, ch0, y_ng, p0, npix, m_lo, m_hi):
         """Swapped orientation: the tile's sums acc[px][c - m_lo] (pixel-major) to
@@ -993,6 +1116,8 @@ class _ConvGen:
     def micro(self, segs, io, first, last, pf=None):
         """acc[MR][NV] += sum over segments (a, a_ks, b, b_ks, count, bmasks) of
         a[k*a_ks + r] * b[k*b_ks + 16j] (b loads masked by bmasks[j] when given);
+        a segment may add (aoffs, amasks): row r reads a[k*a_ks + aoffs[r]], as zero
+        where amasks[r] (when given) is false;
         the sums begin at zero; `io` reads the earlier blocks' partial sums, added at
         the end (VecBuilder.add_partials), and stores the accumulators.
         ``pf``: (pointer, floats per k step): one line from there is prefetched into L2 per
@@ -1004,7 +1129,7 @@ class _ConvGen:
         io.prefetch()
         accs = [[v.zero_v] * NV for _ in range(MR)]
 
-        def step(accs, a_ptr, b_ptr, u, a_ks, b_ks, bmasks):
+        def step(accs, a_ptr, b_ptr, u, a_ks, b_ks, bmasks, aoffs=None, amasks=None):
             if isinstance(bmasks, _AndMasks):   # readable: plain loads, lanes cleared
                 bv = [b.bitcast(b.and_(b.bitcast(v.load_v(v.gep(b_ptr, u * b_ks + 16 * j)), VI32),
                                        bmasks.bits[j]), VF)
@@ -1014,19 +1139,24 @@ class _ConvGen:
                       for j in range(NV)]
             new = []
             for r in range(MR):
-                x = b.load(v.gep(a_ptr, u * a_ks + r), typ=F32, align=4)
+                off = r if aoffs is None else aoffs[r]
+                off = u * a_ks + off if isinstance(off, int) else (
+                    b.add(off, i64(u * a_ks)) if u * a_ks else off)
+                x = b.load(v.gep(a_ptr, off), typ=F32, align=4)
+                if amasks is not None:
+                    x = b.select(amasks[r], x, ir.Constant(F32, 0.0))
                 xs = v.splat(x, VF)
                 new.append([v.fma(xs, bv[j], accs[r][j]) for j in range(NV)])
             return new
 
         pf_ks = pf[1] if pf else 0
 
-        def kloop(k0, kend, accs, ptrs, nstep, a_ks, b_ks, bmasks, tag):
+        def kloop(k0, kend, accs, ptrs, nstep, a_ks, b_ks, bmasks, tag, aoffs, amasks):
             """k from k0 to kend, nstep per iteration; returns the final k,
             accumulators and A / B (and prefetch) pointers."""
             def body(k, cur, ptrs):
                 for u in range(nstep):
-                    cur = step(cur, ptrs[0], ptrs[1], u, a_ks, b_ks, bmasks)
+                    cur = step(cur, ptrs[0], ptrs[1], u, a_ks, b_ks, bmasks, aoffs, amasks)
                     if pf:
                         v.prefetch_r(v.gep(ptrs[2], u * pf_ks), locality=2)
                 ks = [nstep * a_ks, nstep * b_ks, nstep * pf_ks]
@@ -1034,17 +1164,22 @@ class _ConvGen:
 
             return v.grid_loop(k0, kend, nstep, accs, ptrs, body, tag, iv_name="k")
 
-        def segment(accs, a_base, a_ks, b_base, b_ks, kc, bmasks):
+        def segment(accs, a_base, a_ks, b_base, b_ks, kc, bmasks, aoffs=None, amasks=None):
             ptrs = [a_base, b_base] + ([pf[0]] if pf else [])
+            ka = (a_ks, b_ks, bmasks)
             if U > 1:
                 kmain = b.sub(kc, b.srem(kc, i64(U)))
-                k, accs, ptrs = kloop(i64(0), kmain, accs, ptrs, U, a_ks, b_ks, bmasks, "ku")
-                _, accs, _ = kloop(k, kc, accs, ptrs, 1, a_ks, b_ks, bmasks, "kr")
+                k, accs, ptrs = kloop(i64(0), kmain, accs, ptrs, U, *ka, "ku", aoffs, amasks)
+                _, accs, _ = kloop(k, kc, accs, ptrs, 1, *ka, "kr", aoffs, amasks)
             else:
-                _, accs, _ = kloop(i64(0), kc, accs, ptrs, 1, a_ks, b_ks, bmasks, "k")
+                _, accs, _ = kloop(i64(0), kc, accs, ptrs, 1, *ka, "k", aoffs, amasks)
             return accs
 
-        for a_base, a_ks, b_base, b_ks, kc, bmasks in segs:
+        for seg in segs:
+            if len(seg) > 6:    # A's pixels at offsets (and masks) of their own (swap_taps)
+                accs = segment(accs, *seg)
+                continue
+            a_base, a_ks, b_base, b_ks, kc, bmasks = seg
             if bmasks and not wide_registers() and \
                     not all(isinstance(m, ir.Constant) for m in bmasks):
                 accs = self.versioned_segment(segment, accs, a_base, a_ks, b_base, b_ks, kc,

@@ -201,6 +201,39 @@ def test_pointwise_swapped_reads_x(monkeypatch, tuning, reads_x, const):
     check_op("Conv", inputs, const_inputs=(1, 2) if const else (), group=2, **TOL)
 
 
+# the swapped orientation reading a KxK conv's taps from X (conv.swap_reads_x,
+# _ConvGen.swap_taps): micro-tiles of MR pixels of one output row, taps whose input row
+# lies in the padding skipped, columns in it read as zeros (left, right, both)
+SWAP_TAPS = [
+    ((2, 32, 16, 16), (32, 16, 3, 3), dict(group=2, strides=[2, 2], pads=[1, 1, 1, 1]),
+     dict(swap=True, MR=8)),
+    ((1, 16, 13, 15), (16, 16, 3, 3), dict(strides=[2, 2], pads=[0, 2, 1, 1]),
+     dict(swap=True, MR=4)),
+    ((1, 32, 7, 7), (32, 16, 3, 3), dict(group=2, pads=[2, 2, 2, 2], dilations=[2, 2]),
+     dict(swap=True, MR=7)),
+    ((1, 64, 10, 10), (32, 64, 3, 3), dict(strides=[2, 2], pads=[1, 1, 1, 1]),
+     dict(swap=True, MR=5)),                     # K = 576: three reduction blocks, NV 2
+    ((1, 16, 12, 12), (16, 16, 2, 2), dict(strides=[2, 2]), dict(swap=True, MR=6)),
+    ((1, 16, 9, 14), (16, 16, 3, 3), dict(strides=[1, 2], pads=[1, 1, 1, 1]),
+     dict(swap=True, MR=7)),
+    ((1, 64, 112, 112), (64, 16, 3, 3), dict(group=4, strides=[2, 2], pads=[1, 1, 1, 1]),
+     {}),                                        # RegNet's: the planner's own choice
+]
+
+
+@pytest.mark.parametrize("xs,ws,attrs,tuning", SWAP_TAPS,
+                         ids=[_case_id(c[:3]) + "-" + ",".join(f"{k}={v}" for k, v in c[3].items())
+                              for c in SWAP_TAPS])
+@pytest.mark.parametrize("const", [True, False], ids=["const-w", "runtime-w"])
+def test_swapped_taps_read_x(monkeypatch, xs, ws, attrs, tuning, const):
+    inputs = conv_inputs(xs, ws)
+    m, _ = single_node_model("Conv", inputs, const_inputs=(1, 2), **attrs)
+    monkeypatch.setattr(conv_codegen, "FORCE_TUNING", tuning)
+    path = cannc.compile(m, cores=2).inspect()["kernels"][0]["tiling"]
+    assert path.startswith("direct-gemm-swapped"), path
+    check_op("Conv", inputs, const_inputs=(1, 2) if const else (), **TOL, **attrs)
+
+
 def test_conv_plan_orientation():
     """Small images use the swapped orientation; big ones read X in place."""
     g = conv_codegen.ConvGeom(N=1, C=256, M=256, G=1, isz=(1, 14, 14), osz=(1, 14, 14),

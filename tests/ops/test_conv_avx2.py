@@ -22,6 +22,7 @@ from tests.helpers import check_op
 from tests.ops.test_conv import (
     CONV_CASES,
     POOL_CASES,
+    SWAP_TAPS,
     TOL,
     _case_id,
     _pool_id,
@@ -102,3 +103,16 @@ def test_pointwise_swapped_reads_x_avx2(monkeypatch, const):
     monkeypatch.setattr(conv_codegen, "FORCE_TUNING", tuning)
     check_op("Conv", conv_inputs((2, 40, 14, 14), (24, 40, 1, 1)),
              const_inputs=(1, 2) if const else (), **TOL)
+
+
+# the swapped orientation reading KxK taps from X (conv.swap_reads_x) with AVX2's
+# micro-tiles of 6, 5 or 4 pixels: padding rows skipped, padding columns read as zeros
+AVX2_SWAP_TAPS = [(xs, ws, at, t) for xs, ws, at, t in SWAP_TAPS if t.get("MR") in (4, 5, 6)]
+
+
+@pytest.mark.parametrize("xs,ws,attrs,tuning", AVX2_SWAP_TAPS,
+                         ids=[_case_id(c[:3]) for c in AVX2_SWAP_TAPS])
+def test_swapped_taps_read_x_avx2(monkeypatch, xs, ws, attrs, tuning):
+    from cannc.codegen import conv as conv_codegen
+    monkeypatch.setattr(conv_codegen, "FORCE_TUNING", tuning)
+    check_op("Conv", conv_inputs(xs, ws), const_inputs=(1, 2), **TOL, **attrs)
