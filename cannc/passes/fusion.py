@@ -6,6 +6,8 @@ run in this order:
 
 - `conv_bn`: Conv followed by BatchNormalization with constant parameters: BN
   folded into the convolution's weights and bias at compile time.
+- `bn_affine`: any other float32 BatchNormalization with constant parameters becomes
+  a per-channel Mul and Add, which join the elementwise groups below.
 - `layernorm`: the decomposed ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div/Mul/Add
   pattern becomes one LayerNormalization.
 - `attention`: QKᵀ/scale/mask/Softmax/·V becomes one FusedAttention.
@@ -35,7 +37,7 @@ from ..ir.registry import MAP_CATEGORIES, Fusion
 from .manager import PassContext, graph_pass
 from .rules import Refusal, Rule, log
 
-RULES = ("conv_bn", "layernorm", "gelu", "attention", "elementwise", "gemm_epilogue",
+RULES = ("conv_bn", "bn_affine", "layernorm", "gelu", "attention", "elementwise", "gemm_epilogue",
          "conv_epilogue", "softmax_prologue", "precision_casts")
 
 

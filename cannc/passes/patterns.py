@@ -254,8 +254,12 @@ GELU: Rule = Rule("gelu", _gelu_pattern, _gelu_check, _gelu_rewrite)
 @graph_pass("fold_conv_bn")
 def fold_conv_bn(graph: Graph, ctx: PassContext) -> bool:
     """Conv -> BatchNormalization (inference, constant parameters): fold the BN into the
-    convolution's weights and bias at compile time; the BN node disappears."""
-    return CONV_BN.run(graph, None, ctx)
+    convolution's weights and bias at compile time; the BN node disappears. A remaining
+    float32 BN with constant parameters (after a Concat, a pool...: DenseNet's
+    pre-activations) becomes x * k + t per channel (rule ``bn_affine``), which the
+    elementwise fusion joins with its neighbours (a ReLU after it: one pass, not two)."""
+    changed = CONV_BN.run(graph, None, ctx)
+    return BN_AFFINE.run(graph, None, ctx) or changed
 
 
 def _conv_bn_pattern(graph: Graph, _: None, bn: Node) -> tuple[Node, Node] | None:
@@ -318,6 +322,54 @@ def _conv_bn_reason(graph: Graph, conv: Node, bn: Node) -> str | None:
     if any(graph.constants[v].shape != (c,) for v in bn.inputs[1:5]):
         return "BatchNormalization parameters do not match the output channels"
     return None
+
+
+def _bn_affine_pattern(graph: Graph, _: None, bn: Node) -> Node | None:
+    return bn if bn.op_type == "BatchNormalization" else None
+
+
+def _bn_affine_check(graph: Graph, _: None, bn: Node) -> Refusal | None:
+    why = _bn_affine_reason(graph, bn)
+    return Refusal(why, ((bn.name, bn.name),)) if why else None
+
+
+def _bn_affine_reason(graph: Graph, bn: Node) -> str | None:
+    if any(o for o in bn.outputs[1:]) or bn.attrs.get("training_mode", 0):
+        return "BatchNormalization in training mode"
+    if bn.opset < 9 and bn.attrs.get("spatial", 1) == 0:
+        return "non-spatial BatchNormalization"
+    if not all(v in graph.constants for v in bn.inputs[1:5]):
+        return "BatchNormalization parameters are not constant"
+    t = graph.values.get(bn.inputs[0])
+    if t is None or np.dtype(t.dtype) != np.float32 or len(t.shape) < 2:
+        return "per-channel affine form for float32 inputs of rank >= 2 only"
+    c = int(t.shape[1])
+    if any(graph.constants[v].reshape(-1).shape != (c,) for v in bn.inputs[1:5]):
+        return "BatchNormalization parameters do not match the channels"
+    return None
+
+
+def _bn_affine_rewrite(graph: Graph, _: None, bn: Node) -> None:
+    x, y = bn.inputs[0], bn.outputs[0]
+    scale, b, mean, var = (graph.constants[v].astype(np.float64).reshape(-1)
+                           for v in bn.inputs[1:5])
+    eps = float(bn.attrs.get("epsilon", 1e-5))
+    k = scale / np.sqrt(var + eps)
+    shape = (k.size,) + (1,) * (len(graph.values[x].shape) - 2)
+    kname, tname, mid = f"{bn.name}::k", f"{bn.name}::t", f"{bn.name}::xk"
+    graph.set_constant(kname, k.astype(np.float32).reshape(shape))
+    graph.set_constant(tname, (b - mean * k).astype(np.float32).reshape(shape))
+    graph.values[mid] = graph.values[y]
+    order = graph.g.nodes[bn.name]["order"]
+    graph.remove_node(bn.name)
+    fused = {"fused_from": [bn.name], "fused_ops": ["BatchNormalization"]}
+    graph.add_node(Node(name=f"{bn.name}::mul", op_type="Mul", inputs=(x, kname),
+                        outputs=(mid,), attrs=dict(fused), opset=14), order=order)
+    graph.add_node(Node(name=f"{bn.name}::add", op_type="Add", inputs=(mid, tname),
+                        outputs=(y,), attrs=dict(fused), opset=14), order=order + 0.5)
+
+
+BN_AFFINE: Rule = Rule("bn_affine", _bn_affine_pattern, _bn_affine_check, _bn_affine_rewrite)
 
 
 # ---------------------------------------------------------------------------

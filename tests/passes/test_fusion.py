@@ -259,6 +259,50 @@ def test_conv_bn_not_folded_when_conv_output_escapes():
     assert any(d.rule == "conv_bn" and "also used" in d.reason for d in _log(fused))
 
 
+def _bn_model(rank=4, after="Concat", act="Relu", C=6):
+    """A BatchNormalization with constant parameters that no Conv precedes (DenseNet's
+    Concat -> BN -> ReLU), followed by an activation."""
+    shape = [2, C // 2, 5, 7][:rank] if rank > 2 else [3, C // 2]
+    full = [shape[0], C] + shape[2:]
+    p = (np.abs(R.standard_normal(C)) + 0.5, R.standard_normal(C), R.standard_normal(C),
+         np.abs(R.standard_normal(C)) + 0.1)
+    nodes = [helper.make_node("Concat", ["a", "b"], ["c"], axis=1) if after == "Concat"
+             else helper.make_node("Relu", ["a"], ["c"]),
+             helper.make_node("BatchNormalization", ["c", "sc", "bi", "mu", "va"], ["n"],
+                              epsilon=1e-3),
+             helper.make_node(act, ["n"], ["y"])]
+    inputs = [("a", shape if after == "Concat" else full)] + \
+        ([("b", shape)] if after == "Concat" else [])
+    inits = list(zip(["sc", "bi", "mu", "va"], p))
+    return _model(nodes, inputs, [("y", full)], inits), inputs
+
+
+@pytest.mark.parametrize("rank,after,act", [(4, "Concat", "Relu"), (3, "Relu", "Sigmoid"),
+                                            (2, "Concat", "Relu")])
+def test_bn_affine_joins_the_elementwise_group(rank, after, act):
+    m, inputs = _bn_model(rank, after, act)
+    feeds = {n: R.standard_normal(s).astype(np.float32) for n, s in inputs}
+    fused, plain = _compare(m, feeds)
+    ops = [k.op_types for k in _kernels(fused)]
+    # the BN and the activation: one kernel (after a Relu, that one too)
+    assert ["BatchNormalization", "BatchNormalization", act] in [o[-3:] for o in ops], ops
+    assert len(ops) == (2 if after == "Concat" else 1), ops
+    off = cannc.compile(m, cores=2, shapes={k: v.shape for k, v in feeds.items()},
+                        fusion={"bn_affine": False})
+    assert ["BatchNormalization"] in [k.op_types for k in _kernels(off)]
+    assert len(_kernels(off)) > len(ops)
+
+
+def test_bn_affine_refuses_runtime_parameters():
+    m, inputs = _bn_model()
+    m.graph.input.append(helper.make_tensor_value_info("mu", F, [6]))
+    del m.graph.initializer[2]
+    feeds = {n: R.standard_normal(s).astype(np.float32) for n, s in inputs}
+    feeds["mu"] = R.standard_normal(6).astype(np.float32)
+    fused, _ = _compare(m, feeds)
+    assert any(d.rule == "bn_affine" and "not constant" in d.reason for d in _log(fused))
+
+
 def _attention_model(mask="add", merge=True, scale_op="Div", k_layout="transpose", S=9, H=2,
                      D=8, B=2):
     """Head split (Reshape+Transpose), QKᵀ, scale, mask, Softmax, ·V, head merge."""
