@@ -1175,17 +1175,13 @@ class _ConvGen:
                 _, accs, _ = kloop(i64(0), kc, accs, ptrs, 1, *ka, "k", aoffs, amasks)
             return accs
 
-        for seg in segs:
-            if len(seg) > 6:    # A's pixels at offsets (and masks) of their own (swap_taps)
-                accs = segment(accs, *seg)
-                continue
-            a_base, a_ks, b_base, b_ks, kc, bmasks = seg
+        for a_base, a_ks, b_base, b_ks, kc, bmasks, *arows in segs:
             if bmasks and not wide_registers() and \
                     not all(isinstance(m, ir.Constant) for m in bmasks):
                 accs = self.versioned_segment(segment, accs, a_base, a_ks, b_base, b_ks, kc,
                                               bmasks)
-            else:
-                accs = segment(accs, a_base, a_ks, b_base, b_ks, kc, bmasks)
+            else:   # (A's rows at offsets and masks of their own: swap_taps, no bmasks)
+                accs = segment(accs, a_base, a_ks, b_base, b_ks, kc, bmasks, *arows)
 
         accs = v.add_partials(accs, first, io.partial, io.masks)
         v.finish_block(last, lambda: io.store_final(accs), lambda: io.store_partial(accs), "st")

@@ -416,6 +416,8 @@ class _WindowGen:
     def step(self, x_p, y_p, r0, r_hi, ow0, wts, init, inner=False):
         """R rows x V vectors of output starting at row r0, column ow0; ``inner``: the
         rows are whole and their taps inside X (see interior)."""
+        if self.p.s2:
+            return self.step_s2(x_p, y_p, r0, r_hi, ow0, wts, init, inner)
         v, s, p = self.v, self.s, self.p
         b = v.b
         D, H, W = s.isz
@@ -427,8 +429,6 @@ class _WindowGen:
         R, V = p.R, p.V
         const_cols = isinstance(ow0, ir.Constant)
         pr = p.pad
-        if p.s2:
-            return self.step_s2(x_p, y_p, r0, r_hi, ow0, wts, init, inner)
         # per-row data
         rows = []
         for i in range(R):

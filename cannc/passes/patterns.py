@@ -303,21 +303,30 @@ def _conv_bn_rewrite(graph: Graph, _: None, m: tuple[Node, Node]) -> None:
 CONV_BN: Rule = Rule("conv_bn", _conv_bn_pattern, _conv_bn_check, _conv_bn_rewrite)
 
 
-def _conv_bn_reason(graph: Graph, conv: Node, bn: Node) -> str | None:
-    x = bn.inputs[0]
-    if x in graph.outputs or graph.consumers(x) != [bn.name]:
-        return f"the convolution's output '{x}' is also used elsewhere"
+def _bn_inference_reason(graph: Graph, bn: Node) -> str | None:
+    """Why BN is not an inference BatchNormalization with constant, spatial parameters
+    (that conv_bn and bn_affine can fold), or None."""
     if any(o for o in bn.outputs[1:]):
         return "BatchNormalization in training mode (extra outputs)"
     if bn.attrs.get("training_mode", 0):
         return "BatchNormalization in training mode"
     if not all(v in graph.constants for v in bn.inputs[1:5]):
         return "BatchNormalization parameters are not constant"
+    if bn.opset < 9 and bn.attrs.get("spatial", 1) == 0:
+        return "non-spatial BatchNormalization"
+    return None
+
+
+def _conv_bn_reason(graph: Graph, conv: Node, bn: Node) -> str | None:
+    x = bn.inputs[0]
+    if x in graph.outputs or graph.consumers(x) != [bn.name]:
+        return f"the convolution's output '{x}' is also used elsewhere"
+    why = _bn_inference_reason(graph, bn)
+    if why:
+        return why
     if conv.inputs[1] not in graph.constants or (
             len(conv.inputs) > 2 and conv.inputs[2] and conv.inputs[2] not in graph.constants):
         return "the convolution's weights are not constant"
-    if bn.opset < 9 and bn.attrs.get("spatial", 1) == 0:
-        return "non-spatial BatchNormalization"
     c = graph.constants[conv.inputs[1]].shape[0]
     if any(graph.constants[v].shape != (c,) for v in bn.inputs[1:5]):
         return "BatchNormalization parameters do not match the output channels"
@@ -334,12 +343,9 @@ def _bn_affine_check(graph: Graph, _: None, bn: Node) -> Refusal | None:
 
 
 def _bn_affine_reason(graph: Graph, bn: Node) -> str | None:
-    if any(o for o in bn.outputs[1:]) or bn.attrs.get("training_mode", 0):
-        return "BatchNormalization in training mode"
-    if bn.opset < 9 and bn.attrs.get("spatial", 1) == 0:
-        return "non-spatial BatchNormalization"
-    if not all(v in graph.constants for v in bn.inputs[1:5]):
-        return "BatchNormalization parameters are not constant"
+    why = _bn_inference_reason(graph, bn)
+    if why:
+        return why
     t = graph.values.get(bn.inputs[0])
     if t is None or np.dtype(t.dtype) != np.float32 or len(t.shape) < 2:
         return "per-channel affine form for float32 inputs of rank >= 2 only"
