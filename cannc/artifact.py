@@ -80,10 +80,20 @@ class MemoryPlan:
     arena_bytes: int
     naive_bytes: int              # every intermediate in its own buffer
     lower_bound_bytes: int        # the most bytes live at once
+    # value -> (the storage root whose buffer holds it, byte offset in that buffer): the
+    # pieces of a Concat written in place, and such Concats inside larger ones
+    placed: dict[str, tuple[str, int]] = field(default_factory=dict)
+    in_place: tuple[str, ...] = ()   # the Concat nodes whose pieces are written in place
 
     def root(self, v: str) -> str:
         """The storage root of an (alias-resolved) value."""
         return self.storage.get(v, v)
+
+    def locate(self, v: str) -> tuple[str, int]:
+        """The storage root (an `offsets` key) holding an alias-resolved value, and the
+        value's byte offset in it."""
+        r = self.storage.get(v, v)
+        return self.placed.get(r, (r, 0))
 
 
 @dataclass

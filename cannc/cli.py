@@ -518,6 +518,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"memory: arena {fmt_bytes(m['arena_bytes'])} (naive {fmt_bytes(m['naive_bytes'])}, "
           f"lower bound {fmt_bytes(m['lower_bound_bytes'])}), "
           f"weights {fmt_bytes(m['weights_bytes'])}")
+    if m["concats_in_place"]:
+        print(f"in place: {len(m['concats_in_place'])} Concat(s) run no kernel, their "
+              f"producers write into them: {', '.join(m['concats_in_place'][:6])}"
+              + (", ..." if len(m["concats_in_place"]) > 6 else ""))
     _print_precision(rep.get("precision", {}), rep.get("accuracy"))
     fu = rep["fusion"]
     if "without_fusion" in fu:

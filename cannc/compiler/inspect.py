@@ -76,13 +76,15 @@ def inspect_report(prog: Program, *, cores: int, pipeline: str,
     }
 
 
-def memory_report(prog: Program) -> dict[str, int]:
+def memory_report(prog: Program) -> dict[str, Any]:
     """The memory plan's figures: arena, naive (a buffer per intermediate), lower bound
-    (the peak of live bytes), weights."""
+    (the peak of live bytes), weights; the Concat nodes whose pieces are written in place
+    (no kernel runs them)."""
     return {"arena_bytes": int(prog.plan.arena_bytes),
             "naive_bytes": int(prog.plan.naive_bytes),
             "lower_bound_bytes": int(prog.plan.lower_bound_bytes),
-            "weights_bytes": int(prog.weights_bytes)}
+            "weights_bytes": int(prog.weights_bytes),
+            "concats_in_place": list(prog.plan.in_place)}
 
 
 def fusion_refusals(spec: Specialization) -> list[dict[str, Any]]:

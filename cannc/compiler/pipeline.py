@@ -25,7 +25,7 @@ from ..passes import control, fold, fusion, legalize, patterns  # noqa: F401  (r
 from ..passes.manager import PassContext, PassManager
 from ..schedule import costmodel
 from .lowering import compile_modules, lower_graph
-from .planning import plan_memory
+from .planning import concat_in_place, plan_memory
 from .support import support_problems, unknown_ops
 
 # The optimisation pipelines, by name. Each entry is one named pass.
@@ -118,7 +118,17 @@ def specialize(base: Graph, shapes: dict[str, tuple[int, ...]],
     with _stage("cost model"):
         costmodel.annotate(kernels)  # notes['predicted_us'], notes['tiling'] (usable cores)
     with _stage("memory planning"):
-        memory = plan_memory(g, kernels, aliases, constants)  # liveness, reuse, offsets
+        placed: dict[str, tuple[str, int]] = {}
+        in_place: list[str] = []
+        if pm.ctx.fusion_enabled("concat_in_place"):   # producers write into the Concat
+            kept, placed, in_place = concat_in_place(g, kernels, constants)
+            used = {k.symbol for k in kept}
+            for k in kernels:
+                if k.symbol not in used:
+                    objects.pop(k.symbol, None)
+            kernels = kept
+        # liveness, reuse, offsets
+        memory = plan_memory(g, kernels, aliases, constants, placed, in_place)
     return Specialization(g, kernels, aliases, constants, objects, pm.records, pm.dumps,
                           time.perf_counter() - t0, cache.hits - h0, cache.misses - m0, memory,
                           values=dict(values or {}))

@@ -38,7 +38,7 @@ from .manager import PassContext, graph_pass
 from .rules import Refusal, Rule, log
 
 RULES = ("conv_bn", "bn_affine", "layernorm", "gelu", "attention", "elementwise", "gemm_epilogue",
-         "conv_epilogue", "softmax_prologue", "precision_casts")
+         "conv_epilogue", "softmax_prologue", "precision_casts", "concat_in_place")
 
 
 def is_map(graph: Graph, n: Node) -> str | None:

@@ -151,20 +151,22 @@ class Program:
         self.release(self.acquire())   # the first context, allocated up front
 
     # -- addresses ------------------------------------------------------------------------
-    def _root(self, v: str) -> str:
+    def _locate(self, v: str) -> tuple[str, int]:
+        """The storage root of `v` (through views, in-place sharing and Concats written
+        in place) and v's byte offset in it."""
         while v in self.spec.aliases:
             v = self.spec.aliases[v]
-        return self.plan.root(v)
+        return self.plan.locate(v)
 
     def _view(self, arena: np.ndarray, v: str) -> np.ndarray:
         t = self.spec.graph.values[v]
-        r = self._root(v)
+        r, off = self._locate(v)
         if r in self.wbuf:
-            base, off = self.wbuf[r], 0
+            base = self.wbuf[r]
         elif r in self.spec.constants:
             return self.spec.constants[r]
         else:
-            base, off = arena, self.plan.offsets[r]
+            base, off = arena, self.plan.offsets[r] + off
         return base[off:off + t.nbytes].view(t.dtype).reshape(t.shape)
 
     def _new_context(self) -> Context:
@@ -178,10 +180,10 @@ class Program:
         def addr(v: str) -> int:
             if not v:
                 return 0
-            r = self._root(v)
+            r, off = self._locate(v)
             if r in self.waddr:
                 return self.waddr[r]
-            return arena.ctypes.data + self.plan.offsets[r]
+            return arena.ctypes.data + self.plan.offsets[r] + off
 
         pos = 0
         for i, k in enumerate(kernels):
