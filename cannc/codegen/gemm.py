@@ -323,6 +323,22 @@ def _nv_for(rows: int, N: int, b_mode: str, isa: str = "avx512") -> int:
     return min(nv, 2 * _cdiv(N, 32))
 
 
+def _rows_padding_least(M: int, many: int) -> int:
+    """The rows of the AVX-512 micro-kernel for a product of M rows (M known when it is
+    compiled): of the measured choice (gemm_micro_rows) and 8, the one that pads M to
+    fewer rows, the measured one on a tie. An edge panel runs the whole micro-kernel
+    with its extra rows masked: at M = 128 (every transformer at sequence 128) 6 rows
+    ran 132 rows' work. 8 rows are no slower per row than 6 on a Zen 4 (one 512-bit FMA
+    a cycle), though their 16 accumulators leave no registers for K subchains.
+    Measured there (gemm_bench, 1 core, B prepacked, GFLOP/s, two alternating runs):
+    128x768x768 111.4/111.7 -> 115.6/115.8, 128x3072x768 108.7/109.9 -> 113.6/113.9,
+    128x768x3072 108.8/110.2 -> 113.1/113.1; 197 rows (ViT) stay at 6 (198 rows against
+    200: 8 rows measured 1-2% slower), 1024 and 512 within noise either way."""
+    if many == 8:
+        return many
+    return min((many, 8), key=lambda r: (_rup(M, r), r != many))
+
+
 def host_isa() -> str:
     """The vector ISA the kernels are planned for: 'avx512' or 'avx2' (the host target's
     features, see native.target.host and CANNC_ISA)."""
@@ -582,6 +598,8 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
         NV = 1
     else:
         many = 6 if avx2 else gemm_micro_rows()
+        if not avx2 and not spec.dyn:
+            many = _rows_padding_least(M, many)
         MR = many if M > (6 if avx2 else 8) or spec.dyn else M
         NV = _nv_for(MR, N, b_mode, isa)
         MR = tun.get("MR", MR)
@@ -1342,9 +1360,21 @@ class _Gen(VecBuilder):
             sw.add_case(i64(rows), bb)
             b.position_at_end(bb)
             NV = _nv_for(rows, s.N, p.b_mode, p.isa)
-            with self.loop(0, nc, 16 * NV, "jr") as jr:
-                nr = self.smin(b.sub(nc, jr), i64(16 * NV))
-                tile(jr, mfull, rows, nr, rows, NV)
+            if NV <= 2:
+                with self.loop(0, nc, 16 * NV, "jr") as jr:
+                    nr = self.smin(b.sub(nc, jr), i64(16 * NV))
+                    tile(jr, mfull, rows, nr, rows, NV)
+            else:
+                # the wide micro-tile over whole widths, then 32 columns at a time: a
+                # block narrower than the wide tile (the grid's column blocks are often
+                # 32 wide) ran the wide one with most of its columns masked off
+                wide = 16 * NV
+                nwide = b.sub(nc, b.srem(nc, i64(wide)))
+                with self.loop(0, nwide, wide, "jr") as jr:
+                    tile(jr, mfull, rows, i64(wide), rows, NV)
+                with self.loop(nwide, nc, PANEL, "jn") as jr:
+                    nr = self.smin(b.sub(nc, jr), i64(PANEL))
+                    tile(jr, mfull, rows, nr, rows, 2)
             b.branch(done)
         b.position_at_end(done)
 

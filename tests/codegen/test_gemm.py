@@ -693,9 +693,9 @@ def test_dynamic_plan_and_grid():
     avx512 = host_isa() == "avx512"
     assert p.strips and p.mt == 0
     assert (p.MR, p.NR) == ((gemm_micro_rows(), 32) if avx512 else (6, 16))
-    # the grid and KC for these M are the static plan's
+    # the grid and KC for these M are the static plan's for the same micro-kernel
     for M in (1, 3, 1024):
-        st = gemm_plan(dataclasses.replace(spec, M=M))
+        st = gemm_plan(dataclasses.replace(spec, M=M), {"MR": p.MR} if M > 8 else None)
         dims, T = gemm_dims(dspec, M)
         assert dict(zip(GEMM_DIMS, dims)) == {
             "M": M, "batch": 1, "mt": st.mt, "nt": st.nt, "MB": st.MB, "NB": st.NB,
@@ -782,12 +782,35 @@ def test_avx2_dynamic_and_code(avx2_host):
     assert loops and all(stack[b] == 0 for b in loops), (fmas, stack)
 
 
+def test_static_rows_pad_least():
+    """A GEMM of M rows known when it is compiled takes the micro-kernel rows (the
+    measured choice, or 8) that pad M to fewer rows; a dynamic one the measured choice."""
+    if host_isa() != "avx512":
+        pytest.skip("AVX-512 plans")
+    many = gemm_micro_rows()
+    for M, want in ((128, 8), (1024, 8), (16, 8), (198, 6 if many == 6 else 8),
+                    (480, many), (50, 6 if many == 6 else 8)):
+        assert gemm_plan(GemmSpec(M, 768, 768, b_prepacked=True)).MR == want, M
+    assert gemm_plan(dynamic_spec(GemmSpec(128, 768, 768, b_prepacked=True))).MR == many
+
+
+def test_dynamic_remainder_rows_of_a_narrow_block():
+    """The few rows after the full panels of a dynamic kernel run 32 columns at a time
+    where the column block is narrower than their wide micro-tile (at M = 128 the grid
+    gives 32-column blocks); every M and N edge agrees with the reference."""
+    for N in (32, 70, 96, 130):
+        spec = GemmSpec(1, N, 64, b_prepacked=True)
+        dspec, kernel = build_dynamic(spec)
+        for M in (1, 2, 7, 13, 128, 131):
+            run_dynamic(kernel, dspec, _dyn_spec(spec, M))
+
+
 def test_micro_kernel_rows_and_l2_block_follow_the_cpu():
     """8 x 32 tiles on cores that issue two 512-bit FMAs a cycle, 6 x 32 on those that
     issue one; the B block scales with the L2 (never below the 1 MiB-L2 figure)."""
     assert gemm_micro_rows(2) == 8 and gemm_micro_rows(1) == 6
     assert l2_b_block() >= 192 << 10
-    p = gemm_plan(GemmSpec(512, 768, 768, b_prepacked=True))
+    p = gemm_plan(GemmSpec(480, 768, 768, b_prepacked=True))   # (6 and 8 rows: no padding)
     if host_isa() == "avx512":
         assert p.MR == gemm_micro_rows()
         assert p.NC == max(32, l2_b_block() // (4 * p.KC) // 32 * 32)
