@@ -1696,10 +1696,37 @@ class _Gen(VecBuilder):
 
             _, accs, _ = self.grid_loop(i64(0), kc, SUBCHAIN, accs, list(a_ptrs) + list(b_ptrs),
                                         chunk, "kch", iv_name="kc0")
+        elif self.mem_subchains(MR, NV):
+            # no registers for a second set of accumulators (8 x 32 tiles): the chains
+            # of SUBCHAIN k before the last are added up in C, where the K blocks'
+            # partial sums live (a float32 C; the tile is still in L1 or L2), and the
+            # last one is stored as the block's sums
+            n = len(a_ptrs)
+            kmain = b.mul(b.sdiv(b.sub(kc, i64(1)), i64(SUBCHAIN)), i64(SUBCHAIN))
+
+            def chunk(k, ptrs):
+                part, a_ps, b_ps = chain(k, b.add(k, i64(SUBCHAIN)),
+                                         [[self.zero_v] * NV for _ in range(MR)],
+                                         ptrs[:n], ptrs[n:])
+                part = self.add_partials(part, self.first_and(first, k), c_rows, masks)
+                for r in range(MR):
+                    for v in range(NV):
+                        self.store_v(part[r][v], self.gep(c_rows[r], 16 * v), masks[r][v])
+                return list(a_ps) + list(b_ps)
+
+            _, ptrs = self.carry_loop(i64(0), kmain, SUBCHAIN, list(a_ptrs) + list(b_ptrs),
+                                      chunk, "kcm", iv_name="kc0")
+            accs, _, _ = chain(kmain, kc, accs, ptrs[:n], ptrs[n:])
+            first = self.first_and(first, kmain)
         else:
             accs, _, _ = chain(i64(0), kc, accs, a_ptrs, b_ptrs)
 
         self.store_tile(accs, c_rows, masks, first, last, m0, n0, MR, NV)
+
+    def first_and(self, first, k):
+        """The i1: this K block is the first one (``first``: an i1, or True) and k is 0."""
+        at0 = self.b.icmp_signed("==", k, i64(0))
+        return at0 if first is True else self.b.and_(first, at0)
 
     def subchains(self, MR, NV):
         """Whether an MR x 16*NV fp32 micro-tile sums its K blocks in chains of SUBCHAIN:
@@ -1707,6 +1734,14 @@ class _Gen(VecBuilder):
         block's (and the B vectors and an A broadcast)."""
         per, regs = (2, 16) if self.p.isa == "avx2" else (1, 32)
         return self.p.KC > SUBCHAIN and (2 * MR * NV + NV + 1) * per <= regs
+
+    def mem_subchains(self, MR, NV):
+        """Whether an MR x 16*NV fp32 micro-tile that `subchains` cannot sum in chains of
+        SUBCHAIN in registers adds them up in C instead: K blocks longer than that and
+        a float32 C (the partial sums' home). One load, add and store per accumulator and
+        SUBCHAIN k steps (16*SUBCHAIN FMAs for an 8 x 32 tile)."""
+        return (self.p.KC > SUBCHAIN and self.s.c_type == "float32"
+                and not self.subchains(MR, NV))
 
     def store_tile(self, accs, c_rows, masks, first, last, m0, n0, MR, NV):
         """The final values (last K block) or the partial sums (float32 C) of a tile: its
