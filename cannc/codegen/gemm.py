@@ -96,7 +96,7 @@ from ..native.emit import (
 )
 from ..native.target import host
 from ..runtime.memory import device_ready_empty
-from ..schedule.machine import gemm_micro_rows, l2_b_block
+from ..schedule.machine import gemm_k_unroll, gemm_micro_rows, l2_b_block
 from ..schedule.split import cdiv as _cdiv
 from ..schedule.split import gemm_groups as _groups
 from ..schedule.split import rup as _rup
@@ -710,8 +710,10 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
         NC=NC,
         pack_a=pack_a,
         b_mode=b_mode,
-        # big tiles: the k loop body is long enough (and compiles faster)
-        unroll=tun.get("unroll", 4 if MR * NV <= 8 else 1),
+        # big tiles: the k loop body is long enough (and compiles faster) where one
+        # FMA issues a cycle; where two do, 4 (gemm_k_unroll)
+        unroll=tun.get("unroll", 4 if MR * NV <= 8 else
+                       gemm_k_unroll() if isa == "avx512" else 1),
         prefetch_c=tun.get("prefetch_c", True),
         strips=strips,
         isa=isa,

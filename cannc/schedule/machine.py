@@ -215,6 +215,19 @@ def gemm_micro_rows(pipes: int | None = None) -> int:
     return 8 if pipes >= 2 else 6
 
 
+def gemm_k_unroll(pipes: int | None = None) -> int:
+    """k steps per iteration of the k loop of an AVX-512 GEMM micro-kernel of more than 8
+    accumulators, from the measured FMA pipes (fma_pipes()). With one 512-bit FMA a
+    cycle a 6 x 32 or 8 x 32 tile's loop body runs 12-16 cycles and 1 is enough (Zen 4,
+    where the tiles were tuned); with two it runs 6-8 and its loads, pointer steps and
+    branch compete with the FMAs: 4 (a Sapphire Rapids guest, 1 core, both kernels timed
+    alternately in one process, two runs, static / dynamic-M kernel: 128x768x3072 +9%,
+    +9% / +5%, +7%; 128x3072x768 +7%, +8% / +8%, +8%; 512x768x768 +5%, +4% / +8%, +8%;
+    1024^3 +2%, +2% / +7%, +7%; 8 is level with 4, 2 is 5-7% short of it)."""
+    pipes = fma_pipes() if pipes is None else pipes
+    return 4 if pipes >= 2 else 1
+
+
 @lru_cache(maxsize=1)
 def l2_b_block() -> int:
     """Bytes of B the GEMM's K x N block keeps in L2: 3/16 of this core's L2 and at least

@@ -38,7 +38,7 @@ from cannc.codegen.gemm import (
 from cannc.codegen.vec import declare
 from cannc.native import emit
 from cannc.native.target import KernelFunction, jit_kernel, jit_library
-from cannc.schedule.machine import gemm_micro_rows, l2_b_block
+from cannc.schedule.machine import gemm_k_unroll, gemm_micro_rows, l2_b_block
 from tests.helpers import aligned, run_splits
 
 # ---------------------------------------------------------------------------
@@ -824,11 +824,14 @@ def test_dynamic_remainder_rows_of_a_narrow_block():
 
 
 def test_micro_kernel_rows_and_l2_block_follow_the_cpu():
-    """8 x 32 tiles on cores that issue two 512-bit FMAs a cycle, 6 x 32 on those that
-    issue one; the B block scales with the L2 (never below the 1 MiB-L2 figure)."""
+    """8 x 32 tiles on cores that issue two 512-bit FMAs a cycle (their k loop unrolled
+    4 times), 6 x 32 on those that issue one (not unrolled); the B block scales with the
+    L2 (never below the 1 MiB-L2 figure)."""
     assert gemm_micro_rows(2) == 8 and gemm_micro_rows(1) == 6
+    assert gemm_k_unroll(2) == 4 and gemm_k_unroll(1) == 1
     assert l2_b_block() >= 192 << 10
     p = gemm_plan(GemmSpec(480, 768, 768, b_prepacked=True))   # (6 and 8 rows: no padding)
     if host_isa() == "avx512":
         assert p.MR == gemm_micro_rows()
+        assert p.unroll == gemm_k_unroll()
         assert p.NC == max(32, l2_b_block() // (4 * p.KC) // 32 * 32)
