@@ -101,15 +101,20 @@ class _Pool:
                 raise RuntimeError("the device is closed")
             # waits (natively) until every worker is done with the launch this slot held
             self._post(self.base, run, sched, nk, ncores, counters, ws, stride, times)
-            self._keep[self._posted % dispatch.POOL_RING] = keep
             launch = self._posted
             self._posted += 1
             # drop what launches every worker has finished held (a closed session's
-            # memory is not kept for a whole turn of the ring)
+            # memory is not kept for a whole turn of the ring), then keep this one's. In
+            # that order: when the workers were a whole ring behind at the last post and
+            # have since caught up to this launch, the launches released here span every
+            # slot of the ring, this one's among them (launch - POOL_RING's); released
+            # after it was stored, this launch's counters and buffers were freed before
+            # a worker ran it (a worker then waited forever on freed counters)
             done = min(self.launches_done(c) for c in range(1, self.cores))
-            while self._released < done:
+            while self._released < min(done, launch):
                 self._keep[self._released % dispatch.POOL_RING] = None
                 self._released += 1
+            self._keep[launch % dispatch.POOL_RING] = keep
             return launch
 
     def launches_done(self, core: int) -> int:

@@ -247,6 +247,48 @@ def test_launch_counters_reused_only_when_every_worker_is_done(mlp):
     assert all(launch >= 0 for launch in ctx.counter_launch) or prog.device.cores == 1
 
 
+def test_a_launch_keeps_its_memory_until_every_worker_has_run_it():
+    """The pool keeps what a launch's pointers point into (its counters, buffers) until
+    every worker has finished it. The case that once freed them early: the workers a
+    whole ring behind at one post and caught up to the next launch by the following one
+    (the launches released then span every slot of the ring). The native post is
+    replaced (the worker never runs) and the worker's progress is written by hand."""
+    import gc
+    import weakref
+
+    from cannc.runtime import dispatch
+    from cannc.runtime.device import _Pool
+
+    class Held:
+        pass
+
+    ring, line = dispatch.POOL_RING, dispatch.POOL_LINES + 8
+    pool = _Pool(2)
+    try:
+        pool._post = lambda *args: None
+        refs = []
+
+        def post(want):
+            h = Held()
+            refs.append(weakref.ref(h))
+            assert pool.post(0, 0, 0, 2, 0, 0, 0, None, h) == want   # (h: the pool's only)
+
+        for i in range(ring):                    # the worker has run none of them
+            post(i)
+        pool.mem[line] = ring                    # ... then caught up with all of them
+        post(ring)
+        gc.collect()
+        assert all(r() is None for r in refs[:ring])   # finished launches are released
+        assert refs[ring]() is not None, "a launch no worker has run lost its memory"
+        pool.mem[line] = ring + 1
+        post(ring + 1)
+        gc.collect()
+        assert refs[ring]() is None and refs[ring + 1]() is not None
+    finally:
+        pool.mem[line] = 0
+        pool.close()
+
+
 def test_profile_peak_share_of_a_winograd_conv_counts_its_real_multiplies():
     """A Winograd conv does ~2.25x fewer multiply-adds than the direct conv its op GFLOP/s
     count: %peak is taken from what the kernel executes (its gemm_flops), GFLOP/s from the
