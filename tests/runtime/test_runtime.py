@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -227,6 +228,13 @@ def test_launch_counters_reused_only_when_every_worker_is_done(mlp):
     ctx = prog.acquire()
     try:
         nk = len(prog.kernels)
+        # core 0 returns before a worker has left the launch: wait until it has (a
+        # loaded machine can keep it behind for a while)
+        deadline = time.monotonic() + 10
+        while not all(launch < 0 or prog.device.launch_finished(launch)
+                      for launch in ctx.counter_launch):
+            assert time.monotonic() < deadline, "a worker never finished its launches"
+            time.sleep(0.001)
         held, cptr, slot = prog._counters(ctx, nk, prog.device.cores)
         assert held is None and cptr in ctx.counter_addrs and slot is not None
         off = ctx.counter_offs[slot]
