@@ -92,7 +92,7 @@ class MemoryPlan:
     def locate(self, v: str) -> tuple[str, int]:
         """The storage root (an `offsets` key) holding an alias-resolved value, and the
         value's byte offset in it."""
-        r = self.storage.get(v, v)
+        r = self.root(v)
         return self.placed.get(r, (r, 0))
 
 
