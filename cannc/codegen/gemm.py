@@ -10,8 +10,9 @@ with ``args = [A, B, (bias,) C]`` and compute, for every batch item ``b``::
 
 The code follows the Goto/BLIS recipe (see shared/PERFORMANCE_NOTES.md):
 
-* a register-blocked micro-kernel of ``MR`` rows x ``16*NV`` columns (6x32 for
-  M > 8; 1x128, 2x96, 3x64, 4..8x32 for small M) whose accumulators are
+* a register-blocked micro-kernel of ``MR`` rows x ``16*NV`` columns (for M > 8:
+  6x32 or 8x32 with one 512-bit FMA pipe, 6x64 with two, see `gemm_wide_tile`;
+  1x128, 2x96, 3x64, 4..8x32 for small M) whose accumulators are
   ``<16 x float>`` phi values updated with ``llvm.fma.v16f32``, a write
   prefetch of the C tile on entry and masked loads/stores for edge tiles;
 * B packed into 32-column zero-padded panels (``[panel][k][32]``), either at
@@ -96,7 +97,7 @@ from ..native.emit import (
 )
 from ..native.target import host
 from ..runtime.memory import device_ready_empty
-from ..schedule.machine import gemm_k_unroll, gemm_micro_rows, l2_b_block
+from ..schedule.machine import gemm_k_unroll, gemm_micro_rows, gemm_wide_tile, l2_b_block
 from ..schedule.split import cdiv as _cdiv
 from ..schedule.split import gemm_groups as _groups
 from ..schedule.split import rup as _rup
@@ -337,6 +338,24 @@ def _rows_padding_least(M: int, many: int) -> int:
     if many == 8:
         return many
     return min((many, 8), key=lambda r: (_rup(M, r), r != many))
+
+
+WIDE_MR = 6  # rows of the wide (x 64 columns) fp32 micro-tile, see gemm_wide_tile
+WIDE_GAIN = 1.06  # its speed per FMA over the 8 x 32 tile's, measured (gemm_wide_tile)
+
+
+def _wide_pays(M: int, N: int, MR: int, dyn: bool) -> bool:
+    """Whether a product of M rows (any M for a dynamic kernel) and N columns takes the
+    WIDE_MR x 64 micro-tile rather than MR x 32: on cores with two 512-bit FMA pipes
+    (gemm_wide_tile), at least 64 columns, and a known M that WIDE_MR rows do not pad
+    by more than the tile gains (M = 128: 132 rows against 128, 3% of 6%: the wide tile
+    then loses in the measurements). Columns past the last multiple of 64 are run by a
+    WIDE_MR x 32 tile (_Gen.col_tiles)."""
+    if N < 64 or not gemm_wide_tile():
+        return False
+    if dyn:
+        return True
+    return _rup(M, WIDE_MR) < _rup(M, MR) * WIDE_GAIN * 0.97
 
 
 def host_isa() -> str:
@@ -602,6 +621,9 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
             many = _rows_padding_least(M, many)
         MR = many if M > (6 if avx2 else 8) or spec.dyn else M
         NV = _nv_for(MR, N, b_mode, isa)
+        if (not avx2 and (M > 8 or spec.dyn) and b_mode in ("prepacked", "pack")
+                and spec.compute == "f32" and _wide_pays(M, N, MR, spec.dyn)):
+            MR, NV = WIDE_MR, 4
         MR = tun.get("MR", MR)
         NV = tun.get("NV", NV)
         # (a one-vector tile is half a 32-column B panel, see _Gen.b_panel)
@@ -711,8 +733,11 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
         pack_a=pack_a,
         b_mode=b_mode,
         # big tiles: the k loop body is long enough (and compiles faster) where one
-        # FMA issues a cycle; where two do, 4 (gemm_k_unroll)
+        # FMA issues a cycle; where two do, 4 (gemm_k_unroll), and 2 for the 24
+        # accumulators of the wide tile (kernel for any M, 1 core, against 2: 4 is 8-20%
+        # slower at 1024^3, 512 x 768 x 768 and 128 x 3072 x 768; 1 within -5..+2%)
         unroll=tun.get("unroll", 4 if MR * NV <= 8 else
+                       min(2, gemm_k_unroll()) if MR * NV > 16 and isa == "avx512" else
                        gemm_k_unroll() if isa == "avx512" else 1),
         prefetch_c=tun.get("prefetch_c", True),
         strips=strips,
@@ -1337,11 +1362,27 @@ class _Gen(VecBuilder):
                     if p.strips:
                         self.strips(mc, nc, tile)
                     else:
-                        with self.loop(0, nc, p.NR, "jr") as jr:
-                            nr = self.smin(b.sub(nc, jr), i64(p.NR))
+                        def column(jr, nr, NV, mc=mc, tile=tile):
                             with self.loop(0, mc, p.MR, "ir") as ir_:
                                 mr = self.smin(b.sub(mc, ir_), i64(p.MR))
-                                tile(jr, ir_, mr, nr, p.MR, p.NV)
+                                tile(jr, ir_, mr, nr, p.MR, NV)
+
+                        self.col_tiles(nc, column)
+
+    def col_tiles(self, nc, body):
+        """body(jr, nr, NV) for the column tiles of an nc-column block: NR columns at a
+        time; with a tile wider than a B panel, whole widths and then the rest one
+        32-column panel at a time (NV = 2), not a wide tile with most columns masked."""
+        p, b = self.p, self.b
+        if p.NV <= 2 or p.b_mode not in ("prepacked", "pack"):
+            with self.loop(0, nc, p.NR, "jr") as jr:
+                body(jr, self.smin(b.sub(nc, jr), i64(p.NR)), p.NV)
+            return
+        nwide = b.sub(nc, b.srem(nc, i64(p.NR)))
+        with self.loop(0, nwide, p.NR, "jr") as jr:
+            body(jr, i64(p.NR), p.NV)
+        with self.loop(nwide, nc, PANEL, "jn") as jr:
+            body(jr, self.smin(b.sub(nc, jr), i64(PANEL)), 2)
 
     def strips(self, mc, nc, tile):
         """The micro-tiles of an mc x nc block: full MR-row panels, then the last
@@ -1351,10 +1392,12 @@ class _Gen(VecBuilder):
         s, p, b = self.s, self.p, self.b
         rem = b.srem(mc, i64(p.MR))
         mfull = b.sub(mc, rem)
-        with self.loop(0, nc, p.NR, "jr") as jr:
-            nr = self.smin(b.sub(nc, jr), i64(p.NR))
+
+        def column(jr, nr, NV):
             with self.loop(0, mfull, p.MR, "ir") as ir_:
-                tile(jr, ir_, p.MR, nr, p.MR, p.NV)
+                tile(jr, ir_, p.MR, nr, p.MR, NV)
+
+        self.col_tiles(nc, column)
         done = b.append_basic_block(self.name("strip.x"))
         sw = b.switch(rem, done)
         for rows in range(1, p.MR):

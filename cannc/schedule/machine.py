@@ -228,6 +228,19 @@ def gemm_k_unroll(pipes: int | None = None) -> int:
     return 4 if pipes >= 2 else 1
 
 
+def gemm_wide_tile(pipes: int | None = None) -> bool:
+    """Whether an AVX-512 fp32 GEMM of many rows takes 6 x 64 micro-tiles (24
+    accumulators; 4 B vectors and 6 broadcasts, 10 loads, per 24 FMAs) instead of 8 x 32
+    (10 loads per 16 FMAs), from the measured FMA pipes (fma_pipes()). With two 512-bit
+    FMAs a cycle the loads per FMA limit the 8 x 32 tile (a Sapphire Rapids guest, an L1
+    resident micro-benchmark: 8 x 32 at 83% of the FMA peak, 6 x 64 at 88%); the kernels
+    of a model (M at run time), 1 core, alternating in one process: 1024^3 +6%, 512 x 768
+    x 768 +3% (gemm_k_unroll: 2 for these tiles). With one (Zen 4), 6 x 32 and 8 x 32
+    are what was measured; the wide tile was not."""
+    pipes = fma_pipes() if pipes is None else pipes
+    return pipes >= 2
+
+
 @lru_cache(maxsize=1)
 def l2_b_block() -> int:
     """Bytes of B the GEMM's K x N block keeps in L2: 3/16 of this core's L2 and at least

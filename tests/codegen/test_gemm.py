@@ -38,7 +38,7 @@ from cannc.codegen.gemm import (
 from cannc.codegen.vec import declare
 from cannc.native import emit
 from cannc.native.target import KernelFunction, jit_kernel, jit_library
-from cannc.schedule.machine import gemm_k_unroll, gemm_micro_rows, l2_b_block
+from cannc.schedule.machine import gemm_k_unroll, gemm_micro_rows, gemm_wide_tile, l2_b_block
 from tests.helpers import aligned, run_splits
 
 # ---------------------------------------------------------------------------
@@ -710,10 +710,12 @@ def test_dynamic_plan_and_grid():
     p = gemm_plan(dspec)
     avx512 = host_isa() == "avx512"
     assert p.strips and p.mt == 0
-    assert (p.MR, p.NR) == ((gemm_micro_rows(), 32) if avx512 else (6, 16))
+    wide = avx512 and gemm_wide_tile()
+    assert (p.MR, p.NR) == ((6, 64) if wide else (gemm_micro_rows(), 32) if avx512 else (6, 16))
     # the grid and KC for these M are the static plan's for the same micro-kernel
     for M in (1, 3, 1024):
-        st = gemm_plan(dataclasses.replace(spec, M=M), {"MR": p.MR} if M > 8 else None)
+        st = gemm_plan(dataclasses.replace(spec, M=M),
+                       {"MR": p.MR, "NV": p.NV} if M > 8 else None)
         dims, T = gemm_dims(dspec, M)
         assert dict(zip(GEMM_DIMS, dims)) == {
             "M": M, "batch": 1, "mt": st.mt, "nt": st.nt, "MB": st.MB, "NB": st.NB,
@@ -776,10 +778,6 @@ def test_avx2_shapes(avx2_host, shape):
 def test_avx2_dynamic_and_code(avx2_host):
     """The kernel for any M on AVX2; its code uses no zmm register and its micro-kernel
     loops no stack slot (the accumulators stay in the 16 ymm registers)."""
-    import re
-
-    from cannc.native.target import _optimise
-
     for spec in (GemmSpec(1, 100, 70, b_prepacked=True), GemmSpec(1, 45, 33),
                  GemmSpec(1, 70, 50, b_prepacked=True, bias=True, bias_col_stride=1)):
         dspec, kernel = build_dynamic(spec)
@@ -787,29 +785,54 @@ def test_avx2_dynamic_and_code(avx2_host):
             run_dynamic(kernel, dspec, _dyn_spec(spec, M))
     module = ir.Module()
     emit_gemm(module, "g", GemmSpec(64, 256, 256, b_prepacked=True))
-    mod, tm = _optimise(str(module), "g", 0)
-    asm = tm.emit_assembly(mod)
-    assert "zmm" not in asm and "vfmadd" in asm
-    block, fmas, stack = None, {}, {}
-    for line in asm.splitlines():
-        if re.match(r"^\.LBB", line):
-            block = line
-        fmas[block] = fmas.get(block, 0) + ("vfmadd" in line)
-        stack[block] = stack.get(block, 0) + ("(%rsp)" in line)
+    blocks = _asm_blocks(module)
+    assert not any("zmm" in ln for lines in blocks.values() for ln in lines)
+    fmas = {b: sum("vfmadd" in ln for ln in lines) for b, lines in blocks.items()}
+    stack = {b: sum("(%rsp)" in ln for ln in lines) for b, lines in blocks.items()}
     loops = [b for b, n in fmas.items() if n >= 12]
     assert loops and all(stack[b] == 0 for b in loops), (fmas, stack)
 
 
+def _asm_blocks(module: ir.Module) -> dict[str, list[str]]:
+    """The assembly of a module's kernels (cannc's optimisation pipeline), by basic
+    block label."""
+    import re
+
+    from cannc.native.target import _optimise
+
+    mod, tm = _optimise(str(module), "g", 0)
+    block, blocks = None, {}
+    for line in tm.emit_assembly(mod).splitlines():
+        if re.match(r"^\.LBB", line):
+            block = line
+        blocks.setdefault(block, []).append(line)
+    return blocks
+
+
 def test_static_rows_pad_least():
     """A GEMM of M rows known when it is compiled takes the micro-kernel rows (the
-    measured choice, or 8) that pad M to fewer rows; a dynamic one the measured choice."""
+    measured choice, or 8) that pad M to fewer rows; a dynamic one the measured choice.
+    Where the wide 6 x 64 tile is the CPU's choice, a static M takes it unless its 6-row
+    padding costs more than the tile gains (128 rows: 132 against 128)."""
     if host_isa() != "avx512":
         pytest.skip("AVX-512 plans")
     many = gemm_micro_rows()
-    for M, want in ((128, 8), (1024, 8), (16, 8), (198, 6 if many == 6 else 8),
-                    (480, many), (50, 6 if many == 6 else 8)):
-        assert gemm_plan(GemmSpec(M, 768, 768, b_prepacked=True)).MR == want, M
-    assert gemm_plan(dynamic_spec(GemmSpec(128, 768, 768, b_prepacked=True))).MR == many
+    if gemm_wide_tile():
+        cases = ((128, (8, 32)), (1024, (6, 64)), (16, (8, 32)), (198, (6, 64)),
+                 (480, (6, 64)), (50, (6, 64)))
+        dyn = (6, 64)
+    else:
+        cases = tuple((M, (r, 32)) for M, r in ((128, 8), (1024, 8), (16, 8),
+                                                (198, 6 if many == 6 else 8), (480, many),
+                                                (50, 6 if many == 6 else 8)))
+        dyn = (many, 32)
+    for M, want in cases:
+        p = gemm_plan(GemmSpec(M, 768, 768, b_prepacked=True))
+        assert (p.MR, p.NR) == want, M
+    p = gemm_plan(dynamic_spec(GemmSpec(128, 768, 768, b_prepacked=True)))
+    assert (p.MR, p.NR) == dyn
+    # fewer than 64 columns never take the wide tile
+    assert gemm_plan(dynamic_spec(GemmSpec(128, 48, 768, b_prepacked=True))).NR == 32
 
 
 def test_dynamic_remainder_rows_of_a_narrow_block():
@@ -829,9 +852,67 @@ def test_micro_kernel_rows_and_l2_block_follow_the_cpu():
     L2 (never below the 1 MiB-L2 figure)."""
     assert gemm_micro_rows(2) == 8 and gemm_micro_rows(1) == 6
     assert gemm_k_unroll(2) == 4 and gemm_k_unroll(1) == 1
+    assert gemm_wide_tile(2) and not gemm_wide_tile(1)
     assert l2_b_block() >= 192 << 10
     p = gemm_plan(GemmSpec(480, 768, 768, b_prepacked=True))   # (6 and 8 rows: no padding)
-    if host_isa() == "avx512":
+    if host_isa() == "avx512" and gemm_wide_tile():
+        assert (p.MR, p.NR, p.unroll) == (6, 64, 2)
+    elif host_isa() == "avx512":
         assert p.MR == gemm_micro_rows()
         assert p.unroll == gemm_k_unroll()
         assert p.NC == max(32, l2_b_block() // (4 * p.KC) // 32 * 32)
+
+
+# ---------------------------------------------------------------------------
+# the wide 6 x 64 tile (cores with two 512-bit FMA pipes), forced on any AVX-512 host
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def wide_tiles(monkeypatch):
+    """Plans as on a core that issues two 512-bit FMAs a cycle: 6 x 64 tiles for many
+    rows (the plan cache is cleared on both sides, so no other test sees these plans)."""
+    import cannc.codegen.gemm as gemm_mod
+
+    if host_isa() != "avx512":
+        pytest.skip("AVX-512 plans")
+    monkeypatch.setattr(gemm_mod, "gemm_wide_tile", lambda pipes=None: True)
+    gemm_mod._plan.cache_clear()
+    yield
+    gemm_mod._plan.cache_clear()
+
+
+@pytest.mark.parametrize("N", [64, 96, 100, 130, 200])
+def test_wide_tile_column_edges(wide_tiles, N):
+    """Whole 64-column tiles, then the rest one 32-column panel at a time (a 6 x 32
+    tile, masked at N's edge): every column of every N, static and dynamic M, K blocks
+    summed in C (K = 600 > 256) and a bias."""
+    for K in (40, 600):
+        spec = GemmSpec(50, N, K, b_prepacked=True, bias=True, bias_col_stride=1)
+        p = gemm_plan(spec)
+        assert (p.MR, p.NR) == (6, 64)
+        case, kernel = check_spec(spec)
+        T = gemm_num_tiles(spec)
+        for cut in sorted({1, T // 2}):       # two cores, at different tile boundaries
+            case.check(run_split(kernel, case, splits=[0, cut, T]))
+        dspec, kernel = build_dynamic(spec)
+        assert (gemm_plan(dspec).MR, gemm_plan(dspec).NR) == (6, 64)
+        for i, M in enumerate((1, 5, 6, 13, 64, 131)):
+            run_dynamic(kernel, dspec, _dyn_spec(spec, M), seed=i)
+    # B packed per block (not a constant) takes the tile too
+    spec = GemmSpec(200, 100, 70)
+    assert (gemm_plan(spec).b_mode, gemm_plan(spec).NR) == ("pack", 64)
+    check_spec(spec)
+
+
+def test_wide_tile_code_has_no_masked_loads_or_spills(wide_tiles):
+    """The k loop of a 6 x 64 tile reads B without masks (the tile only ever runs on
+    whole 64-column widths, _Gen.col_tiles): a wide tile over the last, narrower columns
+    had masked B loads whose masks spilled, and with them the accumulators (1024^3,
+    1 core: 110 GFLOP/s against 148)."""
+    spec = dynamic_spec(GemmSpec(512, 768, 768, b_prepacked=True))
+    module = ir.Module()
+    emit_gemm(module, "gemm_wide", spec, dims_slot=3)
+    hot = max(_asm_blocks(module).values(), key=lambda lines: sum("vfmadd" in ln for ln in lines))
+    assert sum("vfmadd" in ln for ln in hot) == 24 * gemm_plan(spec).unroll
+    assert not [ln for ln in hot if "%rsp" in ln or "{%k" in ln], hot
