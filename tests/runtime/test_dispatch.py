@@ -86,6 +86,14 @@ def test_single_core_kernels_run_whole_on_one_core():
     assert (counts == 1).all() and len(set(cores.tolist())) == 1
 
 
+def test_one_core_runs_each_kernel_in_one_call():
+    """On one core every kernel's tiles are one claim, so one call: a GEMM split into row
+    blocks read all of B once per call (five guided claims of 22 tiles)."""
+    for counts, cores, order in _run([22, 7, 1], 1):
+        assert (counts == 1).all() and (cores == 0).all()
+        assert len(set(order.tolist())) == 1
+
+
 @pytest.mark.parametrize("ncores", [2, 3])
 def test_each_core_claims_its_own_region_first(ncores):
     T = 96
