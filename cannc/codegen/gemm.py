@@ -97,11 +97,17 @@ from ..native.emit import (
 )
 from ..native.target import host
 from ..runtime.memory import device_ready_empty
-from ..schedule.machine import gemm_k_unroll, gemm_micro_rows, gemm_wide_tile, l2_b_block
+from ..schedule.machine import (
+    cache_sizes,
+    gemm_k_unroll,
+    gemm_micro_rows,
+    gemm_wide_tile,
+    l2_b_block,
+)
 from ..schedule.split import cdiv as _cdiv
 from ..schedule.split import gemm_groups as _groups
+from ..schedule.split import region_chunks as _region_chunks
 from ..schedule.split import rup as _rup
-from ..schedule.split import split_even as _split_even
 from .elementwise import bf16_bits_to_f32, f32_to_bf16_bits
 from .vec import VF, VI32, VI64, VM, VPTR, VecBuilder, abi_function
 
@@ -465,25 +471,40 @@ def precision_note(spec: GemmSpec, tuning: dict | None = None) -> str | None:
     return "narrow storage, fp32 FMA"
 
 
+# flops that reading one float of B (or of an A block larger than half the L2) costs a
+# block, from L3 or memory: on the Sapphire Rapids guest a 1-core 128 x 768 x 3072 GEMM
+# in 6-row tiles took 6.1 ms in 5 chunks, each reading all of B, against 4.7 in one
+# (~1.4 ms for 38 MB: ~16 flops a float)
+REREAD_COST = 16.0
+
+
 def _grid_cost(spec: GemmSpec, MR, NR, MB, NB, mt, nt, pack_a, pack_b, cores=2):
-    """Crude model of the slowest core's time (units ~ flops)."""
+    """Crude model of the slowest core's time (units ~ flops), (without, with) the
+    reads of operands: the blocks of the chunks it claims from its region
+    (split.region_chunks), each block's products and packing, and its reads of B
+    columns, again in every chunk (a rows-only grid reads all of B once per chunk; B, a
+    model's weights, is not in cache), and of A rows where they do not stay in L2 (A,
+    an activation the previous kernel wrote, mostly does)."""
     M, N, K = spec.M, spec.N, spec.K
     T = spec.batch * mt * nt
-    worst = 0.0
-    for t0, t1 in _split_even(T, cores):
-        cost = 0.0
-        for _b, it0, it1, jt0, jt1 in _groups(spec.batch, mt, nt, t0, t1):
-            m0, m1 = it0 * MB, min(M, it1 * MB)
-            n0, n1 = jt0 * NB, min(N, jt1 * NB)
-            rows = _rup(m1 - m0, MR)
-            cols = _rup(n1 - n0, NR)
-            cost += 2.0 * rows * cols * K + 2000.0  # + per-block overhead
-            if pack_b:
-                cost += 24.0 * K * cols
-            if pack_a:
-                cost += 24.0 * K * rows
-        worst = max(worst, cost)
-    return worst
+    a_l2 = cache_sizes().get(2, 1 << 20) // 2 // (4 * K)   # rows of A that stay in L2
+    worst = [0.0, 0.0]
+    for chunks in _region_chunks(T, cores):
+        cost = reread = 0.0
+        for t0, t1 in chunks:
+            for _b, it0, it1, jt0, jt1 in _groups(spec.batch, mt, nt, t0, t1):
+                m0, m1 = it0 * MB, min(M, it1 * MB)
+                n0, n1 = jt0 * NB, min(N, jt1 * NB)
+                rows = _rup(m1 - m0, MR)
+                cols = _rup(n1 - n0, NR)
+                cost += 2.0 * rows * cols * K + 2000.0  # + per-block overhead
+                reread += REREAD_COST * K * (cols + (rows if rows > a_l2 else 0))
+                if pack_b:
+                    cost += 24.0 * K * cols
+                if pack_a:
+                    cost += 24.0 * K * rows
+        worst = [max(worst[0], cost), max(worst[1], cost + reread)]
+    return tuple(worst)
 
 
 def _distinct_splits(P):
@@ -555,14 +576,19 @@ def _choose_grid(spec: GemmSpec, MR: int, NR: int, pack_a: bool, pack_b: bool,
         c = (
             _grid_cost(spec, MR, NR, MB, NB, mt, nt, pack_a, pack_b)
             if len(cands) > 1
-            else 0.0
+            else (0.0, 0.0)
         )
         scored.append((c, mt, nt, MB, NB))
-    best = min(s[0] for s in scored)
-    ok = [s for s in scored if s[0] <= best * 1.01]
+    # of the grids that balance the products within 1% and do not read the operands
+    # again more than 10% beyond the fewest reads (chunks of 6-row blocks each reading
+    # all of B), the one nearest 32 tiles: the cores' chunks shrink as the tiles run out
+    best = min(s[0][0] for s in scored)
+    best_total = min(s[0][1] for s in scored)
+    ok = ([s for s in scored if s[0][0] <= best * 1.01 and s[0][1] <= best_total * 1.10]
+          or [s for s in scored if s[0][1] <= best_total * 1.01])
     target = 32
     _, mt, nt, MB, NB = min(
-        ok, key=lambda s: (abs(math.log2(spec.batch * s[1] * s[2] / target)), s[0])
+        ok, key=lambda s: (abs(math.log2(spec.batch * s[1] * s[2] / target)), s[0][1])
     )
     return mt, nt, MB, NB
 
@@ -870,9 +896,18 @@ def gemm_dims(spec: GemmSpec, M: int, batch: int = 1,
     KC = _cdiv(K, _cdiv(K, KC))
     if spec.compute == "bf16":  # whole k-pairs (a vdpbf16ps kernel, B prepacked or not)
         KC = _rup(KC, 2)
+    # (a multiple of the remainder rows' strip tile too, unless full row panels run and
+    # that overflows the L2 block of B: 6 x 64 tiles at M = 128 leave 2 rows, whose
+    # 96-wide tile made NC 192 at K = 3072, a 1.2 MiB block of B that with A's
+    # overflowed a 2 MiB L2: 6% slower alone, 25% in a BERT layer)
     _, wp = strip_width(p0, "prepacked")
-    step = math.lcm(_grid_nr(p0.NR, p0.b_mode), wp)
-    NC = tun.get("NC", max(step, _rup(_nc_for(KC, wp), _grid_nr(wp, p0.b_mode)) // step * step))
+    gnr = _grid_nr(p0.NR, p0.b_mode)
+    step = math.lcm(gnr, wp)
+    NC = max(step, _rup(_nc_for(KC, wp), _grid_nr(wp, p0.b_mode)) // step * step)
+    budget = _nc_for(KC, gnr)
+    if M >= p0.MR and NC > budget:
+        NC = budget // step * step if budget >= step else budget
+    NC = tun.get("NC", NC)
     return (M, batch, mt, nt, MB, NB, KC, NC, variant), batch * mt * nt
 
 

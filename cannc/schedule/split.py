@@ -46,6 +46,28 @@ def split_even(T: int, n: int) -> list[tuple[int, int]]:
     return [(i * T // n, (i + 1) * T // n) for i in range(n)]
 
 
+@functools.lru_cache(maxsize=4096)
+def region_chunks(T: int, cores: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The chunks each core claims from its own region (the dispatcher with up to
+    MAX_REGION_CORES cores, when no core takes another's tiles): region c is
+    split_even's c-th range, claimed ceil(left / CHUNKS_PER_CORE) tiles at a time, at
+    least ceil(T / (cores * MIN_CHUNK_DIVISOR)); one chunk on one core. Each chunk is
+    one call of the kernel: a GEMM block that a chunk cuts reads its A rows and B
+    columns again."""
+    if cores <= 1:
+        return (((0, T),) if T > 0 else (),)
+    lo = min_chunk(T, cores)
+    out = []
+    for r0, r1 in split_even(T, cores):
+        chunks, t = [], r0
+        while t < r1:
+            c = max(lo, cdiv(r1 - t, CHUNKS_PER_CORE))
+            chunks.append((t, min(r1, t + c)))
+            t += c
+        out.append(tuple(chunks))
+    return tuple(out)
+
+
 def gemm_groups(batch: int, mt: int, nt: int, t0: int, t1: int
                 ) -> Iterator[tuple[int, int, int, int, int]]:
     """The blocks one call of a GEMM kernel processes for tile range [t0, t1) (as the

@@ -835,6 +835,27 @@ def test_static_rows_pad_least():
     assert gemm_plan(dynamic_spec(GemmSpec(128, 48, 768, b_prepacked=True))).NR == 32
 
 
+def test_grid_does_not_stream_b_once_per_chunk():
+    """A grid of row blocks makes each chunk a core claims read all of B: the grid of
+    a BERT-base down projection (128 x 768 x 3072) splits columns, for the wide and the
+    narrow tiles alike, while 1024 rows of A (beyond the L2) may still be split by rows."""
+    for tun in (None, {"MR": 6, "NV": 4}, {"MR": 8, "NV": 2}):
+        for N, K in ((768, 3072), (768, 768)):
+            dspec = dynamic_spec(GemmSpec(1, N, K, b_prepacked=True))
+            dims = dict(zip(GEMM_DIMS, gemm_dims(dspec, 128, 1, tun)[0]))
+            assert dims["mt"] == 1 and dims["nt"] > 1, (tun, N, K, dims)
+            st = gemm_plan(GemmSpec(128, N, K, b_prepacked=True), tun)
+            assert st.mt == 1, (tun, N, K)
+    # the model: a rows-only grid of 6-row blocks costs far more than the column grid
+    spec = GemmSpec(128, 768, 3072, b_prepacked=True)
+    from cannc.codegen.gemm import _grid_cost
+
+    rows = _grid_cost(spec, 6, 64, 6, 768, 22, 1, False, False)
+    cols = _grid_cost(spec, 6, 64, 132, 64, 1, 12, False, False)
+    assert rows[0] == pytest.approx(cols[0], rel=0.02)    # the products balance alike
+    assert rows[1] > 1.3 * cols[1]                        # the rereads of B do not
+
+
 def test_dynamic_remainder_rows_of_a_narrow_block():
     """The few rows after the full panels of a dynamic kernel run 32 columns at a time
     where the column block is narrower than their wide micro-tile (at M = 128 the grid

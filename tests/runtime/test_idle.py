@@ -14,7 +14,7 @@ from cannc.native.target import JitLibrary
 from cannc.runtime import dispatch
 from cannc.runtime.device import IDLE_SPIN_US, Device
 from cannc.runtime.program import dispatcher_object
-from cannc.schedule.split import claim_chunks, min_chunk
+from cannc.schedule.split import claim_chunks, min_chunk, region_chunks, split_even
 from models import zoo
 
 
@@ -85,6 +85,25 @@ def test_claim_chunks_cover_and_shrink(T, cores):
     assert all(x >= y for x, y in zip(sizes, sizes[1:]))
     if cores > 1:
         assert all(s >= min(min_chunk(T, cores), T) for s in sizes[:-1])
+
+
+@pytest.mark.parametrize("T,cores", [(1, 2), (22, 2), (100, 2), (37, 3), (5, 1), (0, 2)])
+def test_region_chunks_follow_the_dispatcher(T, cores):
+    """Each core's chunks (as the dispatcher claims them from its region, nobody taking
+    another's) cover its region in order, shrinking; one chunk on one core."""
+    per_core = region_chunks(T, cores)
+    assert len(per_core) == cores
+    flat = [c for chunks in per_core for c in chunks]
+    assert [t for a, b in flat for t in range(a, b)] == list(range(T))
+    for (r0, r1), chunks in zip(split_even(T, cores), per_core):
+        if r1 > r0:
+            assert chunks[0][0] == r0 and chunks[-1][1] == r1
+        sizes = [b - a for a, b in chunks]
+        assert all(x >= y for x, y in zip(sizes, sizes[1:]))
+    if cores == 1:
+        assert len(per_core[0]) <= 1
+    if (T, cores) == (22, 2):
+        assert [b - a for a, b in per_core[0]] == [6, 3, 1, 1]
 
 
 def test_failed_copy_in_does_not_strand_the_workers(mlp2):
