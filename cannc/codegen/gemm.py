@@ -354,9 +354,9 @@ def _wide_pays(M: int, N: int, MR: int, dyn: bool) -> bool:
     """Whether a product of M rows (any M for a dynamic kernel) and N columns takes the
     WIDE_MR x 64 micro-tile rather than MR x 32: on cores with two 512-bit FMA pipes
     (gemm_wide_tile), at least 64 columns, and a known M that WIDE_MR rows do not pad
-    by more than the tile gains (M = 128: 132 rows against 128, 3% of 6%: the wide tile
-    then loses in the measurements). Columns past the last multiple of 64 are run by a
-    WIDE_MR x 32 tile (_Gen.col_tiles)."""
+    by more than the tile gains (M = 128: 132 rows against 128, 3% of 6%; there the
+    static wide kernel measured 0.98-1.05 of 8 x 32, within the noise). Columns past the
+    last multiple of 64 are run by a WIDE_MR x 32 tile (_Gen.col_tiles)."""
     if N < 64 or not gemm_wide_tile():
         return False
     if dyn:
