@@ -98,11 +98,11 @@ from ..native.emit import (
 from ..native.target import host
 from ..runtime.memory import device_ready_empty
 from ..schedule.machine import (
-    cache_sizes,
     gemm_k_unroll,
     gemm_micro_rows,
     gemm_wide_tile,
     l2_b_block,
+    l2_bytes,
 )
 from ..schedule.split import cdiv as _cdiv
 from ..schedule.split import gemm_groups as _groups
@@ -487,7 +487,7 @@ def _grid_cost(spec: GemmSpec, MR, NR, MB, NB, mt, nt, pack_a, pack_b, cores=2):
     an activation the previous kernel wrote, mostly does)."""
     M, N, K = spec.M, spec.N, spec.K
     T = spec.batch * mt * nt
-    a_l2 = cache_sizes().get(2, 1 << 20) // 2 // (4 * K)   # rows of A that stay in L2
+    a_l2 = l2_bytes() // 2 // (4 * K)   # rows of A that stay in L2
     worst = [0.0, 0.0]
     for chunks in _region_chunks(T, cores):
         cost = reread = 0.0

@@ -49,7 +49,7 @@ import llvmlite.ir as ir
 import numpy as np
 
 from ..native.emit import F32, I8, i64
-from ..schedule.machine import cache_sizes
+from ..schedule.machine import l2_bytes
 from .conv import (
     MR_EFFICIENCY,
     MR_EFFICIENCY_AVX2,
@@ -245,7 +245,7 @@ def _plan_winograd(geom: ConvGeom, cores: int, tun: dict) -> WinoPlan:
     mrs = [tun["MR"]] if "MR" in tun else ([8, 7, 6, 5] if wide else [6, 5, 4])
     gather = GATHER_COST if wide else GATHER_COST_AVX2
     scatter = SCATTER_COST if wide else SCATTER_COST_AVX2
-    ws_max = int(WS_L2_SHARE * cache_sizes().get(2, 1 << 20))
+    ws_max = int(WS_L2_SHARE * l2_bytes())
     for MR in mrs:
         # (fewer rows a micro-tile run slower, as in the conv planner's MR_EFFICIENCY)
         mr_eff = (MR_EFFICIENCY if wide else MR_EFFICIENCY_AVX2).get(MR, 1.0)

@@ -242,12 +242,17 @@ def gemm_wide_tile(pipes: int | None = None) -> bool:
 
 
 @lru_cache(maxsize=1)
+def l2_bytes() -> int:
+    """This core's L2 (1 MiB where sysfs does not say): read once, planners ask often."""
+    return cache_sizes().get(2, 1 << 20)
+
+
+@lru_cache(maxsize=1)
 def l2_b_block() -> int:
     """Bytes of B the GEMM's K x N block keeps in L2: 3/16 of this core's L2 and at least
     192 KiB (measured on 1 MiB L2s: Zen 4; on Emerald Rapids' 2 MiB, NC 64 -> 128 at
     K = 768 gains 5-10%)."""
-    l2 = cache_sizes().get(2, 1 << 20)
-    return max(192 << 10, l2 * 3 // 16)
+    return max(192 << 10, l2_bytes() * 3 // 16)
 
 
 def _fma_units(cpu: str, vector_bits: int) -> int:

@@ -937,3 +937,17 @@ def test_wide_tile_code_has_no_masked_loads_or_spills(wide_tiles):
     hot = max(_asm_blocks(module).values(), key=lambda lines: sum("vfmadd" in ln for ln in lines))
     assert sum("vfmadd" in ln for ln in hot) == 24 * gemm_plan(spec).unroll
     assert not [ln for ln in hot if "%rsp" in ln or "{%k" in ln], hot
+
+
+def test_grid_choice_reads_the_cache_sizes_once(monkeypatch):
+    """The grid model's L2 size is read once per process: read from sysfs at each of
+    the ~25 grids costed per GEMM it made the first run of a new BERT-base shape
+    spend 0.8 s in the planner."""
+    from cannc.schedule import machine
+
+    gemm_dims(dynamic_spec(GemmSpec(1, 768, 3072, b_prepacked=True)), 128)
+    calls = []
+    monkeypatch.setattr(machine, "_data_caches", lambda *a, **k: calls.append(a) or [])
+    for M in (77, 512):
+        gemm_dims(dynamic_spec(GemmSpec(1, 768, 3072 + M, b_prepacked=True)), M)
+    assert not calls
