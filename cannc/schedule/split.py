@@ -57,15 +57,17 @@ def region_chunks(T: int, cores: int) -> tuple[tuple[tuple[int, int], ...], ...]
     if cores <= 1:
         return (((0, T),) if T > 0 else (),)
     lo = min_chunk(T, cores)
-    out = []
-    for r0, r1 in split_even(T, cores):
-        chunks, t = [], r0
-        while t < r1:
-            c = max(lo, cdiv(r1 - t, CHUNKS_PER_CORE))
-            chunks.append((t, min(r1, t + c)))
-            t += c
-        out.append(tuple(chunks))
-    return tuple(out)
+    return tuple(tuple(_guided(r0, r1, lo, CHUNKS_PER_CORE)) for r0, r1 in split_even(T, cores))
+
+
+def _guided(t0: int, t1: int, lo: int, pieces: int) -> Iterator[tuple[int, int]]:
+    """Tiles [t0, t1) claimed as the dispatcher claims them: ceil(left / pieces) at a
+    time, at least lo."""
+    t = t0
+    while t < t1:
+        c = max(lo, cdiv(t1 - t, pieces))
+        yield t, min(t1, t + c)
+        t += c
 
 
 def gemm_groups(batch: int, mt: int, nt: int, t0: int, t1: int
@@ -102,10 +104,4 @@ def claim_chunks(T: int, cores: int) -> tuple[tuple[int, int], ...]:
 def _claim_chunks(T: int, cores: int) -> list[tuple[int, int]]:
     if cores <= 1:
         return [(0, T)] if T > 0 else []
-    lo, pieces = min_chunk(T, cores), cores * CHUNKS_PER_CORE
-    out, t = [], 0
-    while t < T:
-        c = max(lo, cdiv(T - t, pieces))
-        out.append((t, min(T, t + c)))
-        t += c
-    return out
+    return list(_guided(0, T, min_chunk(T, cores), cores * CHUNKS_PER_CORE))
