@@ -759,12 +759,9 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
         pack_a=pack_a,
         b_mode=b_mode,
         # big tiles: the k loop body is long enough (and compiles faster) where one
-        # FMA issues a cycle; where two do, 4 (gemm_k_unroll), and 2 for the 24
-        # accumulators of the wide tile (kernel for any M, 1 core, against 2: 4 is 8-20%
-        # slower at 1024^3, 512 x 768 x 768 and 128 x 3072 x 768; 1 within -5..+2%)
+        # FMA issues a cycle; where two do, 2-4 by the accumulators (gemm_k_unroll)
         unroll=tun.get("unroll", 4 if MR * NV <= 8 else
-                       min(2, gemm_k_unroll()) if MR * NV > 16 and isa == "avx512" else
-                       gemm_k_unroll() if isa == "avx512" else 1),
+                       gemm_k_unroll(accumulators=MR * NV) if isa == "avx512" else 1),
         prefetch_c=tun.get("prefetch_c", True),
         strips=strips,
         isa=isa,

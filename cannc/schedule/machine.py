@@ -215,7 +215,7 @@ def gemm_micro_rows(pipes: int | None = None) -> int:
     return 8 if pipes >= 2 else 6
 
 
-def gemm_k_unroll(pipes: int | None = None) -> int:
+def gemm_k_unroll(pipes: int | None = None, accumulators: int = 16) -> int:
     """k steps per iteration of the k loop of an AVX-512 GEMM micro-kernel of more than 8
     accumulators, from the measured FMA pipes (fma_pipes()). With one 512-bit FMA a
     cycle a 6 x 32 or 8 x 32 tile's loop body runs 12-16 cycles and 1 is enough (Zen 4,
@@ -223,9 +223,14 @@ def gemm_k_unroll(pipes: int | None = None) -> int:
     branch compete with the FMAs: 4 (a Sapphire Rapids guest, 1 core, both kernels timed
     alternately in one process, two runs, static / dynamic-M kernel: 128x768x3072 +9%,
     +9% / +5%, +7%; 128x3072x768 +7%, +8% / +8%, +8%; 512x768x768 +5%, +4% / +8%, +8%;
-    1024^3 +2%, +2% / +7%, +7%; 8 is level with 4, 2 is 5-7% short of it)."""
+    1024^3 +2%, +2% / +7%, +7%; 8 is level with 4, 2 is 5-7% short of it). More than 16
+    accumulators (the 24 of the 6 x 64 tile, gemm_wide_tile): 2 (kernel for any M, 1
+    core, against 2: 4 is 8-20% slower at 1024^3, 512 x 768 x 768 and 128 x 3072 x 768;
+    1 within -5..+2%)."""
     pipes = fma_pipes() if pipes is None else pipes
-    return 4 if pipes >= 2 else 1
+    if pipes < 2:
+        return 1
+    return 2 if accumulators > 16 else 4
 
 
 def gemm_wide_tile(pipes: int | None = None) -> bool:

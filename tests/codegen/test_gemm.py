@@ -873,6 +873,7 @@ def test_micro_kernel_rows_and_l2_block_follow_the_cpu():
     L2 (never below the 1 MiB-L2 figure)."""
     assert gemm_micro_rows(2) == 8 and gemm_micro_rows(1) == 6
     assert gemm_k_unroll(2) == 4 and gemm_k_unroll(1) == 1
+    assert gemm_k_unroll(2, accumulators=24) == 2 and gemm_k_unroll(1, accumulators=24) == 1
     assert gemm_wide_tile(2) and not gemm_wide_tile(1)
     assert l2_b_block() >= 192 << 10
     p = gemm_plan(GemmSpec(480, 768, 768, b_prepacked=True))   # (6 and 8 rows: no padding)
