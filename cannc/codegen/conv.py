@@ -59,7 +59,7 @@ import llvmlite.ir as ir
 import numpy as np
 
 from ..native.emit import BF16, F32, I8, I32, I64, PTR, i64, masked_load, masked_store
-from ..schedule.machine import l1d_sets
+from ..schedule.machine import fma_pipes, l1d_sets
 from ..schedule.split import claim_chunks
 from .plancache import persistent
 from .vec import VF, VI32, VM, VPTR, VecBuilder, abi_function, wide_registers
@@ -303,6 +303,20 @@ NV_EFFICIENCY = {1: 0.97, 2: 1.0}
 MR_EFFICIENCY_AVX2 = {6: 1.0, 5: 0.93, 4: 0.85, 3: 0.72}
 
 
+# vector loads (and broadcasts) a core issues per cycle next to its FMAs: two on every
+# AVX-512 core cannc has met (Zen 4, Zen 5, Sapphire Rapids)
+LOADS_PER_CYCLE = 2
+
+
+def load_balance(MR: int, NV: int, pipes: int) -> float:
+    """Share of the FMA rate that an MR x 16*NV micro-tile's loads leave: per k step it
+    issues MR + NV loads (broadcasts and vectors) for MR*NV FMAs. With one FMA pipe no
+    tile of at least 8 accumulators is load-bound; with two, the MR x 16 tiles are: 9
+    loads for 8 FMAs. Sapphire Rapids (two pipes), 1x1 convs swapped on 14x14 and 28x28
+    images, MR x 16 against MR x 32: 576->96 0.85, 384->64 0.89, 512->128 0.89."""
+    return min(1.0, (MR * NV / pipes) / ((MR + NV) / LOADS_PER_CYCLE))
+
+
 def choose_mr(Mg: int, wide: bool = True) -> int:
     """Rows of the normal micro-tile: 8 with AVX-512 (16 accumulators, measured best on
     Zen 4), 6 with AVX2 (MR x 16: 12 ymm accumulators), unless a smaller tile wastes
@@ -375,6 +389,11 @@ SWAP_OUT_COST = 200.0
 # orientation picked is the faster one measured for all 16 1x1 convs at 28x28 and 14x14 of
 # MobileNetV2, EfficientNet, RegNet and ResNet-50 (normal still for 32->192, 40->240,
 # 240->40, 48->120: short reductions or channel counts that waste swapped lanes)
+# Two FMA pipes (Sapphire Rapids): the gain holds where X's channel planes are not whole
+# cache lines (14x14, 7x7: the normal orientation's X vectors split lines; 1x1 convs ran
+# 12-28% faster swapped: 384->64, 576->96, 256->256, 1024->256), but at 28x28 the normal
+# orientation was the faster one, by 6-21% (512->128, 128->512, 128->128, 144->32), so
+# there two-pipe cores take no gain
 SWAP_READS_X_GAIN = 0.92
 # the swapped orientation reading a KxK conv's taps from X (swap_reads_x): with one vector
 # of 16 channels a micro-tile row each k step loads a weight vector and broadcasts MR
@@ -505,6 +524,10 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict) -> Co
 
     # normal orientation: MR channels x 16*NV pixels
     wide = wide_registers()
+    # the costs are in flop units, the time of a flop at the FMA peak; the overheads
+    # (copies, write-outs, weight streams, per tile) were measured on Zen 4, one zmm FMA
+    # a cycle: with two pipes the same nanoseconds are twice the flops
+    pipes = fma_pipes() if wide else 1
     MR = tun.get("MR", choose_mr(Mg, wide))
     direct = tun.get("direct", True) and geom.direct_ok
     if direct and "direct" not in tun and geom.KK == 1 and geom.Cg <= IM2COL_ALIASED_MAX_C \
@@ -513,13 +536,14 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict) -> Co
     im2col_cost = 0.0 if direct else IM2COL_COST
 
     def cost_n_of(NR):
-        eff = NV_EFFICIENCY.get(NR // 16, 1.0) if wide else 1.0
+        eff = NV_EFFICIENCY.get(NR // 16, 1.0) * load_balance(MR, NR // 16, pipes) \
+            if wide else 1.0
 
         def cost_n(ch, px):
-            c = 2.0 * rup(ch, MR) * rup(px, NR) * K / eff + im2col_cost * K * px + 3000.0
-            c += weight_traffic(ch, K)
+            c = 2.0 * rup(ch, MR) * rup(px, NR) * K / eff
+            c += pipes * (im2col_cost * K * px + 3000.0 + weight_traffic(ch, K))
             if not const_weights:
-                c += 4.0 * rup(ch, MR) * K
+                c += pipes * 4.0 * rup(ch, MR) * K
             return c
         return cost_n
 
@@ -573,7 +597,7 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict) -> Co
 
             # (MR pixels a micro-tile: fewer rows run slower, as in the normal orientation:
             # Zen 4, 480->80 at 14x14 MR4 0.152 ms, MR7 0.132; 576->96 0.194, 0.188)
-            eff_s = mr_eff.get(MRs, 1.0)
+            eff_s = mr_eff.get(MRs, 1.0) * (load_balance(MRs, NVs, pipes) if wide else 1.0)
 
             # (KxK taps read from X: per k step a weight vector per 16 channels and MR
             # pixel broadcasts from scattered rows, SWAP_TAPS_EFF)
@@ -587,17 +611,18 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict) -> Co
                 0.0 if geom.pointwise else IM2COL_COST - im2col_unit_cost(geom)
 
             def cost_s(ch, px, MRs=MRs, NRs=NRs, eff_s=eff_s, col=col):
-                c = (2.0 * rup(ch, NRs) * rup(px, MRs) * K / eff_s
-                     + col * K * px + 3000.0 + out_cost * ch * px / 16)
-                c += weight_traffic(ch, K)
+                c = 2.0 * rup(ch, NRs) * rup(px, MRs) * K / eff_s
+                c += pipes * (col * K * px + 3000.0 + out_cost * ch * px / 16
+                              + weight_traffic(ch, K))
                 if not const_weights:
-                    c += 4.0 * rup(ch, NRs) * K
+                    c += pipes * 4.0 * rup(ch, NRs) * K
                 return c
             pm = max(MRs, (pmax // MRs) * MRs)
             g = _grid(geom, K, MRs, NRs, pm, cores, cost_s)
             # a small preference for the normal orientation (cheaper stores, maybe direct),
             # less where the swapped one reads X itself (SWAP_READS_X_GAIN)
-            gain = SWAP_READS_X_GAIN if xa and geom.pointwise else 1.0
+            gain = SWAP_READS_X_GAIN if xa and geom.pointwise and (
+                pipes == 1 or geom.DHW * 4 % 64) else 1.0
             cands.append((g[0] * 1.02 * gain, True, MRs, NVs, xa, g))
     cost, swap, MR, NV, direct, (_, PB, P, MB, CH, T) = min(cands, key=lambda c: c[0])
     # reduction blocks of whole input channels

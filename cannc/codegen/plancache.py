@@ -3,9 +3,10 @@
 The conv and Winograd planners search their tile grids in Python (tens of ms per
 distinct convolution); their default plans are pure functions of the geometry, the
 core count and the host, so `persistent` keeps them in memory and, checksummed, in the
-cache directory (``plans/``), keyed by the planner, its arguments, the host target and
-cannc's sources (`source_digest`: a changed planner never reuses old plans). A
-missing, damaged or unreadable file only costs the planning.
+cache directory (``plans/``), keyed by the planner, its arguments, the host target, the
+FMA pipes measured on this machine (the conv planner weighs its micro-tiles' loads
+against them) and cannc's sources (`source_digest`: a changed planner never reuses old
+plans). A missing, damaged or unreadable file only costs the planning.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, TypeVar
 
 from .. import config
 from ..native.target import host, read_checksummed, source_digest, write_checksummed
+from ..schedule import machine
 
 _MAGIC = b"CNCPLAN1\n"
 F = TypeVar("F", bound=Callable[..., Any])
@@ -33,14 +35,16 @@ def persistent(name: str) -> Callable[[F], F]:
 
         @functools.wraps(fn)
         def planned(*args: Any) -> Any:
-            k = (host().fingerprint, *args)
+            pipes = machine.fma_pipes()
+            k = (host().fingerprint, pipes, *args)
             with lock:
                 if k in memory:
                     return memory[k]
             root = config.cache_dir()
             path = None
             if root is not None:
-                h = hashlib.sha256(f"{name}|{host().fingerprint}|{source_digest()}".encode())
+                h = hashlib.sha256(
+                    f"{name}|{host().fingerprint}|pipes={pipes}|{source_digest()}".encode())
                 h.update(pickle.dumps(args, protocol=4))
                 path = Path(root) / "plans" / h.hexdigest()[:32]
                 data = read_checksummed(path, _MAGIC)

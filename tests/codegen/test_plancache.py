@@ -55,3 +55,17 @@ def test_no_cache_directory_plans_in_memory_only(tmp_path, monkeypatch):
     g = _geom(16, 32, 28)
     assert conv.plan_conv(g, cores=2) == conv._plan_conv(g, True, 2, {})
     assert not any(tmp_path.iterdir())
+
+
+def test_plans_are_kept_per_measured_fma_pipes(tmp_path, monkeypatch):
+    """The conv planner weighs micro-tile loads against the FMA pipes measured on this
+    machine, so a plan made under one measurement is not served under another."""
+    from cannc.schedule import machine
+    monkeypatch.setenv("CANNC_CACHE_DIR", str(tmp_path))
+    conv._plan_conv_default.cache_clear()
+    monkeypatch.setattr(machine, "fma_pipes", lambda: 1)
+    conv.plan_conv(_geom(), cores=2)
+    monkeypatch.setattr(machine, "fma_pipes", lambda: 2)
+    conv.plan_conv(_geom(), cores=2)
+    assert len(list((tmp_path / "plans").iterdir())) == 2
+    conv._plan_conv_default.cache_clear()

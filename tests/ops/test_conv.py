@@ -245,6 +245,30 @@ def test_conv_plan_orientation():
     assert p.direct and not p.swap and p.num_tiles >= 2
 
 
+def test_two_fma_pipes_weigh_micro_tile_loads(monkeypatch):
+    """With two FMA pipes an MR x 16 micro-tile is load-bound (MR + 1 loads for MR FMAs)
+    and the overheads cost twice the flops: 1x1 convs at 28x28 take the normal
+    orientation, those at 14x14 stay swapped with 32-channel panels (NV = 1 had been
+    picked for 512->128, 576->96 and 384->64; measured 12-36% slower on Sapphire
+    Rapids). One pipe (Zen 4) keeps the plans measured there."""
+    monkeypatch.setattr(conv_codegen, "wide_registers", lambda: True)
+
+    def plan(c, m, hw, pipes):
+        monkeypatch.setattr(conv_codegen, "fma_pipes", lambda: pipes)
+        g = conv_codegen.ConvGeom(N=1, C=c, M=m, G=1, isz=(1, hw, hw), osz=(1, hw, hw),
+                                  k=(1, 1, 1))
+        return conv_codegen._plan_conv(g, True, 2, {})   # (not the plan cache)
+    assert conv_codegen.load_balance(8, 1, 2) < 0.9 < conv_codegen.load_balance(8, 2, 2) == 1
+    assert conv_codegen.load_balance(8, 1, 1) == 1
+    for c, m in ((512, 128), (128, 512), (128, 128)):
+        p = plan(c, m, 28, 2)
+        assert not p.swap and p.NV == 2, (c, m, p)
+    for c, m in ((576, 96), (384, 64), (1024, 256)):
+        p = plan(c, m, 14, 2)
+        assert p.swap and p.NV == 2, (c, m, p)
+    assert plan(512, 128, 28, 1).swap
+
+
 @pytest.mark.parametrize("prepacked", [True, False], ids=["const-w", "runtime-w"])
 def test_swapped_conv_prefetches_the_next_weight_panel(prepacked):
     """The swapped orientation with constant weights prefetches the next 32-channel panel
