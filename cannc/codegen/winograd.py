@@ -49,7 +49,7 @@ import llvmlite.ir as ir
 import numpy as np
 
 from ..native.emit import F32, I8, i64
-from ..schedule.machine import l2_bytes
+from ..schedule.machine import l2_bytes, peaks
 from .conv import (
     MR_EFFICIENCY,
     MR_EFFICIENCY_AVX2,
@@ -684,13 +684,33 @@ DIRECT_EFF = 0.95        # conv.py's implicit GEMM runs at ~95 GFLOP/s on these 
 MIN_GAIN = 1.1           # modelled speed-up that Winograd must show to be chosen
 MIN_FLOPS = 20_000_000   # per image: below this the transforms and the extra kernel tiles
                          # do not pay
+# the implicit GEMM's share of the measured FMA peak (Zen 4: ~95 of 117 GFLOP/s; Sapphire
+# Rapids: ~190 of 200-230), to put its modelled time beside the weights' memory time
+DIRECT_PEAK_SHARE = 0.81
 
 
-def choose(geom: ConvGeom, mode: str = "auto", cores: int = 2) -> WinoPlan | None:
+def weight_stream_s(nbytes: int) -> float:
+    """Seconds to stream a kernel's weights from memory, once a call (every image of a
+    batch reuses them): weights beyond a core's L2 do not stay cached between calls in a
+    model whose weights add up to more than the caches (ResNet-50: 100 MB); smaller
+    ones are taken as cached."""
+    if nbytes <= l2_bytes():
+        return 0.0
+    return nbytes / (peaks()["mem_gbps"] * 1e9)
+
+
+def choose(geom: ConvGeom, mode: str = "auto", cores: int = 2,
+           batch: int | None = None) -> WinoPlan | None:
     """The Winograd plan to use for ``geom`` (constant weights), or None for the implicit
     GEMM. ``mode``: 'off', 'force' (every eligible shape) or 'auto' (the cost model).
-    Decided on ONE image (its plan, its direct-conv time), so every batch size takes the
-    same path and the same code (codegen/lower/conv.py conv_tiling)."""
+    Planned on ONE image (its plan, its direct-conv time), so every batch size runs the
+    same code (codegen/lower/conv.py conv_tiling); decided for ``batch`` images (default
+    ``geom.N``) since the weights stream once a call: Winograd's are (m+2)^2/9 times the
+    direct ones (16/9 for F(2,3)), which costs more than its saved flops where a layer
+    has few pixels and many channels. ResNet-18's and ResNet-50's 3x3 convs at 7x7 (512
+    channels, 9.4 MB of weights) at batch 1, 1 core, Sapphire Rapids, in the models:
+    Winograd 2.69-2.76 ms, the implicit GEMM 2.32-2.43; at 14x14 (256 channels) Winograd
+    stays 1.4x faster."""
     if mode == "off" or not eligible(geom):
         return None
     plan = plan_winograd(geom, cores=cores)
@@ -700,4 +720,13 @@ def choose(geom: ConvGeom, mode: str = "auto", cores: int = 2) -> WinoPlan | Non
     if flops < MIN_FLOPS:
         return None
     direct = dispatch_time(2, cores, lambda t0, t1: (t1 - t0) * flops / 2 / DIRECT_EFF)
-    return plan if plan.cost * MIN_GAIN < direct else None
+    n = geom.N if batch is None else batch
+    # seconds: the modelled direct time at its share of the measured peak, Winograd's in
+    # proportion, each plus its weights' memory time
+    direct_s = flops / (peaks()["fp32_gflops_per_core"] * 1e9 * DIRECT_PEAK_SHARE * cores)
+    wino_s = direct_s * plan.cost / direct
+    a = plan.m + 2
+    wbytes = 4 * geom.M * geom.Cg
+    d_total = n * direct_s + weight_stream_s(wbytes * geom.KK)
+    w_total = n * wino_s + weight_stream_s(wbytes * a * a)
+    return plan if w_total * MIN_GAIN < d_total else None

@@ -239,6 +239,54 @@ def test_selection_takes_winograd_for_resnet_layer(monkeypatch):
     assert k.notes["gemm_flops"] == 2 * 16 * 28 * 28 * 64 * 64
 
 
+def _sapphire_rapids_memory(monkeypatch, mem_gbps=13.5):
+    """The peaks and L2 of the Sapphire Rapids guest whose figures chose the rule."""
+    monkeypatch.setattr(wg, "peaks", lambda: {"fp32_gflops_per_core": 200.0,
+                                              "mem_gbps": mem_gbps})
+    monkeypatch.setattr(wg, "l2_bytes", lambda: 2 << 20)
+
+
+def test_selection_weighs_the_weights_memory_time(monkeypatch):
+    """Winograd's weights are 16/9 of the direct ones and stream once a call: at 7x7 with
+    512 channels (9.4 MB direct) one image does too few flops to pay for them, a batch
+    of 8 does; 256 channels at 14x14 keep Winograd at batch 1; with a fast memory (or
+    weights that stay in L2) the flops alone decide, as before."""
+    _sapphire_rapids_memory(monkeypatch)
+
+    def geom(c, hw):
+        return ConvGeom(N=1, C=c, M=c, G=1, isz=(1, hw, hw), osz=(1, hw, hw), k=(1, 3, 3),
+                        pb=(0, 1, 1), bias=True)
+    assert wg.choose(geom(512, 7), batch=1) is None
+    assert wg.choose(geom(512, 7), batch=8) is not None
+    assert wg.choose(geom(256, 14), batch=1) is not None
+    assert wg.choose(geom(128, 28), batch=1) is not None
+    _sapphire_rapids_memory(monkeypatch, mem_gbps=1e4)
+    assert wg.choose(geom(512, 7), batch=1) is not None
+
+
+def test_one_session_runs_batch_1_direct_and_batch_8_winograd(monkeypatch):
+    """The choice is made per batch in conv_tiling: a model of any batch runs the implicit
+    GEMM at batch 1 and Winograd at batch 8 (two kernels, each with its own packed
+    weights), both matching onnxruntime."""
+    monkeypatch.setattr(config, "WINOGRAD", "auto")
+    _sapphire_rapids_memory(monkeypatch)
+    x1, w, b = conv_inputs((1, 512, 7, 7), (512, 512, 3, 3))
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w", "b"], ["y"], pads=[1, 1, 1, 1])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 512, 7, 7])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    sess = cannc.compile(model, cores=2)
+    x8 = RNG.standard_normal((8, 512, 7, 7)).astype(np.float32)
+    for x in (x1, x8):
+        got = sess.run(None, {"x": x})[0]
+        np.testing.assert_allclose(got, ort_run(model, {"x": x})[0], **TOL)
+    paths = {s.kernels[0].notes["path"].split()[0] for s in sess.specializations}
+    assert paths == {"direct-gemm-swapped", "winograd"} or \
+        paths == {"im2col-gemm-swapped", "winograd"}, paths
+
+
 @pytest.mark.parametrize("mode", ["auto", "force"])
 @pytest.mark.parametrize("xs,ws,attrs", [
     ((1, 64, 56, 56), (64, 64, 3, 3), dict(pads=[1, 1, 1, 1], strides=[2, 2])),

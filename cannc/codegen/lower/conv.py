@@ -247,9 +247,11 @@ def conv_tiling(node: Any, ins: list[Any], outs: list[Any]) -> Tiling | None:
     ``plan_window`` at N=1) and the kernel's tile ``t`` is tile ``t % T1`` of image
     ``t // T1``, the per-image offsets being static strides; so the code depends on the
     geometry without N and on that plan (the key), and a batch of N runs N*T1 tiles
-    (no runtime dims are read). The Winograd path is chosen and planned on one image
-    too; its key also holds the implicit-GEMM plan, which a Conv with runtime weights
-    (that the tiling function cannot tell apart) runs in the Winograd kernel's tile grid."""
+    (no runtime dims are read). The Winograd path is planned on one image too, but chosen
+    for the batch (its weights, larger than the direct ones, stream once a call: where
+    they tip the choice, batch 1 and batch 8 run different kernels); its key also holds
+    the implicit-GEMM plan, which a Conv with runtime weights (that the tiling function
+    cannot tell apart) runs in the Winograd kernel's tile grid."""
     if len(ins) < 2 or not _static_types([ins[0], ins[1], outs[0]]) or not 3 <= ins[0].rank <= 5:
         return None
     geom, depthwise = conv_geom_of(node, ins, outs)
@@ -272,7 +274,7 @@ def conv_tiling(node: Any, ins: list[Any], outs: list[Any]) -> Tiling | None:
             # (AMX: from the lowering, which runs runtime weights on the vector kernel)
             notes["path"] = _lowp_path(lplan)
             notes["precision"] = _lowp_note(lplan, types)
-    elif (wplan := winograd.choose(one, config.WINOGRAD)) is not None:
+    elif (wplan := winograd.choose(one, config.WINOGRAD, batch=geom.N)) is not None:
         gplan = plan_conv(one, const_weights=True)
         key = ("conv", "winograd", one, (wplan, gplan))
         tiles = wplan.num_tiles
