@@ -59,7 +59,7 @@ import llvmlite.ir as ir
 import numpy as np
 
 from ..native.emit import BF16, F32, I8, I32, I64, PTR, i64, masked_load, masked_store
-from ..schedule.machine import fma_pipes, l1d_sets
+from ..schedule.machine import fma_pipes, gemm_wide_tile, l1d_sets
 from ..schedule.split import claim_chunks
 from .plancache import persistent
 from .vec import VF, VI32, VM, VPTR, VecBuilder, abi_function, wide_registers
@@ -302,6 +302,14 @@ NV_EFFICIENCY = {1: 0.97, 2: 1.0}
 # AVX2 (16 ymm): MR x 16 tiles, 2*MR ymm accumulators (at most 12)
 MR_EFFICIENCY_AVX2 = {6: 1.0, 5: 0.93, 4: 0.85, 3: 0.72}
 
+
+# the swapped orientation's 6 x 64 micro-tile (and 5 or 4 rows) against 8 x 32 on cores
+# with two FMA pipes (machine.gemm_wide_tile: 10 loads per 24 FMAs, not per 16). Sapphire
+# Rapids, ResNet-50's strided convs on 1 core (im2col, swapped), against MR 7 or 8 x 32:
+# 3x3/2 128 at 56x56 1.831 ms (from 2.195), 256 at 28x28 1.941 (2.244), 512 at 14x14
+# 2.165 (2.458), 1x1/2 512->1024 at 28x28 1.704 (2.052); 1x1/2 256->512 at 56x56 and
+# 1024->2048 at 14x14 level (1.748 / 1.783, 1.819 / 1.794)
+WIDE_TILE_EFF = {6: 1.08, 5: 1.0, 4: 0.94}
 
 # vector loads (and broadcasts) a core issues per cycle next to its FMAs: two on every
 # AVX-512 core cannc has met (Zen 4, Zen 5, Sapphire Rapids)
@@ -581,12 +589,21 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict) -> Co
         # neither wastes (Zen 4, 1x1 convs at 7x7 and 14x14), and 672->112 at 14x14 (3.5
         # panels of 32) 0.293 -> 0.256 ms
         nvs = [tun["NV"]] if "NV" in tun else sorted({default_nv(Mg, wide), 1}, reverse=True)
+        # 6 x 64 tiles (WIDE_TILE_EFF) on two-pipe cores, for convs that copy X (im2col):
+        # a pointwise conv's swapped tiles read X itself only with MR dividing its planes
+        # (196 or 784 pixels: not by 6), and copied in 6-pixel tiles they were as often
+        # slower as faster than reading X in 7 or 8 (14x14: 0.69-1.08)
+        if ("NV" not in tun and wide and gemm_wide_tile(pipes) and Mg > 32
+                and not geom.pointwise):
+            nvs = [4, *nvs]
         mr_eff = MR_EFFICIENCY if wide else MR_EFFICIENCY_AVX2
         out_cost = SWAP_OUT_COST if wide else SWAP_OUT_COST_AVX2
         # X itself as the col matrix where the micro-tiles never run past a plane's last
         # pixel (1x1) or an output row's (KxK); a KxK conv weighs the im2col copy too
         variants = []
         for NVs, MRs in itertools.product(nvs, mrs):
+            if NVs == 4 and MRs not in WIDE_TILE_EFF:
+                continue
             xa = swap_reads_x(geom, MRs) and tun.get("direct", True)
             if not big or xa or want_swap is True:
                 variants.append((NVs, MRs, xa))
@@ -597,7 +614,8 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict) -> Co
 
             # (MR pixels a micro-tile: fewer rows run slower, as in the normal orientation:
             # Zen 4, 480->80 at 14x14 MR4 0.152 ms, MR7 0.132; 576->96 0.194, 0.188)
-            eff_s = mr_eff.get(MRs, 1.0) * (load_balance(MRs, NVs, pipes) if wide else 1.0)
+            eff_s = (WIDE_TILE_EFF[MRs] if NVs == 4 else mr_eff.get(MRs, 1.0)) * (
+                load_balance(MRs, NVs, pipes) if wide else 1.0)
 
             # (KxK taps read from X: per k step a weight vector per 16 channels and MR
             # pixel broadcasts from scattered rows, SWAP_TAPS_EFF)

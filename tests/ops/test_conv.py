@@ -165,6 +165,8 @@ FORCED = [
     dict(swap=False, direct=False, KC=40, P=32),
     dict(swap=True, KC=40, MR=5),
     dict(swap=False, direct=False, MR=3, NV=1),
+    dict(swap=True, MR=6, NV=4),             # the 6 x 64 tile (WIDE_TILE_EFF): 35 of 64 lanes
+    dict(swap=True, MR=5, NV=4, KC=40),
 ]
 
 
@@ -267,6 +269,26 @@ def test_two_fma_pipes_weigh_micro_tile_loads(monkeypatch):
         p = plan(c, m, 14, 2)
         assert p.swap and p.NV == 2, (c, m, p)
     assert plan(512, 128, 28, 1).swap
+
+
+def test_two_fma_pipes_take_6x64_tiles_for_copied_convs(monkeypatch):
+    """With two FMA pipes the swapped orientation of a conv that copies X (im2col:
+    strided ones) takes 6 x 64 micro-tiles; pointwise convs (read in place in 7 or 8
+    pixel rows) and one-pipe cores keep MR x 32."""
+    monkeypatch.setattr(conv_codegen, "wide_registers", lambda: True)
+
+    def plan(c, m, hw, k, s, pipes):
+        monkeypatch.setattr(conv_codegen, "fma_pipes", lambda: pipes)
+        o = (hw + 2 * (k // 2) - k) // s + 1
+        g = conv_codegen.ConvGeom(N=1, C=c, M=m, G=1, isz=(1, hw, hw), osz=(1, o, o),
+                                  k=(1, k, k), s=(1, s, s), pb=(0, k // 2, k // 2))
+        return conv_codegen._plan_conv(g, True, 2, {})   # (not the plan cache)
+    for c, hw, k in ((128, 56, 3), (256, 28, 3), (512, 28, 1)):
+        p = plan(c, 2 * c, hw, k, 2, 2) if k == 1 else plan(c, c, hw, k, 2, 2)
+        assert p.swap and not p.direct and (p.MR, p.NV) == (6, 4), (c, hw, k, p)
+        p = plan(c, 2 * c, hw, k, 2, 1) if k == 1 else plan(c, c, hw, k, 2, 1)
+        assert p.NV <= 2, (c, hw, k, p)
+    assert plan(512, 128, 28, 1, 1, 2).NV == 2
 
 
 @pytest.mark.parametrize("prepacked", [True, False], ids=["const-w", "runtime-w"])
@@ -557,8 +579,9 @@ def _index_epilogue(b, val, offset, stride, mask):
 
 
 @pytest.mark.parametrize("tuning",
-                         [dict(swap=False), dict(swap=True), dict(swap=False, direct=False)],
-                         ids=["normal", "swapped", "im2col"])
+                         [dict(swap=False), dict(swap=True), dict(swap=False, direct=False),
+                          dict(swap=True, MR=6, NV=4)],
+                         ids=["normal", "swapped", "im2col", "swapped-6x64"])
 def test_conv_epilogue_offsets(tuning):
     x, w, bias = conv_inputs((2, 12, 9, 10), (40, 12, 3, 3))
     m, feeds = single_node_model("Conv", [x, w, bias], const_inputs=(1, 2), pads=[1, 1, 1, 1])
