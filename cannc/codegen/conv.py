@@ -21,10 +21,11 @@ input channels (``KC = CB*KK`` reduction rows) one of three schemes runs:
   and an even-lane shuffle (stride 2) or masked gathers (other strides,
   transposed convolutions); padding is the load masks (zeros).
 * swapped (small images, e.g. 14x14 and 7x7 whose pixel count is no multiple
-  of 32): im2col (a 1x1 conv whose planes are a multiple of MR pixels reads X
-  itself instead, ``swap_reads_x``, and so does a KxK conv of few channels a group
-  whose output rows are: a segment per tap, the micro-tile's pixels at stride s in one
-  input row, ``_ConvGen.swap_taps``; strided ones on images of any size), then a
+  of 32): im2col (a 1x1 conv reads X itself instead, ``swap_reads_x``, a plane's
+  last short micro-tile reading its last pixel for the rows past it; and so does a KxK
+  conv of few channels a group whose output rows are a multiple of MR: a segment per
+  tap, the micro-tile's pixels at stride s in one input row, ``_ConvGen.swap_taps``;
+  strided ones on images of any size), then a
   micro-tile of MR pixels x 16*NV output channels with the vectors along channels
   (weights packed in 16*NV-channel panels), so no lanes are wasted on ragged pixel
   counts; the sums live in the workspace ([P][CH], pixel-major) and, after the last
@@ -308,7 +309,10 @@ MR_EFFICIENCY_AVX2 = {6: 1.0, 5: 0.93, 4: 0.85, 3: 0.72}
 # Rapids, ResNet-50's strided convs on 1 core (im2col, swapped), against MR 7 or 8 x 32:
 # 3x3/2 128 at 56x56 1.831 ms (from 2.195), 256 at 28x28 1.941 (2.244), 512 at 14x14
 # 2.165 (2.458), 1x1/2 512->1024 at 28x28 1.704 (2.052); 1x1/2 256->512 at 56x56 and
-# 1024->2048 at 14x14 level (1.748 / 1.783, 1.819 / 1.794)
+# 1024->2048 at 14x14 level (1.748 / 1.783, 1.819 / 1.794). Pointwise convs reading X
+# (the planes' last tiles short, swap_x_tail), against the 7 x 32 tile: at 14x14
+# 1024->256 0.752 ms (0.841), 256->1024 0.708 (0.868), 256->256 0.180 (0.208), 384->64
+# 12% faster, 64->384 5% slower; at 7x7 2048->512 3% faster, 160->960 4% slower
 WIDE_TILE_EFF = {6: 1.08, 5: 1.0, 4: 0.94}
 
 # vector loads (and broadcasts) a core issues per cycle next to its FMAs: two on every
@@ -504,10 +508,10 @@ def swap_reads_x(geom: ConvGeom, MR: int) -> bool:
     """The swapped orientation's micro-kernel can broadcast its MR pixels a k step from X
     itself rather than from an im2col copy:
 
-    - a 1x1 conv (stride 1, no padding: X is the col matrix, rows a plane apart) whose
-      planes are a multiple of MR pixels (the last micro-tile reads no pixel past a plane,
-      so none past X's end). Zen 4, the copy was ~15% of a 1x1 conv on 7x7 or 14x14
-      images: 1152->192 at 7x7 0.2225 -> 0.19 ms;
+    - a 1x1 conv (stride 1, no padding: X is the col matrix, rows a plane apart). Zen 4,
+      the copy was ~15% of a 1x1 conv on 7x7 or 14x14 images: 1152->192 at 7x7 0.2225
+      -> 0.19 ms. Where MR does not divide the planes, the plane's last micro-tile reads
+      its rows past the plane's end from its last pixel (no pixel past X's end);
     - a 2-D KxK conv of any stride whose output rows are a multiple of MR pixels: a
       micro-tile's pixels lie in one output row, so a tap reads them at a constant stride
       from one input row (_ConvGen.swap_taps; taps in the padding are skipped or read
@@ -519,7 +523,7 @@ def swap_reads_x(geom: ConvGeom, MR: int) -> bool:
     one). The KxK taps do not mind: 3x3 stride 2 over 112x112 planes (49 KiB apart, 4
     of Zen 4's 64 L1 sets), 16 channels a group, 0.695 ms im2col -> 0.522 swapped."""
     if geom.pointwise:
-        return geom.OHW % MR == 0 and not planes_alias_in_l1(geom.DHW * 4)
+        return not planes_alias_in_l1(geom.DHW * 4)
     return (SWAP_TAPS and 1 < geom.KK <= DIRECT_MAX_TAPS and geom.k[0] == 1
             and geom.osz[0] == 1 and not geom.transposed and geom.osz[2] % MR == 0
             and geom.Mg <= SWAP_TAPS_MAX_MG)
@@ -589,12 +593,8 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict) -> Co
         # neither wastes (Zen 4, 1x1 convs at 7x7 and 14x14), and 672->112 at 14x14 (3.5
         # panels of 32) 0.293 -> 0.256 ms
         nvs = [tun["NV"]] if "NV" in tun else sorted({default_nv(Mg, wide), 1}, reverse=True)
-        # 6 x 64 tiles (WIDE_TILE_EFF) on two-pipe cores, for convs that copy X (im2col):
-        # a pointwise conv's swapped tiles read X itself only with MR dividing its planes
-        # (196 or 784 pixels: not by 6), and copied in 6-pixel tiles they were as often
-        # slower as faster than reading X in 7 or 8 (14x14: 0.69-1.08)
-        if ("NV" not in tun and wide and gemm_wide_tile(pipes) and Mg > 32
-                and not geom.pointwise):
+        # 6 x 64 tiles (WIDE_TILE_EFF) on two-pipe cores
+        if "NV" not in tun and wide and gemm_wide_tile(pipes) and Mg > 32:
             nvs = [4, *nvs]
         mr_eff = MR_EFFICIENCY if wide else MR_EFFICIENCY_AVX2
         out_cost = SWAP_OUT_COST if wide else SWAP_OUT_COST_AVX2
@@ -823,7 +823,10 @@ class _ConvGen:
                                            last)
                         elif p.direct:    # X is the col matrix (swap_reads_x)
                             segs = [(v.gep(x_blk, ir_), g.DHW, b_base, p.NR, kc, None)]
-                            self.micro(segs, io, first, last, pf)
+                            if g.OHW % p.MR == 0:
+                                self.micro(segs, io, first, last, pf)
+                            else:
+                                self.swap_x_tail(segs, npx, io, first, last, pf)
                         else:
                             segs = [(v.gep(self.col, ir_), p.NCP, b_base, p.NR, kc, None)]
                             self.micro(segs, io, first, last, pf)
@@ -1144,6 +1147,21 @@ class _ConvGen:
                     x = b.load(v.gep(self.W, idx), typ=F32, align=4)
                     x = b.select(okr, x, ir.Constant(F32, 0.0))
                     b.store(x, v.gep(dst, r), align=4)
+
+    def swap_x_tail(self, segs, npx, io, first, last, pf):
+        """The swapped micro-tile reading X itself where MR does not divide the planes:
+        full tiles as they are; the plane's last, short one (npx < MR pixels) reads its
+        rows from npx on at its last pixel (their sums are not stored), so no load
+        passes the plane's end, nor X's."""
+        v, p = self.v, self.p
+        b = v.b
+        with b.if_else(b.icmp_signed("==", npx, i64(p.MR)), likely=True) as (full, short):
+            with full:
+                self.micro(segs, io, first, last, pf)
+            with short:
+                last_px = b.sub(npx, i64(1))
+                aoffs = [i64(0)] + [v.smin(i64(r), last_px) for r in range(1, p.MR)]
+                self.micro([(*segs[0], aoffs, None)], io, first, last, pf)
 
     # -- micro-kernel ------------------------------------------------------------
     def pf_line(self, panel, i):

@@ -179,13 +179,17 @@ def test_conv_forced_plans(monkeypatch, tuning, const):
     check_op("Conv", inputs, const_inputs=(1, 2) if const else (), pads=[1, 2, 1, 0], **TOL)
 
 
-# 1x1 convs in the swapped orientation: X itself as the col matrix where the micro-tile
-# rows divide the planes (conv.swap_reads_x), else an im2col copy; K blocks, NV = 1
+# 1x1 convs in the swapped orientation: X itself as the col matrix (conv.swap_reads_x;
+# where the micro-tile rows do not divide the planes, 49 pixels in rows of 5, 6 or 8, the
+# last tile of a plane reads its last pixel for the rows past it), or an im2col copy; K
+# blocks, NV = 1, the 6 x 64 tile
 POINTWISE_SWAPPED = [
     (dict(swap=True, MR=7), True),
     (dict(swap=True, MR=7, NV=1, KC=8), True),
     (dict(swap=True, MR=7, direct=False), False),
-    (dict(swap=True, MR=5), False),
+    (dict(swap=True, MR=5), True),
+    (dict(swap=True, MR=6, NV=4), True),
+    (dict(swap=True, MR=8, NV=1, KC=8, P=16), True),
 ]
 
 
@@ -262,19 +266,18 @@ def test_two_fma_pipes_weigh_micro_tile_loads(monkeypatch):
         return conv_codegen._plan_conv(g, True, 2, {})   # (not the plan cache)
     assert conv_codegen.load_balance(8, 1, 2) < 0.9 < conv_codegen.load_balance(8, 2, 2) == 1
     assert conv_codegen.load_balance(8, 1, 1) == 1
-    for c, m in ((512, 128), (128, 512), (128, 128)):
-        p = plan(c, m, 28, 2)
-        assert not p.swap and p.NV == 2, (c, m, p)
-    for c, m in ((576, 96), (384, 64), (1024, 256)):
-        p = plan(c, m, 14, 2)
-        assert p.swap and p.NV == 2, (c, m, p)
+    for c, m, hw in ((512, 128, 28), (128, 512, 28), (128, 128, 28), (576, 96, 14),
+                     (384, 64, 14), (1024, 256, 14)):
+        assert plan(c, m, hw, 2).NV >= 2, (c, m, hw)
+    for c, m in ((128, 512), (128, 128)):
+        assert not plan(c, m, 28, 2).swap, (c, m)
     assert plan(512, 128, 28, 1).swap
 
 
-def test_two_fma_pipes_take_6x64_tiles_for_copied_convs(monkeypatch):
-    """With two FMA pipes the swapped orientation of a conv that copies X (im2col:
-    strided ones) takes 6 x 64 micro-tiles; pointwise convs (read in place in 7 or 8
-    pixel rows) and one-pipe cores keep MR x 32."""
+def test_two_fma_pipes_take_6x64_tiles(monkeypatch):
+    """With two FMA pipes the swapped orientation takes 6 x 64 micro-tiles, over an
+    im2col copy (strided convs) or reading X itself (pointwise ones, 196 pixels: the
+    last tile of a plane short); one-pipe cores keep MR x 32."""
     monkeypatch.setattr(conv_codegen, "wide_registers", lambda: True)
 
     def plan(c, m, hw, k, s, pipes):
@@ -288,7 +291,10 @@ def test_two_fma_pipes_take_6x64_tiles_for_copied_convs(monkeypatch):
         assert p.swap and not p.direct and (p.MR, p.NV) == (6, 4), (c, hw, k, p)
         p = plan(c, 2 * c, hw, k, 2, 1) if k == 1 else plan(c, c, hw, k, 2, 1)
         assert p.NV <= 2, (c, hw, k, p)
-    assert plan(512, 128, 28, 1, 1, 2).NV == 2
+    for c, m in ((1024, 256), (256, 1024)):
+        p = plan(c, m, 14, 1, 1, 2)
+        assert p.swap and p.direct and (p.MR, p.NV) == (6, 4), (c, m, p)
+        assert plan(c, m, 14, 1, 1, 1).NV <= 2
 
 
 @pytest.mark.parametrize("prepacked", [True, False], ids=["const-w", "runtime-w"])
@@ -564,6 +570,42 @@ def _run_kernel(emit, n_tiles, ws_bytes, inputs, out_shape):
     fn(ctypes.addressof(args), half, n_tiles, ws.ctypes.data + max(ws_bytes, 64))
     return out
 
+
+
+def _guarded(a: np.ndarray):
+    """A copy of `a` whose last byte ends a page followed by an unreadable one: a kernel
+    that reads past its end faults. Returns (array, keepalive)."""
+    import ctypes
+    import mmap
+    page = mmap.PAGESIZE
+    pages = -(-a.nbytes // page) + 1
+    m = mmap.mmap(-1, pages * page)
+    raw = (ctypes.c_char * (pages * page)).from_buffer(m)
+    guard = ctypes.addressof(raw) + (pages - 1) * page
+    assert ctypes.CDLL(None).mprotect(ctypes.c_void_p(guard), page, 0) == 0
+    start = (pages - 1) * page - a.nbytes
+    out = np.frombuffer(m, np.uint8, a.nbytes, start).view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out, (m, raw)
+
+
+@pytest.mark.parametrize("MR,NV", [(6, 2), (8, 1), (6, 4)])
+def test_pointwise_swapped_tail_reads_no_pixel_past_x(MR, NV):
+    """The swapped orientation reading X itself with MR not dividing the planes (49
+    pixels): the last micro-tile's rows past the plane read its last pixel, so X may end
+    where a page that cannot be read begins."""
+    g = conv_codegen.ConvGeom(N=1, C=8, M=40, G=1, isz=(1, 7, 7), osz=(1, 7, 7),
+                              k=(1, 1, 1), bias=True)
+    plan = conv_codegen.plan_conv(g, tuning=dict(swap=True, MR=MR, NV=NV))
+    assert plan.swap and plan.direct
+    x, w, bias = conv_inputs((1, 8, 7, 7), (40, 8, 1, 1))
+    xg, keep = _guarded(x)
+    wp = conv_codegen.pack_weights(g, plan, w.reshape(40, 8, 1, 1, 1))
+    got = _run_kernel(lambda mod, name: conv_codegen.emit_conv(mod, name, g, plan),
+                      plan.num_tiles, plan.ws_bytes, [xg, wp, bias], (1, 40, 7, 7))
+    want = np.einsum("mc,nchw->nmhw", w[:, :, 0, 0], x) + bias[None, :, None, None]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    del keep
 
 def _index_epilogue(b, val, offset, stride, mask):
     """val + (offset + i*stride) as float: reveals where each lane is stored."""
