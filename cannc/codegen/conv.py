@@ -598,8 +598,9 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict) -> Co
             nvs = [4, *nvs]
         mr_eff = MR_EFFICIENCY if wide else MR_EFFICIENCY_AVX2
         out_cost = SWAP_OUT_COST if wide else SWAP_OUT_COST_AVX2
-        # X itself as the col matrix where the micro-tiles never run past a plane's last
-        # pixel (1x1) or an output row's (KxK); a KxK conv weighs the im2col copy too
+        # X itself as the col matrix (1x1: a plane's last, short micro-tile clamps its
+        # rows to the plane, swap_x_tail; KxK: where the micro-tiles never run past an
+        # output row's last pixel); a KxK conv weighs the im2col copy too
         variants = []
         for NVs, MRs in itertools.product(nvs, mrs):
             if NVs == 4 and MRs not in WIDE_TILE_EFF:
