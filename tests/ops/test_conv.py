@@ -286,10 +286,10 @@ def test_two_fma_pipes_take_6x64_tiles(monkeypatch):
         g = conv_codegen.ConvGeom(N=1, C=c, M=m, G=1, isz=(1, hw, hw), osz=(1, o, o),
                                   k=(1, k, k), s=(1, s, s), pb=(0, k // 2, k // 2))
         return conv_codegen._plan_conv(g, True, 2, {})   # (not the plan cache)
-    for c, hw, k in ((128, 56, 3), (256, 28, 3), (512, 28, 1)):
-        p = plan(c, 2 * c, hw, k, 2, 2) if k == 1 else plan(c, c, hw, k, 2, 2)
+    for c, m, hw, k in ((128, 128, 56, 3), (256, 256, 28, 3), (512, 1024, 28, 1)):
+        p = plan(c, m, hw, k, 2, 2)
         assert p.swap and not p.direct and (p.MR, p.NV) == (6, 4), (c, hw, k, p)
-        p = plan(c, 2 * c, hw, k, 2, 1) if k == 1 else plan(c, c, hw, k, 2, 1)
+        p = plan(c, m, hw, k, 2, 1)
         assert p.NV <= 2, (c, hw, k, p)
     for c, m in ((1024, 256), (256, 1024)):
         p = plan(c, m, 14, 1, 1, 2)
