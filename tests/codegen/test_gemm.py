@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import itertools
+import math
 import os
 import sys
 import time
@@ -938,6 +939,57 @@ def test_wide_tile_code_has_no_masked_loads_or_spills(wide_tiles):
     hot = max(_asm_blocks(module).values(), key=lambda lines: sum("vfmadd" in ln for ln in lines))
     assert sum("vfmadd" in ln for ln in hot) == 24 * gemm_plan(spec).unroll
     assert not [ln for ln in hot if "%rsp" in ln or "{%k" in ln], hot
+
+
+@pytest.fixture
+def small_l2(monkeypatch):
+    """A 64 KiB L2 for the GEMM planner: B prefetching (pf_b) on for small products (the
+    plan cache is cleared on both sides)."""
+    import cannc.codegen.gemm as gemm_mod
+
+    if host_isa() != "avx512":
+        pytest.skip("AVX-512 plans")
+    monkeypatch.setattr(gemm_mod, "l2_bytes", lambda: 64 << 10)
+    gemm_mod._plan.cache_clear()
+    yield
+    gemm_mod._plan.cache_clear()
+
+
+@pytest.mark.parametrize("tiles", [{"MR": 6, "NV": 4}, {"MR": 8, "NV": 2}], ids=["6x64", "8x32"])
+def test_b_prefetch_stream(small_l2, tiles):
+    """A prepacked B larger than L2 is prefetched a micro-panel ahead (GemmPlan.pf_b):
+    the products are those of the reference -- static and dynamic M, one and several K
+    blocks (the panel after a block's last one is the next K block's), edge columns, two
+    cores cut at a tile boundary -- and the dynamic kernel's k loop holds one L2 prefetch
+    an iteration and no spills."""
+    for K, KC in ((100, None), (600, 256)):
+        spec = GemmSpec(131, 200, K, b_prepacked=True)
+        tuning = dict(tiles, **({"KC": KC} if KC else {}))
+        assert gemm_plan(spec, tuning).pf_b
+        case, kernel = check_spec(spec, tuning=tuning)
+        T = gemm_num_tiles(spec, tuning)
+        case.check(run_split(kernel, case, tuning, splits=[0, T // 2, T]))
+    spec = GemmSpec(64, 200, 600, b_prepacked=True)
+    dspec, kernel = build_dynamic(spec)
+    assert gemm_plan(dspec).pf_b
+    for i, M in enumerate((1, 7, 64, 131)):
+        run_dynamic(kernel, dspec, _dyn_spec(spec, M), seed=i)
+    module = ir.Module()
+    emit_gemm(module, "gemm_pf", dspec, dims_slot=3)
+    hot = max(_asm_blocks(module).values(), key=lambda lines: sum("vfmadd" in ln for ln in lines))
+    assert sum("prefetcht1" in ln for ln in hot) == 1
+    assert not [ln for ln in hot if "%rsp" in ln], hot
+
+
+def test_b_prefetch_only_for_b_beyond_l2():
+    """pf_b: a prepacked float32 B larger than the L2 (weights that come from memory);
+    not for one that stays in the caches, nor for a B packed per block."""
+    from cannc.schedule.machine import l2_bytes
+
+    n = 2 * math.isqrt(l2_bytes() // 4) + 64
+    assert gemm_plan(GemmSpec(128, n, n, b_prepacked=True)).pf_b == (host_isa() == "avx512")
+    assert not gemm_plan(GemmSpec(128, 256, 256, b_prepacked=True)).pf_b
+    assert not gemm_plan(GemmSpec(128, n, n)).pf_b
 
 
 def test_grid_choice_reads_the_cache_sizes_once(monkeypatch):
