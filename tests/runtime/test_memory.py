@@ -96,3 +96,49 @@ def test_a_buffer_collected_while_the_memory_lock_is_held_does_not_deadlock():
     del b
     gc.collect()
     assert dev.mem_info()["weights_bytes"] == used - 8192
+
+
+def _vma_of(addr: int) -> tuple[tuple[int, int], list[str]] | None:
+    """The mapping of this process that holds addr: ((start, end), its VmFlags)."""
+    with open("/proc/self/smaps") as f:
+        span = None
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                span = (lo, hi) if lo <= addr < hi else None
+            elif span and head == "VmFlags:":
+                return span, line.split()[1:]
+    return None
+
+
+def test_large_buffers_are_huge_page_aligned_and_advised():
+    """aligned_empty from one huge page (2 MiB) up: memory of its own, starting at a
+    2 MiB boundary, zeroed, advised as huge pages (VmFlags "hg") up to the buffer's last
+    small page and no further; unmapped when the array is collected."""
+    import gc
+    import mmap
+    import os
+
+    import pytest
+
+    from cannc.runtime import memory
+
+    if not memory.HUGE_PAGES or not os.path.exists("/proc/self/smaps"):
+        pytest.skip("no MADV_HUGEPAGE here")
+    n = memory.HUGE_PAGE + 12345
+    buf = memory.aligned_empty(n, zero=False)
+    addr = buf.ctypes.data
+    assert buf.nbytes == n and addr % memory.HUGE_PAGE == 0
+    assert not buf.any()
+    buf[:] = 7
+    assert int(buf[-1]) == 7
+    (lo, hi), flags = _vma_of(addr)
+    assert "hg" in flags and lo == addr
+    assert hi == addr + -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
+    small = memory.aligned_empty(memory.HUGE_PAGE - 4096)
+    assert small.ctypes.data % mmap.PAGESIZE == 0 and not small.any()
+    del buf
+    gc.collect()
+    found = _vma_of(addr)
+    assert found is None or "hg" not in found[1]
