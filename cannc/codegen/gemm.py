@@ -307,8 +307,8 @@ class GemmPlan:
     f32_panels: bool = False
     # KC and NC at run time (a dynamic kernel of a prepacked B, see gemm_dims)
     rt_block: bool = False
-    # the first row tiles of each B micro-panel prefetch the next one into L2 (a
-    # prepacked fp32 B larger than L2: weights that come from memory, see _Gen.pf_next)
+    # the row tiles of each B micro-panel prefetch the next one into L2 (a prepacked
+    # fp32 B larger than L2: weights that come from memory, see _Gen.pf_next)
     pf_b: bool = False
     pf_div: int = 1  # ... advancing its stream every pf_div-th k-loop iteration
 
@@ -1796,9 +1796,9 @@ class _Gen(VecBuilder):
                     adv = i64(pf[1] * 4)
                     if p.pf_div > 1:
                         it = b.udiv(k, i64(nstep))
-                        last = b.icmp_unsigned("==", b.urem(it, i64(p.pf_div)),
-                                               i64(p.pf_div - 1))
-                        adv = b.mul(b.zext(last, I64), adv)
+                        due = b.icmp_unsigned("==", b.urem(it, i64(p.pf_div)),
+                                              i64(p.pf_div - 1))
+                        adv = b.mul(b.zext(due, I64), adv)
                     f_phi = [self.gep(f_phi[0], adv, I8)]
                 for u in range(nstep):
                     cur = step(cur, a_phi, b_phi, u)
