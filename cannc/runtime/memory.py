@@ -36,7 +36,9 @@ def aligned_empty(nbytes: int, align: int = PAGE, zero: bool = True) -> np.ndarr
     """A uint8 buffer whose data pointer is `align`-aligned (page-aligned by default);
     from HUGE_PAGE bytes on, huge-page aligned memory of its own (see HUGE_PAGES)."""
     if HUGE_PAGES and nbytes >= HUGE_PAGE and HUGE_PAGE % align == 0:
-        return _huge_aligned(nbytes)
+        buf = _huge_aligned(nbytes)
+        if buf is not None:
+            return buf
     raw = (np.zeros if zero else np.empty)(nbytes + align, dtype=np.uint8)
     off = (-raw.ctypes.data) % align
     buf = raw[off:off + nbytes]
@@ -44,12 +46,16 @@ def aligned_empty(nbytes: int, align: int = PAGE, zero: bool = True) -> np.ndarr
     return buf
 
 
-def _huge_aligned(nbytes: int) -> np.ndarray:
+def _huge_aligned(nbytes: int) -> np.ndarray | None:
     """nbytes of zeroed anonymous memory from a huge-page boundary, advised as huge pages
     (whole ones: the tail past the last 2 MiB boundary keeps small pages, so no memory is
-    spent on pages nothing uses). The mapping is unmapped when the array is collected."""
+    spent on pages nothing uses). The mapping is unmapped when the array is collected.
+    None where the mapping is refused (the caller's numpy allocation then says why)."""
     span = -(-nbytes // PAGE) * PAGE
-    m = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:
+        return None
     raw = np.frombuffer(m, dtype=np.uint8)
     off = (-raw.ctypes.data) % HUGE_PAGE
     try:

@@ -142,3 +142,19 @@ def test_large_buffers_are_huge_page_aligned_and_advised():
     gc.collect()
     found = _vma_of(addr)
     assert found is None or "hg" not in found[1]
+
+
+def test_a_refused_mapping_falls_back_to_numpy(monkeypatch):
+    """Where the kernel refuses the mapping (address space limits), a large buffer is an
+    ordinary page-aligned numpy allocation."""
+    import mmap
+
+    from cannc.runtime import memory
+
+    def refuse(*a, **k):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(memory.mmap, "mmap", refuse)
+    buf = memory.aligned_empty(memory.HUGE_PAGE + 100)
+    assert buf.nbytes == memory.HUGE_PAGE + 100 and buf.ctypes.data % mmap.PAGESIZE == 0
+    assert not buf.any()
