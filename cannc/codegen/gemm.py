@@ -1397,9 +1397,11 @@ class _Gen(VecBuilder):
                             self.micro_dp(a_ptrs, b_base, b_pstride, kc, c_ptr, mr, nr,
                                           first, last, m0, n0, MR, NV)
                         else:
+                            # (the plan's own tile only: the others' k loops are not
+                            # unrolled, see micro, and carry no prefetch stream)
                             pf = None
-                            if p.pf_b and MR == p.MR and NV >= 2:
-                                pf = self.pf_next(B_b, b_base, jc, jr, nc, pc, kc, ir_, NV)
+                            if p.pf_b and (MR, NV) == (p.MR, p.NV) and p.unroll > 1:
+                                pf = self.pf_next(B_b, jc, jr, nc, pc, kc, ir_)
                             self.micro(a_ptrs, b_base, b_pstride, kc, c_ptr, mr, nr, first,
                                        last, m0, n0, MR, NV, pf)
 
@@ -1413,7 +1415,7 @@ class _Gen(VecBuilder):
 
                         self.col_tiles(nc, column)
 
-    def pf_next(self, B_b, b_base, jc, jr, nc, pc, kc, ir_, NV):
+    def pf_next(self, B_b, jc, jr, nc, pc, kc, ir_):
         """The prefetch stream of the micro-tile at row offset ir_ of a prepacked B's
         micro-panel (columns jc + jr, 16*NV wide): the row tiles bring the micro-panel the
         block visits next into L2, one line every pf_div-th k-loop iteration (U k steps),
@@ -1427,7 +1429,7 @@ class _Gen(VecBuilder):
         +4% against +0 and +1% for every fourth). Returns (pointer, floats per advance).
         """
         s, p, b = self.s, self.p, self.b
-        U = max(1, p.unroll)
+        U, NV = p.unroll, p.NV
         w = i64(16 * NV)
         # next: this K block's next columns, else this column block's next K block, else
         # the next column block (past the last one: prefetches do not fault)
@@ -1684,7 +1686,7 @@ class _Gen(VecBuilder):
               MR=None, NV=None, pf=None):
         """An MR x 16*NV micro-tile (default: the plan's) of which mr rows (an i64, or
         an int: all MR rows) and nr columns are stored; ``pf``: a prefetch stream
-        (pointer, floats a k-loop iteration, see pf_next)."""
+        (pointer, floats an advance, see pf_next)."""
         p = self.p
         MR, NV = MR or p.MR, NV or p.NV
         U = p.unroll if (MR, NV) == (p.MR, p.NV) else (4 if MR * NV <= 8 else 1)
@@ -1778,14 +1780,15 @@ class _Gen(VecBuilder):
                 new.append([self.fma(xs, bv[v], accs[r][v]) for v in range(NV)])
             return new
 
-        # the prefetch stream (pf_next): one line an iteration of the unrolled k loop
-        f_ptrs = [pf[0]] if pf is not None and U > 1 else []
+        # the prefetch stream (pf_next): a line every pf_div-th iteration of the unrolled
+        # k loop ("ku"; the remainder loop "kr" passes it through)
+        f_ptrs = [pf[0]] if pf is not None else []
 
         def kloop(k0, kend, accs, a_ps, b_ps, f_ps, nstep, tag):
             """k from k0 to kend, nstep per iteration; returns the final k,
             accumulators and A / B (and prefetch) stream pointers."""
             na, nb = len(a_ps), len(b_ps)
-            fetch = bool(f_ps) and nstep > 1
+            fetch = bool(f_ps)
 
             def body(k, cur, ptrs):
                 a_phi, b_phi, f_phi = ptrs[:na], ptrs[na:na + nb], ptrs[na + nb:]
