@@ -215,3 +215,50 @@ def test_worker_runs_without_cannc_on_its_path():
     src = llvm_procs.WORKER.read_text()
     assert "import cannc" not in src and "from cannc" not in src
     assert sys.executable
+
+
+_SUM_LOOP = """
+define float @sum(ptr %x, i64 %n) {
+entry:
+  br label %loop
+loop:
+  %k = phi i64 [0, %entry], [%k1, %loop]
+  %s = phi float [0.0, %entry], [%s1, %loop]
+  %p = getelementptr float, ptr %x, i64 %k
+  %v = load float, ptr %p
+  %s1 = fadd fast float %s, %v
+  %k1 = add i64 %k, 1
+  %c = icmp slt i64 %k1, %n
+  br i1 %c, label %loop, label %done
+done:
+  ret float %s1
+}
+"""
+
+
+def test_vector_code_is_optimised_without_unroller_and_vectorisers():
+    """A module marked as vector code (the GEMM's, the convolutions') is optimised at O1
+    without LLVM's loop unroller and vectorisers; any other at the level asked for. The
+    flags reach LLVM: the same scalar loop is vectorised unmarked, not marked."""
+    import llvmlite.ir as ir
+
+    from cannc.codegen.gemm import GemmSpec, emit_gemm
+    from cannc.native._llvm_worker import pipeline
+    from cannc.native.emit import mark_vector_code
+
+    m = target.new_module("g")
+    emit_gemm(m, "k", GemmSpec(64, 64, 64, b_prepacked=True))
+    assert pipeline(str(m), 2) == (1, False, False)
+    assert pipeline(str(m), 0) == (0, False, True)        # (asked for less: as asked)
+    assert pipeline(_SUM_LOOP, 2) == (2, True, True)
+
+    marked = ir.Module("s")
+    mark_vector_code(marked)
+    mark = next(ln for ln in str(marked).splitlines() if ln.startswith("!"))
+    tgt = target.host()
+    tm = tgt.machine()
+    plain_asm = tm.emit_assembly(target.optimise(_SUM_LOOP, tm, tgt.triple, 2))
+    marked_asm = tm.emit_assembly(target.optimise(_SUM_LOOP + mark + "\n", tm, tgt.triple, 2))
+    if tgt.has("avx2"):
+        assert "vaddps" in plain_asm          # vectorised
+    assert "vaddps" not in marked_asm and "vaddss" in marked_asm

@@ -59,7 +59,18 @@ from dataclasses import dataclass, replace
 import llvmlite.ir as ir
 import numpy as np
 
-from ..native.emit import BF16, F32, I8, I32, I64, PTR, i64, masked_load, masked_store
+from ..native.emit import (
+    BF16,
+    F32,
+    I8,
+    I32,
+    I64,
+    PTR,
+    i64,
+    mark_vector_code,
+    masked_load,
+    masked_store,
+)
 from ..schedule.machine import fma_pipes, gemm_wide_tile, l1d_sets
 from ..schedule.split import claim_chunks
 from .plancache import persistent
@@ -1671,6 +1682,7 @@ def emit_conv(module: ir.Module, name: str, geom: ConvGeom, plan: ConvPlan,
     """
     fn = abi_function(module, name)
     _ConvGen(module, fn, geom, plan, slots, a_prepacked, transposed_layout, epilogue).emit()
+    mark_vector_code(module)
     return fn
 
 

@@ -92,6 +92,7 @@ from ..native.emit import (
     PTR,
     i32,
     i64,
+    mark_vector_code,
     masked_load,
     masked_store,
 )
@@ -2151,4 +2152,5 @@ def emit_gemm(
     plan = gemm_plan(spec, tuning)
     fn = abi_function(module, name)
     _Gen(module, fn, spec, plan, epilogue, dims_slot).emit()
+    mark_vector_code(module)
     return fn

@@ -48,7 +48,7 @@ from functools import cache
 import llvmlite.ir as ir
 import numpy as np
 
-from ..native.emit import F32, I8, i64
+from ..native.emit import F32, I8, i64, mark_vector_code
 from ..schedule.machine import l2_bytes, peaks
 from .conv import (
     MR_EFFICIENCY,
@@ -673,6 +673,7 @@ def emit_winograd(module: ir.Module, name: str, geom: ConvGeom, plan: WinoPlan,
     assert eligible(geom), geom
     fn = abi_function(module, name)
     _WinoGen(module, fn, geom, plan, slots, epilogue).emit()
+    mark_vector_code(module)
     return fn
 
 

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 import llvmlite.ir as ir
 import numpy as np
 
+from ._llvm_worker import VECTOR_CODE
 from .target import host
 
 I1 = ir.IntType(1)
@@ -225,6 +226,13 @@ def internalise(module: ir.Module, keep: str) -> None:
         if isinstance(gv, ir.Function) and gv.is_declaration:
             continue
         gv.linkage = "internal"
+
+
+def mark_vector_code(module: ir.Module) -> None:
+    """Say that `module` is vector code already, its loops unrolled as its generator
+    chose: LLVM optimises it without its unroller and vectorisers, at O1
+    (native._llvm_worker.VECTOR_CODE)."""
+    module.add_named_metadata(VECTOR_CODE)
 
 
 # ---------------------------------------------------------------------------
