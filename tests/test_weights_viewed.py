@@ -161,3 +161,20 @@ def test_strip_raw_data_agrees_with_protobuf(tensors, min_bytes):
 def test_strip_raw_data_refuses_what_is_not_a_model():
     with pytest.raises(ValueError):
         wire.strip_raw_data(b"\x3a\xff\xff\xff\xff\x0f", 0)      # a field longer than the bytes
+
+
+def test_model_file_is_read_into_small_pages(small_limits, tmp_path):
+    """The file's bytes go to memory advised against huge pages (VmFlags "nh"): they are
+    read once, and a first touch of huge pages can cost several times more."""
+    import os
+
+    if not os.path.exists("/proc/self/smaps"):
+        pytest.skip("no /proc/self/smaps")
+    from tests.runtime.test_memory import _vma_of
+
+    loaded = onnx_import.load_model(str(_mlp(tmp_path / "m.onnx")))
+    assert loaded.weights
+    w = next(iter(loaded.weights.values()))
+    vma = _vma_of(w.ctypes.data)
+    assert vma is not None and "nh" in vma[1]
+    assert all(v.base is not None for v in loaded.weights.values())   # views, not copies

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import sys
 import warnings
@@ -106,7 +107,7 @@ def _load_viewed(path: Path) -> LoadedModel | None:
     size = path.stat().st_size
     if size < LAZY_MIN_FILE:
         return None
-    buf = np.empty(size, np.uint8)
+    buf = _read_buffer(size)
     with open(path, "rb") as f:
         view, got = memoryview(buf), 0
         while got < size:
@@ -136,6 +137,23 @@ def _load_viewed(path: Path) -> LoadedModel | None:
         from onnx.external_data_helper import load_external_data_for_model
         load_external_data_for_model(proto, str(path.parent))
     return LoadedModel(proto, str(path.parent), weights)
+
+
+def _read_buffer(size: int) -> np.ndarray:
+    """Memory for a model file's bytes, on small pages. The weights are read from it once
+    (packed or copied into device memory), and a first touch of huge pages, which numpy
+    advises from 4 MiB on, can cost several times more: on the Sapphire Rapids guest
+    measured, BERT-base's 435 MB took 0.3-1.7 s to read into numpy's memory, 0.2-0.4 s
+    into this (the kernel compacts memory to find huge pages on a fault)."""
+    try:
+        m = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:                 # (address space or map count): numpy's memory
+        return np.empty(size, np.uint8)
+    try:
+        m.madvise(mmap.MADV_NOHUGEPAGE)
+    except (AttributeError, OSError):       # a kernel without transparent huge pages
+        pass
+    return np.frombuffer(m, np.uint8)[:size]
 
 
 def _uses_external_data(proto: onnx.ModelProto) -> bool:
