@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ..artifact import Specialization
+from ..artifact import Kernel, MemoryPlan, Specialization
 from ..errors import CanncError, CompileError, UnsupportedOpError
 from ..ir.graph import Graph
 from ..native.target import ObjectCache, default_cache
@@ -87,9 +87,14 @@ def _stage(name: str) -> Iterator[None]:
 
 def specialize(base: Graph, shapes: dict[str, tuple[int, ...]],
                options: CompileOptions,
-               values: dict[str, np.ndarray] | None = None) -> Specialization:
+               values: dict[str, np.ndarray] | None = None,
+               while_llvm: Callable[[Graph, list[Kernel], dict[str, np.ndarray], MemoryPlan],
+                                    None] | None = None,
+               ) -> Specialization:
     """Compile `base` for concrete input shapes; inputs in `values` become constants
-    (value specialisation, for inputs that decide shapes)."""
+    (value specialisation, for inputs that decide shapes). ``while_llvm(graph, kernels,
+    constants, memory plan)`` runs once the kernels are planned, while LLVM still
+    compiles (the caller uploads the weights meanwhile)."""
     t0 = time.perf_counter()
     pm = options.pass_manager()
     unknown = unknown_ops(base)
@@ -107,28 +112,31 @@ def specialize(base: Graph, shapes: dict[str, tuple[int, ...]],
     cache = options.cache or default_cache()
     h0, m0 = cache.hits, cache.misses
     batch = cache.batch()       # LLVM starts on each module as soon as it is lowered
-    with _stage("lowering"):
-        try:
+    try:
+        with _stage("lowering"):
             kernels, aliases, constants, modules, objects = lower_graph(g, cache, batch=batch)
-        except BaseException:
-            batch.abandon()
-            raise
+        lowered = kernels
+        # the rest needs no object: done while LLVM compiles the modules still running
+        with _stage("cost model"):
+            costmodel.annotate(kernels)  # notes['predicted_us'], notes['tiling'] (usable cores)
+        with _stage("memory planning"):
+            placed: dict[str, tuple[str, int]] = {}
+            in_place: list[str] = []
+            if pm.ctx.fusion_enabled("concat_in_place"):   # producers write into the Concat
+                kernels, placed, in_place = concat_in_place(g, kernels, constants)
+            # liveness, reuse, offsets
+            memory = plan_memory(g, kernels, aliases, constants, placed, in_place)
+        if while_llvm is not None:
+            while_llvm(g, kernels, constants, memory)
+    except BaseException:
+        batch.abandon()
+        raise
     with _stage("code generation"):
         objects.update(compile_modules(modules, cache, batch))
-    with _stage("cost model"):
-        costmodel.annotate(kernels)  # notes['predicted_us'], notes['tiling'] (usable cores)
-    with _stage("memory planning"):
-        placed: dict[str, tuple[str, int]] = {}
-        in_place: list[str] = []
-        if pm.ctx.fusion_enabled("concat_in_place"):   # producers write into the Concat
-            kept, placed, in_place = concat_in_place(g, kernels, constants)
-            used = {k.symbol for k in kept}
-            for k in kernels:
-                if k.symbol not in used:
-                    objects.pop(k.symbol, None)
-            kernels = kept
-        # liveness, reuse, offsets
-        memory = plan_memory(g, kernels, aliases, constants, placed, in_place)
+    used = {k.symbol for k in kernels}
+    for k in lowered:
+        if k.symbol not in used:
+            objects.pop(k.symbol, None)
     return Specialization(g, kernels, aliases, constants, objects, pm.records, pm.dumps,
                           time.perf_counter() - t0, cache.hits - h0, cache.misses - m0, memory,
                           values=dict(values or {}))
