@@ -390,3 +390,24 @@ def test_a_failing_store_is_counted_and_the_session_runs(progs, tmp_path, monkey
     assert "cannot pickle this" in snapshot.stats.last_store_error
     np.testing.assert_allclose(sess.run(None, _x())[0], _ort(path, _x())[0],
                                rtol=1e-4, atol=1e-5)
+
+
+def test_the_writer_runs_at_the_lowest_priority(progs, tmp_path, monkeypatch):
+    """The background writer gives way to the AI cores (nice 19, its thread's own)."""
+    import os
+
+    monkeypatch.setattr(snapshot, "store_later", _store_later)
+    seen = []
+    real_store = snapshot.store
+
+    def spy(*a, **k):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real_store(*a, **k)
+    monkeypatch.setattr(snapshot, "store", spy)
+    path = _mlp(tmp_path / "m.onnx")
+    sess = cannc.compile(str(path), cores=2)
+    assert snapshot.wait_stores(30)
+    assert seen and all(p == 19 for p in seen)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19  # (not this one)
+    np.testing.assert_allclose(sess.run(None, _x())[0], _ort(path, _x())[0],
+                               rtol=1e-4, atol=1e-5)
