@@ -14,6 +14,12 @@ system call. The Python-thread hand-off this replaces (a queue and the
 interpreter lock) took 0.2-0.6 ms, sometimes several, to start core 1 after an
 idle gap: core 0 often finished a small model alone, or waited for core 1's late
 share.
+
+The workers keep off the CPU of the thread that posts (`_Pool.keep_off`, on Linux): a
+worker woken after an idle gap was placed on the poster's own CPU and stayed there for
+several milliseconds, the two cores' shares time-sliced on one CPU (KVM guests, whose
+idle vCPUs look busy to the waker's scheduler: the zoo MLP at batch 1 on 2 cores, runs
+after 50 ms of idle, 287 us against 161 back to back; so, 164).
 """
 
 from __future__ import annotations
@@ -82,6 +88,14 @@ class _Pool:
         self._create.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_void_p]
         self._join.argtypes = [ctypes.c_ulong, ctypes.c_void_p]
+        # the CPUs this process may use, and the one the workers keep off (keep_off)
+        try:
+            self._cpus = sorted(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            self._cpus = []
+        self._avoided = -1
+        self._setaffinity = getattr(libc, "pthread_setaffinity_np", None)
+        self._getcpu = getattr(libc, "sched_getcpu", None)
         worker = lib.address(dispatch.POOL_WORKER)
         for c in range(1, cores):
             line = dispatch.POOL_LINES + 8 * c
@@ -99,6 +113,8 @@ class _Pool:
         with self._lock:
             if self.closed:
                 raise RuntimeError("the device is closed")
+            if self._getcpu is not None:
+                self.keep_off(self._getcpu())
             # waits (natively) until every worker is done with the launch this slot held
             self._post(self.base, run, sched, nk, ncores, counters, ws, stride, times)
             launch = self._posted
@@ -116,6 +132,34 @@ class _Pool:
                 self._released += 1
             self._keep[launch % dispatch.POOL_RING] = keep
             return launch
+
+    def keep_off(self, cpu: int) -> None:
+        """Let the workers run on every CPU of the process but `cpu` (the poster's): a
+        syscall per worker when the poster's CPU changed since the last post, none
+        otherwise. Nothing where the process has one CPU, or on a failure (the workers
+        then keep their CPUs)."""
+        if cpu == self._avoided or cpu < 0 or self._setaffinity is None:
+            return
+        others = [c for c in self._cpus if c != cpu]
+        if not others or cpu not in self._cpus:
+            return
+        mask = (ctypes.c_ubyte * (max(128, max(self._cpus) // 8 + 1)))()
+        for c in others:
+            mask[c // 8] |= 1 << (c % 8)
+        for t in self._threads:
+            self._setaffinity(ctypes.c_ulong(t.value), ctypes.c_size_t(ctypes.sizeof(mask)),
+                              mask)
+        self._avoided = cpu
+
+    def affinity(self, worker: int) -> set[int] | None:
+        """The CPUs worker `worker` (0: core 1's) may run on (None where not readable)."""
+        get = getattr(ctypes.CDLL(None), "pthread_getaffinity_np", None)
+        if get is None:
+            return None
+        mask = (ctypes.c_ubyte * 128)()
+        if get(ctypes.c_ulong(self._threads[worker].value), ctypes.c_size_t(128), mask):
+            return None
+        return {i for i in range(1024) if mask[i // 8] >> (i % 8) & 1}
 
     def launches_done(self, core: int) -> int:
         return int(self.mem[dispatch.POOL_LINES + 8 * core])
@@ -248,6 +292,34 @@ class Device:
         its pointers point into may be reused."""
         pool = self._pool
         return pool is None or pool.finished(launch)
+
+    def keep_off(self, cpu: int) -> None:
+        """Let the workers run on every CPU of the process but `cpu` (the poster's): a
+        syscall per worker when the poster's CPU changed since the last post, none
+        otherwise. Nothing where the process has one CPU, or on a failure (the workers
+        then keep their CPUs)."""
+        if cpu == self._avoided or cpu < 0 or self._setaffinity is None:
+            return
+        others = [c for c in self._cpus if c != cpu]
+        if not others or cpu not in self._cpus:
+            return
+        mask = (ctypes.c_ubyte * (max(128, max(self._cpus) // 8 + 1)))()
+        for c in others:
+            mask[c // 8] |= 1 << (c % 8)
+        for t in self._threads:
+            self._setaffinity(ctypes.c_ulong(t.value), ctypes.c_size_t(ctypes.sizeof(mask)),
+                              mask)
+        self._avoided = cpu
+
+    def affinity(self, worker: int) -> set[int] | None:
+        """The CPUs worker `worker` (0: core 1's) may run on (None where not readable)."""
+        get = getattr(ctypes.CDLL(None), "pthread_getaffinity_np", None)
+        if get is None:
+            return None
+        mask = (ctypes.c_ubyte * 128)()
+        if get(ctypes.c_ulong(self._threads[worker].value), ctypes.c_size_t(128), mask):
+            return None
+        return {i for i in range(1024) if mask[i // 8] >> (i % 8) & 1}
 
     def launches_done(self, core: int) -> int:
         """Launches worker `core` has finished (tests, diagnostics)."""

@@ -75,6 +75,37 @@ def test_sleeping_worker_wakes_and_close_joins():
         dev.launch(run, sched.ctypes.data, 0, 2, cptr, 0, 0, None, None)
 
 
+def test_workers_keep_off_the_posting_cpu(monkeypatch):
+    """A launch lets the workers run anywhere but on the CPU of the thread that posts it
+    (a worker woken after an idle gap landed there and shared it with core 0)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("one CPU: nothing to keep off")
+    lib = JitLibrary([dispatcher_object()])
+    run = lib.address(dispatch.ENTRY)
+    dev = Device(2)
+    pool = dev._pool
+    assert pool.affinity(0) == set(cpus)               # before any launch: anywhere
+    counters = np.zeros(64, np.int64)
+    sched = np.zeros(8, np.uint64)
+    try:
+        for i, cpu in enumerate([cpus[0], cpus[1], cpus[1], cpus[0]], start=1):
+            monkeypatch.setattr(pool, "_getcpu", lambda cpu=cpu: cpu)
+            cptr = (counters.ctypes.data + 63) // 64 * 64
+            counters[:] = 0
+            counters[(cptr - counters.ctypes.data) // 8] = 1   # gate of a 0-kernel launch
+            dev.launch(run, sched.ctypes.data, 0, 2, cptr, 0, 0, None, (lib, counters, sched))
+            assert pool.affinity(0) == set(cpus) - {cpu}
+            t = time.monotonic()
+            while dev.launches_done(1) < i:
+                assert time.monotonic() - t < 10, "the worker core never ran the launch"
+                time.sleep(0.0005)
+        pool.keep_off(10 ** 6)                 # not one of the process's CPUs: unchanged
+        assert pool.affinity(0) == set(cpus) - {cpus[0]}
+    finally:
+        dev.close()
+
+
 @pytest.mark.parametrize("T,cores", [(1, 2), (2, 2), (7, 2), (100, 2), (1000, 2), (37, 4),
                                      (5, 1)])
 def test_claim_chunks_cover_and_shrink(T, cores):
