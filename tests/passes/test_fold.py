@@ -80,3 +80,62 @@ def test_opset_semantics_are_per_version():
         PassManager(PIPELINES["O1"]).run(g)
         assert g.values["y"].shape == (3, 2)
     assert onnx.defs.onnx_opset_version() >= 13
+
+
+def test_inference_is_kept_for_what_it_reads(monkeypatch):
+    """ONNX's node inference runs once per (op, opset, attributes, input types, small
+    constant values): repeated layers and another specialisation reuse it, and nodes
+    that differ in any of those (a Reshape target, a Transpose perm) do not."""
+    calls = []
+    real = onnx.shape_inference.infer_node_outputs
+
+    def counted(*a, **k):
+        calls.append(a[1].op_type)
+        return real(*a, **k)
+    monkeypatch.setattr(onnx.shape_inference, "infer_node_outputs", counted)
+    monkeypatch.setattr(fold, "_INFER_MEMO", {})
+    nodes, inits, x = [], [], "x"
+    for i in range(4):          # four identical layers, then two that differ
+        nodes += [helper.make_node("Transpose", [x], [f"t{i}"], perm=[1, 0]),
+                  helper.make_node("Relu", [f"t{i}"], [f"y{i}"])]
+        x = f"y{i}"
+    inits += [helper.make_tensor("s1", TensorProto.INT64, [2], [8, 2]),
+              helper.make_tensor("s2", TensorProto.INT64, [2], [2, 8])]
+    nodes += [helper.make_node("Reshape", [x, "s1"], ["r1"]),
+              helper.make_node("Reshape", ["r1", "s2"], ["r2"]),
+              helper.make_node("Transpose", ["r2"], ["out"], perm=[1, 0])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                     ["n", 4])],
+                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
+                          inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    shapes = []
+    for n in (4, 4, 4):
+        graph, _ = import_model(model)
+        fold.bind_input_shapes(graph, {"x": (n, 4)})
+        PassManager(PIPELINES["O0"]).run(graph)
+        shapes.append([graph.values[v].shape for v in ("y3", "r1", "r2", "out")])
+    assert shapes[0] == [(4, 4), (8, 2), (2, 8), (8, 2)]
+    assert shapes[1] == shapes[2] == shapes[0]
+    # first pass: Transpose and Relu at (4, 4) once each, both Reshapes, the last Transpose
+    # ((2, 8) in); the second and third imports ask nothing again
+    assert sorted(calls) == sorted(["Transpose", "Relu", "Reshape", "Reshape", "Transpose"])
+
+
+def test_kept_inference_tells_narrow_float_types_apart(monkeypatch):
+    """ml_dtypes' narrow floats share a numpy .str ('<V1' for float4_e2m1fn and
+    float8_e4m3fn alike): a CastLike to one must not answer one to the other (the ONNX node
+    tests met this, test_castlike_FLOAT16_to_FLOAT4E2M1 then ..._FLOAT8E4M3FN)."""
+    monkeypatch.setattr(fold, "_INFER_MEMO", {})
+    got = []
+    for elem in (TensorProto.FLOAT4E2M1, TensorProto.FLOAT8E4M3FN):
+        g = helper.make_graph(
+            [helper.make_node("CastLike", ["x", "like"], ["y"])], "g",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [3]),
+             helper.make_tensor_value_info("like", elem, [1])],
+            [helper.make_tensor_value_info("y", elem, [3])])
+        graph, _ = import_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 23)]))
+        fold.bind_input_shapes(graph, {"x": (3,), "like": (1,)})
+        PassManager(PIPELINES["O0"]).run(graph)
+        got.append(np.dtype(graph.values["y"].dtype).name)
+    assert got == ["float4_e2m1fn", "float8_e4m3fn"]
