@@ -293,34 +293,6 @@ class Device:
         pool = self._pool
         return pool is None or pool.finished(launch)
 
-    def keep_off(self, cpu: int) -> None:
-        """Let the workers run on every CPU of the process but `cpu` (the poster's): a
-        syscall per worker when the poster's CPU changed since the last post, none
-        otherwise. Nothing where the process has one CPU, or on a failure (the workers
-        then keep their CPUs)."""
-        if cpu == self._avoided or cpu < 0 or self._setaffinity is None:
-            return
-        others = [c for c in self._cpus if c != cpu]
-        if not others or cpu not in self._cpus:
-            return
-        mask = (ctypes.c_ubyte * (max(128, max(self._cpus) // 8 + 1)))()
-        for c in others:
-            mask[c // 8] |= 1 << (c % 8)
-        for t in self._threads:
-            self._setaffinity(ctypes.c_ulong(t.value), ctypes.c_size_t(ctypes.sizeof(mask)),
-                              mask)
-        self._avoided = cpu
-
-    def affinity(self, worker: int) -> set[int] | None:
-        """The CPUs worker `worker` (0: core 1's) may run on (None where not readable)."""
-        get = getattr(ctypes.CDLL(None), "pthread_getaffinity_np", None)
-        if get is None:
-            return None
-        mask = (ctypes.c_ubyte * 128)()
-        if get(ctypes.c_ulong(self._threads[worker].value), ctypes.c_size_t(128), mask):
-            return None
-        return {i for i in range(1024) if mask[i // 8] >> (i % 8) & 1}
-
     def launches_done(self, core: int) -> int:
         """Launches worker `core` has finished (tests, diagnostics)."""
         return self._pool.launches_done(core) if self._pool is not None else 0
