@@ -272,6 +272,40 @@ def test_fused_conv_bn_act_residual(act):
     assert len({k.symbol for k in ks}) == 1 and "Add" in ks[0].op_types
 
 
+def test_residual_conv_tiles_few_channel_rows():
+    """A 1x1 conv whose epilogue reads a residual of the output's shape: tiles of at most
+    RESIDUAL_ROWS channel rows and long pixel runs (the output and the residual are CH
+    streams each), the X block a tile re-reads within half of L2; without the read the
+    plan is the geometry's own. Compiled through FusedConv: the kernel's plan is the
+    residual one, and it matches onnxruntime at every batch."""
+    from cannc.codegen import conv as cc
+    from cannc.schedule.machine import l2_bytes
+
+    C, M, H, W = 32, 96, 20, 20
+    geom = cc.ConvGeom(N=1, C=64, M=256, G=1, isz=(1, 56, 56), osz=(1, 56, 56),
+                       k=(1, 1, 1), bias=True)
+    plain = cc.plan_conv(geom, tuning={})
+    res = cc.plan_conv(geom, tuning={}, reads=1)
+    assert plain.direct and not plain.swap and plain.CH > cc.RESIDUAL_ROWS, plain
+    assert res.direct and not res.swap and res.CH <= cc.RESIDUAL_ROWS, res
+    assert plain.P < res.P and 4 * geom.K * res.P <= l2_bytes() // 2, (plain, res)
+
+    inits = {"w": f32(M, C, 1, 1, scale=C ** -0.5), "cb": f32(M)}
+    nodes = [helper.make_node("Conv", ["x", "w", "cb"], ["c"]),
+             helper.make_node("Add", ["c", "res"], ["a"]),
+             helper.make_node("Relu", ["a"], ["y"])]
+    m = _model(nodes, [_vi("x", ["N", C, H, W]), _vi("res", ["N", M, H, W])],
+               [_vi("y", ["N", M, H, W])], inits)
+    feeds = [{"x": f32(b, C, H, W), "res": f32(b, M, H, W)} for b in BATCHES]
+    sess = check_runtime_dims(m, feeds, **TOL)
+    ks = kernels_of(sess, "Conv")
+    assert len({k.symbol for k in ks}) == 1 and "Add" in ks[0].op_types
+    want = cc.plan_conv(cc.ConvGeom(N=1, C=C, M=M, G=1, isz=(1, H, W), osz=(1, H, W),
+                                    k=(1, 1, 1), bias=True), tuning={}, reads=1)
+    assert want.CH <= cc.RESIDUAL_ROWS and f"CH{want.CH}x{want.MB}" in ks[0].notes["path"], \
+        ks[0].notes["path"]
+
+
 def test_fused_conv_operand_patterns():
     """Epilogue operands indexed per channel (a [1, M, 1, 1] runtime input), per element
     (a residual input) and a runtime scalar, on the swapped orientation (lanes along

@@ -241,7 +241,7 @@ def _static_types(ts: list[Any]) -> bool:
     return all(t is not None and t.is_static and t.numel > 0 for t in ts)
 
 
-def conv_tiling(node: Any, ins: list[Any], outs: list[Any]) -> Tiling | None:
+def conv_tiling(node: Any, ins: list[Any], outs: list[Any], reads: int = 0) -> Tiling | None:
     """The host tiling function of Conv (codegen/ABI.md "Runtime dimensions"): the batch
     N is the runtime dimension. The tile grid is planned for ONE image (``plan_conv`` /
     ``plan_window`` at N=1) and the kernel's tile ``t`` is tile ``t % T1`` of image
@@ -251,7 +251,8 @@ def conv_tiling(node: Any, ins: list[Any], outs: list[Any]) -> Tiling | None:
     for the batch (its weights, larger than the direct ones, stream once a call: where
     they tip the choice, batch 1 and batch 8 run different kernels); its key also holds
     the implicit-GEMM plan, which a Conv with runtime weights (that the tiling function
-    cannot tell apart) runs in the Winograd kernel's tile grid."""
+    cannot tell apart) runs in the Winograd kernel's tile grid. ``reads``: tensors of the
+    output's shape a fused epilogue reads (plan_conv)."""
     if len(ins) < 2 or not _static_types([ins[0], ins[1], outs[0]]) or not 3 <= ins[0].rank <= 5:
         return None
     geom, depthwise = conv_geom_of(node, ins, outs)
@@ -282,7 +283,7 @@ def conv_tiling(node: Any, ins: list[Any], outs: list[Any]) -> Tiling | None:
         # the path note comes from the lowering (Winograd or, for runtime weights, not)
         notes["gemm_flops"] = winograd.winograd_gemm_flops(geom, wplan)
     else:
-        plan = plan_conv(one, const_weights=True)
+        plan = plan_conv(one, const_weights=True, reads=reads)
         key = ("conv", "gemm", one, plan)
         # the tiling function does not know whether W is a constant (prepacked) or not
         # (packed per tile into the workspace): the workspace of the latter serves both
@@ -293,9 +294,10 @@ def conv_tiling(node: Any, ins: list[Any], outs: list[Any]) -> Tiling | None:
 
 
 def _lower_conv(ctx: LowerCtx, epilogue: Any = None, y_slot: int | None = None,
-                tkey: tuple | None = None) -> None:
+                tkey: tuple | None = None, reads: int = 0) -> None:
     """Lower a Conv; a fused kernel passes its epilogue (codegen.conv.Epilogue), the
-    argument slot of the output and the key of the conv's tiling (conv_tiling)."""
+    argument slot of the output, the key of the conv's tiling (conv_tiling) and the
+    number of tensors of the output's shape the epilogue reads (plan_conv)."""
     if tkey is None and ctx.tiling is not None:
         tkey = ctx.tiling.key
     if tkey is not None:
@@ -332,7 +334,7 @@ def _lower_conv(ctx: LowerCtx, epilogue: Any = None, y_slot: int | None = None,
         ctx.notes["path"] = _winograd_path(wplan)
         ctx.notes["gemm_flops"] = winograd.winograd_gemm_flops(geom, wplan)
         return
-    plan = plan_conv(geom, const_weights=w is not None)
+    plan = plan_conv(geom, const_weights=w is not None, reads=reads)
     if w is not None:
         ctx.replace_const(1, _pack_conv_weights, geom, plan, ConstRef(1), False)
     emit_conv(ctx.module, ctx.symbol, geom, plan, slots, a_prepacked=w is not None,

@@ -368,7 +368,8 @@ def _lower_fused_conv(ctx: LowerCtx) -> None:
     # the output, or channels of it, which do not depend on N)
     tkey = ctx.tiling.key[1] if ctx.tiling is not None else None
     conv_t = conv_store_type(conv, ctx.in_types[:ncon], types[conv_out], types[final])
-    _lower_conv(_NodeView(ctx, conv, conv_t), epilogue=epilogue, y_slot=n_in, tkey=tkey)
+    _lower_conv(_NodeView(ctx, conv, conv_t), epilogue=epilogue, y_slot=n_in, tkey=tkey,
+                reads=patterns.count("full"))
     ctx.flops += sum(int(np.prod(out_shape)) * _flops_per_elem(lookup(n.op_type, n.domain))
                      for n in epi)
     ctx.notes["epilogue"] = "+".join(n.op_type for n in epi)
@@ -395,12 +396,14 @@ def _fused_conv_tiling(node: Node, in_types: list, out_types: list) -> Any:
     ncon = len(conv.inputs)
     out_t = conv_store_type(conv, in_types[:ncon], types[conv.outputs[0]],
                             types[node.outputs[0]])
-    t = conv_tiling(conv, in_types[:ncon], [out_t])
-    if t is None:
-        return None
+    if out_t is None or not out_t.is_static:
+        return None     # (as conv_tiling)
     out_shape = tuple(out_t.shape)
     pats = tuple(conv_operand_pattern(in_types[i], out_shape) if v else None
                  for i, v in enumerate(node.inputs) if i >= ncon)
+    t = conv_tiling(conv, in_types[:ncon], [out_t], reads=pats.count("full"))
+    if t is None:
+        return None
     numel = int(np.prod(out_shape))
     flops = (t.flops or 0) + sum(numel * _flops_per_elem(lookup(n.op_type, n.domain))
                                  for n in epi)
