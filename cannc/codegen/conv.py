@@ -403,6 +403,18 @@ P_MAX = 256          # pixels per block
 # P 256 1.06 ms, CH 16 x P 3136 0.80 ms (1 core), 0.51 -> 0.40 ms (2 cores); CH 32 0.97;
 # 128->512 at 28x28 0.88 -> 0.82-0.84. Without the Add, CH 88 is within 3% of 16.
 RESIDUAL_ROWS = 16
+# a 1x1 conv reading X in place (either orientation) over planes of at least this many
+# bytes, with a reduction of more than 2 * FAR_PLANES_KC channels, takes reduction blocks
+# of FAR_PLANES_KC channels: a k step reads the next plane, and KC planes of 28x28 or more
+# are KC streams, which at 256 or 512 run slower than the partial sums' extra trips
+# through Y cost. Sapphire Rapids guest, 1 core, against KC 256/512, two runs each:
+# 256->64 at 56x56 0.787-0.798 -> 0.754-0.773 ms, 256->128 at 56x56 1.50-1.67 ->
+# 1.50-1.65, 512->128 at 28x28 0.77-0.83 -> 0.70-0.78, 512->256 at 28x28 1.43 -> 1.36-1.41,
+# 144->24 + Add at 56x56 0.206 -> 0.181-0.191; 192 and 240 channels level; 96 and 128
+# (two blocks) 2-3% slower, and so are 14x14 planes (1024->512 1.31 -> 1.37), so they
+# keep whole blocks. KC 128 was slower than both 64 and 256 at 56x56 and 28x28
+FAR_PLANES_BYTES = 3072
+FAR_PLANES_KC = 64
 IM2COL_FEW_CH_P = 64  # pixels per block of an im2col conv of at most 2*MR output channels
 IM2COL_FEW_CH_MIN_K = 64  # ... whose reduction is longer than this
 SWAP_MAX_PIXELS = 1024
@@ -678,6 +690,9 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict,
     cost, swap, MR, NV, direct, (_, PB, P, MB, CH, T) = min(cands, key=lambda c: c[0])
     # reduction blocks of whole input channels
     kcmax = tun.get("KC", KC_MAX_DIRECT if direct and not swap else KC_MAX)
+    if ("KC" not in tun and direct and geom.pointwise and 4 * geom.DHW >= FAR_PLANES_BYTES
+            and K > 2 * FAR_PLANES_KC):
+        kcmax = FAR_PLANES_KC
     nkb = cdiv(K, kcmax)
     CB = cdiv(geom.Cg, nkb)
     nkb = cdiv(geom.Cg, CB)

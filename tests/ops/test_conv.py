@@ -251,6 +251,29 @@ def test_conv_plan_orientation():
     assert p.direct and not p.swap and p.num_tiles >= 2
 
 
+def test_pointwise_far_planes_take_short_reductions():
+    """A 1x1 conv reading X in place over planes of FAR_PLANES_BYTES or more, with more
+    than 2 * FAR_PLANES_KC input channels, reduces in blocks of FAR_PLANES_KC channels;
+    14x14 planes and reductions of 128 keep whole blocks; a forced KC wins. The blocked
+    sums (a last short block) match onnxruntime."""
+    cc = conv_codegen
+
+    def plan(C, M, H, **tun):
+        g = cc.ConvGeom(N=1, C=C, M=M, G=1, isz=(1, H, H), osz=(1, H, H), k=(1, 1, 1))
+        return cc.plan_conv(g, tuning=tun)
+
+    assert 4 * 28 * 28 >= cc.FAR_PLANES_BYTES > 4 * 14 * 14
+    for C, M, H in [(256, 64, 56), (512, 128, 28), (160, 24, 28)]:
+        p = plan(C, M, H)
+        assert p.direct and p.KC <= cc.FAR_PLANES_KC and p.nkb == -(-C // p.KC), (C, M, H, p)
+    assert plan(1024, 512, 14).KC > cc.FAR_PLANES_KC
+    assert plan(128, 512, 28).nkb == 1
+    assert plan(256, 64, 56, KC=256).nkb == 1
+    x = rnd(1, 160, 28, 28)
+    w = rnd(24, 160, 1, 1, scale=160 ** -0.5)
+    check_op("Conv", [x, w, rnd(24)], const_inputs=(1, 2), **TOL)
+
+
 def test_two_fma_pipes_weigh_micro_tile_loads(monkeypatch):
     """With two FMA pipes an MR x 16 micro-tile is load-bound (MR + 1 loads for MR FMAs)
     and the overheads cost twice the flops: 1x1 convs at 28x28 take the normal
