@@ -405,15 +405,17 @@ P_MAX = 256          # pixels per block
 RESIDUAL_ROWS = 16
 # a 1x1 conv reading X in place (either orientation) over planes of at least this many
 # bytes, with a reduction of more than 2 * FAR_PLANES_KC channels, takes reduction blocks
-# of FAR_PLANES_KC channels: a k step reads the next plane, and KC planes of 28x28 or more
+# of FAR_PLANES_KC channels: a k step reads the next plane, and KC planes of 27x27 or more
 # are KC streams, which at 256 or 512 run slower than the partial sums' extra trips
 # through Y cost. Sapphire Rapids guest, 1 core, against KC 256/512, two runs each:
 # 256->64 at 56x56 0.787-0.798 -> 0.754-0.773 ms, 256->128 at 56x56 1.50-1.67 ->
 # 1.50-1.65, 512->128 at 28x28 0.77-0.83 -> 0.70-0.78, 512->256 at 28x28 1.43 -> 1.36-1.41,
 # 144->24 + Add at 56x56 0.206 -> 0.181-0.191; 192 and 240 channels level; 96 and 128
 # (two blocks) 2-3% slower, and so are 14x14 planes (1024->512 1.31 -> 1.37), so they
-# keep whole blocks. KC 128 was slower than both 64 and 256 at 56x56 and 28x28
-FAR_PLANES_BYTES = 3072
+# keep whole blocks. KC 128 was slower than both 64 and 256 at 56x56 and 28x28.
+# SqueezeNet's squeeze convs at 27x27 (2916-byte planes): 256->32 0.102 -> 0.092-0.096,
+# 256->48 0.151 -> 0.130-0.137; at 13x13 (512->64, 384->48) level
+FAR_PLANES_BYTES = 2048
 FAR_PLANES_KC = 64
 IM2COL_FEW_CH_P = 64  # pixels per block of an im2col conv of at most 2*MR output channels
 IM2COL_FEW_CH_MIN_K = 64  # ... whose reduction is longer than this

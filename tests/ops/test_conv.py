@@ -263,7 +263,7 @@ def test_pointwise_far_planes_take_short_reductions():
         return cc.plan_conv(g, tuning=tun)
 
     assert 4 * 28 * 28 >= cc.FAR_PLANES_BYTES > 4 * 14 * 14
-    for C, M, H in [(256, 64, 56), (512, 128, 28), (160, 24, 28)]:
+    for C, M, H in [(256, 64, 56), (512, 128, 28), (160, 24, 28), (256, 32, 27)]:
         p = plan(C, M, H)
         assert p.direct and p.KC <= cc.FAR_PLANES_KC and p.nkb == -(-C // p.KC), (C, M, H, p)
     assert plan(1024, 512, 14).KC > cc.FAR_PLANES_KC
