@@ -14,6 +14,9 @@ CANNC_DEVICE_MEMORY=N  the device memory budget in bytes (suffixes K, M, G, T: 8
                    the host's physical memory. No tensor, and no specialisation's arena +
                    weights + workspace, may exceed it: such shapes are a ShapeError at
                    compile time (see `check_size`), before anything is allocated
+CANNC_CORE_CHOICE=0  every launch of a program on every AI core (default: a program times
+                   launches on every core and on core 0 alone and keeps the faster;
+                   runtime/corechoice.py)
 """
 
 from __future__ import annotations

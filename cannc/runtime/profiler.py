@@ -60,6 +60,7 @@ class Profile:
     peaks: dict[str, float]
     onnx_nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
     overlap: dict[str, float] = field(default_factory=dict)
+    launch_cores: str = ""                # the program's core choice (runtime/corechoice.py)
     trace_events: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     @property
@@ -94,6 +95,8 @@ class Profile:
                      f"({100 * self.kernel_ms / max(self.compute_ms, 1e-12):.0f}% "
                      "of compute)")
         lines.append(f"AI cores busy: {busy}")
+        if self.launch_cores:
+            lines.append(f"launches on {self.launch_cores}")
         m = self.memory
         lines.append("device memory: " + ", ".join(
             f"{k[:-6]} {v / 2**20:.2f} MiB" for k, v in m.items() if k.endswith("_bytes")))
@@ -121,6 +124,12 @@ def profile(session: Any, feeds: dict[str, np.ndarray], runs: int = 20, warmup: 
     rate = peaks["cycles_per_second"]
     for _ in range(warmup):
         prog.execute(feeds)
+    # the launches profiled use the cores the program's runs use (core_choice): let it
+    # finish its trial first (a few dozen launches at most)
+    for _ in range(64):
+        if prog.core_choice.decided:
+            break
+        prog.execute(feeds)
     records: list[RunTimes] = []
     for _ in range(max(1, runs)):
         rt = RunTimes()
@@ -138,7 +147,8 @@ def profile(session: Any, feeds: dict[str, np.ndarray], runs: int = 20, warmup: 
             done = int(cyc[k, 0, 3])
             per_kernel[r, k] = max(done - prev, 0) / rate
             prev = done
-            busy[r, k] = cyc[k, :, 2] / rate
+            # (a launch on fewer cores than the device's, core_choice: the others idle)
+            busy[r, k, :cyc.shape[1]] = cyc[k, :, 2] / rate
     med = np.median(per_kernel, axis=0)
     kern = []
     cpeak = peaks["fp32_gflops_per_core"] * ncores
@@ -172,7 +182,8 @@ def profile(session: Any, feeds: dict[str, np.ndarray], runs: int = 20, warmup: 
         compute_ms=med_of(lambda rt: rt.t_compute_end - rt.t_h2d_end),
         d2h_ms=med_of(lambda rt: rt.t_end - rt.t_compute_end),
         kernels=kern, core_busy_ms=[float(x) * 1e3 for x in np.median(busy.sum(axis=1), axis=0)],
-        memory=session.device.mem_info(), peaks=peaks, onnx_nodes=nodes)
+        memory=session.device.mem_info(), peaks=peaks, onnx_nodes=nodes,
+        launch_cores=prog.core_choice.describe())
     prof.trace_events = _trace(prog, records[-1], rate, ncores)
     if pipeline_requests:
         prof.overlap = pipelined_throughput(session, feeds, pipeline_requests, prof.trace_events)
@@ -199,7 +210,7 @@ def _trace(prog: Program, rt: RunTimes, rate: float, ncores: int) -> list[dict[s
                "ts": rt.t_compute_end * 1e6, "dur": (rt.t_end - rt.t_compute_end) * 1e6})
     assert rt.cycles is not None
     for i, k in enumerate(prog.kernels):
-        for c in range(ncores):
+        for c in range(rt.cycles.shape[1]):
             first, last, busy, _ = (int(x) for x in rt.cycles[i, c, :dispatch.PROFILE_WORDS])
             if first == 0:
                 continue

@@ -25,6 +25,7 @@ import numpy as np
 from ..artifact import ALIGN, Kernel, MemoryPlan, Specialization, align_up
 from ..native.target import JitLibrary
 from . import dispatch
+from .corechoice import CoreChoice
 from .device import Device
 from .memory import is_device_ready
 
@@ -147,6 +148,8 @@ class Program:
         self._cycles = dispatch.CYCLES_FUNC_TYPE(self.lib.address(dispatch.CYCLES))
         self._contexts: list[Context] = []
         self._cv = threading.Condition()
+        # every core, or core 0 alone where that measured faster (runtime/corechoice.py)
+        self.core_choice = CoreChoice(device.cores)
         self.input_names = list(g.inputs)
         self.release(self.acquire())   # the first context, allocated up front
 
@@ -278,7 +281,16 @@ class Program:
         nk = len(self.spec.kernels)
         if nk == 0:
             return lambda: None
-        ncores = self.device.cores
+        choice = self.core_choice
+        tag = None
+        if times is None:
+            ncores, tag = choice.next()
+            # (a launch is timed only when it has the cores to itself)
+            if tag is not None and sum(c.busy for c in self._contexts) != 1:
+                tag = None
+        else:
+            ncores = choice.use
+        t_start = time.perf_counter() if tag is not None else 0.0
         sched, ws, stride = ctx.sched_addr, ctx.ws_addr, self.ws_stride
         # claim/done counters (and gate) that no core reads any more: a late core still
         # walking an earlier launch only ever sees that launch's (finished) counters
@@ -299,6 +311,8 @@ class Program:
                 times.t0 = time.perf_counter()
                 times.cycles0 = self._cycles()
             run(sched, nk, 0, ncores, cptr, ws, stride, tptr)
+            if tag is not None:
+                choice.record(ncores, time.perf_counter() - t_start, tag)
 
         # the counters live as long as core 0's share can run (cptr points into them)
         core0.keep = (self, ctx, counters, times)  # type: ignore[attr-defined]
@@ -309,12 +323,12 @@ class Program:
                   ) -> tuple[np.ndarray | None, int, int | None]:
         """(what keeps them alive, their address, the context's slot or None) of zeroed
         launch counters: a slot of the context whose last launch every worker has
-        finished (on one core: any, the launch is over when the call returns), else a
-        fresh set."""
+        finished (a launch on core 0 alone is over when the call returns; a worker may
+        still walk an earlier one), else a fresh set."""
         n = nk * dispatch.COUNTER_WORDS + 16
         i = ctx.counter_next
         last = ctx.counter_launch[i]
-        if ncores == 1 or last < 0 or self.device.launch_finished(last):
+        if last < 0 or self.device.launch_finished(last):
             ctx.counter_next = (i + 1) % COUNTER_SLOTS
             off = ctx.counter_offs[i]
             ctx.counters[off:off + n] = 0

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import cannc
+from cannc.runtime.corechoice import CoreChoice
 from cannc.runtime.device import Device
 from cannc.runtime.memory import device_ready_empty, is_device_ready
 from cannc.runtime.stream import Event, is_pinned
@@ -244,12 +245,16 @@ def test_launch_counters_reused_only_when_every_worker_is_done(mlp):
         held, cptr2, slot2 = prog._counters(ctx, nk, 2)
         assert held is not None and slot2 is None and cptr2 not in ctx.counter_addrs
         assert cptr2 % 64 == 0 and not held.any()
-        # on one core the launch is over when the call returns: always reused
+        # nor by a launch on core 0 alone (core_choice): a worker may still walk it
         held, cptr3, slot3 = prog._counters(ctx, nk, 1)
-        assert held is None and slot3 is not None
+        assert held is not None and slot3 is None
+        # a slot no worker launch used is reused by either
         ctx.counter_launch = [-1] * len(ctx.counter_launch)
+        held, cptr4, slot4 = prog._counters(ctx, nk, 1)
+        assert held is None and slot4 is not None
     finally:
         prog.release(ctx)
+    prog.core_choice = CoreChoice(prog.device.cores, enable=False)   # every launch on 2
     for _ in range(3 * len(ctx.counter_addrs)):
         assert np.array_equal(sess.run(None, feeds)[0], ref[0])
     assert all(launch >= 0 for launch in ctx.counter_launch) or prog.device.cores == 1
