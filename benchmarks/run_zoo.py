@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{o['median_ms']:9.3f} {ov_ms} {rows[-1]['ratio']:6.3f} {ov_r}  "
                       f"{c.get('build_s') or 0:9.2f} {c.get('first_run_s') or 0:9.2f}",
                       flush=True)
+                if cores > 1 and c.get("core_choice"):
+                    print(f"  cannc launches on {'; '.join(c['core_choice'])}")
                 if rows[-1]["cross_core_rtt_ns"]:
                     a, b = rows[-1]["cross_core_rtt_ns"]
                     print(f"  cache-line round trip between the CPUs {a:.0f} / {b:.0f} ns "

@@ -137,14 +137,16 @@ def _cannc(model: str, threads: int, precision: str, options: dict[str, Any],
     def run() -> Any:
         return sess.run(None, feeds)
 
-    def settle() -> None:
+    def settle() -> dict[str, Any]:
         # a program on 2+ cores times launches on every core and on one before it keeps
         # one (runtime/corechoice.py): the timed runs come after that trial
         for _ in range(64):
             if all(getattr(p, "core_choice", None) is None or p.core_choice.decided
                    for p in list(sess._programs.values())):
-                return
+                break
             run()
+        return {"core_choice": [p.core_choice.describe() for p in sess._programs.values()
+                                if getattr(p, "core_choice", None) is not None]}
 
     run.settle = settle  # type: ignore[attr-defined]
     return {"version": __version__, "cores": sess.cores}, names, run
@@ -233,7 +235,7 @@ def prepare_engine(engine: str, model: str, feeds: dict[str, np.ndarray], *, thr
     build_s = time.perf_counter() - t
     first, _, out = timed(run, warmup, 0)
     if hasattr(run, "settle"):
-        run.settle()
+        rep = {**rep, **run.settle()}
     outs = {n: savable(a) for n, a in zip(names, out)}
     rep = {"status": "ok", "engine": engine, "pid": os.getpid(), "threads": threads,
            "precision": precision, "build_s": build_s, "first_run_s": first,

@@ -9,11 +9,13 @@ launches on every core it runs blocks of BLOCK launches on every core and on cor
 alone, in turn, timing all but the first of each block (a worker that slept through a
 block on one core is woken by the next block's first launch: back to back, it would not
 be), and keeps core 0 alone when its median is below MARGIN times the median on every
-core (decided after at most PAIRS pairs of blocks; early, on every core, where one core
-is plainly slower). A program whose launches take TRIAL_MAX_S or more on every core
-skips the trial: a split costs microseconds. The trials run again after RECHECK
-launches, so a machine whose state changed (the 2-vCPU guests do) is measured again. A
-launch is timed only when no other launch of the program is in flight; profiling
+core (decided after MIN_PAIRS to PAIRS pairs of blocks: early where one setting is
+plainly faster). A program whose launches take TRIAL_MAX_S or more on every core
+skips the trial: a split costs microseconds. A program on core 0 alone runs the trial
+again after RECHECK launches, so a machine whose state changed (the 2-vCPU guests do) is
+measured again (one that chose every core does not: its trial would slow whole launches
+twofold, where a wrong choice of core 0 alone costs it a few percent). Only launches with
+the cores to themselves take part in the trial (others run on every core); profiling
 launches are neither timed nor counted.
 
 CANNC_CORE_CHOICE=0 keeps every launch on every core.
@@ -25,12 +27,13 @@ import os
 import statistics
 import threading
 
-WARM = 3          # launches on every core before the first trial
+WARM = 8          # launches on every core before the first trial (the first after a
+                  # cold compile ran slow on one core as well: 1.46x at the zoo MobileNet)
 BLOCK = 4         # launches in a row on one setting; the first of a block is not timed
 PAIRS = 4         # at most this many (every core, one core) pairs of blocks
-MIN_PAIRS = 2     # ... and at least this many before one core may be chosen
+MIN_PAIRS = 2     # ... and at least this many before either is chosen
 MARGIN = 0.97     # one core's median must be this far below every core's
-GIVE_UP = 1.3     # after a pair, one core's median this far above: every core, at once
+GIVE_UP = 1.3     # after MIN_PAIRS pairs, one core's median this far above: every core
 RECHECK = 4096    # launches after a decision, then the trials again
 TRIAL_MAX_S = 0.02  # the last warm launch this long or longer: every core, no trial
 
@@ -55,15 +58,19 @@ class CoreChoice:
         self._all: list[float] = []
         self._one: list[float] = []
 
-    def next(self) -> tuple[int, str | None]:
-        """(cores for this launch, None or the tag to `record` its time with)."""
+    def next(self, alone: bool = True) -> tuple[int, str | None]:
+        """(cores for this launch, None or the tag to `record` its time with). A launch
+        while others of the program are in flight (not `alone`) takes the choice, or
+        every core during the trial, and leaves the trial where it is."""
         if not self.enabled:
             return self.cores, None
         with self._lock:
+            if not alone and not self.decided:
+                return self.cores, None
             n = self._n
             self._n += 1
             if self.decided:
-                if n >= RECHECK:
+                if n >= RECHECK and self.use == 1:
                     self._restart()
                 return self.use, None
             if n < WARM:
@@ -86,7 +93,7 @@ class CoreChoice:
             if pairs == 0 or len(self._one) != len(self._all) or len(self._one) % per:
                 return
             every, one = statistics.median(self._all), statistics.median(self._one)
-            if one > GIVE_UP * every:
+            if pairs >= MIN_PAIRS and one > GIVE_UP * every:
                 self._decide(self.cores, every, one, pairs)
             elif pairs >= PAIRS or (pairs >= MIN_PAIRS and one < MARGIN * every
                                     and max(self._one) < min(self._all)):

@@ -284,10 +284,9 @@ class Program:
         choice = self.core_choice
         tag = None
         if times is None:
-            ncores, tag = choice.next()
-            # (a launch is timed only when it has the cores to itself)
-            if tag is not None and sum(c.busy for c in self._contexts) != 1:
-                tag = None
+            # (a launch takes part in the trial only when it has the cores to itself)
+            ncores, tag = choice.next(choice.decided or
+                                      sum(c.busy for c in self._contexts) == 1)
         else:
             ncores = choice.use
         t_start = time.perf_counter() if tag is not None else 0.0

@@ -43,10 +43,10 @@ def test_one_core_kept_where_it_is_faster():
     assert c.describe().startswith("1 of 2 AI cores")
 
 
-def test_every_core_kept_where_one_is_plainly_slower_after_one_pair():
+def test_every_core_kept_where_one_is_plainly_slower_after_min_pairs():
     c = CoreChoice(2, enable=True)
     used = drive(c, every=100e-6, one=200e-6)
-    assert c.decided and c.use == 2 and len(used) == cc.WARM + 2 * cc.BLOCK
+    assert c.decided and c.use == 2 and len(used) == cc.WARM + 2 * cc.BLOCK * cc.MIN_PAIRS
     assert c.next() == (2, None)
     assert c.describe().startswith("all 2 AI cores")
 
@@ -74,7 +74,7 @@ def test_the_first_launch_of_a_block_is_not_timed():
         assert {n for n, _ in block} == {2 if b == 0 else 1}
 
 
-def test_the_trial_runs_again_after_recheck_launches():
+def test_the_trial_runs_again_after_recheck_launches_on_one_core():
     c = CoreChoice(2, enable=True)
     drive(c, every=120e-6, one=100e-6)
     assert c.use == 1
@@ -84,6 +84,20 @@ def test_the_trial_runs_again_after_recheck_launches():
     assert not c.decided
     drive(c, every=100e-6, one=200e-6)
     assert c.decided and c.use == 2
+    # a choice of every core stands: no more launches on one
+    assert all(c.next() == (2, None) for _ in range(2 * cc.RECHECK))
+
+
+def test_launches_in_flight_together_leave_the_trial_alone():
+    c = CoreChoice(2, enable=True)
+    drive(c, every=120e-6, one=100e-6, limit=cc.WARM + cc.BLOCK + 1)   # into block 2
+    assert not c.decided
+    n = c._n
+    # pipelined requests: every core, untimed, and the trial does not move on
+    assert all(c.next(alone=False) == (2, None) for _ in range(50))
+    assert c._n == n
+    drive(c, every=120e-6, one=100e-6)
+    assert c.decided and c.use == 1
 
 
 def test_disabled_and_single_core(monkeypatch):
