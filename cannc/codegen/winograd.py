@@ -260,7 +260,10 @@ def _plan_winograd(geom: ConvGeom, cores: int, tun: dict) -> WinoPlan:
             PTP = rup(PTR, 16)
             splits = distinct_splits(cdiv(M, NR))
             if "CH" in tun:
-                splits = [(cdiv(M, tun["CH"]), tun["CH"] // NR)]
+                # (whole NR-channel panels: a forced CH below NR once made CH 0, a kernel
+                # that wrote nothing)
+                pan = max(1, cdiv(tun["CH"], NR))
+                splits = [(cdiv(M, pan * NR), pan)]
             for MB, pan in splits:
                 CH = pan * NR
                 ws_v = 0

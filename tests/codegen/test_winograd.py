@@ -109,6 +109,7 @@ FORCED = [
     dict(CH=32, PT=24, MR=7),    # several channel blocks (input transform per block)
     dict(NV=1, MR=8, PT=8),      # 16-channel panels, more Winograd tiles than one block
     dict(CB=16, CH=64, PT=40),
+    dict(CH=16, PT=16),          # below one 32-channel panel: rounded up to a panel
 ]
 
 
