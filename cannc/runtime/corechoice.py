@@ -34,7 +34,7 @@ PAIRS = 4         # at most this many (every core, one core) pairs of blocks
 MIN_PAIRS = 2     # ... and at least this many before either is chosen
 MARGIN = 0.97     # one core's median must be this far below every core's
 GIVE_UP = 1.3     # after MIN_PAIRS pairs, one core's median this far above: every core
-RECHECK = 4096    # launches after a decision, then the trials again
+RECHECK = 4096    # launches on core 0 alone, then the trial again
 TRIAL_MAX_S = 0.02  # the last warm launch this long or longer: every core, no trial
 
 
