@@ -141,11 +141,10 @@ def _cannc(model: str, threads: int, precision: str, options: dict[str, Any],
         # a program on 2+ cores times launches on every core and on one before it keeps
         # one (runtime/corechoice.py): the timed runs come after that trial
         for _ in range(64):
-            if all(getattr(p, "core_choice", None) is None or p.core_choice.decided
-                   for p in list(sess._programs.values())):
+            if sess.settled:
                 break
             run()
-        return {"core_choice": [p.core_choice.describe() for p in sess._programs.values()
+        return {"core_choice": [p.core_choice.describe() for p in sess.programs.values()
                                 if getattr(p, "core_choice", None) is not None]}
 
     run.settle = settle  # type: ignore[attr-defined]

@@ -521,6 +521,14 @@ class Session:
     def programs(self) -> dict[tuple, Program]:
         return dict(self._programs)
 
+    @property
+    def settled(self) -> bool:
+        """Whether every compiled program has chosen the cores its launches use (a
+        program on several cores times its first launches on every core and on core 0
+        alone: runtime/corechoice.py). Benchmarks time runs once this is true."""
+        return all(getattr(p, "core_choice", None) is None or p.core_choice.decided
+                   for p in list(self._programs.values()))
+
     def _default_shapes(self, shapes: Any) -> dict[str, tuple[int, ...]]:
         given = given_shapes(shapes)
         unknown = set(given) - set(self._io.inputs)

@@ -145,8 +145,10 @@ def test_a_fresh_program_times_itself_into_a_choice():
     feeds = zoo.example_inputs("mobilenet")
     sess = cannc.compile(model, cores=2)
     ref = sess.run(None, feeds)
-    prog = next(iter(sess._programs.values()))
+    assert not sess.settled
+    prog = next(iter(sess.programs.values()))
     for _ in range(cc.WARM + 2 * cc.BLOCK * cc.PAIRS):
         np.testing.assert_array_equal(sess.run(None, feeds)[0], ref[0])
     assert prog.core_choice.decided and prog.core_choice.use in (1, 2)
-    assert prog.core_choice.measured is not None
+    assert prog.core_choice.measured is not None and sess.settled
+    assert cannc.compile(model, cores=1).settled
