@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -70,6 +71,10 @@ class RunTimes:
     t0: float = 0.0
 
 
+def _bytes_of(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
 class WeightPool:
     """Device copies of constants, shared by the programs of a session: a new input
     shape re-plans the activations but uploads (and packs) no weight again. Keyed
@@ -77,8 +82,15 @@ class WeightPool:
 
     def __init__(self, device: Device) -> None:
         self.device = device
-        self._bufs: dict[int, tuple[weakref.ref, np.ndarray]] = {}
+        # id(constant) -> (its reference, its copy; None: adopted, `a`'s own pages)
+        self._bufs: dict[int, tuple[weakref.ref, np.ndarray | None]] = {}
         self._lock = threading.Lock()
+        # the references of constants collected since: their entries are dropped at the
+        # next upload (a weakref callback may run inside a locked section, so it only
+        # appends). Programs hold the device copies they read; an entry whose constant is
+        # gone (a compile that failed after its upload, the packed weights of a
+        # specialisation given up) would keep its copy for the session's life.
+        self._dead: deque[tuple[int, weakref.ref]] = deque()
 
     def upload(self, a: np.ndarray) -> np.ndarray:
         """The device copy of `a`: a copy in Device.malloc memory, or `a`'s own pages
@@ -88,17 +100,33 @@ class WeightPool:
             return self.adopt(a)
         return self._copy(a)
 
+    def _ref(self, a: np.ndarray) -> weakref.ref:
+        dead, key = self._dead, id(a)
+        return weakref.ref(a, lambda r: dead.append((key, r)))
+
+    def _drop_dead(self) -> None:
+        """Forget the entries whose constants were collected (the caller holds _lock)."""
+        while True:
+            try:
+                key, ref = self._dead.popleft()
+            except IndexError:
+                return
+            hit = self._bufs.get(key)
+            if hit is not None and hit[0] is ref:      # (not a newer array of that id)
+                del self._bufs[key]
+
     def _copy(self, a: np.ndarray) -> np.ndarray:
         with self._lock:
+            self._drop_dead()
             hit = self._bufs.get(id(a))
             if hit is not None and hit[0]() is a:
-                return hit[1]
+                return hit[1] if hit[1] is not None else _bytes_of(a)
             # copied, not adopted in place: packed weights used where numpy allocated
             # them ran an MLP's GEMM at a third of its speed, depending on the process
             # (0.25 vs 0.8 ms; a fresh copy was always fast)
             buf = self.device.malloc(align_up(max(a.nbytes, 1)), "weights")
             buf[:a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-            self._bufs[id(a)] = (weakref.ref(a), buf)
+            self._bufs[id(a)] = (self._ref(a), buf)
             return buf
 
     def adopt(self, a: np.ndarray) -> np.ndarray:
@@ -106,17 +134,19 @@ class WeightPool:
         live in page-aligned memory of their own (a program-cache entry's weights, read
         by cannc.compiler.snapshot); accounted as device weights while they live."""
         with self._lock:
+            self._drop_dead()
             hit = self._bufs.get(id(a))
             if hit is not None and hit[0]() is a:
-                return hit[1]
-            buf = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+                return hit[1] if hit[1] is not None else _bytes_of(a)
+            buf = _bytes_of(a)
             if buf.ctypes.data % ALIGN:
                 buf = None
         if buf is None:
             return self._copy(a)
         self.device.account(buf, "weights")
         with self._lock:
-            self._bufs[id(a)] = (weakref.ref(a), buf)
+            # (no buffer kept: it is a view of `a`, and would keep `a` alive for good)
+            self._bufs[id(a)] = (self._ref(a), None)
         return buf
 
 

@@ -122,6 +122,40 @@ def test_packed_weights_are_adopted_not_copied(mlp):
     assert np.array_equal(sess.run(None, feeds)[0], ref[0])
 
 
+def test_weight_pool_lets_go_of_collected_constants():
+    """The pool's entry of a constant goes with the constant: copied or adopted (a view
+    of the constant's own pages, which the entry must not keep alive), its device memory
+    is free once no program holds it (a specialisation evicted, or a compile that failed
+    after its upload). Hits return the same memory while the constant lives."""
+    import gc
+
+    from cannc.runtime.program import WeightPool
+
+    dev = Device(1)
+    pool = WeightPool(dev)
+    keep = np.ones(10, np.float32)
+    pool.upload(keep)
+    base = dev.mem_info()["weights_bytes"]
+    copied = np.ones(100_000, np.float32)
+    packed = device_ready_empty((50_000,), np.float32)
+    packed[:] = 2
+    b1, b2 = pool.upload(copied), pool.upload(packed)
+    assert pool.upload(copied) is b1 and np.shares_memory(pool.upload(packed), packed)
+    assert not np.shares_memory(b1, copied)
+    assert dev.mem_info()["weights_bytes"] - base == 600_000
+    held = pool.upload(packed)          # a program's copy outlives the pool's entry
+    del copied, packed, b1, b2
+    gc.collect()
+    pool.upload(keep)
+    assert dev.mem_info()["weights_bytes"] - base == 200_000 and held[0:4].view(
+        np.float32)[0] == 2
+    del held
+    gc.collect()
+    pool.upload(keep)
+    assert dev.mem_info()["weights_bytes"] == base and len(pool._bufs) == 1
+    dev.close()
+
+
 def test_device_ready_arrays_are_page_aligned_whole_lines():
     a = device_ready_empty((3, 5), np.float32)
     assert a.shape == (3, 5) and a.flags.c_contiguous and a.ctypes.data % 4096 == 0
