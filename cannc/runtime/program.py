@@ -105,14 +105,11 @@ class WeightPool:
         return weakref.ref(a, lambda r: dead.append((key, r)))
 
     def _drop_dead(self) -> None:
-        """Forget the entries whose constants were collected (the caller holds _lock)."""
-        while True:
-            try:
-                key, ref = self._dead.popleft()
-            except IndexError:
-                return
-            hit = self._bufs.get(key)
-            if hit is not None and hit[0] is ref:      # (not a newer array of that id)
+        """Forget the entries whose constants were collected (the caller holds _lock; only
+        it pops, callbacks only append)."""
+        while self._dead:
+            key, ref = self._dead.popleft()
+            if self._bufs.get(key, (None,))[0] is ref:   # (not a newer array of that id)
                 del self._bufs[key]
 
     def _copy(self, a: np.ndarray) -> np.ndarray:
