@@ -65,8 +65,19 @@ def cache_dir() -> Path | None:
     return Path(base) / "cannc"
 
 
+def _on_unless_off(name: str) -> bool:
+    """A switch that is on unless set to 0, false, no or off (read at each call, so tests
+    can set it)."""
+    return os.environ.get(name, "1").lower() not in ("0", "false", "no", "off")
+
+
 def tuning_enabled() -> bool:
-    return os.environ.get("CANNC_TUNING", "1").lower() not in ("0", "false", "no", "off")
+    return _on_unless_off("CANNC_TUNING")
+
+
+def core_choice_enabled() -> bool:
+    """CANNC_CORE_CHOICE=0: every launch of a program on every AI core."""
+    return _on_unless_off("CANNC_CORE_CHOICE")
 
 
 def tuning_cache_path() -> Path | None:

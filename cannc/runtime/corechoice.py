@@ -23,9 +23,10 @@ CANNC_CORE_CHOICE=0 keeps every launch on every core.
 
 from __future__ import annotations
 
-import os
 import statistics
 import threading
+
+from ..config import core_choice_enabled
 
 WARM = 8          # launches on every core before the first trial (the first after a
                   # cold compile ran slow on one core as well: 1.46x at the zoo MobileNet)
@@ -38,17 +39,12 @@ RECHECK = 4096    # launches on core 0 alone, then the trial again
 TRIAL_MAX_S = 0.02  # the last warm launch this long or longer: every core, no trial
 
 
-def enabled() -> bool:
-    """CANNC_CORE_CHOICE=0 (false, no, off) disables the choice."""
-    return os.environ.get("CANNC_CORE_CHOICE", "1").lower() not in ("0", "false", "no", "off")
-
-
 class CoreChoice:
     """The number of cores a program's next launch uses, and the trials that choose it."""
 
     def __init__(self, cores: int, enable: bool | None = None) -> None:
         self.cores = cores
-        self.enabled = cores > 1 and (enabled() if enable is None else enable)
+        self.enabled = cores > 1 and (core_choice_enabled() if enable is None else enable)
         self.use = cores
         self.decided = not self.enabled
         # (median ms on every core, median ms on one core, pairs) of the last decision

@@ -122,7 +122,7 @@ class WeightPool:
             # them ran an MLP's GEMM at a third of its speed, depending on the process
             # (0.25 vs 0.8 ms; a fresh copy was always fast)
             buf = self.device.malloc(align_up(max(a.nbytes, 1)), "weights")
-            buf[:a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+            buf[:a.nbytes] = _bytes_of(a)
             self._bufs[id(a)] = (self._ref(a), buf)
             return buf
 
@@ -320,7 +320,7 @@ class Program:
         sched, ws, stride = ctx.sched_addr, ctx.ws_addr, self.ws_stride
         # claim/done counters (and gate) that no core reads any more: a late core still
         # walking an earlier launch only ever sees that launch's (finished) counters
-        counters, cptr, slot = self._counters(ctx, nk, ncores)
+        counters, cptr, slot = self._counters(ctx, nk)
         tptr = None
         if times is not None:
             times.cycles = np.zeros((nk, ncores, dispatch.PROFILE_WORDS), np.int64)
@@ -345,8 +345,7 @@ class Program:
 
         return core0
 
-    def _counters(self, ctx: Context, nk: int, ncores: int
-                  ) -> tuple[np.ndarray | None, int, int | None]:
+    def _counters(self, ctx: Context, nk: int) -> tuple[np.ndarray | None, int, int | None]:
         """(what keeps them alive, their address, the context's slot or None) of zeroed
         launch counters: a slot of the context whose last launch every worker has
         finished (a launch on core 0 alone is over when the call returns; a worker may

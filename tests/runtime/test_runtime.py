@@ -270,21 +270,21 @@ def test_launch_counters_reused_only_when_every_worker_is_done(mlp):
                       for launch in ctx.counter_launch):
             assert time.monotonic() < deadline, "a worker never finished its launches"
             time.sleep(0.001)
-        held, cptr, slot = prog._counters(ctx, nk, prog.device.cores)
+        held, cptr, slot = prog._counters(ctx, nk)
         assert held is None and cptr in ctx.counter_addrs and slot is not None
         off = ctx.counter_offs[slot]
         assert not ctx.counters[off:off + nk * 8 + 16].any()
         # a slot whose launch a worker may still walk is not reused: fresh counters
         ctx.counter_launch = [1 << 60] * len(ctx.counter_launch)
-        held, cptr2, slot2 = prog._counters(ctx, nk, 2)
+        held, cptr2, slot2 = prog._counters(ctx, nk)
         assert held is not None and slot2 is None and cptr2 not in ctx.counter_addrs
         assert cptr2 % 64 == 0 and not held.any()
-        # nor by a launch on core 0 alone (core_choice): a worker may still walk it
-        held, cptr3, slot3 = prog._counters(ctx, nk, 1)
+        # whatever cores the next launch uses (core_choice): the slot's last launch decides
+        held, cptr3, slot3 = prog._counters(ctx, nk)
         assert held is not None and slot3 is None
         # a slot no worker launch used is reused by either
         ctx.counter_launch = [-1] * len(ctx.counter_launch)
-        held, cptr4, slot4 = prog._counters(ctx, nk, 1)
+        held, cptr4, slot4 = prog._counters(ctx, nk)
         assert held is None and slot4 is not None
     finally:
         prog.release(ctx)
