@@ -72,7 +72,7 @@ from ..native.emit import (
     masked_store,
 )
 from ..schedule.machine import fma_pipes, gemm_wide_tile, l1d_sets, l2_bytes
-from ..schedule.split import claim_chunks
+from ..schedule.split import claim_chunks, split_even
 from .plancache import persistent
 from .vec import VF, VI32, VM, VPTR, VecBuilder, abi_function, wide_registers
 
@@ -473,10 +473,64 @@ def im2col_unit_cost(geom: ConvGeom) -> float:
     return IM2COL_COST if geom.s == (1, 1, 1) else IM2COL_STRIDED_COST
 
 
+# a cache line of Y that two cores write (each its own floats of it) moves between them
+# while both run. Sapphire Rapids guest, 2 cores, 1x1 convs at 14x14 (784-byte planes):
+# 96->576 with a pixel half of every plane per core (2 shared lines a plane) 0.114 ms,
+# with half of the planes per core 0.084 (~26 ns a line where both cores write all
+# their lines at once); in MobileNetV2 64->384 0.058 -> 0.042. Charged ~4 ns (flop
+# units at one zmm FMA a cycle, x pipes): against SPLIT_READ_COST the figure that also
+# keeps the pixel halves where those were measured faster (ShuffleNet's 116->116 at
+# 14x14 0.031 vs 0.036 ms, MobileNetV2's 384->64 0.060 vs 0.069)
+SHARED_LINE_COST = 400.0
+
+
+def shared_lines(geom: ConvGeom, PB: int, P: int, MB: int, cores: int) -> int:
+    """Cache lines of Y that more than one core writes under the dispatcher's regions
+    (schedule/split.py split_even; tile = (n, g, pb, mb), mb fastest): a region
+    boundary inside an (n, g) group of several pixel blocks splits each of its Mg
+    channel planes between two cores, sharing the line at the pixel boundary unless
+    planes and blocks are whole lines, and the line across the plane's end unless the
+    planes are."""
+    if cores <= 1 or PB <= 1:
+        return 0
+    plane_bytes = geom.OHW * 4
+    per_plane = (plane_bytes % 64 != 0) + (plane_bytes % 64 != 0 or P * 4 % 64 != 0)
+    if not per_plane:
+        return 0
+    group = PB * MB
+    T = geom.N * geom.G * group
+    cuts = sum(1 for r0, _ in split_even(T, cores)[1:] if r0 % group)
+    return cuts * geom.Mg * per_plane
+
+
+# a byte of X that a second core reads too (a pixel block whose channel blocks two
+# cores share; in a model much of X was written by the other core) costs what a byte
+# of weights does (weight_traffic): the split weighs the X both cores read against
+# the weights each reads whole. 2 cores, ResNet-50's 64->256 + Add at 56x56 (X 784
+# KiB, weights 64 KiB): 16-channel tiles of whole planes 0.44 ms, pixel halves 0.35;
+# 1024->256 at 14x14 (X 784 KiB, weights 1 MiB) and EfficientNet-B0's 1152->192 at
+# 7x7 keep channel halves (pixel halves 3% and 15% slower)
+SPLIT_READ_COST = 1.0
+
+
+def split_reads(geom: ConvGeom, PB: int, P: int, MB: int, cores: int) -> int:
+    """Bytes of X read by more than one core under the dispatcher's regions: a region
+    boundary between two channel blocks of one pixel block has both cores read that
+    block's Cg x P inputs."""
+    if cores <= 1 or MB <= 1:
+        return 0
+    T = geom.N * geom.G * PB * MB
+    cuts = sum(1 for r0, _ in split_even(T, cores)[1:] if r0 % MB)
+    return cuts * geom.Cg * min(P, geom.OHW) * 4
+
+
 def _grid(geom: ConvGeom, K: int, pu: int, cu: int, pmax: int, cores: int,
           tile_cost, chmax: int | None = None) -> tuple:
-    """Best (PB, P, MB, CH) for pixel unit pu and channel unit cu."""
+    """Best (PB, P, MB, CH) for pixel unit pu and channel unit cu; a split that makes
+    cores share lines of Y (shared_lines) is charged SHARED_LINE_COST a line, one that
+    has two cores read the same X (split_reads) SPLIT_READ_COST a byte."""
     OHW, Mg = geom.OHW, geom.Mg
+    pipes = fma_pipes() if wide_registers() else 1
     best = None
     tmax = max(4096, geom.N * geom.G * cdiv(OHW, max(pu, (pmax // pu) * pu)))
     for PB, qb in distinct_splits(cdiv(OHW, pu)):
@@ -509,6 +563,8 @@ def _grid(geom: ConvGeom, K: int, pu: int, cu: int, pmax: int, cores: int,
                 return q * period + pb * row + mb * (full if pb < PB - 1 else last_full)
 
             worst = dispatch_time(T, cores, lambda t0, t1: upto(t1) - upto(t0))
+            worst += pipes * (SHARED_LINE_COST * shared_lines(geom, PB, P, MB, cores)
+                              + SPLIT_READ_COST * split_reads(geom, PB, P, MB, cores))
             if (best is None or worst < best[0] * 0.995
                     or (worst <= best[0] * 1.005 and T < best[5])):
                 best = (worst, PB, P, MB, CH, T)
@@ -683,7 +739,7 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict,
                     c += pipes * 4.0 * rup(ch, NRs) * K
                 return c
             pm = max(MRs, (pmax // MRs) * MRs)
-            g = _grid(geom, K, MRs, NRs, pm, cores, cost_s)
+            g = _grid(geom, K, MRs, NRs, pm, cores, cost_s, tun.get("CH"))
             # a small preference for the normal orientation (cheaper stores, maybe direct),
             # less where the swapped one reads X itself (SWAP_READS_X_GAIN)
             gain = SWAP_READS_X_GAIN if xa and geom.pointwise and (

@@ -274,6 +274,38 @@ def test_pointwise_far_planes_take_short_reductions():
     check_op("Conv", [x, w, rnd(24)], const_inputs=(1, 2), **TOL)
 
 
+def test_two_cores_keep_to_their_own_lines_of_y():
+    """A tile split that gives two cores a part of every 14x14 channel plane (784
+    bytes: planes and 102-pixel blocks are not whole cache lines) has them write 2 shared
+    lines a plane (shared_lines); channel blocks of whole planes share none but have
+    both cores read X (split_reads). 96->576 at 14x14 (2 tiles of 102 pixels had been
+    picked: 0.114 ms on 2 Sapphire Rapids cores, 0.084 with a channel half per core)
+    takes whole planes; 384->64 (X 5x as big as Y) keeps pixel blocks. One core shares
+    nothing. The channel halves match onnxruntime."""
+    cc = conv_codegen
+
+    def geom(C, M, H):
+        return cc.ConvGeom(N=1, C=C, M=M, G=1, isz=(1, H, H), osz=(1, H, H), k=(1, 1, 1))
+
+    g = geom(96, 576, 14)
+    assert cc.shared_lines(g, 2, 102, 1, 2) == 2 * 576
+    assert cc.shared_lines(g, 2, 102, 1, 1) == 0
+    assert cc.shared_lines(g, 1, 198, 2, 2) == 0
+    assert cc.shared_lines(geom(96, 576, 28), 2, 400, 1, 2) == 0   # 3136-byte planes
+    assert cc.shared_lines(geom(96, 576, 28), 2, 398, 1, 2) == 576
+    assert cc.split_reads(g, 1, 198, 2, 2) == 96 * 196 * 4
+    assert cc.split_reads(g, 2, 102, 1, 2) == 0
+    assert cc.split_reads(g, 2, 102, 2, 2) == 0                    # tiles 0-1 | 2-3
+    p = cc.plan_conv(g)
+    assert p.swap and cc.shared_lines(g, p.PB, p.P, p.MB, 2) == 0, p
+    g = geom(384, 64, 14)
+    p = cc.plan_conv(g)
+    assert cc.split_reads(g, p.PB, p.P, p.MB, 2) == 0, p
+    x = rnd(1, 96, 14, 14)
+    w = rnd(576, 96, 1, 1, scale=96 ** -0.5)
+    check_op("Conv", [x, w, rnd(576)], const_inputs=(1, 2), **TOL)
+
+
 def test_two_fma_pipes_weigh_micro_tile_loads(monkeypatch):
     """With two FMA pipes an MR x 16 micro-tile is load-bound (MR + 1 loads for MR FMAs)
     and the overheads cost twice the flops: 1x1 convs at 28x28 take the normal
