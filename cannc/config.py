@@ -29,9 +29,25 @@ import numpy as np
 
 from .errors import CanncError, ShapeError
 
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
+
+
+def _switch(name: str, default: bool) -> bool:
+    """An on/off switch: 1, true, yes, on or 0, false, no, off (any case); unset or empty
+    is `default`. Anything else is an error, not silently one or the other (a misspelt
+    CANNC_CORE_CHOICE=of had left core choice on)."""
+    v = os.environ.get(name, "").strip().lower()
+    if not v:
+        return default
+    if v in _ON or v in _OFF:
+        return v in _ON
+    known = ", ".join(repr(k) for k in _ON + _OFF)
+    raise CanncError(f"{name}={os.environ[name]!r}: expected one of {known} (or unset)")
+
 
 def _flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
+    return _switch(name, False)
 
 
 DEBUG: bool = _flag("CANNC_DEBUG")
@@ -67,8 +83,8 @@ def cache_dir() -> Path | None:
 
 def _on_unless_off(name: str) -> bool:
     """A switch that is on unless set to 0, false, no or off (read at each call, so tests
-    can set it)."""
-    return os.environ.get(name, "1").lower() not in ("0", "false", "no", "off")
+    can set it; a value that is neither is a CanncError)."""
+    return _switch(name, True)
 
 
 def tuning_enabled() -> bool:

@@ -18,6 +18,7 @@ from cannc.cli import main
 from cannc.codegen.gemm import GemmSpec, gemm_plan
 from cannc.codegen.plans import gemm_spec_of, gemm_tuning
 from cannc.compiler import tune
+from cannc.errors import CanncError
 from cannc.schedule import tuning
 from models import zoo
 from tests.helpers import ort_run
@@ -227,7 +228,8 @@ def test_tune_rejects_a_bad_budget(tiny_mlp, budget, capsys):
     assert "argument --budget" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("var,value", [("CANNC_ISA", "avx3"), ("CANNC_WINOGRAD", "maybe")])
+@pytest.mark.parametrize("var,value", [("CANNC_ISA", "avx3"), ("CANNC_WINOGRAD", "maybe"),
+                                       ("CANNC_DEBUG", "yes please"), ("CANNC_VERIFY", "2")])
 def test_misspelt_codegen_switch_is_a_clear_error(var, value):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, **{var: value})
@@ -235,3 +237,19 @@ def test_misspelt_codegen_switch_is_a_clear_error(var, value):
                        text=True, cwd=root)
     assert r.returncode != 0
     assert f"CanncError: {var}='{value}': expected one of" in r.stderr
+
+
+@pytest.mark.parametrize("var", ["CANNC_TUNING", "CANNC_CORE_CHOICE"])
+def test_misspelt_runtime_switch_is_a_clear_error(tiny_mlp, monkeypatch, var):
+    """CANNC_TUNING and CANNC_CORE_CHOICE are read at each compile: a value that is
+    neither on nor off (a typo of 'off') fails the compile with a CanncError naming the
+    variable, instead of leaving the switch on; on and off values in any case work."""
+    m, _ = tiny_mlp
+    monkeypatch.setenv(var, "of")
+    with pytest.raises(CanncError, match=f"{var}='of': expected one of '1'"):
+        cannc.compile(m, cores=2)
+    for v in ("OFF", "0", "No", "1", "on", ""):
+        monkeypatch.setenv(var, v)
+        cannc.compile(m, cores=2)
+    monkeypatch.setenv("CANNC_CORE_CHOICE", "False")
+    assert not cannc.config.core_choice_enabled()
