@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 import cannc
 from cannc.codegen import conv as conv_codegen
 from cannc.errors import UnsupportedOpError
-from tests.helpers import check_op, single_node_model
+from tests.helpers import assert_matches_ort, check_op, single_node_model
 
 RNG = np.random.default_rng(2024)
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -167,6 +168,8 @@ FORCED = [
     dict(swap=False, direct=False, MR=3, NV=1),
     dict(swap=True, MR=6, NV=4),             # the 6 x 64 tile (WIDE_TILE_EFF): 35 of 64 lanes
     dict(swap=True, MR=5, NV=4, KC=40),
+    dict(swap=False, direct=True, rows_outer=True),     # micro-tiles walked row by row
+    dict(swap=False, direct=False, KC=40, P=32, rows_outer=True),
 ]
 
 
@@ -304,6 +307,44 @@ def test_two_cores_keep_to_their_own_lines_of_y():
     x = rnd(1, 96, 14, 14)
     w = rnd(576, 96, 1, 1, scale=96 ** -0.5)
     check_op("Conv", [x, w, rnd(576)], const_inputs=(1, 2), **TOL)
+
+
+def test_wide_tiles_on_big_planes_walk_channel_rows(monkeypatch):
+    """A normal-orientation tile of at least ROWS_OUTER_MIN_CH channels, with one block
+    of at most ROWS_OUTER_MAX_KC reduction rows, over planes of ROWS_OUTER_MIN_PIXELS
+    or more walks its micro-tiles MR channels at a time (fewer store streams); more
+    reduction rows, fewer channels or smaller planes walk pixel columns. Row-walked
+    1x1 convs match onnxruntime: ragged channels and pixels, an im2col stride-2 one,
+    runtime weights, and a fused Add + Relu."""
+    cc = conv_codegen
+
+    def plan(C, M, H, s=1):
+        OH = (H - 1) // s + 1
+        return cc.plan_conv(cc.ConvGeom(N=1, C=C, M=M, G=1, isz=(1, H, H),
+                                        osz=(1, OH, OH), k=(1, 1, 1), s=(1, s, s)))
+
+    for C, M, H, s in [(64, 256, 56, 1), (16, 96, 112, 1), (24, 144, 56, 1),
+                       (32, 64, 112, 1), (32, 64, 112, 2)]:
+        p = plan(C, M, H, s)
+        assert not p.swap and p.rows_outer, (C, M, H, s, p)
+    for C, M, H in [(256, 64, 56), (96, 576, 28), (144, 144, 28), (64, 48, 56)]:
+        assert not plan(C, M, H).rows_outer, (C, M, H)
+    monkeypatch.setattr(cc, "FORCE_TUNING", {"swap": False, "rows_outer": True})
+    x = rnd(1, 24, 50, 50)
+    w = rnd(100, 24, 1, 1, scale=24 ** -0.5)
+    for const in ((1, 2), ()):
+        check_op("Conv", [x, w, rnd(100)], const_inputs=const, **TOL)
+    check_op("Conv", [x, w, rnd(100)], const_inputs=(1, 2), strides=[2, 2], **TOL)
+    r = rnd(1, 100, 50, 50)
+    m = helper.make_model(helper.make_graph(
+        [helper.make_node("Conv", ["x", "w", "b"], ["c"]),
+         helper.make_node("Add", ["c", "r"], ["a"]), helper.make_node("Relu", ["a"], ["y"])],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape),
+              helper.make_tensor_value_info("r", TensorProto.FLOAT, r.shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(rnd(100), "b")]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    assert_matches_ort(m, {"x": x, "r": r}, **TOL)
 
 
 def test_two_fma_pipes_weigh_micro_tile_loads(monkeypatch):
