@@ -88,6 +88,25 @@ def test_the_trial_runs_again_after_recheck_launches_on_one_core():
     assert all(c.next() == (2, None) for _ in range(2 * cc.RECHECK))
 
 
+def test_a_close_choice_of_every_core_is_tried_again():
+    """Every core chosen with core 0 alone within RECLOSE (a near tie that noise can
+    decide wrongly): the trial runs again after RECHECK launches and can switch to core
+    0 alone; chosen by more, it stands (test above)."""
+    c = CoreChoice(2, enable=True)
+    drive(c, every=100e-6, one=99e-6)              # a tie: every core
+    assert c.use == 2 and c.measured[1] < cc.RECLOSE * c.measured[0]
+    for _ in range(cc.RECHECK):
+        assert c.next() == (2, None)
+    c.next()
+    assert not c.decided
+    drive(c, every=120e-6, one=100e-6)
+    assert c.decided and c.use == 1
+    c = CoreChoice(2, enable=True)
+    drive(c, every=100e-6, one=100e-6 * cc.RECLOSE * 1.05)   # not close: it stands
+    assert c.decided and c.use == 2
+    assert all(c.next() == (2, None) for _ in range(2 * cc.RECHECK))
+
+
 def test_launches_in_flight_together_leave_the_trial_alone():
     c = CoreChoice(2, enable=True)
     drive(c, every=120e-6, one=100e-6, limit=cc.WARM + cc.BLOCK + 1)   # into block 2
