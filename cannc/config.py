@@ -24,10 +24,24 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
 from .errors import CanncError, ShapeError
+
+T = TypeVar("T")
+
+
+def _choice(name: str, choices: dict[str, T]) -> T:
+    """A switch with a few values (lower case; "" is the value when unset or empty); a
+    misspelt one is an error, not silently the default."""
+    v = os.environ.get(name, "").lower()
+    if v not in choices:
+        known = ", ".join(repr(k) for k in choices if k)
+        raise CanncError(f"{name}={os.environ[name]!r}: expected one of {known} (or unset)")
+    return choices[v]
+
 
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
@@ -37,13 +51,8 @@ def _switch(name: str, default: bool) -> bool:
     """An on/off switch: 1, true, yes, on or 0, false, no, off (any case); unset or empty
     is `default`. Anything else is an error, not silently one or the other (a misspelt
     CANNC_CORE_CHOICE=of had left core choice on)."""
-    v = os.environ.get(name, "").strip().lower()
-    if not v:
-        return default
-    if v in _ON or v in _OFF:
-        return v in _ON
-    known = ", ".join(repr(k) for k in _ON + _OFF)
-    raise CanncError(f"{name}={os.environ[name]!r}: expected one of {known} (or unset)")
+    return _choice(name, {"": default, **dict.fromkeys(_ON, True),
+                          **dict.fromkeys(_OFF, False)})
 
 
 def _flag(name: str) -> bool:
@@ -53,22 +62,11 @@ def _flag(name: str) -> bool:
 DEBUG: bool = _flag("CANNC_DEBUG")
 VERIFY: bool = _flag("CANNC_VERIFY")
 DUMP_DIR: str | None = os.environ.get("CANNC_DUMP_DIR") or None
-
-
-def _choice(name: str, choices: dict[str, str | None]) -> str | None:
-    """A switch with a few values; a misspelt one is an error, not silently the default."""
-    v = os.environ.get(name, "").lower()
-    if v not in choices:
-        known = ", ".join(repr(k) for k in choices if k)
-        raise CanncError(f"{name}={os.environ[name]!r}: expected one of {known} (or unset)")
-    return choices[v]
-
-
 ISA: str | None = _choice("CANNC_ISA", {"": None, "avx512": None, "avx2": "avx2",
                                         "avx512-nobf16": "avx512-nobf16"})
 WINOGRAD: str = _choice("CANNC_WINOGRAD", {
-    "": "auto", "auto": "auto", "1": "auto", "true": "auto", "yes": "auto", "on": "auto",
-    "0": "off", "false": "off", "no": "off", "off": "off", "force": "force"}) or "auto"
+    "": "auto", "auto": "auto", **dict.fromkeys(_ON, "auto"), **dict.fromkeys(_OFF, "off"),
+    "force": "force"})
 
 
 def cache_dir() -> Path | None:
