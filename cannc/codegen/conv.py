@@ -500,10 +500,14 @@ def shared_lines(geom: ConvGeom, PB: int, P: int, MB: int, cores: int) -> int:
     per_plane = (plane_bytes % 64 != 0) + (plane_bytes % 64 != 0 or P * 4 % 64 != 0)
     if not per_plane:
         return 0
-    group = PB * MB
-    T = geom.N * geom.G * group
-    cuts = sum(1 for r0, _ in split_even(T, cores)[1:] if r0 % group)
-    return cuts * geom.Mg * per_plane
+    return _region_cuts(geom, PB, MB, cores, PB * MB) * geom.Mg * per_plane
+
+
+def _region_cuts(geom: ConvGeom, PB: int, MB: int, cores: int, unit: int) -> int:
+    """Boundaries between the dispatcher's per-core regions of the N*G*PB*MB tiles
+    (schedule/split.py split_even) that fall inside a run of `unit` tiles."""
+    T = geom.N * geom.G * PB * MB
+    return sum(1 for r0, _ in split_even(T, cores)[1:] if r0 % unit)
 
 
 # a byte of X that a second core reads too (a pixel block whose channel blocks two
@@ -522,9 +526,7 @@ def split_reads(geom: ConvGeom, PB: int, P: int, MB: int, cores: int) -> int:
     block's Cg x P inputs."""
     if cores <= 1 or MB <= 1:
         return 0
-    T = geom.N * geom.G * PB * MB
-    cuts = sum(1 for r0, _ in split_even(T, cores)[1:] if r0 % MB)
-    return cuts * geom.Cg * min(P, geom.OHW) * 4
+    return _region_cuts(geom, PB, MB, cores, MB) * geom.Cg * min(P, geom.OHW) * 4
 
 
 def _grid(geom: ConvGeom, K: int, pu: int, cu: int, pmax: int, cores: int,
