@@ -266,10 +266,31 @@ class VecBuilder:
         one add per accumulator and block. (x + 0.0 is x for every sum begun at +0.0.)"""
         if first is True:
             return accs
+        # (a branch around the loads, not loads under a mask cleared on the first block:
+        # those cost as if they read -- most likely they wait for the C lines the write
+        # prefetch has just requested. Sapphire Rapids guest, 1 core, a dynamic
+        # 3136x96 @ 96x384 MatMul, one K block that the kernel learns of at run time:
+        # 1.19 -> 1.12 ms; with a bias 1.37 -> 1.33; in models 1-1.5%)
         b = self.b
-        return [[b.fadd(a, self.mload(self.gep(rows[r], 16 * j),
-                                      b.select(first, self.zero_m, masks[r][j])))
-                 for j, a in enumerate(row)] for r, row in enumerate(accs)]
+        entry = b.block
+        load = b.append_basic_block(self.name("pa.ld"))
+        done = b.append_basic_block(self.name("pa.done"))
+        b.cbranch(first, done, load)
+        b.position_at_end(load)
+        summed = [[b.fadd(a, self.mload(self.gep(rows[r], 16 * j), masks[r][j]))
+                   for j, a in enumerate(row)] for r, row in enumerate(accs)]
+        load_end = b.block
+        b.branch(done)
+        b.position_at_end(done)
+        out = []
+        for row, srow in zip(accs, summed):
+            out.append([])
+            for a, x in zip(row, srow):
+                phi = b.phi(a.type)
+                phi.add_incoming(a, entry)
+                phi.add_incoming(x, load_end)
+                out[-1].append(phi)
+        return out
 
     def finish_block(self, last: ir.Value | bool, final: Callable[[], None],
                      partial: Callable[[], None], name: str = "st") -> None:
