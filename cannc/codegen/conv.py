@@ -390,6 +390,19 @@ IM2COL_CHANNEL_INNER = 8    # im2col loops over channels innermost from this man
 # whose weights leave L3 (784->784 at 7x7, 512->512 at 7x7, 320->320 at 14x14) ran
 # 8-17% faster, as fast as with their weights in L3.
 SWAP_PREFETCH = True
+# swapped 1x1 convs reading X in place (swap_reads_x): a micro-tile's k step broadcasts MR
+# pixels of one channel plane and the next k step those of the next plane, so the micro-
+# tile that reaches a new cache line of the planes reads kc lines, one per plane, as many
+# streams as channels. Each k step also prefetches (into L2) its plane's line this many
+# pixels on. On two cores half of X was written by the other core (the depthwise or
+# grouped conv before it splits by channels, the conv by pixels), and those lines came
+# at the cross-core latency one at a time. Sapphire Rapids guest, 2 cores, cannc profile,
+# the swapped 1x1 kernels of each model (two processes a side): MobileNetV2 x0.86,
+# MobileNetV3 x0.91, EfficientNet-B0 x0.94-1.01, RegNet x0.96, ResNet-50 x0.90,
+# DenseNet-121 x0.87, ShuffleNet x0.93, SqueezeNet x0.90; MobileNetV2 run 3.08-3.14 ->
+# 2.79-2.90 ms. On 1 core level within the noise (x0.97-1.02). 8 pixels on were 9%
+# slower than 16 on MobileNetV2, 24 2%
+SWAP_X_PREFETCH = 16
 SWAP_TAPS = True             # KxK convs may take the swapped orientation reading X (swap_reads_x)
 # direct 1x1 convs: the next pixel panel of X's KC channel rows, likewise (more streams
 # than the hardware prefetchers follow; at batch 8, where X comes from L3: 5-11% faster)
@@ -949,13 +962,16 @@ class _ConvGen:
                     with v.loop(i64(0), npix, p.MR, "ir") as ir_:
                         npx = v.smin(b.sub(npix, ir_), p.MR)
                         io = _SwapIO(self, jr, m_lo, ir_, npx, chmask)
-                        pf = None if nxt is None else (self.pf_line(nxt, ir_), p.NR)
+                        pf = [] if nxt is None else [(self.pf_line(nxt, ir_), p.NR)]
                         if p.direct and g.KK > 1:       # KxK reading X (swap_reads_x)
                             # (a segment per tap: no next-panel prefetch)
                             self.swap_taps(x_ng, c0, cb, b_base, b.add(p0, ir_), io, first,
                                            last)
                         elif p.direct:    # X is the col matrix (swap_reads_x)
                             segs = [(v.gep(x_blk, ir_), g.DHW, b_base, p.NR, kc, None)]
+                            if SWAP_X_PREFETCH:   # (past X's end: prefetches do not fault)
+                                pf = pf + [(v.gep(x_blk, b.add(ir_, i64(SWAP_X_PREFETCH))),
+                                            g.DHW)]
                             if g.OHW % p.MR == 0:
                                 self.micro(segs, io, first, last, pf)
                             else:
@@ -1330,12 +1346,12 @@ class _ConvGen:
         where amasks[r] (when given) is false;
         the sums begin at zero; `io` reads the earlier blocks' partial sums, added at
         the end (VecBuilder.add_partials), and stores the accumulators.
-        ``pf``: (pointer, floats per k step): one line from there is prefetched into L2 per
-        k step of the (single) segment."""
+        ``pf``: (pointer, floats per k step), or a list of them: one line from each is
+        prefetched into L2 per k step of the (single) segment."""
         v, p = self.v, self.p
         b = v.b
         MR, NV, U = p.MR, p.NV, p.unroll
-        assert pf is None or len(segs) == 1
+        assert not pf or len(segs) == 1
         io.prefetch()
         accs = [[v.zero_v] * NV for _ in range(MR)]
 
@@ -1359,7 +1375,7 @@ class _ConvGen:
                 new.append([v.fma(xs, bv[j], accs[r][j]) for j in range(NV)])
             return new
 
-        pf_ks = pf[1] if pf else 0
+        pfs = [] if pf is None else pf if isinstance(pf, list) else [pf]
 
         def kloop(k0, kend, accs, ptrs, nstep, a_ks, b_ks, bmasks, tag, aoffs, amasks):
             """k from k0 to kend, nstep per iteration; returns the final k,
@@ -1367,15 +1383,15 @@ class _ConvGen:
             def body(k, cur, ptrs):
                 for u in range(nstep):
                     cur = step(cur, ptrs[0], ptrs[1], u, a_ks, b_ks, bmasks, aoffs, amasks)
-                    if pf:
-                        v.prefetch_r(v.gep(ptrs[2], u * pf_ks), locality=2)
-                ks = [nstep * a_ks, nstep * b_ks, nstep * pf_ks]
+                    for q, (_, ks) in zip(ptrs[2:], pfs):
+                        v.prefetch_r(v.gep(q, u * ks), locality=2)
+                ks = [nstep * a_ks, nstep * b_ks] + [nstep * s[1] for s in pfs]
                 return cur, [v.gep(q, n) for q, n in zip(ptrs, ks)]
 
             return v.grid_loop(k0, kend, nstep, accs, ptrs, body, tag, iv_name="k")
 
         def segment(accs, a_base, a_ks, b_base, b_ks, kc, bmasks, aoffs=None, amasks=None):
-            ptrs = [a_base, b_base] + ([pf[0]] if pf else [])
+            ptrs = [a_base, b_base] + [q for q, _ in pfs]
             ka = (a_ks, b_ks, bmasks)
             if U > 1:
                 kmain = b.sub(kc, b.srem(kc, i64(U)))

@@ -393,20 +393,28 @@ def test_two_fma_pipes_take_6x64_tiles(monkeypatch):
         assert plan(c, m, 14, 1, 1, 1).NV <= 2
 
 
-@pytest.mark.parametrize("prepacked", [True, False], ids=["const-w", "runtime-w"])
-def test_swapped_conv_prefetches_the_next_weight_panel(prepacked):
-    """The swapped orientation with constant weights prefetches the next 32-channel panel
-    into L2 (locality 2) in its micro-kernel; weights packed per tile are not streamed."""
+def test_swapped_conv_prefetches_the_next_weight_panel_and_x(monkeypatch):
+    """The swapped orientation reading X (a 1x1 conv) prefetches into L2 (locality 2), in
+    its micro-kernel's k steps, X's planes SWAP_X_PREFETCH pixels on and, with constant
+    weights, the next weight panel; weights packed per tile are not streamed. Without
+    the X stream only constant weights prefetch."""
     from cannc.native.target import new_module
     g = conv_codegen.ConvGeom(N=1, C=320, M=320, G=1, isz=(1, 14, 14), osz=(1, 14, 14),
                               k=(1, 1, 1))
     plan = conv_codegen.plan_conv(g)
-    assert plan.swap
-    module = new_module("prefetch_test")
-    conv_codegen.emit_conv(module, "k", g, plan, a_prepacked=prepacked)
-    l2_reads = [ln for ln in str(module).splitlines()
-                if '@"llvm.prefetch.p0"' in ln and ln.endswith("i32 0, i32 2, i32 1)")]
-    assert bool(l2_reads) == prepacked
+    assert plan.swap and plan.direct
+
+    def l2_reads(prepacked):
+        module = new_module("prefetch_test")
+        conv_codegen.emit_conv(module, "k", g, plan, a_prepacked=prepacked)
+        return sum(1 for ln in str(module).splitlines()
+                   if '@"llvm.prefetch.p0"' in ln and ln.endswith("i32 0, i32 2, i32 1)"))
+
+    assert conv_codegen.SWAP_X_PREFETCH > 0
+    x_only = l2_reads(False)
+    assert x_only > 0 and l2_reads(True) == 2 * x_only
+    monkeypatch.setattr(conv_codegen, "SWAP_X_PREFETCH", 0)
+    assert l2_reads(False) == 0 and l2_reads(True) == x_only
 
 
 def test_small_1x1_convs_over_aliasing_planes_take_im2col(monkeypatch):
