@@ -1375,6 +1375,12 @@ class _Gen(VecBuilder):
                     self.widen_panels(B_b, pc, kc, jc, nc)
                 with self.loop(m_lo, m_hi, p.MC, "ic") as ic:
                     mc = self.smin(b.sub(m_hi, ic), i64(p.MC))
+                    if p.pf_b and p.pf_div == 2:
+                        # (see pf_next: too few row tiles to cover the next panel at a
+                        # line every second iteration take a line every iteration)
+                        tiles = b.udiv(b.add(mc, i64(p.MR - 1)), i64(p.MR))
+                        self.pf_d = b.zext(b.icmp_signed(
+                            ">=", tiles, i64(2 * p.unroll * p.NV)), I64)
                     if p.pack_a:
                         self.pack_a(A_b, ic, mc, pc, kc)
                     if p.cvt_a:
@@ -1438,14 +1444,20 @@ class _Gen(VecBuilder):
         k_in = b.icmp_signed("<", b.add(pc, kc), i64(s.K))
         n_next = b.select(n_in, b.add(jc, b.add(jr, w)), b.select(k_in, jc, b.add(jc, nc)))
         k_next = b.select(n_in, pc, b.select(k_in, b.add(pc, kc), i64(0)))
-        D = p.pf_div
-        t = b.urem(b.udiv(ir_, i64(p.MR)), i64(U * D * NV))
+        # D: pf_div; pf_div 2 is 1 + d at run time, d = 0 where the block has too few row
+        # tiles to cover the next panel at a line every second iteration (block)
+        if p.pf_div == 2:
+            d = self.pf_d
+            UDNV = b.mul(b.add(d, i64(1)), i64(U * NV))
+        else:
+            d, UDNV = None, i64(U * p.pf_div * NV)
+        t = b.urem(b.udiv(ir_, i64(p.MR)), UDNV)
         line = b.urem(t, i64(NV))
         panel = b.add(b.sdiv(n_next, i64(PANEL)), b.udiv(line, i64(2)))
         off = b.add(b.mul(panel, i64(s.K * PANEL)),
                     b.add(b.mul(b.add(k_next, b.udiv(t, i64(NV))), i64(PANEL)),
                           b.mul(b.urem(line, i64(2)), i64(16))))
-        return self.gep(B_b, off, self.tw), U * D * PANEL
+        return self.gep(B_b, off, self.tw), U * PANEL, d
 
     def col_tiles(self, nc, body):
         """body(jr, nr, NV) for the column tiles of an nc-column block: NR columns at a
@@ -1751,6 +1763,14 @@ class _Gen(VecBuilder):
             b_ks = PANEL
             b_off = [(v // 2, 16 * (v % 2)) for v in range(NV)]
             b_masked = False
+        elif isinstance(b_pstride, ir.Constant) and NV > 2:
+            # (a prepacked B: its panels a constant stride apart, read through one pointer
+            # at constant offsets -- one general register in the k loop, not NV/2)
+            b_ptrs = [b_base]
+            b_ks = PANEL
+            ps = int(b_pstride.constant)
+            b_off = [(0, (v // 2) * ps + 16 * (v % 2)) for v in range(NV)]
+            b_masked = True
         else:
             b_ptrs = [b_base] + [
                 self.gep(b_base, b.mul(b_pstride, i64(q)), TB) for q in range(1, NV // 2)
@@ -1798,11 +1818,19 @@ class _Gen(VecBuilder):
                     # one line every pf_div-th iteration (k: a multiple of U): on the
                     # others the stream stays, so its next prefetch is the same line
                     adv = i64(pf[1] * 4)
-                    if p.pf_div > 1:
+                    if p.pf_div == 2:
+                        # D = 1 + d (d = pf[2]: 0 where the row tiles are few, pf_next):
+                        # the stream advances D lines' worth every D-th iteration. From
+                        # one loop-invariant register, dU = d * U: due when k & dU == dU
+                        # (k counts k steps, U an iteration), the advance adv + dU rows
+                        dU = b.shl(pf[2], i64(nstep.bit_length() - 1))
+                        due = b.icmp_unsigned("==", b.and_(k, dU), dU)
+                        adv = b.select(due, b.add(adv, b.mul(dU, i64(PANEL * 4))), i64(0))
+                    elif p.pf_div > 1:
                         it = b.udiv(k, i64(nstep))
                         due = b.icmp_unsigned("==", b.urem(it, i64(p.pf_div)),
                                               i64(p.pf_div - 1))
-                        adv = b.mul(b.zext(due, I64), adv)
+                        adv = b.mul(b.zext(due, I64), i64(pf[1] * 4 * p.pf_div))
                     f_phi = [self.gep(f_phi[0], adv, I8)]
                 for u in range(nstep):
                     cur = step(cur, a_phi, b_phi, u)

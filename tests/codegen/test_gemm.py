@@ -794,6 +794,17 @@ def test_avx2_dynamic_and_code(avx2_host):
     assert loops and all(stack[b] == 0 for b in loops), (fmas, stack)
 
 
+def _no_spills_but_the_cadence(hot: list[str]) -> bool:
+    """No stack access in a k loop but (at most) one reload of a general register: the
+    B prefetch cadence that a block sets at run time (_Gen.pf_next), where A's rows and
+    the streams take every other general register. One load from L1 an iteration of
+    48 FMAs: BERT-base ran as fast as with the constant cadence."""
+    stack = [ln.split() for ln in hot if "%rsp" in ln]
+    return len(stack) <= 1 and all(
+        op == "movq" and src.endswith("(%rsp),") and not dst.startswith("%xmm")
+        and "mm" not in dst for op, src, dst in stack)
+
+
 def _asm_blocks(module: ir.Module) -> dict[str, list[str]]:
     """The assembly of a module's kernels (cannc's optimisation pipeline), by basic
     block label."""
@@ -938,7 +949,7 @@ def test_wide_tile_code_has_no_masked_loads_or_spills(wide_tiles):
     emit_gemm(module, "gemm_wide", spec, dims_slot=3)
     hot = max(_asm_blocks(module).values(), key=lambda lines: sum("vfmadd" in ln for ln in lines))
     assert sum("vfmadd" in ln for ln in hot) == 24 * gemm_plan(spec).unroll
-    assert not [ln for ln in hot if "%rsp" in ln or "{%k" in ln], hot
+    assert not [ln for ln in hot if "{%k" in ln] and _no_spills_but_the_cadence(hot), hot
 
 
 @pytest.fixture
@@ -961,7 +972,7 @@ def test_b_prefetch_stream(small_l2, tiles):
     the products are those of the reference -- static and dynamic M, one and several K
     blocks (the panel after a block's last one is the next K block's), edge columns, two
     cores cut at a tile boundary -- and the dynamic kernel's k loop holds one L2 prefetch
-    an iteration and no spills."""
+    an iteration and no spills (but the prefetch cadence, _no_spills_but_the_cadence)."""
     for K, KC in ((100, None), (600, 256)):
         spec = GemmSpec(131, 200, K, b_prepacked=True)
         tuning = dict(tiles, **({"KC": KC} if KC else {}))
@@ -978,7 +989,7 @@ def test_b_prefetch_stream(small_l2, tiles):
     emit_gemm(module, "gemm_pf", dspec, dims_slot=3)
     hot = max(_asm_blocks(module).values(), key=lambda lines: sum("vfmadd" in ln for ln in lines))
     assert sum("prefetcht1" in ln for ln in hot) == 1
-    assert not [ln for ln in hot if "%rsp" in ln], hot
+    assert _no_spills_but_the_cadence(hot), hot
 
 
 def test_b_prefetch_only_for_b_beyond_l2():
