@@ -1008,12 +1008,12 @@ class _ConvGen:
                     segs = [(a_base, p.MR, b_jr, p.NCP, kc, None)]
                 c_ptr = v.gep(y_ng, b.add(b.mul(ir_, i64(g.OHW)), b.add(p0, jr)))
                 io = _NormalIO(self, c_ptr, mr, colmask, b.add(ch0, ir_))
-                pf = None
+                pf = []
                 if DIRECT_PREFETCH and p.direct and g.KK == 1:
                     # the next pixel panel of X's channel rows into L2: reading KC
                     # channel planes at once is more streams than the hardware
                     # prefetchers follow
-                    pf = (self.pf_line(v.gep(b_jr, p.NR), b.sub(ir_, m_lo)), g.DHW)
+                    pf = [(self.pf_line(v.gep(b_jr, p.NR), b.sub(ir_, m_lo)), g.DHW)]
                 self.micro(segs, io, first, last, pf)
 
             if getattr(p, "rows_outer", False):
@@ -1346,7 +1346,7 @@ class _ConvGen:
         where amasks[r] (when given) is false;
         the sums begin at zero; `io` reads the earlier blocks' partial sums, added at
         the end (VecBuilder.add_partials), and stores the accumulators.
-        ``pf``: (pointer, floats per k step), or a list of them: one line from each is
+        ``pf``: prefetch streams, (pointer, floats per k step) each: one line from each is
         prefetched into L2 per k step of the (single) segment."""
         v, p = self.v, self.p
         b = v.b
@@ -1375,7 +1375,7 @@ class _ConvGen:
                 new.append([v.fma(xs, bv[j], accs[r][j]) for j in range(NV)])
             return new
 
-        pfs = [] if pf is None else pf if isinstance(pf, list) else [pf]
+        pfs = pf or []
 
         def kloop(k0, kend, accs, ptrs, nstep, a_ks, b_ks, bmasks, tag, aoffs, amasks):
             """k from k0 to kend, nstep per iteration; returns the final k,

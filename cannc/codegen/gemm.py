@@ -1375,19 +1375,20 @@ class _Gen(VecBuilder):
                     self.widen_panels(B_b, pc, kc, jc, nc)
                 with self.loop(m_lo, m_hi, p.MC, "ic") as ic:
                     mc = self.smin(b.sub(m_hi, ic), i64(p.MC))
+                    pf_d = None
                     if p.pf_b and p.pf_div == 2:
                         # (see pf_next: too few row tiles to cover the next panel at a
                         # line every second iteration take a line every iteration)
                         tiles = b.udiv(b.add(mc, i64(p.MR - 1)), i64(p.MR))
-                        self.pf_d = b.zext(b.icmp_signed(
-                            ">=", tiles, i64(2 * p.unroll * p.NV)), I64)
+                        pf_d = b.zext(b.icmp_signed(">=", tiles, i64(2 * p.unroll * p.NV)),
+                                      I64)
                     if p.pack_a:
                         self.pack_a(A_b, ic, mc, pc, kc)
                     if p.cvt_a:
                         self.convert_a(A_b, ic, mc, pc, kc)
 
                     def tile(jr, ir_, mr, nr, MR, NV, A_b=A_b, B_b=B_b, ic=ic, jc=jc, pc=pc,
-                             kc=kc, first=first, last=last):
+                             kc=kc, first=first, last=last, pf_d=pf_d):
                         b_base, b_pstride = self.b_panel(B_b, jc, jr, pc, kc)
                         n0 = b.add(jc, jr)
                         m0 = b.add(ic, ir_)
@@ -1408,7 +1409,7 @@ class _Gen(VecBuilder):
                             # unrolled, see micro, and carry no prefetch stream)
                             pf = None
                             if p.pf_b and (MR, NV) == (p.MR, p.NV) and p.unroll > 1:
-                                pf = self.pf_next(B_b, jc, jr, nc, pc, kc, ir_)
+                                pf = self.pf_next(B_b, jc, jr, nc, pc, kc, ir_, pf_d)
                             self.micro(a_ptrs, b_base, b_pstride, kc, c_ptr, mr, nr, first,
                                        last, m0, n0, MR, NV, pf)
 
@@ -1422,7 +1423,7 @@ class _Gen(VecBuilder):
 
                         self.col_tiles(nc, column)
 
-    def pf_next(self, B_b, jc, jr, nc, pc, kc, ir_):
+    def pf_next(self, B_b, jc, jr, nc, pc, kc, ir_, d=None):
         """The prefetch stream of the micro-tile at row offset ir_ of a prepacked B's
         micro-panel (columns jc + jr, 16*NV wide): the row tiles bring the micro-panel the
         block visits next into L2, one line every pf_div-th k-loop iteration (U k steps),
@@ -1444,10 +1445,10 @@ class _Gen(VecBuilder):
         k_in = b.icmp_signed("<", b.add(pc, kc), i64(s.K))
         n_next = b.select(n_in, b.add(jc, b.add(jr, w)), b.select(k_in, jc, b.add(jc, nc)))
         k_next = b.select(n_in, pc, b.select(k_in, b.add(pc, kc), i64(0)))
-        # D: pf_div; pf_div 2 is 1 + d at run time, d = 0 where the block has too few row
-        # tiles to cover the next panel at a line every second iteration (block)
+        # D: pf_div; pf_div 2 is 1 + d at run time (an i64 the block sets), d = 0 where
+        # the block has too few row tiles to cover the next panel at a line every second
+        # iteration
         if p.pf_div == 2:
-            d = self.pf_d
             UDNV = b.mul(b.add(d, i64(1)), i64(U * NV))
         else:
             d, UDNV = None, i64(U * p.pf_div * NV)
@@ -1823,6 +1824,7 @@ class _Gen(VecBuilder):
                         # the stream advances D lines' worth every D-th iteration. From
                         # one loop-invariant register, dU = d * U: due when k & dU == dU
                         # (k counts k steps, U an iteration), the advance adv + dU rows
+                        assert nstep & (nstep - 1) == 0, nstep    # (U: a power of two)
                         dU = b.shl(pf[2], i64(nstep.bit_length() - 1))
                         due = b.icmp_unsigned("==", b.and_(k, dU), dU)
                         adv = b.select(due, b.add(adv, b.mul(dU, i64(PANEL * 4))), i64(0))
