@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import itertools
+import mmap
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +30,30 @@ def aligned(shape: int | Sequence[int], dtype: Any = np.float32,
     n = int(np.prod(shape))
     buf = aligned_empty((n + offset_elems) * dt.itemsize, 64).view(dt)
     return buf[offset_elems:offset_elems + n].reshape(shape)
+
+
+def guarded(a: np.ndarray, before: bool = False) -> np.ndarray:
+    """A C-contiguous copy of `a` that ends where a page no one may read begins (or,
+    ``before``, starts where one ends): a kernel that reads a byte past the caller's
+    array faults instead of reading a neighbour's bytes. Sessions read their inputs in
+    place (runtime.program.HostIO); the op and model tests feed them arrays like this."""
+    a = np.asarray(a)   # (np.ascontiguousarray makes a 0-d array 1-d)
+    page = mmap.PAGESIZE
+    pages = -(-max(a.nbytes, 1) // page) + 1
+    m = mmap.mmap(-1, pages * page)
+    raw = (ctypes.c_char * (pages * page)).from_buffer(m)
+    guard = ctypes.addressof(raw) + (0 if before else (pages - 1) * page)
+    assert ctypes.CDLL(None).mprotect(ctypes.c_void_p(guard), page, 0) == 0
+    start = page if before else (pages - 1) * page - a.nbytes
+    out = np.frombuffer(m, np.uint8, a.nbytes, start).view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out      # (it holds the mapping)
+
+
+def guarded_feeds(feeds: dict[str, np.ndarray], before: bool = False) -> dict[str, np.ndarray]:
+    """`feeds` with every numeric array guarded (strings stay as they are)."""
+    return {k: guarded(v, before) if isinstance(v, np.ndarray) and v.dtype.kind not in "OUS"
+            else v for k, v in feeds.items()}
 
 
 def tile_ranges(num_tiles: int, cores: int) -> list[tuple[int, int]]:
@@ -86,8 +112,9 @@ def ort_run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], threads: int =
 
 def check_session(sess: Any, model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list:
     """One run of a cannc session against onnxruntime on the same model and feeds: every
-    output's shape and dtype equal, floats within rtol 1e-4 / atol 1e-5, the rest exact."""
-    got = sess.run(None, feeds)
+    output's shape and dtype equal, floats within rtol 1e-4 / atol 1e-5, the rest exact.
+    cannc reads the inputs from arrays that end at a page no one may read (guarded)."""
+    got = sess.run(None, guarded_feeds(feeds))
     want = ort_run(model, feeds)
     assert len(got) == len(want)
     for g, e in zip(got, want):
@@ -146,7 +173,7 @@ def assert_matches_ort(model: onnx.ModelProto, feeds: dict[str, np.ndarray],
     expected = ort_run(model, feeds)
     sess = cannc.compile(model, cores=cores, shapes={k: v.shape for k, v in feeds.items()},
                          **compile_opts)
-    got = sess.run(None, feeds)
+    got = sess.run(None, guarded_feeds(feeds))
     assert len(got) == len(expected)
     for g, e, o in zip(got, expected, model.graph.output):
         e = np.asarray(e)

@@ -10,6 +10,13 @@ dispatcher walks. A run takes a free context (so runs from many threads, or
 several requests in flight, never share an intermediate buffer), copies the
 inputs into its arena (host -> device), launches the dispatcher on every AI
 Core, and copies the outputs out (device -> host).
+
+A synchronous run (Program.execute) maps host memory instead where the memory
+plan allows, as a device that shares host memory does (zero-copy): kernels read
+an input from the caller's array when no kernel writes into that input's
+buffer, and write an output into the array the run returns when that buffer
+holds nothing the caller gets besides that output (HostIO). Asynchronous runs
+(Session.run_async) copy through the streams.
 """
 
 from __future__ import annotations
@@ -56,6 +63,10 @@ class Context:
     counter_offs: list[int] = field(default_factory=list)     # in words, into counters
     counter_launch: list[int] = field(default_factory=list)   # device launch id, -1: free
     counter_next: int = 0
+    # storage root -> (the argument-table slots holding an address in it, their byte
+    # offsets in it, their addresses in the arena), for the roots a run may place in host
+    # memory (HostIO)
+    slots: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
 @dataclass
@@ -69,6 +80,30 @@ class RunTimes:
     cycles: np.ndarray | None = None     # [kernels, cores, PROFILE_WORDS]
     cycles0: int = 0
     t0: float = 0.0
+
+
+@dataclass
+class HostIO:
+    """Where a synchronous run may use host memory in place of the arena (zero-copy).
+
+    - ``inputs``: graph input -> its storage root, for inputs whose buffer holds nothing
+      else (no alias of another input) and which no kernel writes (no in-place update):
+      the kernels read the caller's array where it is C-contiguous and aligned;
+    - ``outputs``: graph output -> its storage root, for outputs at the start of a buffer
+      that holds no other output and no input: the kernels write the array returned
+      (intermediates that lived in that buffer before the output live in it too);
+    - ``sizes``: those roots' buffer sizes (a returned array's padding, up to ALIGN)."""
+
+    inputs: dict[str, str]
+    outputs: dict[str, str]
+    sizes: dict[str, int]
+
+
+def host_empty(nbytes: int) -> np.ndarray:
+    """An ALIGN-aligned host buffer of `nbytes` bytes (numpy's own are 16-byte aligned)."""
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    off = -raw.ctypes.data % ALIGN
+    return raw[off:off + nbytes]
 
 
 def _bytes_of(a: np.ndarray) -> np.ndarray:
@@ -178,6 +213,7 @@ class Program:
         # every core, or core 0 alone where that measured faster (runtime/corechoice.py)
         self.core_choice = CoreChoice(device.cores)
         self.input_names = list(g.inputs)
+        self.host_io = self._host_io()
         self.release(self.acquire())   # the first context, allocated up front
 
     # -- addresses ------------------------------------------------------------------------
@@ -187,6 +223,41 @@ class Program:
         while v in self.spec.aliases:
             v = self.spec.aliases[v]
         return self.plan.locate(v)
+
+    def _host_io(self) -> HostIO:
+        """The storage roots a synchronous run may place in host memory (HostIO)."""
+        g, plan = self.spec.graph, self.plan
+        written = {self._locate(v)[0] for k in self.spec.kernels for v in k.outputs if v}
+        arena = [r for r in plan.offsets if r not in self.wbuf]
+
+        def root_of(v: str) -> tuple[str, int] | None:
+            r, off = self._locate(v)
+            return (r, off) if r in plan.offsets and r not in self.wbuf else None
+
+        ins: dict[str, str] = {}
+        roots = [root_of(v) for v in g.inputs]
+        for v, ro in zip(g.inputs, roots):
+            # the whole of a buffer that only ever holds this input, read-only
+            if ro is None or ro[1] or ro[0] in written or roots.count(ro) > 1 or \
+                    g.values[ro[0]].nbytes != g.values[v].nbytes:
+                continue
+            ins[v] = ro[0]
+        in_roots = {ro[0] for ro in roots if ro is not None}
+        out_roots = [ro[0] for ro in (root_of(o) for o in g.outputs) if ro is not None]
+        outs: dict[str, str] = {}
+        for o in g.outputs:
+            # a buffer that holds this output at its start and no other output or input
+            # (intermediates that lived in it before do not matter: the array is theirs
+            # until the output is written)
+            ro = root_of(o)
+            if ro is None or ro[1] or ro[0] not in written or ro[0] in in_roots or \
+                    out_roots.count(ro[0]) > 1 or \
+                    g.values[ro[0]].nbytes != g.values[o].nbytes:
+                continue
+            outs[o] = ro[0]
+        return HostIO(inputs=ins, outputs=outs,
+                      sizes={r: align_up(max(g.values[r].nbytes, 1)) for r in arena
+                             if r in ins.values() or r in outs.values()})
 
     def _view(self, arena: np.ndarray, v: str) -> np.ndarray:
         t = self.spec.graph.values[v]
@@ -215,10 +286,17 @@ class Program:
                 return self.waddr[r]
             return arena.ctypes.data + self.plan.offsets[r] + off
 
+        host = set(self.host_io.inputs.values()) | set(self.host_io.outputs.values())
+        slots: dict[str, tuple[list[int], list[int]]] = {r: ([], []) for r in host}
         pos = 0
         for i, k in enumerate(kernels):
             vals = list(k.inputs) + list(k.outputs)
             table[pos:pos + len(vals)] = [addr(v) for v in vals]
+            for j, v in enumerate(vals):
+                r, off = self._locate(v) if v else ("", 0)
+                if r in slots:
+                    slots[r][0].append(pos + j)
+                    slots[r][1].append(off)
             # runtime dimensions follow the pointers (codegen/ABI.md)
             table[pos + len(vals):pos + len(vals) + len(k.dims)] = k.dims
             flags = dispatch.FLAG_SINGLE_CORE if k.single_core else 0
@@ -238,7 +316,10 @@ class Program:
                        counter_addrs=[c0 + i * words * 8 for i in range(COUNTER_SLOTS)],
                        counter_offs=[(c0 - base) // 8 + i * words
                                      for i in range(COUNTER_SLOTS)],
-                       counter_launch=[-1] * COUNTER_SLOTS)
+                       counter_launch=[-1] * COUNTER_SLOTS,
+                       slots={r: (np.array(ix, np.intp), np.array(of, np.uint64),
+                                  table[np.array(ix, np.intp)].copy())
+                              for r, (ix, of) in slots.items()})
 
     def acquire(self) -> Context:
         """A free execution context (a new one while fewer than MAX_CONTEXTS exist)."""
@@ -272,10 +353,11 @@ class Program:
         try:
             if times is not None:
                 times.t_start = time.perf_counter()
+            ins, outs = self._place(ctx, feeds)
             # wake the other cores first: they wait at the start gate while we copy in
             core0 = self.prepare_launch(ctx, times)
             try:
-                self.copy_in(ctx, feeds)
+                self.copy_in(ctx, {k: a for k, a in feeds.items() if k not in ins})
             except BaseException:
                 core0()     # the workers wait at the start gate: let the launch finish
                 raise
@@ -284,19 +366,65 @@ class Program:
             core0()
             if times is not None:
                 times.t_compute_end = time.perf_counter()
-            out = self.copy_out(ctx)
+            out = self._outputs(ctx, ins, outs)
             if times is not None:
                 times.t_end = time.perf_counter()
             return out
         finally:
+            self._unplace(ctx)
             self.release(ctx)
+
+    def _place(self, ctx: Context, feeds: dict[str, np.ndarray]
+               ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Point the argument tables at host memory for this run (HostIO). Returns the
+        inputs read in place (name -> the caller's array) and the outputs' buffers (root
+        -> a fresh ALIGN-aligned byte array that the run returns)."""
+        io, table = self.host_io, ctx.table
+        ins: dict[str, np.ndarray] = {}
+        for name, r in io.inputs.items():
+            a, v = feeds.get(name), ctx.inputs[name]
+            # (anything else is copied in, which refuses what it always refused)
+            if not (isinstance(a, np.ndarray) and a.dtype == v.dtype and a.shape == v.shape
+                    and a.flags.c_contiguous and a.flags.aligned):
+                continue
+            ins[name] = a
+            idx, offs, _ = ctx.slots[r]
+            table[idx] = np.uint64(a.ctypes.data) + offs
+        outs: dict[str, np.ndarray] = {}
+        for r in io.outputs.values():
+            outs[r] = buf = host_empty(io.sizes[r])
+            idx, offs, _ = ctx.slots[r]
+            table[idx] = np.uint64(buf.ctypes.data) + offs
+        return ins, outs
+
+    def _unplace(self, ctx: Context) -> None:
+        """The argument tables back at the arena (a context is released as it was made)."""
+        table = ctx.table
+        for idx, _, home in ctx.slots.values():
+            table[idx] = home
+
+    def _outputs(self, ctx: Context, ins: dict[str, np.ndarray], outs: dict[str, np.ndarray]
+                 ) -> list[np.ndarray]:
+        """The run's outputs: the arrays the kernels wrote in place, copies of the rest
+        (from the arena, or from an input read in place that an output views)."""
+        io = self.host_io
+        in_root = {r: ins[n] for n, r in io.inputs.items() if n in ins}
+        res = []
+        for o, v in zip(self.spec.graph.outputs, ctx.outputs):
+            r = io.outputs.get(o)
+            if r is not None:
+                res.append(outs[r][:v.nbytes].view(v.dtype).reshape(v.shape))
+                continue
+            r, off = self._locate(o)
+            if r in in_root:
+                src = in_root[r].reshape(-1).view(np.uint8)
+                v = src[off:off + v.nbytes].view(v.dtype).reshape(v.shape)
+            res.append(np.array(v, copy=True))
+        return res
 
     def copy_in(self, ctx: Context, feeds: dict[str, np.ndarray]) -> None:
         for name, arr in feeds.items():
             np.copyto(ctx.inputs[name], arr, casting="no")
-
-    def copy_out(self, ctx: Context) -> list[np.ndarray]:
-        return [np.array(v, copy=True) for v in ctx.outputs]
 
     def launch(self, ctx: Context, times: RunTimes | None = None) -> None:
         self.prepare_launch(ctx, times)()
