@@ -40,6 +40,10 @@ class Kernel:
     shape_polymorphic: bool = False
     notes: dict[str, Any] = field(default_factory=dict)
     inplace: bool = False        # an output may share the buffer of a same-shaped input
+    # an input (value name) whose buffer the output may take: the kernel reads each of its
+    # elements once, before it writes the output's element at the same offset, and reads
+    # no other (a conv's residual, read by the epilogue of its only K block)
+    overwrites: str = ""
 
 
 @dataclass(frozen=True)

@@ -147,7 +147,9 @@ class _Lowering:
                       dims=tuple(int(d) for d in tiling.dims) if tiling else (),
                       shape_polymorphic=tiling is not None,
                       # maps read and write element i together: an output may overwrite an input
-                      inplace=op.inplace)
+                      inplace=op.inplace,
+                      overwrites=root(n.inputs[notes["overwrites"]])
+                      if "overwrites" in notes else "")
 
     def _lookup(self, key: str, consts: list[np.ndarray | None]) -> MemoEntry | None:
         e = self.memo.get(key)

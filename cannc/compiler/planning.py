@@ -152,7 +152,8 @@ def liveness(g: Graph, kernels: Sequence[Kernel], aliases: dict[str, str],
              placed: dict[str, tuple[str, int]] | None = None
              ) -> tuple[list[Interval], dict[str, str], int]:
     """Lifetimes of every buffer over the kernel order, and in-place sharing: an output
-    of an elementwise kernel takes over a same-sized input that dies at that kernel.
+    of an elementwise kernel, or of one that names the input it may overwrite
+    (Kernel.overwrites), takes over a same-sized input that dies at that kernel.
     A value `placed` inside another lives in that one's interval, and takes no part in
     in-place sharing (its buffer is a range of a larger one that outlives it)."""
     placed = placed or {}
@@ -182,10 +183,10 @@ def liveness(g: Graph, kernels: Sequence[Kernel], aliases: dict[str, str],
             if not o:
                 continue
             start.setdefault(o, i)
-            if not k.inplace or o in grouped:
+            if not (k.inplace or k.overwrites) or o in grouped:
                 continue
             ot = g.values[o]
-            for v in k.inputs:
+            for v in (k.inputs if k.inplace else [k.overwrites]):
                 if not v or v in constants or v in taken:
                     continue
                 r = root(v)

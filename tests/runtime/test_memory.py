@@ -1,6 +1,7 @@
 """The memory planner (a compile step, cannc.compiler.planning): live buffers never
 overlap; reuse gets near the lower bound."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -158,3 +159,78 @@ def test_a_refused_mapping_falls_back_to_numpy(monkeypatch):
     buf = memory.aligned_empty(memory.HUGE_PAGE + 100)
     assert buf.nbytes == memory.HUGE_PAGE + 100 and buf.ctypes.data % mmap.PAGESIZE == 0
     assert not buf.any()
+
+
+def _residual_block(C: int, M: int, HW: int):
+    """r = Conv(z) (the residual, an intermediate); Conv(x) + r -> Relu -> y."""
+    import numpy as np
+    from helpers import model_of
+    from onnx import TensorProto, helper, numpy_helper
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array((rng.standard_normal((M, C, 1, 1)) * 0.1).astype(np.float32),
+                                "w")
+    w2 = numpy_helper.from_array((rng.standard_normal((M, M, 1, 1)) * 0.1).astype(np.float32),
+                                 "w2")
+    vi = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, C, HW, HW]),
+          helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, M, HW, HW])]
+    m = model_of([helper.make_node("Conv", ["z", "w2"], ["r"]),
+                  helper.make_node("Conv", ["x", "w"], ["c"]),
+                  helper.make_node("Add", ["c", "r"], ["a"]),
+                  helper.make_node("Relu", ["a"], ["y"])],
+                 vi, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w, w2])
+    feeds = {"x": rng.standard_normal((1, C, HW, HW)).astype(np.float32),
+             "z": rng.standard_normal((1, M, HW, HW)).astype(np.float32)}
+    return m, feeds
+
+
+@pytest.mark.parametrize("tuning,shares", [
+    ({"swap": False}, True),                 # one K block: y takes r's buffer
+    ({"swap": False, "KC": 32}, False),      # partial sums in y before r is read
+    ({"swap": True}, False),                 # (measured slower on 2 cores: its own)
+])
+def test_conv_output_takes_its_residuals_buffer(monkeypatch, tuning, shares):
+    """A 1x1 conv whose fused epilogue adds a residual of its shape writes its output
+    over the residual (Kernel.overwrites) only where the kernel reads each residual
+    element just before writing the output there; the results are right either way."""
+    from helpers import assert_matches_ort
+
+    import cannc
+    import cannc.codegen.conv as cc
+    monkeypatch.setattr(cc, "FORCE_TUNING", tuning)
+    m, feeds = _residual_block(64, 64, 16)
+    sess = cannc.compile(m, cores=2, cache=False)
+    (prog,) = sess.programs.values()
+    # (fusion picks which conv takes the Add: the other one's output is the residual)
+    first, k = prog.kernels
+    assert k.op_types == ["Conv", "Add", "Relu"] and first.outputs[0] in k.inputs
+    res = first.outputs[0]
+    assert (k.overwrites == res) == shares
+    assert (prog.plan.root("y") == prog.plan.root(res)) == shares
+    assert_matches_ort(m, feeds, cores=2, cache=False)
+
+
+def test_conv_output_never_takes_its_own_inputs_buffer(monkeypatch):
+    """Add(Conv(x), x): the residual is the conv's input too, read for every output
+    channel; the output keeps a buffer of its own (and the results are right)."""
+    import numpy as np
+    from helpers import assert_matches_ort, model_of
+    from onnx import TensorProto, helper, numpy_helper
+
+    import cannc
+    import cannc.codegen.conv as cc
+    monkeypatch.setattr(cc, "FORCE_TUNING", {"swap": False})
+    C, HW = 32, 16
+    w = numpy_helper.from_array(
+        (np.random.default_rng(0).standard_normal((C, C, 1, 1)) * 0.1).astype(np.float32), "w")
+    vi = [helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, C, HW, HW])]
+    m = model_of([helper.make_node("Sigmoid", ["z"], ["x"]),
+                  helper.make_node("Conv", ["x", "w"], ["c"]),
+                  helper.make_node("Add", ["c", "x"], ["y"])],
+                 vi, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w])
+    sess = cannc.compile(m, cores=2, cache=False)
+    (prog,) = sess.programs.values()
+    k = prog.kernels[-1]
+    assert "Conv" in k.op_types and not k.overwrites
+    assert prog.plan.root("y") != prog.plan.root(k.inputs[0])
+    feeds = {"z": np.random.default_rng(1).standard_normal((1, C, HW, HW)).astype(np.float32)}
+    assert_matches_ort(m, feeds, cores=2, cache=False)

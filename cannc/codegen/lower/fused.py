@@ -49,7 +49,7 @@ from .contraction import (
     plan_contraction,
     plan_dynamic,
 )
-from .conv import _lower_conv, conv_store_type, conv_tiling
+from .conv import _lower_conv, conv_store_type, conv_tiling, epilogue_reads_first
 
 
 def _flops_per_elem(op: OpDef | None) -> int:
@@ -407,7 +407,18 @@ def _fused_conv_tiling(node: Node, in_types: list, out_types: list) -> Any:
     numel = int(np.prod(out_shape))
     flops = (t.flops or 0) + sum(numel * _flops_per_elem(lookup(n.op_type, n.domain))
                                  for n in epi)
-    return dataclasses.replace(t, key=("fused_conv", t.key, pats), flops=flops)
+    notes = t.notes
+    final = types[node.outputs[0]]
+    if epilogue_reads_first(t.key):
+        # the output may take the buffer of a residual of its type that the kernel reads
+        # nowhere else (not the conv's input as well: Add(conv(x), x)) (Kernel.overwrites)
+        same = [ncon + j for j, p in enumerate(pats) if p == "full"
+                and in_types[ncon + j].dtype == final.dtype
+                and tuple(in_types[ncon + j].shape) == out_shape
+                and list(node.inputs).count(node.inputs[ncon + j]) == 1]
+        if same:
+            notes = {**notes, "overwrites": same[0]}
+    return dataclasses.replace(t, key=("fused_conv", t.key, pats), flops=flops, notes=notes)
 
 
 def _gather(b: ir.IRBuilder, ptr: ir.Value, idx: ir.Value, mask: ir.Value, dt: np.dtype,
