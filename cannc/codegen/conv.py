@@ -297,6 +297,10 @@ class ConvPlan:
     # normal orientation: a tile's micro-tiles walked MR-channel row by row (pixel columns
     # inner), not column by column (rows_outer_default)
     rows_outer: bool = False
+    # a pointwise conv's col buffer in the normal orientation: NR-pixel panels
+    # [P/NR][KC][NR], as a GEMM packs B, so that a micro-tile streams one contiguous panel
+    # (_ConvGen.pack_panels); otherwise rows of NCP pixels a reduction row
+    panels: bool = False
 
     @property
     def NR(self) -> int:
@@ -764,6 +768,14 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict,
                 pipes == 1 or geom.DHW * 4 % 64) else 1.0
             cands.append((g[0] * 1.02 * gain, True, MRs, NVs, xa, g))
     cost, swap, MR, NV, direct, (_, PB, P, MB, CH, T) = min(cands, key=lambda c: c[0])
+    if (not swap and direct and geom.pointwise and Mg >= PANELS_MIN_M
+            and not {"direct", "swap", "MR", "NV"} & tun.keys()):
+        # many output channels share each packed panel (ConvPlan.panels), in the GEMM's
+        # own tile on two-pipe cores
+        force = {"direct": False, "swap": False}
+        if wide and gemm_wide_tile(pipes):
+            force.update(MR=6, NV=4)     # (the 6 x 64 tile: WIDE_TILE_EFF)
+        return _plan_conv(geom, const_weights, cores, {**tun, **force}, reads)
     # reduction blocks of whole input channels
     kcmax = tun.get("KC", KC_MAX_DIRECT if direct and not swap else KC_MAX)
     if ("KC" not in tun and direct and geom.pointwise and 4 * geom.DHW >= FAR_PLANES_BYTES
@@ -776,6 +788,7 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict,
     NCP = rup(P, 16) + 16
     plan = ConvPlan(swap=swap, MR=MR, NV=NV, KC=KC, nkb=nkb, P=P, PB=PB, CH=CH, MB=MB, NCP=NCP,
                     direct=direct, CB=CB, unroll=tun.get("unroll", 2 if MR * NV > 8 else 4),
+                    panels=geom.pointwise and not swap and not direct,
                     ws_col=0, ws_a=0, ws_acc=0, ws_bytes=0, num_tiles=T,
                     rows_outer=not swap and bool(tun.get("rows_outer",
                                                          rows_outer_default(geom, nkb, KC, CH))))
@@ -796,6 +809,18 @@ ROWS_OUTER_MAX_KC = 64
 ROWS_OUTER_MIN_PIXELS = 2048
 
 
+# A pointwise conv that the cost model gives the normal orientation reading X in place
+# packs its K x P block into NR-pixel panels instead where at least PANELS_MIN_M output
+# channels share them (ConvPlan.panels; the 6 x 64 tile on two-pipe cores). Sapphire
+# Rapids guest, 1 core, against reading X: 64->256 at 56x56 0.655 -> 0.567 ms, 256->128
+# 1.382 -> 1.235, 64->64 0.166 -> 0.160, 256->64 0.676 -> 0.657, 128->512 at 28x28
+# 0.655 -> 0.576, 144->320 0.448 -> 0.390, 32->192 0.063 -> 0.058; with few channels the
+# copy is not paid back: 96->24 at 56x56 0.091 -> 0.096, 144->24 0.142 -> 0.189,
+# 192->32 at 28x28 0.062 -> 0.072. The swapped orientation's choices (14x14, 7x7) beat
+# panels everywhere they were measured (256->1024 at 14x14 0.591 vs 0.724)
+PANELS_MIN_M = 64
+
+
 def rows_outer_default(geom: ConvGeom, nkb: int, KC: int, CH: int) -> bool:
     """Walk a normal-orientation tile row by row (ConvPlan.rows_outer)."""
     return (nkb == 1 and KC <= ROWS_OUTER_MAX_KC and CH >= ROWS_OUTER_MIN_CH
@@ -805,7 +830,8 @@ def rows_outer_default(geom: ConvGeom, nkb: int, KC: int, CH: int) -> bool:
 def plan_workspace(plan: ConvPlan, const_weights: bool) -> ConvPlan:
     """``plan`` with the workspace laid out for prepacked (constant) weights or for
     runtime weights, which each tile packs into the workspace: [col | A panels | acc]."""
-    col_bytes = 0 if plan.direct else plan.KC * plan.NCP * 4
+    col_bytes = 0 if plan.direct else plan.KC * (
+        rup(plan.P, plan.NR) if plan.panels else plan.NCP) * 4
     ws_a = rup(col_bytes, 64)
     a_bytes = 0 if const_weights else rup(plan.CH, plan.CU) * plan.KC * 4
     ws_acc = rup(ws_a + a_bytes, 64)
@@ -943,7 +969,10 @@ class _ConvGen:
                 cb = v.smin(b.sub(i64(g.Cg), c0), p.CB) if p.nkb > 1 else i64(g.Cg)
                 k0 = b.mul(c0, i64(g.KK))
                 kc = b.mul(cb, i64(g.KK))
-                self.im2col(x_ng, c0, cb, p0, p1)
+                if p.panels:
+                    self.pack_panels(x_ng, c0, cb, p0, npix)
+                else:
+                    self.im2col(x_ng, c0, cb, p0, p1)
             if not self.a_prepacked:
                 self.pack_a(gi, k0, kc, m_lo, m_hi)
             if p.swap:
@@ -990,6 +1019,8 @@ class _ConvGen:
                     self.x_extent = (x_ng, g.Cg * g.DHW)
                     tapmasks = self.tap_masks(b.add(p0, jr), colmask)
                     b_jr = v.gep(x_blk, jr)
+                elif p.panels:      # (panel jr / NR starts at jr * KC)
+                    b_jr = v.gep(self.col, b.mul(jr, i64(p.KC)))
                 else:
                     b_jr = v.gep(self.col, jr)
                 return colmask, tapmasks, b_jr
@@ -1005,7 +1036,7 @@ class _ConvGen:
                         segs.append((a_t, p.MR, v.gep(b_jr, g.tap_offset(tap)), g.DHW, cb,
                                      tapmasks[tap]))
                 else:
-                    segs = [(a_base, p.MR, b_jr, p.NCP, kc, None)]
+                    segs = [(a_base, p.MR, b_jr, p.NR if p.panels else p.NCP, kc, None)]
                 c_ptr = v.gep(y_ng, b.add(b.mul(ir_, i64(g.OHW)), b.add(p0, jr)))
                 io = _NormalIO(self, c_ptr, mr, colmask, b.add(ch0, ir_))
                 pf = []
@@ -1216,6 +1247,24 @@ class _ConvGen:
                             first, load = self.row_loader(ow, offw, ok, W, Wv, sw, uw)
                             src0 = v.gep(src_c, first) if first is not None else src_c
                             v.store_v(load(src0), v.gep(dst_c, b.sub(ow, a)))
+
+    def pack_panels(self, x_ng, c0, cb, p0, npix):
+        """col[(q / NR)*KC*NR + ci*NR + q % NR] = X(c0 + ci, p0 + q) for ci < cb and
+        q < npix, zeros past npix (ConvPlan.panels: a pointwise conv's pixels are X's
+        own, so the block is a copy into the panels a GEMM packs B into)."""
+        v, g, p = self.v, self.g, self.p
+        b = v.b
+        x_c0 = v.gep(x_ng, b.add(b.mul(c0, i64(g.DHW)), p0))
+        with v.loop(i64(0), npix, p.NR, "pp") as q:
+            nr = v.smin(b.sub(npix, q), p.NR)
+            masks = [v.lanes_lt(16 * j, nr) for j in range(p.NV)]
+            src_q = v.gep(x_c0, q)
+            dst_q = v.gep(self.col, b.mul(q, i64(p.KC)))
+            with v.loop(i64(0), cb, 1, "pc") as ci:
+                src = v.gep(src_q, b.mul(ci, i64(g.DHW)))
+                dst = v.gep(dst_q, b.mul(ci, i64(p.NR)))
+                for j in range(p.NV):
+                    v.store_v(v.load_v(v.gep(src, 16 * j), masks[j]), v.gep(dst, 16 * j))
 
     def channel_copy(self, src0, dst0, cb, load, sstride, dstride):
         """for ci < cb: dst0[ci*dstride:+16] = load(src0 + ci*sstride), unrolled by 2."""

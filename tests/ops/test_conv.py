@@ -266,8 +266,9 @@ def test_pointwise_far_planes_take_short_reductions():
         return cc.plan_conv(g, tuning=tun)
 
     assert 4 * 28 * 28 >= cc.FAR_PLANES_BYTES > 4 * 14 * 14
+    # (64 output channels and more pack their pixel panels unless told to read X)
     for C, M, H in [(256, 64, 56), (512, 128, 28), (160, 24, 28), (256, 32, 27)]:
-        p = plan(C, M, H)
+        p = plan(C, M, H, **({"direct": True} if M >= cc.PANELS_MIN_M else {}))
         assert p.direct and p.KC <= cc.FAR_PLANES_KC and p.nkb == -(-C // p.KC), (C, M, H, p)
     assert plan(1024, 512, 14).KC > cc.FAR_PLANES_KC
     assert plan(128, 512, 28).nkb == 1
@@ -433,10 +434,60 @@ def test_small_1x1_convs_over_aliasing_planes_take_im2col(monkeypatch):
     assert not conv_codegen.planes_alias_in_l1(28 * 28 * 4)    # all 64
     assert not conv_codegen.planes_alias_in_l1(14 * 14 * 4)    # not whole lines
     assert not plan(16, 96, 112).direct and not plan(24, 144, 56).direct
-    assert plan(32, 16, 112).direct and plan(32, 64, 112).direct
-    assert plan(144, 24, 56).direct and plan(32, 192, 28).direct
+    assert plan(32, 16, 112).direct and plan(144, 24, 56).direct
+    # (64 output channels and more pack their pixel panels: ConvPlan.panels)
+    assert plan(32, 64, 112).panels and plan(32, 192, 28).panels
     assert plan(16, 96, 112, {"direct": True}).direct          # an explicit choice stands
     assert machine.l1d_sets()[0] > 0
+
+
+# pointwise convs in the normal orientation over packed pixel panels (ConvPlan.panels):
+# ragged pixel counts (63 a plane, panels of 32 or 64), several K blocks (the last one
+# short), pixel blocks shorter than a panel, rows walked outer, groups, a batch
+PANELS = [
+    ((2, 40, 7, 9), (70, 40, 1, 1), {}, {}),
+    ((2, 40, 7, 9), (70, 40, 1, 1), {}, dict(KC=16)),
+    ((1, 40, 7, 9), (70, 40, 1, 1), {}, dict(P=32, MR=8, NV=2)),
+    ((1, 40, 7, 9), (70, 40, 1, 1), {}, dict(MR=6, NV=4, KC=24, rows_outer=True)),
+    ((2, 40, 7, 9), (70, 20, 1, 1), dict(group=2), dict(MR=5, NV=1)),
+]
+
+
+@pytest.mark.parametrize("xs,ws,attrs,tuning", PANELS,
+                         ids=[_case_id(c[:3]) + "-" + ",".join(f"{k}={v}" for k, v in c[3].items())
+                              for c in PANELS])
+@pytest.mark.parametrize("const", [True, False], ids=["const-w", "runtime-w"])
+def test_pointwise_packed_panels(monkeypatch, xs, ws, attrs, tuning, const):
+    monkeypatch.setattr(conv_codegen, "FORCE_TUNING", {"swap": False, "direct": False, **tuning})
+    inputs = conv_inputs(xs, ws)
+    m, _ = single_node_model("Conv", inputs, const_inputs=(1, 2), **attrs)
+    path = cannc.compile(m, cores=2).inspect()["kernels"][0]["tiling"]
+    assert path.startswith("panels-gemm"), path
+    check_op("Conv", inputs, const_inputs=(1, 2) if const else (), **TOL, **attrs)
+
+
+def test_pointwise_convs_of_many_channels_pack_panels(monkeypatch):
+    """The planner packs pixel panels for a pointwise conv it would run in the normal
+    orientation reading X where PANELS_MIN_M output channels or more share them, in the
+    6 x 64 tile with two FMA pipes; fewer channels read X; an explicit choice stands;
+    the swapped orientation (small planes) is left alone."""
+    monkeypatch.setattr(conv_codegen, "wide_registers", lambda: True)
+    cc = conv_codegen
+
+    def plan(c, m, hw, pipes=2, **tun):
+        monkeypatch.setattr(cc, "fma_pipes", lambda: pipes)
+        g = cc.ConvGeom(N=1, C=c, M=m, G=1, isz=(1, hw, hw), osz=(1, hw, hw), k=(1, 1, 1))
+        return cc._plan_conv(g, True, 2, tun)   # (not the plan cache)
+    for c, m, hw in ((64, 256, 56), (256, 128, 56), (128, 512, 28), (144, 320, 28)):
+        p = plan(c, m, hw)
+        assert p.panels and not p.direct and not p.swap and (p.MR, p.NV) == (6, 4), p
+        assert p.ws_col == 0 and p.ws_a >= p.KC * (-(-p.P // p.NR) * p.NR) * 4
+        q = plan(c, m, hw, pipes=1)      # (one pipe: no 6 x 64 tile)
+        assert q.swap or (q.panels and q.NV <= 2), q
+    for c, m, hw in ((96, 24, 56), (144, 24, 56), (192, 32, 28)):
+        assert plan(c, m, hw).direct and not plan(c, m, hw).panels
+    assert plan(64, 256, 56, direct=True).direct
+    assert plan(256, 1024, 14).swap and not plan(256, 1024, 14).panels
 
 
 def test_window_plans_pad_rows_where_masks_cost_most():

@@ -229,7 +229,8 @@ def _dw_note(spec: WindowSpec) -> str | None:
 
 
 def _gemm_path(plan: Any) -> str:
-    return (("direct-gemm" if plan.direct else "im2col-gemm") + ("-swapped" if plan.swap else "")
+    kind = "direct" if plan.direct else "panels" if getattr(plan, "panels", False) else "im2col"
+    return (kind + "-gemm" + ("-swapped" if plan.swap else "")
             + ("-rows" if getattr(plan, "rows_outer", False) else "")
             + f" MR{plan.MR} KC{plan.KC}x{plan.nkb} P{plan.P}x{plan.PB} CH{plan.CH}x{plan.MB}")
 
