@@ -77,6 +77,25 @@ def run_concurrently(kernel: Callable, argv: Any, ranges: Sequence[tuple[int, in
         t.join()
 
 
+def in_threads(fn: Callable[[int], None], n: int) -> None:
+    """fn(0) .. fn(n-1), each on a thread of its own, all at once; the first exception any
+    of them raised is raised here once all have finished."""
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            fn(i)
+        except BaseException as e:   # (raised below, on the caller's thread)
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 WS_GUARD = np.float32(-12345.5)  # the floats around a test's workspace
 
 

@@ -9,6 +9,7 @@ import time
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import in_threads
 
 import cannc
 from cannc import ops
@@ -207,26 +208,17 @@ def test_cache_is_thread_safe() -> None:
     # a small launch runs on the calling core, a big one on every AI Core
     shapes = [(5, 96), (160, 96)]
     w = rand(96, 128)
-    errors: list[BaseException] = []
     start = threading.Barrier(4)
 
     def work(seed: int) -> None:
         r = np.random.default_rng(seed)
-        try:
-            start.wait()
-            for i in range(30):
-                x = r.standard_normal(shapes[i % 2]).astype(np.float32) + 1000.0
-                y = ops.matmul(x, w)
-                np.testing.assert_allclose(y, x @ w, rtol=1e-4, atol=0.05)
-        except BaseException as e:
-            errors.append(e)
+        start.wait()
+        for i in range(30):
+            x = r.standard_normal(shapes[i % 2]).astype(np.float32) + 1000.0
+            y = ops.matmul(x, w)
+            np.testing.assert_allclose(y, x @ w, rtol=1e-4, atol=0.05)
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    in_threads(work, 4)
     assert ops.cache_info()["compiles"] - before == 2     # one compile per signature
     launches = [e.fast for k, e in _eager._CACHE.items()
                 if k[0] == "MatMul" and k[3][1] == (w.dtype, w.shape)]

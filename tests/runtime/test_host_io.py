@@ -6,12 +6,10 @@ are never written, and that the copy path still serves whatever is not eligible.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import onnx
 import pytest
-from helpers import guarded, guarded_feeds, model_of, ort_run
+from helpers import guarded, guarded_feeds, in_threads, model_of, ort_run
 from onnx import TensorProto, helper, numpy_helper
 
 import cannc
@@ -165,18 +163,9 @@ def test_concurrent_runs_each_get_their_own_outputs():
     rng = np.random.default_rng(5)
     xs = [rng.standard_normal((64, 64)).astype(np.float32) for _ in range(4)]
     want = [ort_run(m, {"x": x})[0] for x in xs]
-    errors = []
 
     def worker(i):
-        try:
-            for _ in range(20):
-                np.testing.assert_allclose(sess.run(None, {"x": xs[i]})[0], want[i],
-                                           rtol=1e-4, atol=1e-5)
-        except BaseException as e:   # (reported below)
-            errors.append(e)
-    ts = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    assert not errors, errors[0]
+        for _ in range(20):
+            np.testing.assert_allclose(sess.run(None, {"x": xs[i]})[0], want[i],
+                                       rtol=1e-4, atol=1e-5)
+    in_threads(worker, 4)
