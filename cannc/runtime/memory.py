@@ -32,10 +32,13 @@ HUGE_PAGE = 2 << 20
 HUGE_PAGES = hasattr(mmap, "MADV_HUGEPAGE")
 
 
-def aligned_empty(nbytes: int, align: int = PAGE, zero: bool = True) -> np.ndarray:
+def aligned_empty(nbytes: int, align: int = PAGE, zero: bool = True,
+                  huge: bool = True) -> np.ndarray:
     """A uint8 buffer whose data pointer is `align`-aligned (page-aligned by default);
-    from HUGE_PAGE bytes on, huge-page aligned memory of its own (see HUGE_PAGES)."""
-    if HUGE_PAGES and nbytes >= HUGE_PAGE and HUGE_PAGE % align == 0:
+    from HUGE_PAGE bytes on, huge-page aligned memory of its own (see HUGE_PAGES) unless
+    not ``huge``: memory numpy's allocator hands out again (a buffer made per run, which
+    a fresh mapping would fault in every time)."""
+    if huge and HUGE_PAGES and nbytes >= HUGE_PAGE and HUGE_PAGE % align == 0:
         buf = _huge_aligned(nbytes)
         if buf is not None:
             return buf

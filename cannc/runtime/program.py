@@ -35,7 +35,7 @@ from ..native.target import JitLibrary
 from . import dispatch
 from .corechoice import CoreChoice
 from .device import Device
-from .memory import is_device_ready
+from .memory import aligned_empty, is_device_ready
 
 MAX_CONTEXTS = 8
 COUNTER_SLOTS = 4   # launch counter sets per context (see Context.counters)
@@ -97,13 +97,6 @@ class HostIO:
     inputs: dict[str, str]
     outputs: dict[str, str]
     sizes: dict[str, int]
-
-
-def host_empty(nbytes: int) -> np.ndarray:
-    """An ALIGN-aligned host buffer of `nbytes` bytes (numpy's own are 16-byte aligned)."""
-    raw = np.empty(nbytes + ALIGN, np.uint8)
-    off = -raw.ctypes.data % ALIGN
-    return raw[off:off + nbytes]
 
 
 def _bytes_of(a: np.ndarray) -> np.ndarray:
@@ -228,7 +221,6 @@ class Program:
         """The storage roots a synchronous run may place in host memory (HostIO)."""
         g, plan = self.spec.graph, self.plan
         written = {self._locate(v)[0] for k in self.spec.kernels for v in k.outputs if v}
-        arena = [r for r in plan.offsets if r not in self.wbuf]
 
         def root_of(v: str) -> tuple[str, int] | None:
             r, off = self._locate(v)
@@ -256,8 +248,8 @@ class Program:
                 continue
             outs[o] = ro[0]
         return HostIO(inputs=ins, outputs=outs,
-                      sizes={r: align_up(max(g.values[r].nbytes, 1)) for r in arena
-                             if r in ins.values() or r in outs.values()})
+                      sizes={r: align_up(max(g.values[r].nbytes, 1))
+                             for r in {*ins.values(), *outs.values()}})
 
     def _view(self, arena: np.ndarray, v: str) -> np.ndarray:
         t = self.spec.graph.values[v]
@@ -392,7 +384,9 @@ class Program:
             table[idx] = np.uint64(a.ctypes.data) + offs
         outs: dict[str, np.ndarray] = {}
         for r in io.outputs.values():
-            outs[r] = buf = host_empty(io.sizes[r])
+            # (numpy's own memory, 64-byte aligned: a fresh huge mapping a run would be
+            # faulted in every time; numpy's is handed out again)
+            outs[r] = buf = aligned_empty(io.sizes[r], ALIGN, zero=False, huge=False)
             idx, offs, _ = ctx.slots[r]
             table[idx] = np.uint64(buf.ctypes.data) + offs
         return ins, outs
