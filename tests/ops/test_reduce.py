@@ -214,9 +214,22 @@ def test_rms_norm():
 @pytest.mark.parametrize("shape", [(2, 3, 5, 7), (2, 4, 10), (1, 8, 1, 1), (2, 3, 4, 4, 3)])
 def test_instance_norm(shape):
     c = shape[1]
-    check_op("InstanceNormalization", [rnd(*shape), rnd(c), rnd(c)], opset=17, epsilon=1e-4)
-    check_op("InstanceNormalization", [rnd(*shape), rnd(c), rnd(c)], opset=11,
-             const_inputs=[1, 2])
+    # One element per instance: x - mean is exactly 0, so the output is exactly B. onnxruntime
+    # computes x*a + (B - mean*a) with a = scale/sqrt(eps), which cancels two terms of size
+    # |x*a| (up to ~1e3 here) and leaves an error of several ulp of that: 2.4e-5 seen at
+    # eps 1e-4, so the atol of 1e-5 failed on some draws. Check against B exactly instead
+    # and allow onnxruntime its cancellation error.
+    single = int(np.prod(shape[2:])) == 1
+    for opset, attrs, const in ((17, {"epsilon": 1e-4}, ()), (11, {}, (1, 2))):
+        x, sc, b = rnd(*shape), rnd(c), rnd(c)
+        atol = 1e-5
+        if single:
+            eps = attrs.get("epsilon", 1e-5)
+            atol = 8 * float(np.abs(x).max() * np.abs(sc).max() / np.sqrt(eps)) * 2.0 ** -23
+        got = check_op("InstanceNormalization", [x, sc, b], opset=opset, const_inputs=const,
+                       atol=atol, **attrs)
+        if single:
+            np.testing.assert_array_equal(got[0].reshape(-1), b)
 
 
 FUNCTION_OPS = ("GroupNormalization", "MeanVarianceNormalization")
