@@ -705,6 +705,26 @@ def test_dynamic_epilogue_and_dims_slot():
         run_dynamic(kernel, dspec, _dyn_spec(spec, M), epilogue_ref=_index_ref, dims_slot=6)
 
 
+@pytest.mark.parametrize("dyn", [False, True])
+def test_mid_rows_k_blocks(dyn):
+    """FEW_ROWS < M <= MID_ROWS rows over a prepacked B: K blocks of at least
+    MID_ROWS_KC (a wider N block re-reads A less); K below twice that is one block;
+    more rows, or a B packed per block, keep the long blocks."""
+    def kc(M, K, prepacked=True):
+        spec = GemmSpec(M, 768, K, b_prepacked=prepacked)
+        if dyn:
+            return dict(zip(GEMM_DIMS, gemm_dims(dynamic_spec(spec), M)[0]))["KC"]
+        return gemm_plan(spec).KC
+    assert kc(128, 768) == 768 and kc(128, 1000) == 1000
+    assert kc(128, 1024) == 512 and kc(128, 3072) == 512 and kc(512, 4096) == 512
+    assert kc(200, 1600) == 534                 # three even blocks
+    assert kc(1024, 3072) == 1536               # KC_MAX, balanced
+    if not dyn:
+        assert kc(128, 3072, prepacked=False) > 512
+    # and the sums are right across the blocks (static kernel, float64 reference)
+    check_spec(GemmSpec(100, 70, 1100, b_prepacked=True))
+
+
 def test_dynamic_plan_and_grid():
     spec = GemmSpec(1, 1024, 1024, b_prepacked=True)
     dspec = dynamic_spec(spec)
@@ -714,14 +734,14 @@ def test_dynamic_plan_and_grid():
     wide = avx512 and gemm_wide_tile()
     assert (p.MR, p.NR) == ((6, 64) if wide else (gemm_micro_rows(), 32) if avx512 else (6, 16))
     # the grid and KC for these M are the static plan's for the same micro-kernel
-    for M in (1, 3, 1024):
+    for M in (1, 3, 128, 512, 1024):
         st = gemm_plan(dataclasses.replace(spec, M=M),
                        {"MR": p.MR, "NV": p.NV} if M > 8 else None)
         dims, T = gemm_dims(dspec, M)
         assert dict(zip(GEMM_DIMS, dims)) == {
             "M": M, "batch": 1, "mt": st.mt, "nt": st.nt, "MB": st.MB, "NB": st.NB,
             "KC": st.KC, "NC": st.NC, "variant": int(M <= 12)}
-        assert T == gemm_num_tiles(dataclasses.replace(spec, M=M))
+        assert T == st.mt * st.nt
     # B not prepacked: the few-rows variant reads it in place (as a static plan would)
     for raw, alt_mode in ((GemmSpec(1, 768, 768), "direct"),
                           (GemmSpec(1, 768, 768, trans_b=True), "dot")):
