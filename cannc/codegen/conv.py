@@ -407,6 +407,7 @@ SWAP_PREFETCH = True
 # 2.79-2.90 ms. On 1 core level within the noise (x0.97-1.02). 8 pixels on were 9%
 # slower than 16 on MobileNetV2, 24 2%
 SWAP_X_PREFETCH = 16
+SWAP_PREFETCH_NEXT_BLOCK = True
 SWAP_TAPS = True             # KxK convs may take the swapped orientation reading X (swap_reads_x)
 # direct 1x1 convs: the next pixel panel of X's KC channel rows, likewise (more streams
 # than the hardware prefetchers follow; at batch 8, where X comes from L3: 5-11% faster)
@@ -987,7 +988,20 @@ class _ConvGen:
                     # last panel's "next" lies past the group: prefetches do not fault)
                     nxt = None
                     if SWAP_PREFETCH and self.a_prepacked:
-                        nxt = w_panel(b.add(jr, i64(p.NR)), k0, kc)
+                        # next: this K block's next channels, else the next K block's
+                        # first, else the next tile's (channels m_hi on: the next
+                        # channel block, where one core runs both; weights left the
+                        # caches since the last run, and a cold panel stalls the first
+                        # micro-tiles of every block)
+                        jn = b.add(jr, i64(p.NR))
+                        if SWAP_PREFETCH_NEXT_BLOCK:
+                            n_in = b.icmp_signed("<", jn, m_hi)
+                            k_in = i64(0) if last is True else b.select(last, i64(0), b.add(k0, kc))
+                            m_nx = m_hi if last is True else b.select(last, m_hi, m_lo)
+                            jn, kn = b.select(n_in, jn, m_nx), b.select(n_in, k0, k_in)
+                        else:
+                            kn = k0
+                        nxt = w_panel(jn, kn, kc)
                     with v.loop(i64(0), npix, p.MR, "ir") as ir_:
                         npx = v.smin(b.sub(npix, ir_), p.MR)
                         io = _SwapIO(self, jr, m_lo, ir_, npx, chmask)
