@@ -62,6 +62,7 @@ import numpy as np
 from ..native.emit import (
     BF16,
     F32,
+    I1,
     I8,
     I32,
     I64,
@@ -407,6 +408,8 @@ SWAP_PREFETCH = True
 # 2.79-2.90 ms. On 1 core level within the noise (x0.97-1.02). 8 pixels on were 9%
 # slower than 16 on MobileNetV2, 24 2%
 SWAP_X_PREFETCH = 16
+# a K block's last weight panel prefetches the next block's first (the last block's, the
+# next tile's): ResNet-50's 3x3 convs at 7x7 (18 K blocks), 1 core, x0.965
 SWAP_PREFETCH_NEXT_BLOCK = True
 SWAP_TAPS = True             # KxK convs may take the swapped orientation reading X (swap_reads_x)
 # direct 1x1 convs: the next pixel panel of X's KC channel rows, likewise (more streams
@@ -985,7 +988,7 @@ class _ConvGen:
                     b_base = w_panel(jr, k0, kc)
                     # the next panel's weights (kc rows of NV lines) into L2 while this one
                     # is used: line (ir / MR) % NV of each row in the micro-tile of ir (the
-                    # last panel's "next" lies past the group: prefetches do not fault)
+                    # last tile's last "next" lies past the weights: prefetches do not fault)
                     nxt = None
                     if SWAP_PREFETCH and self.a_prepacked:
                         # next: this K block's next channels, else the next K block's
@@ -993,14 +996,13 @@ class _ConvGen:
                         # channel block, where one core runs both; weights left the
                         # caches since the last run, and a cold panel stalls the first
                         # micro-tiles of every block)
-                        jn = b.add(jr, i64(p.NR))
+                        jn, kn = b.add(jr, i64(p.NR)), k0
                         if SWAP_PREFETCH_NEXT_BLOCK:
+                            is_last = ir.Constant(I1, 1) if last is True else last
                             n_in = b.icmp_signed("<", jn, m_hi)
-                            k_in = i64(0) if last is True else b.select(last, i64(0), b.add(k0, kc))
-                            m_nx = m_hi if last is True else b.select(last, m_hi, m_lo)
-                            jn, kn = b.select(n_in, jn, m_nx), b.select(n_in, k0, k_in)
-                        else:
-                            kn = k0
+                            m_nx = b.select(is_last, m_hi, m_lo)
+                            k_nx = b.select(is_last, i64(0), b.add(k0, kc))
+                            jn, kn = b.select(n_in, jn, m_nx), b.select(n_in, k0, k_nx)
                         nxt = w_panel(jn, kn, kc)
                     with v.loop(i64(0), npix, p.MR, "ir") as ir_:
                         npx = v.smin(b.sub(npix, ir_), p.MR)

@@ -153,11 +153,14 @@ KC_MAX = 2048  # the K block of a (not packed) A
 # this came from where the packed weights lived (see runtime/program.py WeightPool)
 FEW_ROWS_KC = 256
 FEW_ROWS = 16  # rows up to which the dynamic kernel's tiles split only the columns
-# the K block of a prepacked B with few row panels (FEW_ROWS < M <= MID_ROWS): C's
+# the K block of a prepacked B with few row panels, up to MID_ROWS rows (the dynamic
+# kernel's runtime dims: from FEW_ROWS + 1 rows, FEW_ROWS_KC below; a static plan: from
+# two row panels, one row panel reads FEW_ROWS_KC rows at a time): C's
 # partial sums are small, and the shorter K block buys an N block (_nc_for) 3-6x wider,
-# so the row panels of A are re-read from L2 3-6x less. Measured (gvar, Sapphire Rapids
-# guest, 1 core, B cycled through 12 copies as a model's weights are), KC 512 against
-# the KC_MAX default: 128x768x3072 +8.5%, 128x1024x4096 +12%, 128x1024x2048 +12%,
+# so the row panels of A are re-read from L2 3-6x less. Measured (plan variants timed
+# interleaved in one process, as gemm_bench.py --tuning '{"KC": 512}' does one at a time;
+# Sapphire Rapids guest, 1 core, B cycled through 12 copies as a model's weights are),
+# KC 512 against the KC_MAX default: 128x768x3072 +8.5%, 128x1024x4096 +12%, 128x1024x2048 +12%,
 # 128x768x1536 +4%, 128x768x1024 +4.5%, 64x768x3072 +2.5%, 256x768x3072 +3.5%,
 # 384x768x3072 +2%, 512x768x3072 +2%; 1024x768x3072 and 1024^3 level (-0.5, -1%);
 # KC 256, 384 and 768 at 128x768x3072: +6, +7, +6.5%. Blocks are at least MID_ROWS_KC
@@ -165,14 +168,15 @@ FEW_ROWS = 16  # rows up to which the dynamic kernel's tiles split only the colu
 # 128x3072x768), K = 1024 in two of 512 4.5% faster.
 MID_ROWS = 512
 MID_ROWS_KC = 512
+SMALL_M = 12  # rows up to which a B that is not prepacked is read in place
+STRIP_NC = 384  # a multiple of the widths of all strip micro-kernels (128, 96, 64, 32)
 
 
 def mid_rows_kc(K: int) -> int:
-    """The K block of FEW_ROWS < M <= MID_ROWS rows with a prepacked B: K in blocks of at
-    least MID_ROWS_KC, as even as they come."""
+    """The K block of up to MID_ROWS rows with a prepacked B (see MID_ROWS_KC): K in
+    blocks of at least MID_ROWS_KC, as even as they come."""
     return _cdiv(K, max(1, K // MID_ROWS_KC))
-SMALL_M = 12  # rows up to which a B that is not prepacked is read in place
-STRIP_NC = 384  # a multiple of the widths of all strip micro-kernels (128, 96, 64, 32)
+
 
 Epilogue = Callable[[ir.IRBuilder, ir.Value, ir.Value, ir.Value], ir.Value]
 
