@@ -138,6 +138,7 @@ __all__ = [
     "prepack_b",
     "prepacked_b_size",
     "use_dpbf16",
+    "variant_plan",
 ]
 
 PANEL = 32  # columns of a packed B panel
@@ -169,6 +170,23 @@ FEW_ROWS = 16  # rows up to which the dynamic kernel's tiles split only the colu
 MID_ROWS = 512
 MID_ROWS_KC = 512
 SMALL_M = 12  # rows up to which a B that is not prepacked is read in place
+# the rows up to which (from FEW_ROWS + 1, in whole 8-row panels: see gemm_dims) and the
+# K from which a dynamic kernel of a prepacked float32 B whose tile is the wide
+# WIDE_MR x 64 one runs the 8 x 32 tile instead (GemmPlan.alt, 'variant'
+# VARIANT_MID_ROWS). Few row panels per B micro-panel: the weights come from memory, and
+# at M = 128 the wide tile runs 132 rows. Measured on the Sapphire Rapids guest:
+# - static kernels, 1 core, B cycled through 24-40 copies as a model's weights are,
+#   8 x 32 against 6 x 64: 128 rows, K >= 768: +2 to +5% (128x768x768, 128x3072x768,
+#   128x768x3072, 128x384x1536); K <= 512: -1.4 to -5% (128x384x384, 128x1536x384,
+#   128x768x512); 192-384 rows level; from 512 rows -2 to -4%;
+# - models, old and new code in alternating processes (cannc profile, s128):
+#   BERT-base b1 1 core run 133.7 -> 130.2 ms, 2 cores 71.1 -> 68.4; DistilBERT b1
+#   68.6 -> 65.9 / 36.4 -> 34.4; GPT-2 b1 135.9 -> 133.3 / 71.7 -> 69.8; MiniLM
+#   (K = 384) 1 core +4% before the K bound, which keeps it on 6 x 64.
+MID_ROWS_8 = 256
+MID_ROWS_8_K = 768
+# the runtime dim 'variant' of a dynamic GEMM (gemm_dims): which plan runs
+VARIANT_MAIN, VARIANT_FEW_ROWS, VARIANT_MID_ROWS = 0, 1, 2
 STRIP_NC = 384  # a multiple of the widths of all strip micro-kernels (128, 96, 64, 32)
 
 
@@ -319,9 +337,13 @@ class GemmPlan:
     ws_a: int  # byte offset of the A packing buffer in the workspace
     ws_b: int  # byte offset of the B packing buffer
     ws_bytes: int
-    # a dynamic kernel's variant for at most SMALL_M rows (B not prepacked: read in
-    # place, or dot products), chosen per call by the runtime dim 'variant'
+    # a dynamic kernel's variant, chosen per call by the runtime dim 'variant': for at
+    # most SMALL_M rows (B not prepacked: read in place, or dot products; a narrow
+    # prepacked B: its narrow panels), or (alt_mid) for FEW_ROWS + 1 to MID_ROWS_8 rows
+    # in whole 8-row panels (a prepacked float32 B: the 8 x 32 tile where the plan's is
+    # WIDE_MR x 64)
     alt: GemmPlan | None = None
+    alt_mid: bool = False
     # bf16 products by vdpbf16ps (avx512_bf16): B panels of k-pairs (each 32-bit lane
     # B[k,n], B[k+1,n]); A read as bf16 pairs (in place, or converted per block: cvt_a)
     dp: bool = False
@@ -624,9 +646,10 @@ def _choose_grid(spec: GemmSpec, MR: int, NR: int, pack_a: bool, pack_b: bool,
 
 @lru_cache(maxsize=256)
 def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool = False,
-          dpbf16: bool = False) -> GemmPlan:
+          dpbf16: bool = False, mid: bool = False) -> GemmPlan:
     """The plan of ``spec``; ``small``: of the few-rows variant of a dynamic kernel whose
-    B is not prepacked (B read in place, see GemmPlan.alt)."""
+    B is not prepacked (B read in place, see GemmPlan.alt); ``mid``: of the mid-rows
+    variant of a dynamic kernel of a prepacked float32 B (the tile that is not wide)."""
     tun = dict(tuning)
     M, N, K = spec.M, spec.N, spec.K
     if small:
@@ -677,7 +700,7 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
         MR = many if M > (6 if avx2 else 8) or spec.dyn else M
         NV = _nv_for(MR, N, b_mode, isa)
         if (not avx2 and (M > 8 or spec.dyn) and b_mode in ("prepacked", "pack")
-                and spec.compute == "f32" and _wide_pays(M, N, MR, spec.dyn)):
+                and spec.compute == "f32" and not mid and _wide_pays(M, N, MR, spec.dyn)):
             MR, NV = WIDE_MR, 4
         MR = tun.get("MR", MR)
         NV = tun.get("NV", NV)
@@ -706,7 +729,8 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
         pack_a = False
     # a kernel for any M: full MR-row panels, then the last rows by a strip of
     # micro-kernels of exactly that many rows (see _Gen.block)
-    strips = spec.dyn and b_mode != "dot"
+    # (the mid-rows variant runs whole row panels only, see gemm_dims)
+    strips = spec.dyn and b_mode != "dot" and not mid
 
     # K blocking. Each K block after the first reloads the partial sums of the C
     # tiles (from L3 or memory, a stall at every micro-kernel entry), which costs
@@ -772,11 +796,16 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
     if b_mode == "dot" and _dot_b_source(spec) == "pack":
         b_bytes = N * K * wsz
     ws_bytes = _rup(ws_b + b_bytes, 64)
-    alt = None
+    alt, alt_mid = None, False
     if spec.dyn and not small and (b_mode == "pack" or f32p) and "b_mode" not in tun:
         # B packed per block costs as much as the product when the rows are few:
         # the kernel also holds the plan that reads B in place, chosen per call
         alt = _plan(spec, tuning, isa, small=True, dpbf16=dpbf16)
+        ws_bytes = max(ws_bytes, alt.ws_bytes)
+    elif (spec.dyn and not mid and b_mode == "prepacked" and spec.compute == "f32"
+          and (MR, NV) == (WIDE_MR, 4) and K >= MID_ROWS_8_K
+          and not {"MR", "NV"} & tun.keys()):
+        alt, alt_mid = _plan(spec, tuning, isa, mid=True, dpbf16=dpbf16), True
         ws_bytes = max(ws_bytes, alt.ws_bytes)
     rt_block = (spec.dyn and b_mode == "prepacked" and not pack_a and not cvt_a
                 and spec.c_type == "float32")
@@ -807,6 +836,7 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
         ws_b=ws_b,
         ws_bytes=ws_bytes,
         alt=alt,
+        alt_mid=alt_mid,
         dp=dp,
         cvt_a=cvt_a,
         f32_panels=f32p,
@@ -843,6 +873,16 @@ def gemm_workspace_bytes(spec: GemmSpec, tuning: dict | None = None) -> int:
 
 # the runtime dims of a dynamic kernel, in this order, from its ``dims_slot``
 GEMM_DIMS = ("M", "batch", "mt", "nt", "MB", "NB", "KC", "NC", "variant")
+
+
+def _alt_variant(p: GemmPlan) -> int:
+    """The runtime 'variant' that runs p.alt."""
+    return VARIANT_MID_ROWS if p.alt_mid else VARIANT_FEW_ROWS
+
+
+def variant_plan(p: GemmPlan, variant: int) -> GemmPlan:
+    """The plan a dynamic kernel of plan p runs at the runtime dim 'variant'."""
+    return p.alt if p.alt is not None and variant == _alt_variant(p) else p
 
 
 def _runtime_blocking(p: GemmPlan) -> bool:
@@ -889,14 +929,20 @@ def gemm_dims(spec: GemmSpec, M: int, batch: int = 1,
     that runs. The dims are valid for the kernel of ``spec`` with B prepacked or not
     (a tiling function does not know whether B is a constant): column blocks of whole
     B panels, KC and NC (read by a kernel of a prepacked B only) chosen as its static
-    plan would, and the few-rows variant (ignored by a kernel without one)."""
+    plan would, and the variant (VARIANT_*: few rows, mid rows, or the main plan; a
+    kernel without that variant runs its main plan)."""
     assert spec.dyn, "gemm_dims is for dynamic specs"
     if spec.batch == 1 and batch != 1:
         raise ValueError("this dynamic GEMM is not batched")
     tun = dict(_tuning_key(tuning))
     p0 = gemm_plan(spec, tuning)
-    variant = int(M <= SMALL_M)
-    p = p0.alt if variant and p0.alt is not None else p0
+    # (the mid-rows variant has no strips for the last rows of a panel: their
+    # micro-kernels, one per row count, cost more compile time than the variant itself,
+    # BERT-base's cold compile 1.85 -> 2.55 s with them, 2.09 s without. So it runs
+    # multiples of its rows only: sequence lengths such as 64, 128, 256)
+    mid = p0.alt_mid and FEW_ROWS < M <= MID_ROWS_8 and M % p0.alt.MR == 0
+    variant = (VARIANT_FEW_ROWS if M <= SMALL_M else VARIANT_MID_ROWS if mid else VARIANT_MAIN)
+    p = variant_plan(p0, variant)
     full = dataclasses.replace(
         spec, M=M, batch=batch, dyn=False, c_batch_stride=0,
         a_batch_stride=M * spec.K if spec.a_batch_stride and batch > 1 else 0,
@@ -934,12 +980,13 @@ def gemm_dims(spec: GemmSpec, M: int, batch: int = 1,
     # that overflows the L2 block of B: 6 x 64 tiles at M = 128 leave 2 rows, whose
     # 96-wide tile made NC 192 at K = 3072, a 1.2 MiB block of B that with A's
     # overflowed a 2 MiB L2: 6% slower alone, 25% in a BERT layer)
-    _, wp = strip_width(p0, "prepacked")
-    gnr = _grid_nr(p0.NR, p0.b_mode)
+    q = p if p0.alt_mid else p0    # (the plan that reads the prepacked B)
+    _, wp = strip_width(q, "prepacked")
+    gnr = _grid_nr(q.NR, q.b_mode)
     step = math.lcm(gnr, wp)
-    NC = max(step, _rup(_nc_for(KC, wp), _grid_nr(wp, p0.b_mode)) // step * step)
+    NC = max(step, _rup(_nc_for(KC, wp), _grid_nr(wp, q.b_mode)) // step * step)
     budget = _nc_for(KC, gnr)
-    if M >= p0.MR and NC > budget:
+    if M >= q.MR and NC > budget:
         NC = budget // step * step if budget >= step else budget
     NC = tun.get("NC", NC)
     return (M, batch, mt, nt, MB, NB, KC, NC, variant), batch * mt * nt
@@ -1268,11 +1315,11 @@ class _Gen(VecBuilder):
         if p.alt is None:
             self.block(bi, m_lo, m_hi, n_lo, n_hi)
         else:   # the variant gemm_dims chose for these shapes
-            few = b.append_basic_block(self.name("few_rows"))
-            many = b.append_basic_block(self.name("many_rows"))
+            other = b.append_basic_block(self.name("mid_rows" if p.alt_mid else "few_rows"))
+            main = b.append_basic_block(self.name("main_plan"))
             done = b.append_basic_block(self.name("variant.x"))
-            b.cbranch(b.icmp_signed("!=", variant, i64(0)), few, many)
-            for bb, q in ((few, p.alt), (many, p)):
+            b.cbranch(b.icmp_signed("==", variant, i64(_alt_variant(p))), other, main)
+            for bb, q in ((other, p.alt), (main, p)):
                 b.position_at_end(bb)
                 use(q)
                 self.block(bi, m_lo, m_hi, n_lo, n_hi)

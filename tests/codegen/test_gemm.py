@@ -35,6 +35,7 @@ from cannc.codegen.gemm import (
     host_isa,
     prepack_b,
     prepacked_b_size,
+    variant_plan,
 )
 from cannc.codegen.vec import declare
 from cannc.native import emit
@@ -733,14 +734,21 @@ def test_dynamic_plan_and_grid():
     assert p.strips and p.mt == 0
     wide = avx512 and gemm_wide_tile()
     assert (p.MR, p.NR) == ((6, 64) if wide else (gemm_micro_rows(), 32) if avx512 else (6, 16))
+    # the wide tile's kernel runs the 8 x 32 tile for 17-256 rows (GemmPlan.alt_mid)
+    assert (p.alt is not None and p.alt_mid and (p.alt.MR, p.alt.NR) == (8, 32)
+            and p.ws_bytes >= p.alt.ws_bytes) if wide else p.alt is None
     # the grid and KC for these M are the static plan's for the same micro-kernel
-    for M in (1, 3, 128, 512, 1024):
+    # (whole 8-row panels only: 130 rows run the main plan)
+    for M in (1, 3, 24, 128, 130, 256, 512, 1024):
+        variant = 1 if M <= 12 else 2 if wide and 16 < M <= 256 and M % 8 == 0 else 0
+        q = variant_plan(p, variant)
+        assert q is (p.alt if variant == 2 else p)
         st = gemm_plan(dataclasses.replace(spec, M=M),
-                       {"MR": p.MR, "NV": p.NV} if M > 8 else None)
+                       {"MR": q.MR, "NV": q.NV} if M > 8 else None)
         dims, T = gemm_dims(dspec, M)
         assert dict(zip(GEMM_DIMS, dims)) == {
             "M": M, "batch": 1, "mt": st.mt, "nt": st.nt, "MB": st.MB, "NB": st.NB,
-            "KC": st.KC, "NC": st.NC, "variant": int(M <= 12)}
+            "KC": st.KC, "NC": st.NC, "variant": variant}
         assert T == st.mt * st.nt
     # B not prepacked: the few-rows variant reads it in place (as a static plan would)
     for raw, alt_mode in ((GemmSpec(1, 768, 768), "direct"),
@@ -750,8 +758,11 @@ def test_dynamic_plan_and_grid():
         assert dp.ws_bytes >= dp.alt.ws_bytes
         for M in (1, 7, 12, 13, 100):
             dims, _ = gemm_dims(dynamic_spec(raw), M)
-            assert dims[GEMM_DIMS.index("variant")] == (M <= 12)
-    assert gemm_plan(dspec).alt is None
+            assert (dims[GEMM_DIMS.index("variant")] == 1) == (M <= 12)
+            assert variant_plan(dp, dims[GEMM_DIMS.index("variant")]) is (
+                dp.alt if M <= 12 else dp)
+    # tiles that are asked for are the tiles of every M
+    assert gemm_plan(dspec, {"MR": 6, "NV": 4}).alt is None
     with pytest.raises(ValueError, match="transposed"):
         dynamic_spec(GemmSpec(4, 8, 8, trans_a=True))
     with pytest.raises(ValueError, match="not batched"):
@@ -951,12 +962,36 @@ def test_wide_tile_column_edges(wide_tiles, N):
             case.check(run_split(kernel, case, splits=[0, cut, T]))
         dspec, kernel = build_dynamic(spec)
         assert (gemm_plan(dspec).MR, gemm_plan(dspec).NR) == (6, 64)
-        for i, M in enumerate((1, 5, 6, 13, 64, 131)):
+        for i, M in enumerate((1, 5, 6, 13, 64, 131, 136, 257, 264)):
             run_dynamic(kernel, dspec, _dyn_spec(spec, M), seed=i)
     # B packed per block (not a constant) takes the tile too
     spec = GemmSpec(200, 100, 70)
     assert (gemm_plan(spec).b_mode, gemm_plan(spec).NR) == ("pack", 64)
     check_spec(spec)
+
+
+def test_mid_rows_variant(wide_tiles):
+    """A dynamic kernel of a prepacked float32 B on the wide tile runs the 8 x 32 tile
+    for 17-256 rows in whole 8-row panels (runtime 'variant'), from K = MID_ROWS_8_K:
+    every column of N edges, K blocks, a bias, split over two cores; the rows just
+    outside run the 6 x 64 plan."""
+    from cannc.codegen.gemm import MID_ROWS_8_K, VARIANT_MAIN, VARIANT_MID_ROWS
+
+    assert gemm_plan(dynamic_spec(GemmSpec(1, 768, MID_ROWS_8_K - 1, b_prepacked=True))).alt \
+        is None
+    for N in (100, 256):
+        spec = GemmSpec(1, N, MID_ROWS_8_K + 40, b_prepacked=True, bias=True,
+                        bias_col_stride=1)
+        dspec, kernel = build_dynamic(spec)
+        p = gemm_plan(dspec)
+        assert (p.MR, p.NR, p.alt.MR, p.alt.NR, p.alt.strips) == (6, 64, 8, 32, False)
+        for i, M in enumerate((16, 24, 130, 136, 256, 264)):
+            dims, T = gemm_dims(dspec, M)
+            mid = 16 < M <= 256 and M % 8 == 0
+            assert dims[GEMM_DIMS.index("variant")] == (VARIANT_MID_ROWS if mid
+                                                        else VARIANT_MAIN)
+            run_dynamic(kernel, dspec, _dyn_spec(spec, M), seed=i,
+                        splits=[0, T // 2, T] if T > 1 else None)
 
 
 def test_wide_tile_code_has_no_masked_loads_or_spills(wide_tiles):
@@ -967,9 +1002,13 @@ def test_wide_tile_code_has_no_masked_loads_or_spills(wide_tiles):
     spec = dynamic_spec(GemmSpec(512, 768, 768, b_prepacked=True))
     module = ir.Module()
     emit_gemm(module, "gemm_wide", spec, dims_slot=3)
-    hot = max(_asm_blocks(module).values(), key=lambda lines: sum("vfmadd" in ln for ln in lines))
-    assert sum("vfmadd" in ln for ln in hot) == 24 * gemm_plan(spec).unroll
-    assert not [ln for ln in hot if "{%k" in ln] and _no_spills_but_the_cadence(hot), hot
+    blocks = _asm_blocks(module).values()
+    p = gemm_plan(spec)
+    # the k loops of the 6 x 64 tile and of the 8 x 32 one of 17-256 rows (GemmPlan.alt)
+    for q in (p, p.alt):
+        hot = [b for b in blocks if sum("vfmadd" in ln for ln in b) == q.MR * q.NV * q.unroll]
+        assert hot, (q.MR, q.NV)
+        assert not [ln for ln in hot[0] if "{%k" in ln] and _no_spills_but_the_cadence(hot[0])
 
 
 @pytest.fixture

@@ -53,6 +53,7 @@ from ..gemm import (
     gemm_workspace_bytes,
     precision_note,
     prepack_b,
+    variant_plan,
 )
 from ..kernel import ConstRef, LowerCtx
 from ..plans import gemm_notes, gemm_tuning, precision_record
@@ -483,7 +484,7 @@ def gemm_tiling(n: Node, ins: list[TensorType | None], outs: list[TensorType],
     guess = _with(canon, b_prepacked=len(ins[1].shape) <= 2)
     dims, tiles = gemm_dims(guess, M, batch)
     ws = gemm_workspace_bytes(canon)
-    p = gemm_plan(guess)
+    p = variant_plan(gemm_plan(guess), dims[GEMM_DIMS.index("variant")])   # (that runs)
     notes = {"gemm": _describe(_with(canon, M=M, batch=batch, dyn=False)) + " dynamic",
              "plan": {"kind": "gemm", "M": M, "N": canon.N, "K": canon.K, "batch": batch,
                       "MR": p.MR, "NR": p.NR, "NV": p.NV, "KC": p.KC, "MC": p.MC,
