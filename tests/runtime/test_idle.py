@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import cannc
+from cannc.compiler import snapshot
 from cannc.native.target import JitLibrary
 from cannc.runtime import dispatch
 from cannc.runtime.device import IDLE_SPIN_US, Device
@@ -48,6 +49,9 @@ def test_idle_device_burns_no_cpu(mlp2):
     sess, feeds, _ = mlp2
     for _ in range(5):
         sess.run(None, feeds)
+    # (the program cache's writer thread finishes this and earlier tests' entries first:
+    # its CPU is this process's too, and in a full run it read 0.56-0.67 s here)
+    assert snapshot.wait_stores(timeout=120)
     c0 = _cpu()
     time.sleep(0.6)
     # a worker still spinning would show ~0.6 s; sleeping ones ~0
