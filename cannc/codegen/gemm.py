@@ -181,8 +181,11 @@ SMALL_M = 12  # rows up to which a B that is not prepacked is read in place
 #   128x768x512); 192-384 rows level; from 512 rows -2 to -4%;
 # - models, old and new code in alternating processes (cannc profile, s128):
 #   BERT-base b1 1 core run 133.7 -> 130.2 ms, 2 cores 71.1 -> 68.4; DistilBERT b1
-#   68.6 -> 65.9 / 36.4 -> 34.4; GPT-2 b1 135.9 -> 133.3 / 71.7 -> 69.8; MiniLM
-#   (K = 384) 1 core +4% before the K bound, which keeps it on 6 x 64.
+#   68.6 -> 65.9 / 36.4 -> 34.4; GPT-2 b1 135.9 -> 133.3 / 71.7 -> 69.8; T5-small's
+#   encoder (its FFN's second GEMM, K = 2048) 32.2 -> 31.2; BERT-base b2 (256 rows)
+#   2 cores 138.7 -> 131.7, 1 core 250.5 -> 255.7 (noise-level); MiniLM (K = 384 but
+#   for its FFN's second GEMM) +4% on 1 core without the K bound, level with it
+#   (17.7 -> 17.9 ms; 2 cores 10.2 -> 10.0).
 MID_ROWS_8 = 256
 MID_ROWS_8_K = 768
 # the runtime dim 'variant' of a dynamic GEMM (gemm_dims): which plan runs
