@@ -17,7 +17,7 @@ constant B (intra_op_num_threads = --cores); all measured in the same process,
 interleaved. --dynamic also times the shape-polymorphic kernel (compiled once for
 N and K, M read at run time: what cannc compiles for a model with dynamic batch
 or sequence) and its ratio to the static kernel. --b-copies N cycles every engine
-through N copies of B, one per call (cannc's prepacked, numpy's arrays, N onnxruntime
+through its own N copies of B, one per call (cannc's prepacked, numpy's arrays, N onnxruntime
 sessions), so that B comes from memory as a model's weights do: each weight of a
 BERT-base is read once per run and has left the caches by the next one (kernels
 alone on a warm B read 5-10% faster than in such a model). The machines are shared and
@@ -74,6 +74,7 @@ from llvmlite import ir
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from cannc.codegen.gemm import (
+    GEMM_DIMS,
     GemmSpec,
     dynamic_spec,
     emit_gemm,
@@ -229,7 +230,8 @@ def bench(shape: str, peak: float):
     line = (f"{shape:>16}  cannc {g['cannc']:6.1f} (best {best['cannc']:6.1f}) GFLOP/s "
             f"{100 * g['cannc'] / (peak * ARGS.cores):5.1f}% of peak")
     if "dynamic" in g:
-        dp = variant_plan(gemm_plan(dynamic_spec(spec)), gemm_dims(dynamic_spec(spec), M)[0][-1])
+        ds = dynamic_spec(spec)
+        dp = variant_plan(gemm_plan(ds), gemm_dims(ds, M)[0][GEMM_DIMS.index("variant")])
         line += (f"  dynamic {g['dynamic']:6.1f} (x{g['dynamic'] / g['cannc']:4.2f}, "
                  f"{dp.MR}x{dp.NR})")
     for k in ("numpy", "ort"):
