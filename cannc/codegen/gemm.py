@@ -193,6 +193,16 @@ VARIANT_MAIN, VARIANT_FEW_ROWS, VARIANT_MID_ROWS = 0, 1, 2
 STRIP_NC = 384  # a multiple of the widths of all strip micro-kernels (128, 96, 64, 32)
 
 
+# A prepacked fp32 B of at least PF_B_MIN_BYTES carries the next micro-panel's prefetch
+# stream (GemmPlan.pf_b), not only one larger than L2: in a model every weight has left
+# the caches by the next run (the weights together are larger than they are), whatever
+# its own size. Sapphire Rapids guest, 1 core, B cycled through 40 copies (gemm_bench
+# --b-copies 40), no stream against the stream: 128x512x512 136 -> 181 GFLOP/s,
+# 128x384x384 143 -> 186, 32x512x512 122 -> 155, 8x384x384 107 -> 108 (memory-bound);
+# with B in the caches (one copy) level within noise (-5 to +3%)
+PF_B_MIN_BYTES = 256 << 10
+
+
 def mid_rows_kc(K: int) -> int:
     """The K block of up to MID_ROWS rows with a prepacked B (see MID_ROWS_KC): K in
     blocks of at least MID_ROWS_KC, as even as they come."""
@@ -358,7 +368,7 @@ class GemmPlan:
     # KC and NC at run time (a dynamic kernel of a prepacked B, see gemm_dims)
     rt_block: bool = False
     # the row tiles of each B micro-panel prefetch the next one into L2 (a prepacked
-    # fp32 B larger than L2: weights that come from memory, see _Gen.pf_next)
+    # fp32 B of at least PF_B_MIN_BYTES: weights come from memory, see _Gen.pf_next)
     pf_b: bool = False
     pf_div: int = 1  # ... advancing its stream every pf_div-th k-loop iteration
 
@@ -814,7 +824,7 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
                 and spec.c_type == "float32")
     pf_b = tun.get("pf_b", b_mode == "prepacked" and not dp and not f32p and NV >= 2
                    and spec.compute == "f32" and isa == "avx512"
-                   and _prepacked_batch(spec) * _cdiv(N, PANEL) * PANEL * K * 4 > l2_bytes())
+                   and _prepacked_batch(spec) * _cdiv(N, PANEL) * PANEL * K * 4 >= PF_B_MIN_BYTES)
     return GemmPlan(
         MR=MR,
         NV=NV,

@@ -1012,22 +1012,22 @@ def test_wide_tile_code_has_no_masked_loads_or_spills(wide_tiles):
 
 
 @pytest.fixture
-def small_l2(monkeypatch):
-    """A 64 KiB L2 for the GEMM planner: B prefetching (pf_b) on for small products (the
-    plan cache is cleared on both sides)."""
+def small_pf_min(monkeypatch):
+    """B prefetching (pf_b) from a 64 KiB B, for small products (the plan cache is
+    cleared on both sides)."""
     import cannc.codegen.gemm as gemm_mod
 
     if host_isa() != "avx512":
         pytest.skip("AVX-512 plans")
-    monkeypatch.setattr(gemm_mod, "l2_bytes", lambda: 64 << 10)
+    monkeypatch.setattr(gemm_mod, "PF_B_MIN_BYTES", 64 << 10)
     gemm_mod._plan.cache_clear()
     yield
     gemm_mod._plan.cache_clear()
 
 
 @pytest.mark.parametrize("tiles", [{"MR": 6, "NV": 4}, {"MR": 8, "NV": 2}], ids=["6x64", "8x32"])
-def test_b_prefetch_stream(small_l2, tiles):
-    """A prepacked B larger than L2 is prefetched a micro-panel ahead (GemmPlan.pf_b):
+def test_b_prefetch_stream(small_pf_min, tiles):
+    """A prepacked B (a weight) is prefetched a micro-panel ahead (GemmPlan.pf_b):
     the products are those of the reference -- static and dynamic M, one and several K
     blocks (the panel after a block's last one is the next K block's), edge columns, two
     cores cut at a tile boundary -- and the dynamic kernel's k loop holds one L2 prefetch
@@ -1051,15 +1051,18 @@ def test_b_prefetch_stream(small_l2, tiles):
     assert _no_spills_but_the_cadence(hot), hot
 
 
-def test_b_prefetch_only_for_b_beyond_l2():
-    """pf_b: a prepacked float32 B larger than the L2 (weights that come from memory);
-    not for one that stays in the caches, nor for a B packed per block."""
-    from cannc.schedule.machine import l2_bytes
+def test_b_prefetch_for_weights_of_any_size_but_tiny():
+    """pf_b: a prepacked float32 B (a weight, which comes from memory in a model) of at
+    least PF_B_MIN_BYTES, whether or not it fits in L2 (a 512 x 512 one does on every
+    core cannc has met); not for a tiny one, nor for a B packed per block."""
+    from cannc.codegen.gemm import PF_B_MIN_BYTES
 
-    n = 2 * math.isqrt(l2_bytes() // 4) + 64
-    assert gemm_plan(GemmSpec(128, n, n, b_prepacked=True)).pf_b == (host_isa() == "avx512")
-    assert not gemm_plan(GemmSpec(128, 256, 256, b_prepacked=True)).pf_b
-    assert not gemm_plan(GemmSpec(128, n, n)).pf_b
+    avx512 = host_isa() == "avx512"
+    assert gemm_plan(GemmSpec(128, 512, 512, b_prepacked=True)).pf_b == avx512
+    assert gemm_plan(GemmSpec(128, 2048, 2048, b_prepacked=True)).pf_b == avx512
+    n = math.isqrt(PF_B_MIN_BYTES // 4) // 2
+    assert not gemm_plan(GemmSpec(128, n, n, b_prepacked=True)).pf_b
+    assert not gemm_plan(GemmSpec(128, 2048, 2048)).pf_b
 
 
 def test_grid_choice_reads_the_cache_sizes_once(monkeypatch):
