@@ -196,6 +196,11 @@ def tiles(geom: ConvGeom, m: int) -> tuple[int, int, int]:
 
 
 # cost model, flop units (~100 GFLOP/s core: 1 cycle ~ 30), measured roughly on Zen 4
+# while the micro-tiles of a point's weight panel (C x NR) run, they prefetch the panel
+# the loops visit next into L2, a line a k step (see _WinoGen.gemms). Each panel is read
+# by the few micro-tiles of one tile block (ResNet-50 at 14x14: 49 Winograd tiles, 7
+# micro-tiles), so without it the first of them waits on memory for every weight line
+PREFETCH_U = True
 GEMM_EFF = 0.9           # micro-kernel speed relative to conv.py's direct GEMM
 GATHER_COST = 300.0      # one 16-lane masked gather (input transform)
 SCATTER_COST = 400.0     # one 16-lane scatter (output)
@@ -525,20 +530,35 @@ class _WinoGen:
                 chmask = [v.lanes_lt(16 * j, nch) for j in range(p.NV)]
                 u_pan = v.gep(u_xi, b.mul(b.udiv(jr, i64(p.NR)), i64(g.C * p.NR)))
                 z_jr = v.gep(z_xi, b.sub(jr, m_lo))
+                nxt = None
+                if PREFETCH_U:
+                    # the panel the loops visit next: this point's next channels, else
+                    # the next point's first (past the last point's: prefetches do not
+                    # fault)
+                    nxt = b.select(b.icmp_signed("<", b.add(jr, i64(p.NR)), m_hi),
+                                   v.gep(u_pan, g.C * p.NR),
+                                   v.gep(u_xi, b.add(i64(npan * g.C * p.NR),
+                                                     b.mul(b.udiv(m_lo, i64(p.NR)),
+                                                           i64(g.C * p.NR)))))
                 with v.loop(i64(0), npix, p.MR, "ir") as ir_:
                     npx = v.smin(b.sub(npix, ir_), p.MR)
                     rows = [True] + [b.icmp_signed("<", i64(r), npx) for r in range(1, p.MR)]
                     masks = [[v.mask_and(chmask[j], rows[r]) for j in range(p.NV)]
                              for r in range(p.MR)]
                     zrow = [v.gep(z_jr, b.mul(b.add(ir_, i64(r)), i64(p.CH))) for r in range(p.MR)]
-                    self.micro(v.gep(v_xi, ir_), u_pan, cb, zrow, masks, first)
+                    # micro-tile i streams line (i / MR) % NV of each of its k rows
+                    pf = None if nxt is None else v.gep(nxt, b.mul(
+                        b.urem(b.udiv(ir_, i64(p.MR)), i64(p.NV)), i64(16)))
+                    self.micro(v.gep(v_xi, ir_), u_pan, cb, zrow, masks, first, pf)
 
-    def micro(self, a_ptr, b_ptr, kc, zrow, masks, first):
-        """acc[r][j] = sum_k a[k*PTP + r] * b[k*NR + 16j] + (first ? 0 : Z); stored to Z."""
+    def micro(self, a_ptr, b_ptr, kc, zrow, masks, first, pf=None):
+        """acc[r][j] = sum_k a[k*PTP + r] * b[k*NR + 16j] + (first ? 0 : Z); stored to Z.
+        ``pf``: a prefetch stream, one line into L2 a k step, NR floats apart."""
         v, p = self.v, self.p
         b = v.b
         MR, NV, a_ks, b_ks = p.MR, p.NV, p.PTP, p.NR
         accs = [[v.zero_v] * NV for _ in range(MR)]
+        ptrs0 = [a_ptr, b_ptr] + ([pf] if pf is not None else [])
 
         def step(cur, ap, bp, u):
             bv = [v.load_v(v.gep(bp, u * b_ks + 16 * j)) for j in range(NV)]
@@ -548,18 +568,19 @@ class _WinoGen:
                 new.append([v.fma(xs, bv[j], cur[r][j]) for j in range(NV)])
             return new
 
-        def kloop(k0, kend, accs, ap, bp, nstep, tag):
+        def kloop(k0, kend, accs, ptrs, nstep, tag):
             def body(k, cur, ptrs):
                 for u in range(nstep):
                     cur = step(cur, ptrs[0], ptrs[1], u)
-                return cur, [v.gep(ptrs[0], nstep * a_ks), v.gep(ptrs[1], nstep * b_ks)]
-            k, accs, (ap, bp) = v.grid_loop(k0, kend, nstep, accs, [ap, bp], body, tag, iv_name="k")
-            return k, accs, ap, bp
+                    if len(ptrs) > 2:
+                        v.prefetch_r(v.gep(ptrs[2], u * b_ks), locality=2)
+                return cur, [v.gep(q, nstep * ks) for q, ks in zip(ptrs, (a_ks, b_ks, b_ks))]
+            return v.grid_loop(k0, kend, nstep, accs, ptrs, body, tag, iv_name="k")
 
         U = 2 if MR * NV > 8 else 4
         kmain = b.sub(kc, b.srem(kc, i64(U)))
-        k, accs, ap, bp = kloop(i64(0), kmain, accs, a_ptr, b_ptr, U, "ku")
-        _, accs, _, _ = kloop(k, kc, accs, ap, bp, 1, "kr")
+        k, accs, ptrs = kloop(i64(0), kmain, accs, ptrs0, U, "ku")
+        _, accs, _ = kloop(k, kc, accs, ptrs, 1, "kr")
         accs = v.add_partials(accs, first, zrow, masks)
         for r in range(MR):
             for j in range(NV):
