@@ -706,9 +706,16 @@ def emit_winograd(module: ir.Module, name: str, geom: ConvGeom, plan: WinoPlan,
 # ---------------------------------------------------------------------------
 
 DIRECT_EFF = 0.95        # conv.py's implicit GEMM runs at ~95 GFLOP/s on these layers
-MIN_GAIN = 1.1           # modelled speed-up that Winograd must show to be chosen
-MIN_FLOPS = 20_000_000   # per image: below this the transforms and the extra kernel tiles
-                         # do not pay
+# the modelled speed-up that Winograd must show to be chosen, and the flops per image
+# below which it is not tried. The model underrates Winograd where the images are small
+# (Sapphire Rapids guest, each conv alone, 1 core, the implicit GEMM against Winograd:
+# 512 channels at 7x7 1.40 -> 0.96 ms, modelled x1.06; 128->32 at 14x14 (DenseNet-121's
+# 24 of block 3, 14.5 MFLOP) 0.090 -> 0.054 ms, modelled x1.36). In models, where the
+# weights come from memory, the 7x7 512s ran x1.07 (ResNet-50, 1 and 2 cores) to x1.26
+# (ResNet-18, 2 cores) faster; 128->32 at 7x7 (3.6 MFLOP) level. Zen 4 had set 1.1 and
+# 20 MFLOP before either path prefetched its weights (PREFETCH_U, conv.SWAP_PREFETCH)
+MIN_GAIN = 1.03
+MIN_FLOPS = 10_000_000
 # the implicit GEMM's share of the measured FMA peak (Zen 4: ~95 of 117 GFLOP/s; Sapphire
 # Rapids: ~190 of 200-230), to put its modelled time beside the weights' memory time
 DIRECT_PEAK_SHARE = 0.81
@@ -751,7 +758,9 @@ def choose(geom: ConvGeom, mode: str = "auto", cores: int = 2,
     direct_s = flops / (peaks()["fp32_gflops_per_core"] * 1e9 * DIRECT_PEAK_SHARE * cores)
     wino_s = direct_s * plan.cost / direct
     a = plan.m + 2
-    wbytes = 4 * geom.M * geom.Cg
+    # each core streams the weights of its own channel blocks (both paths split a
+    # single image's channels between the cores)
+    wbytes = 4 * geom.M * geom.Cg / cores
     d_total = n * direct_s + weight_stream_s(wbytes * geom.KK)
     w_total = n * wino_s + weight_stream_s(wbytes * a * a)
     return plan if w_total * MIN_GAIN < d_total else None
