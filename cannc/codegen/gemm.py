@@ -368,7 +368,8 @@ class GemmPlan:
     # KC and NC at run time (a dynamic kernel of a prepacked B, see gemm_dims)
     rt_block: bool = False
     # the row tiles of each B micro-panel prefetch the next one into L2 (a prepacked
-    # fp32 B of at least PF_B_MIN_BYTES: weights come from memory, see _Gen.pf_next)
+    # fp32 B of at least PF_B_MIN_BYTES: weights come from memory, see _Gen.pf_next; on
+    # an unrolled k loop only, so not where one FMA issues a cycle)
     pf_b: bool = False
     pf_div: int = 1  # ... advancing its stream every pf_div-th k-loop iteration
 
@@ -822,9 +823,16 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
         ws_bytes = max(ws_bytes, alt.ws_bytes)
     rt_block = (spec.dyn and b_mode == "prepacked" and not pack_a and not cvt_a
                 and spec.c_type == "float32")
-    pf_b = tun.get("pf_b", b_mode == "prepacked" and not dp and not f32p and NV >= 2
-                   and spec.compute == "f32" and isa == "avx512"
-                   and _prepacked_batch(spec) * _cdiv(N, PANEL) * PANEL * K * 4 >= PF_B_MIN_BYTES)
+    # big tiles: the k loop body is long enough (and compiles faster) where one FMA
+    # issues a cycle; where two do, 2-4 by the accumulators (gemm_k_unroll)
+    unroll = tun.get("unroll", 4 if MR * NV <= 8 else
+                     gemm_k_unroll(accumulators=MR * NV) if isa == "avx512" else 1)
+    # (the stream rides on an unrolled k loop, see pf_next: where one FMA issues a cycle
+    # the loop is not unrolled and a B from memory keeps up, Zen 4 +-1% with it forced)
+    pf_b = unroll > 1 and tun.get(
+        "pf_b", b_mode == "prepacked" and not dp and not f32p and NV >= 2
+        and spec.compute == "f32" and isa == "avx512"
+        and _prepacked_batch(spec) * _cdiv(N, PANEL) * PANEL * K * 4 >= PF_B_MIN_BYTES)
     return GemmPlan(
         MR=MR,
         NV=NV,
@@ -834,10 +842,7 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
         NC=NC,
         pack_a=pack_a,
         b_mode=b_mode,
-        # big tiles: the k loop body is long enough (and compiles faster) where one
-        # FMA issues a cycle; where two do, 2-4 by the accumulators (gemm_k_unroll)
-        unroll=tun.get("unroll", 4 if MR * NV <= 8 else
-                       gemm_k_unroll(accumulators=MR * NV) if isa == "avx512" else 1),
+        unroll=unroll,
         prefetch_c=tun.get("prefetch_c", True),
         strips=strips,
         isa=isa,
@@ -1495,7 +1500,7 @@ class _Gen(VecBuilder):
                             # (the plan's own tile only: the others' k loops are not
                             # unrolled, see micro, and carry no prefetch stream)
                             pf = None
-                            if p.pf_b and (MR, NV) == (p.MR, p.NV) and p.unroll > 1:
+                            if p.pf_b and (MR, NV) == (p.MR, p.NV):
                                 pf = self.pf_next(B_b, jc, jr, nc, pc, kc, ir_, pf_d)
                             self.micro(a_ptrs, b_base, b_pstride, kc, c_ptr, mr, nr, first,
                                        last, m0, n0, MR, NV, pf)

@@ -950,8 +950,7 @@ def wide_tiles(monkeypatch):
 
     if host_isa() != "avx512":
         pytest.skip("AVX-512 plans")
-    _two_fma_pipes(monkeypatch)
-    monkeypatch.setattr(gemm_mod, "gemm_wide_tile", lambda pipes=None: True)
+    _two_fma_pipes(monkeypatch)     # (and so gemm_wide_tile)
     gemm_mod._plan.cache_clear()
     yield
     gemm_mod._plan.cache_clear()
@@ -1062,18 +1061,27 @@ def test_b_prefetch_stream(small_pf_min, tiles):
     assert _no_spills_but_the_cadence(hot), hot
 
 
-def test_b_prefetch_for_weights_of_any_size_but_tiny():
+def test_b_prefetch_for_weights_of_any_size_but_tiny(monkeypatch):
     """pf_b: a prepacked float32 B (a weight, which comes from memory in a model) of at
     least PF_B_MIN_BYTES, whether or not it fits in L2 (a 512 x 512 one does on every
-    core cannc has met); not for a tiny one, nor for a B packed per block."""
+    core cannc has met); not for a tiny one, nor for a B packed per block; and only on
+    a core of two FMA pipes, whose k loop is unrolled (the stream's cadence)."""
+    import cannc.codegen.gemm as gemm_mod
     from cannc.codegen.gemm import PF_B_MIN_BYTES
 
     avx512 = host_isa() == "avx512"
+    monkeypatch.setattr("cannc.schedule.machine.fma_pipes", lambda: 1)
+    gemm_mod._plan.cache_clear()
+    plan = gemm_plan(GemmSpec(128, 2048, 2048, b_prepacked=True))
+    assert not plan.pf_b and (plan.unroll == 1 or not avx512)
+    _two_fma_pipes(monkeypatch)
+    gemm_mod._plan.cache_clear()
     assert gemm_plan(GemmSpec(128, 512, 512, b_prepacked=True)).pf_b == avx512
     assert gemm_plan(GemmSpec(128, 2048, 2048, b_prepacked=True)).pf_b == avx512
     n = math.isqrt(PF_B_MIN_BYTES // 4) // 2
     assert not gemm_plan(GemmSpec(128, n, n, b_prepacked=True)).pf_b
     assert not gemm_plan(GemmSpec(128, 2048, 2048)).pf_b
+    gemm_mod._plan.cache_clear()
 
 
 def test_grid_choice_reads_the_cache_sizes_once(monkeypatch):
