@@ -10,6 +10,9 @@ CANNC_ISA=avx2     generate code for an AVX2 machine (no AVX-512) even on an AVX
                    (avx512-nobf16: AVX-512 without avx512_bf16, avx512_fp16 and AMX)
 CANNC_WINOGRAD=0   never use the Winograd Conv path (default: where its cost model wins;
                    'force': every eligible 3x3 stride-1 Conv, for tests and experiments)
+CANNC_STEM_CONV=0  never use the stem Conv path (codegen/stemconv.py: few input channels,
+                   strided; default: every eligible Conv of enough flops; 'force': every
+                   eligible one)
 CANNC_DEVICE_MEMORY=N  the device memory budget in bytes (suffixes K, M, G, T: 8G); default
                    the host's physical memory. No tensor, and no specialisation's arena +
                    weights + workspace, may exceed it: such shapes are a ShapeError at
@@ -65,6 +68,9 @@ DUMP_DIR: str | None = os.environ.get("CANNC_DUMP_DIR") or None
 ISA: str | None = _choice("CANNC_ISA", {"": None, "avx512": None, "avx2": "avx2",
                                         "avx512-nobf16": "avx512-nobf16"})
 WINOGRAD: str = _choice("CANNC_WINOGRAD", {
+    "": "auto", "auto": "auto", **dict.fromkeys(_ON, "auto"), **dict.fromkeys(_OFF, "off"),
+    "force": "force"})
+STEM_CONV: str = _choice("CANNC_STEM_CONV", {
     "": "auto", "auto": "auto", **dict.fromkeys(_ON, "auto"), **dict.fromkeys(_OFF, "off"),
     "force": "force"})
 

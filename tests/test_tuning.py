@@ -229,6 +229,7 @@ def test_tune_rejects_a_bad_budget(tiny_mlp, budget, capsys):
 
 
 @pytest.mark.parametrize("var,value", [("CANNC_ISA", "avx3"), ("CANNC_WINOGRAD", "maybe"),
+                                       ("CANNC_STEM_CONV", "sometimes"),
                                        ("CANNC_DEBUG", "yes please"), ("CANNC_VERIFY", "2")])
 def test_misspelt_codegen_switch_is_a_clear_error(var, value):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

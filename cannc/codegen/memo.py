@@ -42,7 +42,7 @@ from ..ir.ops import lookup
 from ..ir.types import TensorType, dtype_key
 from ..native.target import host, read_checksummed, source_digest, write_checksummed
 from ..schedule import machine, tuning
-from . import amx, amx_conv, conv, winograd
+from . import amx, amx_conv, conv, stemconv, winograd
 from .lower import conv as lower_conv
 
 _MAGIC = b"CNCMEMO1\n"
@@ -268,6 +268,7 @@ def salt() -> str:
     other kernels) and the codegen switches (environment and the FORCE_TUNING overrides
     tests and experiments set)."""
     switches = (f"wino={config.WINOGRAD}|conv={sorted(conv.FORCE_TUNING.items())!r}|"
+                f"stem={config.STEM_CONV},{sorted(stemconv.FORCE_TUNING.items())!r}|"
                 f"wg={sorted(winograd.FORCE_TUNING.items())!r}|"
                 f"lowp={lower_conv.FORCE_LOWP_MODE}|amx={amx.OVERLAP_STORES}|"
                 f"amxconv={amx_conv.CB_CHUNK_MIN_P},{amx_conv.CB_OUTER_MIN_NCB}")

@@ -9,6 +9,9 @@ dims in front) and lowered to one of two native kernel families:
   are packed per tile.
 * ``codegen/winograd.py``: Winograd F(2x2, 3x3) for 3x3 stride-1 convs with constant
   weights where its cost model beats the implicit GEMM (``CANNC_WINOGRAD=0``: never).
+* ``codegen/stemconv.py``: a network's first, strided conv over few input channels
+  (3x3/2 and 7x7/2 over colour images, 4x4/4 patches), reading the input in place from
+  its rows split into column phases (``CANNC_STEM_CONV=0``: never).
 * ``codegen/pool.py``: sliding-window kernels vectorised along the output
   width, for the pools and the depthwise convolution (group == C).
 
@@ -33,7 +36,7 @@ from ...ir.ops.conv import _auto_pad, _ints, _to3, window_pads
 from ...native import emit
 from ...native.emit import I64, for_range, i64
 from ...native.target import host
-from .. import winograd
+from .. import stemconv, winograd
 from ..amx import amx_usable
 from ..amx_conv import (
     AmxConvPlan,
@@ -277,6 +280,10 @@ def conv_tiling(node: Any, ins: list[Any], outs: list[Any], reads: int = 0) -> T
             # (AMX: from the lowering, which runs runtime weights on the vector kernel)
             notes["path"] = _lowp_path(lplan)
             notes["precision"] = _lowp_note(lplan, types)
+    elif (splan := stemconv.choose(one, config.STEM_CONV)) is not None:
+        key = ("conv", "stem", one, splan)
+        tiles, ws = splan.num_tiles, splan.ws_bytes
+        notes["path"] = stemconv.stem_path(splan)
     elif (wplan := winograd.choose(one, config.WINOGRAD, batch=geom.N)) is not None:
         gplan = plan_conv(one, const_weights=True)
         key = ("conv", "winograd", one, (wplan, gplan))
@@ -338,6 +345,9 @@ def _lower_conv(ctx: LowerCtx, epilogue: Any = None, y_slot: int | None = None,
     if types is not None:
         return _emit_lowp(ctx, geom, lowp_plan_of(geom, types, ctx.is_const(1)), types, slots,
                           epilogue)
+    splan = stemconv.choose(geom, config.STEM_CONV)
+    if splan is not None:
+        return _emit_stem(ctx, geom, splan, slots, epilogue)
     w = ctx.const(1)
     wplan = winograd.choose(geom, config.WINOGRAD) if w is not None else None
     if wplan is not None:
@@ -378,6 +388,8 @@ def _lower_conv_any_batch(ctx: LowerCtx, tkey: tuple, epilogue: Any, y_slot: int
         return
     if kind == "lowp":
         return _emit_lowp(ctx, geom, plan[0], plan[1], slots, epilogue)
+    if kind == "stem":
+        return _emit_stem(ctx, geom, plan, slots, epilogue)
     const_w = ctx.is_const(1)
     if kind == "winograd":
         wplan, plan = plan
@@ -403,6 +415,14 @@ def _lower_conv_any_batch(ctx: LowerCtx, tkey: tuple, epilogue: Any, y_slot: int
     ctx.num_tiles = plan.num_tiles
     ctx.workspace_bytes = plan.ws_bytes
     ctx.notes["path"] = _gemm_path(plan)
+
+
+def _emit_stem(ctx: LowerCtx, geom: ConvGeom, plan: Any, slots: Slots, epilogue: Any) -> None:
+    """The stem kernel (codegen/stemconv.py): it reads the weights as they are, constant
+    or not."""
+    stemconv.emit_stem(ctx.module, ctx.symbol, geom, plan, slots, epilogue=epilogue)
+    ctx.num_tiles, ctx.workspace_bytes = plan.num_tiles, plan.ws_bytes
+    ctx.notes["path"] = stemconv.stem_path(plan)
 
 
 def _emit_regrid(module: Any, name: str, inner: Any, outer_tiles: int, inner_tiles: int) -> None:
