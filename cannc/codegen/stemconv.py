@@ -44,6 +44,9 @@ STEM_MAX_R = 8           # output rows a tile at most
 STEM_MR, STEM_NV = 4, 4  # micro-tile: output channels x vectors of 16 pixels (plan_stem)
 STEM_MR_AVX2, STEM_NV_AVX2 = 2, 2   # (16 ymm registers, a <16 x float> taking two)
 
+STEM_PREFETCH_NEXT_ROW = True
+STEM_PREFETCH_X = True
+
 # plan overrides for every plan_stem call (tests, experiments): MR, NV, R
 FORCE_TUNING: dict = {}
 
@@ -181,8 +184,21 @@ class _StemGen:
         b = v.b
         M = g.M
         full = M // p.MR * p.MR
+        _, H, W = g.isz
+        _, sh, _ = g.s
+        x_img = v.gep(self.X, b.mul(img, i64(g.C * H * W)))
         with v.loop(oy0, oy1, 1, "oy") as oy:
-            srow = b.mul(b.sub(oy, oy0), i64(g.s[1]))   # the row's first slab row
+            srow = b.mul(b.sub(oy, oy0), i64(sh))   # the row's first slab row
+            if STEM_PREFETCH_X:
+                # the input rows the next tile's slab takes in place of this row's: X
+                # comes from memory or another core's cache (the host copy)
+                iy = b.sub(b.mul(b.add(oy, i64(p.R)), i64(sh)), i64(g.pb[1] - g.k[1] + sh))
+                for ci in range(g.C):
+                    for dy in range(sh):
+                        row = v.gep(x_img, b.add(b.mul(v.smin(v.smax(b.add(iy, i64(dy)), 0),
+                                                              H - 1), i64(W)), i64(ci * H * W)))
+                        for line in range(0, W, 16):
+                            v.prefetch_r(v.gep(row, line), locality=2)
             if full:
                 with v.loop(0, full, p.MR, "m") as m:
                     self.columns(img, oy, srow, m, p.MR)
@@ -211,6 +227,15 @@ class _StemGen:
                 init.append([v.splat_f(bias)] * nv)
             else:
                 init.append([v.zero_v] * nv)
+        y_img = b.mul(img, i64(g.M * OH * OW))
+        if STEM_PREFETCH_NEXT_ROW:
+            # the next output row's lines of these channels, for writing: the output
+            # has left the caches since the last run (a model's activations), and the
+            # read-for-ownership of its cold lines stalls the stores
+            nxt = b.add(y_img, b.mul(b.add(b.mul(m, i64(OH)), b.add(oy, i64(1))), i64(OW)))
+            for r in range(mr):
+                for j in range(nv):
+                    v.prefetch_w(v.gep(self.Y, b.add(nxt, i64(r * OH * OW + 16 * (v0 + j)))))
         w_m = v.gep(self.W, b.mul(m, i64(K)))
         # slab rows a channel apart: SR * sw * LP floats
         cstride = p.SR * sw * p.LP
@@ -233,7 +258,6 @@ class _StemGen:
 
         _, acc, _ = v.grid_loop(0, g.C, 1, init, [s_row, w_m], body, "ci")
         # store: channel m + r, row oy, columns 16*(v0 + j) on
-        y_img = b.mul(img, i64(g.M * OH * OW))
         for r in range(mr):
             row_off = b.add(y_img, b.mul(b.add(b.mul(b.add(m, i64(r)), i64(OH)), oy), i64(OW)))
             for j in range(nv):
