@@ -463,6 +463,22 @@ def test_epilogue_can_use_kernel_arguments():
     # the "bias" input (beta=0, unused by the GEMM itself) is the residual
     check_spec(spec, epilogue=residual, ref=lambda c: c.ref + c.bias[:500].reshape(10, 50))
 
+    # the same epilogue naming the lines it reads (epilogue.prefetch): the micro-tiles
+    # prefetch them (rows past M too: prefetches do not fault), the results unchanged
+    calls = []
+
+    def prefetch(builder, args, m, n):
+        calls.append((m.type, n.type))
+        res = emit.load_arg(builder, args, 2)
+        p = emit.gep(builder, res, builder.add(builder.mul(m, emit.i64(50)), n), emit.F32)
+        fn = declare(builder.module, "llvm.prefetch.p0", ir.VoidType(),
+                     [emit.PTR, emit.I32, emit.I32, emit.I32])
+        builder.call(fn, [p, emit.i32(0), emit.i32(3), emit.i32(1)])
+
+    residual.prefetch = prefetch
+    check_spec(spec, epilogue=residual, ref=lambda c: c.ref + c.bias[:500].reshape(10, 50))
+    assert calls and all(c == (emit.I64, emit.I64) for c in calls)
+
 
 # ---------------------------------------------------------------------------
 # tiles: disjoint writes, every split, balance

@@ -234,6 +234,24 @@ def _lower_fused_gemm(ctx: LowerCtx) -> None:
         eval_body(E, epi, env, types, consts)
         return env[final].v
 
+    full = [k for k, pat in enumerate(patterns) if pat == "full"]
+
+    def prefetch(b: ir.IRBuilder, args: ir.Value, m: ir.Value, n: ir.Value) -> None:
+        """Prefetch the line of every full-shape operand (a residual) at (m, n): the
+        GEMM's micro-tiles call it before their last K block (gemm.EPILOGUE_PREFETCH);
+        a prefetch past an operand's end does not fault."""
+        fn = b.module.globals.get("llvm.prefetch.p0") or ir.Function(
+            b.module, ir.FunctionType(ir.VoidType(), [emit.PTR] + [emit.I32] * 3),
+            name="llvm.prefetch.p0")
+        for k in full:
+            ptr = emit.load_arg(b, args, ngemm + 1 + k)
+            dt = np.dtype(ctx.in_types[ext[k]].dtype)
+            addr = emit.gep(b, ptr, b.add(b.mul(m, emit.i64(N)), n), emit.llvm_type(dt))
+            b.call(fn, [addr] + [ir.Constant(emit.I32, c) for c in (0, 3, 1)])
+
+    if full:
+        epilogue.prefetch = prefetch      # type: ignore[attr-defined]
+
     # measured by `cannc tune`, else None (a kernel for any M: the modelled plan)
     tun = None if dyn else contraction_tuning(spec, epilogue=True)
     inner = emit_contraction(ctx.module, "gemm_with_epilogue", spec, epilogue=epilogue,
