@@ -341,3 +341,22 @@ def run_pass(name: str, g: Any, *, fusion: Any = True, **options: Any) -> PassRu
     before = graph_state(g)
     pm.run(g)
     return PassRun(pm.records[0].changed, before, graph_state(g), g)
+
+
+def restrict_host_to_avx2(monkeypatch: Any) -> None:
+    """Make the host target an AVX2 one (as ``CANNC_ISA=avx2`` does; the object cache is
+    keyed by its features) for the test, or skip it where that cannot mean anything: an
+    AVX2-only host (its kernels are the AVX2 ones already) or one without AVX2/FMA."""
+    import dataclasses
+
+    import pytest
+
+    from cannc.native import target
+    h = target.host()
+    if not h.has("avx512f"):
+        pytest.skip("the host is AVX2 only: the other tests run its AVX2 kernels")
+    if not h.has("avx2") or not h.has("fma"):
+        pytest.skip("the host lacks AVX2/FMA")
+    monkeypatch.setattr(target, "_host", dataclasses.replace(
+        h, features=target.restrict_isa(h.features, "avx2")))
+    assert not target.host().has("avx512f")

@@ -904,6 +904,12 @@ class Slots:
     y: int = 3
 
 
+def conv_args(v: VecBuilder, args: ir.Value, slots: Slots, bias: bool) -> tuple:
+    """X, W, Bias (None without a bias) and Y from a conv kernel's argument array."""
+    return (v.arg(args, slots.x), v.arg(args, slots.w),
+            v.arg(args, slots.b) if bias else None, v.arg(args, slots.y))
+
+
 class _ConvGen:
     def __init__(self, module, fn, geom: ConvGeom | ConvTGeom, plan: ConvPlan | ConvTPlan,
                  slots: Slots, a_prepacked: bool, transposed_layout: bool,
@@ -917,12 +923,7 @@ class _ConvGen:
         self.epilogue = epilogue
 
     def load_args(self, args):
-        """X, W, Bias (None without a bias) and Y from the kernel's argument array."""
-        v, sl = self.v, self.slots
-        self.X = v.arg(args, sl.x)
-        self.W = v.arg(args, sl.w)
-        self.Bias = v.arg(args, sl.b) if self.g.bias else None
-        self.Y = v.arg(args, sl.y)
+        self.X, self.W, self.Bias, self.Y = conv_args(self.v, args, self.slots, self.g.bias)
 
     def emit(self):
         v, g, p = self.v, self.g, self.p

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import llvmlite.ir as ir
 
 from ..native.emit import F32, I32, i64, mark_vector_code
-from .conv import VB, ConvGeom, Epilogue, Slots, cdiv, rup
+from .conv import VB, ConvGeom, Epilogue, Slots, cdiv, conv_args, rup
 from .vec import VF, abi_function, wide_registers
 
 STEM_MAX_C = 4           # input channels a group at most (colour images)
@@ -118,11 +118,7 @@ class _StemGen:
         v, g, p = self.v, self.g, self.p
         b = v.b
         args, tb, te, ws = v.fn.args
-        sl = self.slots
-        self.X = v.arg(args, sl.x)
-        self.W = v.arg(args, sl.w)
-        self.Bias = v.arg(args, sl.b) if g.bias else None
-        self.Y = v.arg(args, sl.y)
+        self.X, self.W, self.Bias, self.Y = conv_args(v, args, self.slots, g.bias)
         self.slab = ws
         _, OH, _ = g.osz
         with v.loop(tb, te, 1, "tile") as t:

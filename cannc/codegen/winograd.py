@@ -61,6 +61,7 @@ from .conv import (
     cdiv,
     channel_biases,
     channel_lanes,
+    conv_args,
     default_nv,
     dispatch_time,
     distinct_splits,
@@ -386,11 +387,7 @@ class _WinoGen:
         v, g, p = self.v, self.g, self.p
         b = v.b
         args, tb, te, ws = v.fn.args
-        sl = self.slots
-        self.X = v.arg(args, sl.x)
-        self.U = v.arg(args, sl.w)
-        self.Bias = v.arg(args, sl.b) if g.bias else None
-        self.Y = v.arg(args, sl.y)
+        self.X, self.U, self.Bias, self.Y = conv_args(v, args, self.slots, g.bias)
         self.V = b.gep(ws, [i64(p.ws_v)], source_etype=I8)
         self.Z = b.gep(ws, [i64(p.ws_z)], source_etype=I8)
         _, H, W = g.isz

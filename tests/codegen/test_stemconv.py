@@ -21,8 +21,7 @@ import cannc
 from cannc import config
 from cannc.codegen import stemconv
 from cannc.codegen.conv import ConvGeom
-from cannc.native import target
-from tests.helpers import assert_matches_ort, single_node_model
+from tests.helpers import assert_matches_ort, restrict_host_to_avx2, single_node_model
 
 RNG = np.random.default_rng(7)
 
@@ -160,13 +159,7 @@ def test_stem_conv_fused_epilogue_dynamic_batch(forced):
 
 
 def test_stem_conv_avx2(forced, monkeypatch):
-    h = target.host()
-    if not h.has("avx512f"):
-        pytest.skip("the host is AVX2 only: the cases above run the AVX2 kernels")
-    if not h.has("avx2") or not h.has("fma"):
-        pytest.skip("the host lacks AVX2/FMA")
-    monkeypatch.setattr(target, "_host", dataclasses.replace(
-        h, features=target.restrict_isa(h.features, "avx2")))
+    restrict_host_to_avx2(monkeypatch)
     for xs, ws, attrs in CASES[:3]:
         m, feeds = single_node_model("Conv", _inputs(xs, ws), const_inputs=(1, 2), **attrs)
         assert_matches_ort(m, feeds, rtol=1e-4, atol=1e-5)

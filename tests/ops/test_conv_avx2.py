@@ -13,12 +13,9 @@ already runs these kernels, so this module skips.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from cannc.native import target
-from tests.helpers import check_op
+from tests.helpers import check_op, restrict_host_to_avx2
 from tests.ops.test_conv import (
     CONV_CASES,
     POOL_CASES,
@@ -33,14 +30,7 @@ from tests.ops.test_conv import (
 
 @pytest.fixture(autouse=True)
 def avx2_host(monkeypatch):
-    h = target.host()
-    if not h.has("avx512f"):
-        pytest.skip("the host is AVX2 only: test_conv.py runs the AVX2 kernels")
-    if not h.has("avx2") or not h.has("fma"):
-        pytest.skip("the host lacks AVX2/FMA")
-    monkeypatch.setattr(target, "_host", dataclasses.replace(
-        h, features=target.restrict_isa(h.features, "avx2")))
-    assert not target.host().has("avx512f")
+    restrict_host_to_avx2(monkeypatch)
 
 
 # direct convs whose taps cross X's edges at every border (pads on all sides, rows
