@@ -75,10 +75,6 @@ class StemPlan:
     ws_bytes: int
     num_tiles: int   # N x RB
 
-    @property
-    def tiles_per_image(self) -> int:
-        return self.RB
-
 
 def plan_stem(geom: ConvGeom, tuning: dict | None = None) -> StemPlan:
     """Micro-tile and row blocking of an eligible stem conv (see the module doc)."""
@@ -125,18 +121,18 @@ class _StemGen:
             img, rb = v.divmod_c(t, p.RB)
             oy0 = b.mul(rb, i64(p.R))
             oy1 = v.smin(b.add(oy0, i64(p.R)), OH)
-            self.build_slab(img, oy0)
-            self.rows(img, oy0, oy1)
+            x_img = v.gep(self.X, b.mul(img, i64(g.C * g.DHW)))
+            self.build_slab(x_img, oy0)
+            self.rows(img, x_img, oy0, oy1)
         b.ret_void()
 
     # -- the slab: the tile's input rows split into column phases ----------------
-    def build_slab(self, img, oy0) -> None:
+    def build_slab(self, x_img, oy0) -> None:
         v, g, p = self.v, self.g, self.p
         b = v.b
         _, H, W = g.isz
         _, sh, sw = g.s
         _, ph, pw = g.pb
-        x_img = v.gep(self.X, b.mul(img, i64(g.C * H * W)))
         iy_base = b.sub(b.mul(oy0, i64(sh)), i64(ph))
         with v.loop(0, g.C * p.SR, 1, "slabrow") as q:
             ci, sr = v.divmod_c(q, p.SR)
@@ -175,14 +171,13 @@ class _StemGen:
         return b.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(I32, 16), list(range(16))))
 
     # -- the output rows of a tile -----------------------------------------------
-    def rows(self, img, oy0, oy1) -> None:
+    def rows(self, img, x_img, oy0, oy1) -> None:
         v, g, p = self.v, self.g, self.p
         b = v.b
         M = g.M
         full = M // p.MR * p.MR
         _, H, W = g.isz
         _, sh, _ = g.s
-        x_img = v.gep(self.X, b.mul(img, i64(g.C * H * W)))
         with v.loop(oy0, oy1, 1, "oy") as oy:
             srow = b.mul(b.sub(oy, oy0), i64(sh))   # the row's first slab row
             if STEM_PREFETCH_X:

@@ -240,14 +240,12 @@ def _lower_fused_gemm(ctx: LowerCtx) -> None:
         """Prefetch the line of every full-shape operand (a residual) at (m, n): the
         GEMM's micro-tiles call it before their last K block (gemm.EPILOGUE_PREFETCH);
         a prefetch past an operand's end does not fault."""
-        fn = b.module.globals.get("llvm.prefetch.p0") or ir.Function(
-            b.module, ir.FunctionType(ir.VoidType(), [emit.PTR] + [emit.I32] * 3),
-            name="llvm.prefetch.p0")
         for k in full:
             ptr = emit.load_arg(b, args, ngemm + 1 + k)
             dt = np.dtype(ctx.in_types[ext[k]].dtype)
             addr = emit.gep(b, ptr, b.add(b.mul(m, emit.i64(N)), n), emit.llvm_type(dt))
-            b.call(fn, [addr] + [ir.Constant(emit.I32, c) for c in (0, 3, 1)])
+            emit.call_intrinsic(b, "llvm.prefetch", [addr, emit.i32(0), emit.i32(3),
+                                                     emit.i32(1)], ret_type=emit.VOID)
 
     if full:
         epilogue.prefetch = prefetch      # type: ignore[attr-defined]
