@@ -77,6 +77,7 @@ class _Pool:
         m[dispatch.POOL_CORES] = cores
         m[dispatch.POOL_SLOTS] = dispatch.POOL_LINES + 8 * cores
         self.base = m.ctypes.data
+        self._done_words = [dispatch.POOL_LINES + 8 * c for c in range(1, cores)]
         self._post = dispatch.POOL_POST_TYPE(lib.address(dispatch.POOL_POST))
         self._lock = threading.Lock()
         self._keep: list[Any] = [None] * dispatch.POOL_RING
@@ -126,7 +127,7 @@ class _Pool:
             # slot of the ring, this one's among them (launch - POOL_RING's); released
             # after it was stored, this launch's counters and buffers were freed before
             # a worker ran it (a worker then waited forever on freed counters)
-            done = min(self.launches_done(c) for c in range(1, self.cores))
+            done = self._done_min(launch)
             while self._released < min(done, launch):
                 self._keep[self._released % dispatch.POOL_RING] = None
                 self._released += 1
@@ -164,10 +165,20 @@ class _Pool:
     def launches_done(self, core: int) -> int:
         return int(self.mem[dispatch.POOL_LINES + 8 * core])
 
+    def _done_min(self, upto: int) -> int:
+        """The launches every worker has finished, or `upto` if that is fewer (a loop over
+        the workers' words: a run posts a launch, and this is on its path)."""
+        m, done = self.mem, upto
+        for w in self._done_words:
+            d = int(m[w])
+            if d < done:
+                done = d
+        return done
+
     def finished(self, launch: int) -> bool:
         """Every worker has finished launch `launch` (an id post returned) and reads
         nothing of it any more."""
-        return all(self.launches_done(c) > launch for c in range(1, self.cores))
+        return self._done_min(launch + 1) > launch
 
     def close(self) -> None:
         with self._lock:

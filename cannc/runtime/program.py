@@ -35,10 +35,16 @@ from ..native.target import JitLibrary
 from . import dispatch
 from .corechoice import CoreChoice
 from .device import Device
-from .memory import aligned_empty, is_device_ready
+from .memory import is_device_ready
 
 MAX_CONTEXTS = 8
 COUNTER_SLOTS = 4   # launch counter sets per context (see Context.counters)
+# inputs and outputs smaller than this are copied, not placed in host memory (HostIO):
+# placing one costs a run 3-5 us of Python (its address, the table slots set and
+# restored, an aligned array for an output), copying 64 KiB about 1.5 (Zen 4 guest; the
+# zoo MLP at batch 1, one 1 KiB input and one 40-byte output: 10 us of the run's 22 us
+# of Python went to placing them)
+PLACE_MIN_BYTES = 64 << 10
 
 
 @dataclass
@@ -63,10 +69,10 @@ class Context:
     counter_offs: list[int] = field(default_factory=list)     # in words, into counters
     counter_launch: list[int] = field(default_factory=list)   # device launch id, -1: free
     counter_next: int = 0
-    # storage root -> (the argument-table slots holding an address in it, their byte
-    # offsets in it, their addresses in the arena), for the roots a run may place in host
-    # memory (HostIO)
-    slots: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+    # storage root -> (argument-table slot, byte offset in the root, its address in the
+    # arena) of every slot holding an address in it, for the roots a run may place in
+    # host memory (HostIO); plain ints: a run sets and restores them one by one
+    slots: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -82,6 +88,18 @@ class RunTimes:
     t0: float = 0.0
 
 
+_NOTHING: dict = {}    # (read only) no input or output placed in host memory
+
+
+def _host_buffer(nbytes: int) -> tuple[np.ndarray, int]:
+    """A fresh ALIGN-aligned uint8 array of nbytes and its address: numpy's own memory
+    (a fresh mapping would be faulted in by every run; numpy's is handed out again)."""
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    addr = raw.ctypes.data
+    off = -addr % ALIGN
+    return raw[off:off + nbytes], addr + off
+
+
 @dataclass
 class HostIO:
     """Where a synchronous run may use host memory in place of the arena (zero-copy).
@@ -92,6 +110,7 @@ class HostIO:
     - ``outputs``: graph output -> its storage root, for outputs at the start of a buffer
       that holds no other output and no input: the kernels write the array returned
       (intermediates that lived in that buffer before the output live in it too);
+    both only for buffers of PLACE_MIN_BYTES or more (smaller ones are copied: cheaper);
     - ``sizes``: those roots' buffer sizes (a returned array's padding, up to ALIGN)."""
 
     inputs: dict[str, str]
@@ -207,6 +226,9 @@ class Program:
         self.core_choice = CoreChoice(device.cores)
         self.input_names = list(g.inputs)
         self.host_io = self._host_io()
+        self._placing = bool(self.host_io.inputs or self.host_io.outputs)
+        # per graph output: (written into the array returned, storage root, offset in it)
+        self._out_src = [(o in self.host_io.outputs, *self._locate(o)) for o in g.outputs]
         self.release(self.acquire())   # the first context, allocated up front
 
     # -- addresses ------------------------------------------------------------------------
@@ -226,12 +248,15 @@ class Program:
             r, off = self._locate(v)
             return (r, off) if r in plan.offsets and r not in self.wbuf else None
 
+        def small(r: str) -> bool:
+            return g.values[r].nbytes < PLACE_MIN_BYTES
+
         ins: dict[str, str] = {}
         roots = [root_of(v) for v in g.inputs]
         for v, ro in zip(g.inputs, roots):
             # the whole of a buffer that only ever holds this input, read-only
             if ro is None or ro[1] or ro[0] in written or roots.count(ro) > 1 or \
-                    g.values[ro[0]].nbytes != g.values[v].nbytes:
+                    g.values[ro[0]].nbytes != g.values[v].nbytes or small(ro[0]):
                 continue
             ins[v] = ro[0]
         in_roots = {ro[0] for ro in roots if ro is not None}
@@ -244,7 +269,7 @@ class Program:
             ro = root_of(o)
             if ro is None or ro[1] or ro[0] not in written or ro[0] in in_roots or \
                     out_roots.count(ro[0]) > 1 or \
-                    g.values[ro[0]].nbytes != g.values[o].nbytes:
+                    g.values[ro[0]].nbytes != g.values[o].nbytes or small(ro[0]):
                 continue
             outs[o] = ro[0]
         return HostIO(inputs=ins, outputs=outs,
@@ -309,8 +334,7 @@ class Program:
                        counter_offs=[(c0 - base) // 8 + i * words
                                      for i in range(COUNTER_SLOTS)],
                        counter_launch=[-1] * COUNTER_SLOTS,
-                       slots={r: (np.array(ix, np.intp), np.array(of, np.uint64),
-                                  table[np.array(ix, np.intp)].copy())
+                       slots={r: [(i, o, int(table[i])) for i, o in zip(ix, of)]
                               for r, (ix, of) in slots.items()})
 
     def acquire(self) -> Context:
@@ -342,14 +366,16 @@ class Program:
                 ) -> list[np.ndarray]:
         """Inputs must already be checked (names, dtypes, shapes)."""
         ctx = self.acquire()
+        placing = self._placing
         try:
             if times is not None:
                 times.t_start = time.perf_counter()
-            ins, outs = self._place(ctx, feeds)
+            ins, outs = self._place(ctx, feeds) if placing else (_NOTHING, _NOTHING)
             # wake the other cores first: they wait at the start gate while we copy in
             core0 = self.prepare_launch(ctx, times)
             try:
-                self.copy_in(ctx, {k: a for k, a in feeds.items() if k not in ins})
+                self.copy_in(ctx, {k: a for k, a in feeds.items() if k not in ins}
+                             if ins else feeds)
             except BaseException:
                 core0()     # the workers wait at the start gate: let the launch finish
                 raise
@@ -363,7 +389,8 @@ class Program:
                 times.t_end = time.perf_counter()
             return out
         finally:
-            self._unplace(ctx)
+            if placing:
+                self._unplace(ctx)
             self.release(ctx)
 
     def _place(self, ctx: Context, feeds: dict[str, np.ndarray]
@@ -371,7 +398,7 @@ class Program:
         """Point the argument tables at host memory for this run (HostIO). Returns the
         inputs read in place (name -> the caller's array) and the outputs' buffers (root
         -> a fresh ALIGN-aligned byte array that the run returns)."""
-        io, table = self.host_io, ctx.table
+        io, table, slots = self.host_io, ctx.table, ctx.slots
         ins: dict[str, np.ndarray] = {}
         for name, r in io.inputs.items():
             a, v = feeds.get(name), ctx.inputs[name]
@@ -380,36 +407,34 @@ class Program:
                     and a.flags.c_contiguous and a.flags.aligned):
                 continue
             ins[name] = a
-            idx, offs, _ = ctx.slots[r]
-            table[idx] = np.uint64(a.ctypes.data) + offs
+            base = a.ctypes.data
+            for i, off, _ in slots[r]:
+                table[i] = base + off
         outs: dict[str, np.ndarray] = {}
         for r in io.outputs.values():
-            # (numpy's own memory, 64-byte aligned: a fresh huge mapping a run would be
-            # faulted in every time; numpy's is handed out again)
-            outs[r] = buf = aligned_empty(io.sizes[r], ALIGN, zero=False, huge=False)
-            idx, offs, _ = ctx.slots[r]
-            table[idx] = np.uint64(buf.ctypes.data) + offs
+            outs[r], base = _host_buffer(io.sizes[r])
+            for i, off, _ in slots[r]:
+                table[i] = base + off
         return ins, outs
 
     def _unplace(self, ctx: Context) -> None:
         """The argument tables back at the arena (a context is released as it was made)."""
         table = ctx.table
-        for idx, _, home in ctx.slots.values():
-            table[idx] = home
+        for placed in ctx.slots.values():
+            for i, _, home in placed:
+                table[i] = home
 
     def _outputs(self, ctx: Context, ins: dict[str, np.ndarray], outs: dict[str, np.ndarray]
                  ) -> list[np.ndarray]:
         """The run's outputs: the arrays the kernels wrote in place, copies of the rest
         (from the arena, or from an input read in place that an output views)."""
-        io = self.host_io
-        in_root = {r: ins[n] for n, r in io.inputs.items() if n in ins}
+        in_root = {r: ins[n] for n, r in self.host_io.inputs.items() if n in ins} \
+            if ins else _NOTHING
         res = []
-        for o, v in zip(self.spec.graph.outputs, ctx.outputs):
-            r = io.outputs.get(o)
-            if r is not None:
+        for (host, r, off), v in zip(self._out_src, ctx.outputs):
+            if host:
                 res.append(outs[r][:v.nbytes].view(v.dtype).reshape(v.shape))
                 continue
-            r, off = self._locate(o)
             if r in in_root:
                 src = in_root[r].reshape(-1).view(np.uint8)
                 v = src[off:off + v.nbytes].view(v.dtype).reshape(v.shape)

@@ -13,6 +13,7 @@ from helpers import guarded, guarded_feeds, in_threads, model_of, ort_run
 from onnx import TensorProto, helper, numpy_helper
 
 import cannc
+from cannc.runtime import program
 from models import zoo
 
 
@@ -25,7 +26,8 @@ def _program(sess):
     return prog
 
 
-def _matmul_relu(n: int = 96):
+def _matmul_relu(n: int = 160):
+    # (160 x 160 floats: 100 KiB, above PLACE_MIN_BYTES)
     w = np.random.default_rng(1).standard_normal((n, n)).astype(np.float32)
     m = model_of([helper.make_node("MatMul", ["x", "w"], ["t"]),
                   helper.make_node("Relu", ["t"], ["y"])],
@@ -73,17 +75,17 @@ def test_tables_point_at_the_arena_between_runs():
 
 @pytest.mark.parametrize("kind", ["strided", "misaligned", "readonly", "fortran"])
 def test_arrays_that_are_not_read_in_place_are_copied(kind):
-    m, feeds = _matmul_relu(64)
+    m, feeds = _matmul_relu()
     sess = cannc.compile(m, cores=1)
     x = feeds["x"]
     if kind == "strided":
-        big = np.zeros((64, 128), np.float32)
+        big = np.zeros((160, 320), np.float32)
         big[:, ::2] = x
         x = big[:, ::2]
     elif kind == "misaligned":
         # (a float32 at a byte offset: numpy calls it unaligned)
-        raw = np.zeros(64 * 64 * 4 + 1, np.uint8)
-        x = raw[1:].view(np.float32).reshape(64, 64)
+        raw = np.zeros(160 * 160 * 4 + 1, np.uint8)
+        x = raw[1:].view(np.float32).reshape(160, 160)
         x[...] = feeds["x"]
         assert not x.flags.aligned
     elif kind == "readonly":
@@ -95,11 +97,27 @@ def test_arrays_that_are_not_read_in_place_are_copied(kind):
     np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-4, atol=1e-5)
 
 
+def test_small_inputs_and_outputs_are_copied():
+    """Below PLACE_MIN_BYTES a copy costs a run less than pointing the kernels at the
+    caller's arrays: the arena's buffers serve, and each run returns arrays of its own."""
+    m, feeds = _matmul_relu(32)
+    sess = cannc.compile(m, cores=1)
+    prog = _program(sess)
+    assert not prog.host_io.inputs and not prog.host_io.outputs
+    ctx = prog.acquire()
+    prog.release(ctx)
+    want = ort_run(m, feeds)[0]
+    y1 = sess.run(None, feeds)[0]
+    y2 = sess.run(None, {"x": -feeds["x"]})[0]
+    np.testing.assert_allclose(y1, want, rtol=1e-4, atol=1e-5)
+    assert not np.shares_memory(y1, ctx.arena) and not np.shares_memory(y1, y2)
+
+
 def test_input_updated_in_place_is_copied_first():
     """Where the memory plan lets a kernel write over an input's buffer (unfused Relu ->
     Sigmoid: both written where x was), that input is copied in: the caller's array is
     left as it was."""
-    n = 4096
+    n = 32768
     m = model_of([helper.make_node("Relu", ["x"], ["a"]),
                   helper.make_node("Sigmoid", ["a"], ["y"])],
                  [_vi("x", [n])], [_vi("y", [n])])
@@ -142,9 +160,11 @@ def test_execute_still_refuses_an_array_of_another_dtype():
 
 @pytest.mark.parametrize("name", ["mlp", "resnet", "mobilenet", "bert", "gpt"])
 @pytest.mark.parametrize("before", [False, True])
-def test_zoo_reads_nothing_outside_its_inputs(name, before):
+def test_zoo_reads_nothing_outside_its_inputs(name, before, monkeypatch):
     """Every input of the zoo's models starts (ends) at a page no one may read: a kernel
-    reading before (past) the caller's array faults."""
+    reading before (past) the caller's array faults (every input read in place, however
+    small)."""
+    monkeypatch.setattr(program, "PLACE_MIN_BYTES", 0)
     model = zoo.build(name)
     feeds = zoo.example_inputs(model, batch=2)
     want = ort_run(model, feeds)
@@ -158,10 +178,10 @@ def test_zoo_reads_nothing_outside_its_inputs(name, before):
 
 
 def test_concurrent_runs_each_get_their_own_outputs():
-    m, _ = _matmul_relu(64)
+    m, _ = _matmul_relu()
     sess = cannc.compile(m, cores=2)
     rng = np.random.default_rng(5)
-    xs = [rng.standard_normal((64, 64)).astype(np.float32) for _ in range(4)]
+    xs = [rng.standard_normal((160, 160)).astype(np.float32) for _ in range(4)]
     want = [ort_run(m, {"x": x})[0] for x in xs]
 
     def worker(i):
