@@ -710,9 +710,13 @@ DIRECT_EFF = 0.95        # conv.py's implicit GEMM runs at ~95 GFLOP/s on these 
 # 24 of block 3, 14.5 MFLOP) 0.090 -> 0.054 ms, modelled x1.36). In models, where the
 # weights come from memory, the 7x7 512s ran x1.07 (ResNet-50, 1 and 2 cores) to x1.26
 # (ResNet-18, 2 cores) faster; 128->32 at 7x7 (3.6 MFLOP) level. Zen 4 had set 1.1 and
-# 20 MFLOP before either path prefetched its weights (PREFETCH_U, conv.SWAP_PREFETCH)
+# 20 MFLOP before either path prefetched its weights (PREFETCH_U, conv.SWAP_PREFETCH).
+# From 4.7 MFLOP it wins (Zen 4 guest, the zoo ResNet at 64x64, whose 32->32 at 16x16 and
+# 64->64 at 8x8 the model chooses: alone 0.045 -> 0.030 and 0.043 -> 0.039 ms, 1 core;
+# whole model, benchmarks/ab.py against 10 MFLOP: batch 1 x0.94 / x0.88 on 1 / 2 cores,
+# batch 8 x0.92 / x0.80)
 MIN_GAIN = 1.03
-MIN_FLOPS = 10_000_000
+MIN_FLOPS = 4_000_000
 # the implicit GEMM's share of the measured FMA peak (Zen 4: ~95 of 117 GFLOP/s; Sapphire
 # Rapids: ~190 of 200-230), to put its modelled time beside the weights' memory time
 DIRECT_PEAK_SHARE = 0.81
