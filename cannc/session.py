@@ -235,9 +235,12 @@ class Session:
     def run(self, output_names: Sequence[str] | None, input_feed: dict[str, Any],
             run_options: Any = None) -> list[np.ndarray]:
         feeds, key = self._check_inputs(input_feed)
-        names = self._check_output_names(output_names)
+        names = None if output_names is None else self._check_output_names(output_names)
         prog = self._program(key, feeds)
-        outs = prog.execute({k: v for k, v in feeds.items() if k in prog.input_names})
+        outs = prog.execute(feeds if prog.input_names == self._io.inputs else
+                            {k: v for k, v in feeds.items() if k in prog.input_names})
+        if names is None:    # (execute returns them in the model's order)
+            return outs
         by_name = dict(zip(self._io.outputs, outs))
         return [by_name[n] for n in names]
 
@@ -562,7 +565,8 @@ class Session:
                                         for a, dt in zip(arrs, self._in_dtypes)):
                 key = tuple(a.shape for a in arrs)
                 if key in self._accepted:
-                    return dict(zip(self._io.inputs, arrs)), key
+                    # (the caller's dict: exactly the model's inputs; nothing writes it)
+                    return feed, key
         feeds, key = self._check_inputs_full(feed)
         if all(type(feeds[n]) is np.ndarray and feeds[n] is feed[n] for n in feeds):
             if len(self._accepted) >= MAX_ACCEPTED_SHAPES:
