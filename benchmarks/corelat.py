@@ -13,6 +13,7 @@ provider's shim) take turns writing one atomic word.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import shutil
@@ -67,6 +68,7 @@ def _binary() -> str | None:
     if cc is None:
         return None
     d = Path(tempfile.mkdtemp(prefix="cannc-corelat-"))
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
     (d / "corelat.c").write_text(_SRC)
     out = d / "corelat"
     r = subprocess.run([cc, "-O2", "-pthread", str(d / "corelat.c"), "-o", str(out)],

@@ -101,31 +101,10 @@ def referee_note(r: dict) -> str:
     return f"{errs}; float64 referee: {referee_summary(r.get('float64_referee') or {})}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="*", default=list(zoo.ZOO))
-    ap.add_argument("--onnx", nargs="*", default=[], help="more models from ONNX files")
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--no-gemm", action="store_true", help="skip the 1024^3 GEMM figure")
-    ap.add_argument("--cores", nargs="*", type=int, default=[1, 2])
-    ap.add_argument("--batch", nargs="*", type=int, default=[1, 8])
-    ap.add_argument("--runs", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=5,
-                    help="the engines take turns in this many batches of the runs")
-    ap.add_argument("--engines", nargs="*", default=["ort", "cannc", "openvino"],
-                    help="engines to time (ORT CPU always runs: it is the reference)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "zoo.json"))
-    args = ap.parse_args(argv)
-    rows = []
-    engines = ["ort"] + [e for e in dict.fromkeys(args.engines) if e != "ort"]
-    print(f"{'model':<12} {'batch':>5} {'cores':>5} {'cannc ms':>9} {'ort ms':>9} {'ov ms':>9}"
-          f" {'c/ort':>6} {'c/ov':>6}  {'compile s':>9} {'1st run s':>9}")
-    models = [(name, zoo.build(name)) for name in args.models]
-    models += [(Path(p).stem, onnx.load(p)) for p in args.onnx]
-    import tempfile
-
-    tmp = Path(tempfile.mkdtemp(prefix="cannc-run-zoo-"))
+def _rows(args: argparse.Namespace, models: list, engines: list[str], tmp: Path
+          ) -> list[dict]:
+    """Each model at each core count and batch, every engine in its own process."""
+    rows: list[dict] = []
     for name, model in models:
         path = tmp / f"{name}.onnx"
         onnx.save(model, path)
@@ -173,6 +152,34 @@ def main(argv: list[str] | None = None) -> int:
                           "before / after (~55: shared L3; 300+: not, 2-core figures slower)")
                 if not r.get("outputs_agree"):
                     print(f"  outputs differ from onnxruntime's: {referee_note(r)}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="*", default=list(zoo.ZOO))
+    ap.add_argument("--onnx", nargs="*", default=[], help="more models from ONNX files")
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--no-gemm", action="store_true", help="skip the 1024^3 GEMM figure")
+    ap.add_argument("--cores", nargs="*", type=int, default=[1, 2])
+    ap.add_argument("--batch", nargs="*", type=int, default=[1, 8])
+    ap.add_argument("--runs", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="the engines take turns in this many batches of the runs")
+    ap.add_argument("--engines", nargs="*", default=["ort", "cannc", "openvino"],
+                    help="engines to time (ORT CPU always runs: it is the reference)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "zoo.json"))
+    args = ap.parse_args(argv)
+    engines = ["ort"] + [e for e in dict.fromkeys(args.engines) if e != "ort"]
+    print(f"{'model':<12} {'batch':>5} {'cores':>5} {'cannc ms':>9} {'ort ms':>9} {'ov ms':>9}"
+          f" {'c/ort':>6} {'c/ov':>6}  {'compile s':>9} {'1st run s':>9}")
+    models = [(name, zoo.build(name)) for name in args.models]
+    models += [(Path(p).stem, onnx.load(p)) for p in args.onnx]
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="cannc-run-zoo-") as d:
+        rows = _rows(args, models, engines, Path(d))
     geo: dict[str, float] = {}
     geo_ov: dict[str, float] = {}
     for cores in args.cores:
