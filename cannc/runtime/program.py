@@ -110,8 +110,10 @@ class HostIO:
     - ``outputs``: graph output -> its storage root, for outputs at the start of a buffer
       that holds no other output and no input: the kernels write the array returned
       (intermediates that lived in that buffer before the output live in it too);
-    both only for buffers of PLACE_MIN_BYTES or more (smaller ones are copied: cheaper);
-    - ``sizes``: those roots' buffer sizes (a returned array's padding, up to ALIGN)."""
+    - ``sizes``: those roots' buffer sizes (a returned array's padding, up to ALIGN).
+
+    Only buffers of PLACE_MIN_BYTES or more are placed: smaller ones cost a run less
+    copied."""
 
     inputs: dict[str, str]
     outputs: dict[str, str]
