@@ -67,12 +67,11 @@ VERIFY: bool = _flag("CANNC_VERIFY")
 DUMP_DIR: str | None = os.environ.get("CANNC_DUMP_DIR") or None
 ISA: str | None = _choice("CANNC_ISA", {"": None, "avx512": None, "avx2": "avx2",
                                         "avx512-nobf16": "avx512-nobf16"})
-WINOGRAD: str = _choice("CANNC_WINOGRAD", {
-    "": "auto", "auto": "auto", **dict.fromkeys(_ON, "auto"), **dict.fromkeys(_OFF, "off"),
-    "force": "force"})
-STEM_CONV: str = _choice("CANNC_STEM_CONV", {
-    "": "auto", "auto": "auto", **dict.fromkeys(_ON, "auto"), **dict.fromkeys(_OFF, "off"),
-    "force": "force"})
+# a codegen path's switch: where its cost model wins (unset, auto, on), never, or always
+_PATH_MODES = {"": "auto", "auto": "auto", **dict.fromkeys(_ON, "auto"),
+               **dict.fromkeys(_OFF, "off"), "force": "force"}
+WINOGRAD: str = _choice("CANNC_WINOGRAD", _PATH_MODES)
+STEM_CONV: str = _choice("CANNC_STEM_CONV", _PATH_MODES)
 
 
 def cache_dir() -> Path | None:

@@ -35,7 +35,7 @@ from ..native.target import JitLibrary
 from . import dispatch
 from .corechoice import CoreChoice
 from .device import Device
-from .memory import is_device_ready
+from .memory import aligned_empty, is_device_ready
 
 MAX_CONTEXTS = 8
 COUNTER_SLOTS = 4   # launch counter sets per context (see Context.counters)
@@ -89,15 +89,6 @@ class RunTimes:
 
 
 _NOTHING: dict = {}    # (read only) no input or output placed in host memory
-
-
-def _host_buffer(nbytes: int) -> tuple[np.ndarray, int]:
-    """A fresh ALIGN-aligned uint8 array of nbytes and its address: numpy's own memory
-    (a fresh mapping would be faulted in by every run; numpy's is handed out again)."""
-    raw = np.empty(nbytes + ALIGN, np.uint8)
-    addr = raw.ctypes.data
-    off = -addr % ALIGN
-    return raw[off:off + nbytes], addr + off
 
 
 @dataclass
@@ -414,7 +405,10 @@ class Program:
                 table[i] = base + off
         outs: dict[str, np.ndarray] = {}
         for r in io.outputs.values():
-            outs[r], base = _host_buffer(io.sizes[r])
+            # (numpy's own memory, 64-byte aligned: a fresh huge mapping a run would be
+            # faulted in every time; numpy's is handed out again)
+            outs[r] = buf = aligned_empty(io.sizes[r], ALIGN, zero=False, huge=False)
+            base = buf.ctypes.data
             for i, off, _ in slots[r]:
                 table[i] = base + off
         return ins, outs

@@ -471,9 +471,8 @@ def test_epilogue_can_use_kernel_arguments():
         calls.append((m.type, n.type))
         res = emit.load_arg(builder, args, 2)
         p = emit.gep(builder, res, builder.add(builder.mul(m, emit.i64(50)), n), emit.F32)
-        fn = declare(builder.module, "llvm.prefetch.p0", ir.VoidType(),
-                     [emit.PTR, emit.I32, emit.I32, emit.I32])
-        builder.call(fn, [p, emit.i32(0), emit.i32(3), emit.i32(1)])
+        emit.call_intrinsic(builder, "llvm.prefetch", [p, emit.i32(0), emit.i32(3),
+                                                       emit.i32(1)], ret_type=emit.VOID)
 
     residual.prefetch = prefetch
     check_spec(spec, epilogue=residual, ref=lambda c: c.ref + c.bias[:500].reshape(10, 50))
