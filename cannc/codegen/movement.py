@@ -221,6 +221,22 @@ def copy_row(b: ir.IRBuilder, ety: ir.IntType, src: ir.Value, soff: ir.Value | i
         start = 0
     if isinstance(n, int) and isinstance(start, int) and start >= n:
         return
+    if dstride == 1 and sstride == 1 and isinstance(n, int) and isinstance(start, int):
+        # a static tail (a row shorter than a vector: a Slice of 10 of 14 columns) in
+        # plain vectors of halving widths, 8 + 2 for 10, not 10 scalar copies
+        k = w // 2
+        while start < n:
+            while k > n - start:
+                k //= 2
+            if k == 1:
+                _sstore(b, _sload(b, src, b.add(soff, i64(start)), ety), dst,
+                        b.add(doff, i64(start)))
+            else:
+                vt = ir.VectorType(ety, k)
+                _vstore(b, _vload(b, src, b.add(soff, i64(start)), vt), dst,
+                        b.add(doff, i64(start)))
+            start += k
+        return
     with for_range(b, as_val(start), as_val(n), name=f"{name}s") as j:
         v = _sload(b, src, as_val(add(b, soff, mul(b, j, sstride))), ety)
         _sstore(b, v, dst, as_val(add(b, doff, mul(b, j, dstride))))
