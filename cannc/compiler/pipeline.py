@@ -46,6 +46,7 @@ PIPELINES: dict[str, list[str]] = {
         "legalize_matmul_broadcast",
         "legalize_attention",
         "fold_conv_bn",               # BatchNormalization after Conv folded into its weights
+        "prune_conv_taps",            # Conv taps that only ever read padding dropped
         "fuse_layernorm",             # decomposed LayerNorm (older exporters) -> one op
         "fuse_gelu",                  # decomposed erf GELU (BERT exporters) -> Gelu
         "fuse_attention",             # QKᵀ/scale/mask/Softmax/·V (+ head transposes) -> one op

@@ -8,12 +8,15 @@ pattern; a switched-off rule (`fusion={"layernorm": False}`) does not even match
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
 
 from ..ir.attnspec import AttnSpec
 from ..ir.graph import Graph, Node
+from ..ir.types import TensorType
+from ..schedule.machine import cpu_model
 from .manager import PassContext, graph_pass
 from .rules import Refusal, Rule
 
@@ -260,6 +263,185 @@ def fold_conv_bn(graph: Graph, ctx: PassContext) -> bool:
     elementwise fusion joins with its neighbours (a ReLU after it: one pass, not two)."""
     changed = CONV_BN.run(graph, None, ctx)
     return BN_AFFINE.run(graph, None, ctx) or changed
+
+
+@graph_pass("prune_conv_taps")
+def prune_conv_taps(graph: Graph, ctx: PassContext) -> bool:
+    """Conv taps that read only padding are not computed.
+
+    A tap that reads padding for every output position is dropped from the kernel (its
+    weights sliced, the pads shrunk by as much): DeepLabV3's ASPP conv at dilation 36 on
+    a 14x14 map is a 1x1 conv. Where the taps that read the input change along the
+    output (dilation 12 on 14x14: rows 0-1 read taps 1-2, rows 2-11 tap 1 only, 12-13
+    taps 0-1) and most of the work would be products with the padding, the output is
+    cut into those bands, one Conv each over its crop of the input (Slice) with its taps
+    and no padding, joined by Concats (written in place). Exact but for the order of
+    the sums: only products with the zero padding are left out."""
+    changed = False
+    for n in list(graph.nodes()):
+        if n.op_type == "Conv" and _prune_conv(graph, n):
+            changed = True
+    return changed
+
+
+# the estimate of a cut: each region's products at the measured FMA peak plus its weights
+# and input crop at the measured memory bandwidth (a conv with padding-heavy taps is
+# small in the output and large in the weights: DeepLabV3's 960 -> 256 3x3, 8.8 MB,
+# on a 14x14 map), and KERNEL_COST seconds per kernel launched
+KERNEL_COST = 5e-6
+MAX_TAP_REGIONS = 9
+
+
+def _tap_bands(size: int, out: int, k: int, s: int, d: int, pb: int
+               ) -> list[tuple[int, int, int, int]] | None:
+    """The output positions of one spatial dim in runs [y0, y1) that read the input
+    through the same taps [k0, k1): (y0, y1, k0, k1) per run; None when some position's
+    taps are not one contiguous range or read nothing."""
+    bands: list[list[int]] = []
+    for y in range(out):
+        valid = [t for t in range(k) if 0 <= y * s - pb + t * d < size]
+        if not valid or valid[-1] - valid[0] + 1 != len(valid):
+            return None
+        k0, k1 = valid[0], valid[-1] + 1
+        if bands and bands[-1][2:] == [k0, k1]:
+            bands[-1][1] = y + 1
+        else:
+            bands.append([y, y + 1, k0, k1])
+    return [(a, b, c, e) for a, b, c, e in bands]
+
+
+# one region's extent in one spatial dim: output [y0, y1), taps [k0, k1), pads (pb, pe),
+# input crop [r0, r1)
+Band = tuple[int, int, int, int, int, int, int, int]
+
+
+def _dim_options(size: int, out: int, k: int, s: int, d: int, pb: int, pe: int
+                 ) -> tuple[list[Band], list[Band] | None] | None:
+    """One spatial dim kept whole (the taps any position reads, the pads shrunk by the
+    taps cut) and cut into bands (None when it is one band), or None."""
+    bands = _tap_bands(size, out, k, s, d, pb)
+    if bands is None:
+        return None
+    k0, k1 = min(b[2] for b in bands), max(b[3] for b in bands)
+    pb2, pe2 = pb - k0 * d, pe - (k - k1) * d
+    if pb2 < 0 or pe2 < 0 or (size + pb2 + pe2 - (k1 - k0 - 1) * d - 1) // s + 1 != out:
+        k0, k1, pb2, pe2 = 0, k, pb, pe
+    whole = [(0, out, k0, k1, pb2, pe2, 0, size)]
+    if len(bands) == 1:
+        return whole, None
+    cut = [(y0, y1, a, b, 0, 0, y0 * s - pb + a * d, (y1 - 1) * s - pb + (b - 1) * d + 1)
+           for y0, y1, a, b in bands]
+    return whole, cut
+
+
+def _prune_conv(graph: Graph, n: Node) -> bool:
+    w = graph.constants.get(n.inputs[1]) if len(n.inputs) > 1 else None
+    x, y = graph.values.get(n.inputs[0]), graph.values.get(n.outputs[0])
+    if (w is None or x is None or y is None or not x.is_static or not y.is_static
+            or n.attrs.get("auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET")):
+        return False
+    nsp = w.ndim - 2
+    if nsp < 1 or len(x.shape) != nsp + 2 or len(y.shape) != nsp + 2:
+        return False
+    ks = [int(v) for v in w.shape[2:]]
+    strides = [int(v) for v in n.attrs.get("strides", [1] * nsp)]
+    dil = [int(v) for v in n.attrs.get("dilations", [1] * nsp)]
+    pads = [int(v) for v in n.attrs.get("pads", [0] * (2 * nsp))]
+    if len(strides) != nsp or len(dil) != nsp or len(pads) != 2 * nsp:
+        return False
+    opts = []
+    for i in range(nsp):
+        o = _dim_options(int(x.shape[2 + i]), int(y.shape[2 + i]), ks[i], strides[i], dil[i],
+                         pads[i], pads[nsp + i])
+        if o is None:
+            return False
+        opts.append(o)
+    cm = cpu_model()
+    flops = 2 * int(x.shape[0]) * int(np.prod(w.shape[:2]))   # per output position and tap
+    wbytes = w.itemsize * int(np.prod(w.shape[:2]))            # weights per tap
+    xbytes = 2 * x.dtype.itemsize * int(x.shape[0]) * int(x.shape[1])  # crop copy per position
+    peak, bw = cm.peak_gflops_core * 1e9, cm.dram_gbps * 1e9
+
+    def cost(plan: list[list[Band]]) -> float:
+        t = 0.0
+        for reg in itertools.product(*plan):
+            taps = int(np.prod([b[3] - b[2] for b in reg]))
+            px = int(np.prod([b[1] - b[0] for b in reg]))
+            t += flops * px * taps / peak + wbytes * taps / bw + KERNEL_COST
+            crop = [b[7] - b[6] for b in reg]
+            if crop != [int(v) for v in x.shape[2:]]:
+                t += xbytes * int(np.prod(crop)) / bw + KERNEL_COST
+        return t
+
+    plans = []
+    for cuts in itertools.product(*[[o[0]] + ([o[1]] if o[1] else []) for o in opts]):
+        if int(np.prod([len(c) for c in cuts])) <= MAX_TAP_REGIONS:
+            plans.append((cost(list(cuts)), len(plans), list(cuts)))
+    best = min(plans)[2]
+    full = [(0, int(y.shape[2 + i]), 0, ks[i], pads[i], pads[nsp + i], 0, int(x.shape[2 + i]))
+            for i in range(nsp)]
+    if [c[0] for c in best] == full and all(len(c) == 1 for c in best):
+        return False
+    _cut_conv(graph, n, w, best, dil)
+    return True
+
+
+def _cut_conv(graph: Graph, n: Node, w: np.ndarray, plan: list[list[Band]],
+              dil: list[int]) -> None:
+    """The conv as one Conv per product of the dims' bands (its crop of the input, its
+    taps and pads), the regions joined by Concats along each spatial dim, innermost
+    first; one region keeps the node's name and input."""
+    nsp = len(plan)
+    x, y = n.inputs[0], n.outputs[0]
+    xt, yt = graph.values[x], graph.values[y]
+    order = graph.g.nodes[n.name]["order"]
+    graph.remove_node(n.name)
+    seq = itertools.count(1)
+    single = all(len(p) == 1 for p in plan)
+
+    def add(op: str, inputs: tuple[str, ...], out: str, shape: list[int], **attrs: object
+            ) -> str:
+        k = next(seq)
+        graph.values[out] = TensorType(yt.dtype if op != "Slice" else xt.dtype, tuple(shape))
+        name = n.name if single else f"{n.name}::{op.lower()}{k}"
+        graph.add_node(Node(name=name, op_type=op, inputs=inputs, outputs=(out,),
+                            attrs=dict(attrs) if op != "Conv" else {**n.attrs, **attrs},
+                            opset=n.opset if op == "Conv" else graph.opsets.get("", 13)),
+                       order=order if single else order - 0.5 + k * 1e-4)
+        return out
+
+    def region(reg: list[Band], out: str) -> str:
+        src = x
+        crop = [(b[6], b[7]) for b in reg]
+        if crop != [(0, int(d)) for d in xt.shape[2:]]:
+            k = next(seq)
+            names = [f"{n.name}::crop{k}_{w_}" for w_ in ("starts", "ends", "axes")]
+            for nm, v in zip(names, ([a for a, _ in crop], [e for _, e in crop],
+                                     list(range(2, 2 + nsp)))):
+                graph.set_constant(nm, np.array(v, dtype=np.int64))
+            src = add("Slice", (x, *names), f"{n.name}::crop{k}",
+                      [int(xt.shape[0]), int(xt.shape[1])] + [e - a for a, e in crop])
+        wname = f"{n.name}::w_taps{next(seq)}"
+        graph.set_constant(wname, w[(slice(None), slice(None),
+                                     *(slice(b[2], b[3]) for b in reg))])
+        shape = [int(yt.shape[0]), int(yt.shape[1])] + [b[1] - b[0] for b in reg]
+        return add("Conv", (src, wname, *n.inputs[2:]), out, shape,
+                   kernel_shape=[b[3] - b[2] for b in reg],
+                   pads=[b[4] for b in reg] + [b[5] for b in reg],
+                   dilations=[1 if b[3] - b[2] == 1 else dil[i] for i, b in enumerate(reg)])
+
+    def build(i: int, chosen: list[Band], out: str) -> str:
+        if i == nsp:
+            return region(chosen, out)
+        if len(plan[i]) == 1:
+            return build(i + 1, chosen + [plan[i][0]], out)
+        parts = [build(i + 1, chosen + [b], f"{out}::band{i}_{j}")
+                 for j, b in enumerate(plan[i])]
+        shape = [int(v) for v in graph.values[parts[0]].shape]
+        shape[2 + i] = sum(int(graph.values[p].shape[2 + i]) for p in parts)
+        return add("Concat", tuple(parts), out, shape, axis=2 + i)
+
+    build(0, [], y)
 
 
 def _conv_bn_pattern(graph: Graph, _: None, bn: Node) -> tuple[Node, Node] | None:
