@@ -284,12 +284,16 @@ def prune_conv_taps(graph: Graph, ctx: PassContext) -> bool:
     return changed
 
 
-# the estimate of a cut: each region's products at the measured FMA peak plus its weights
-# and input crop at the measured memory bandwidth (a conv with padding-heavy taps is
-# small in the output and large in the weights: DeepLabV3's 960 -> 256 3x3, 8.8 MB,
-# on a 14x14 map), and KERNEL_COST seconds per kernel launched
+# A conv is cut into bands only where that leaves at most TAP_SPLIT_WORK of its products
+# (the rest are with padding; a 3x3 with pads 1 on 14x14 has 95% of its products on the
+# input, and Winograd may take it whole) and the estimate of the cut is lower: each
+# region's products at the measured FMA peak, its weights and input crop at the measured
+# memory bandwidth (a conv with padding-heavy taps is small in the output and large in
+# the weights: DeepLabV3's 960 -> 256 3x3 is 8.8 MB on a 14x14 map), KERNEL_COST seconds
+# a kernel launched
 KERNEL_COST = 5e-6
 MAX_TAP_REGIONS = 9
+TAP_SPLIT_WORK = 0.6
 
 
 def _tap_bands(size: int, out: int, k: int, s: int, d: int, pb: int
@@ -373,9 +377,15 @@ def _prune_conv(graph: Graph, n: Node) -> bool:
                 t += xbytes * int(np.prod(crop)) / bw + KERNEL_COST
         return t
 
-    plans = []
+    def products(plan: list[list[Band]]) -> int:
+        return sum(int(np.prod([(b[3] - b[2]) * (b[1] - b[0]) for b in reg]))
+                   for reg in itertools.product(*plan))
+
+    whole = [o[0] for o in opts]
+    plans = [(cost(whole), 0, whole)]
     for cuts in itertools.product(*[[o[0]] + ([o[1]] if o[1] else []) for o in opts]):
-        if int(np.prod([len(c) for c in cuts])) <= MAX_TAP_REGIONS:
+        if (int(np.prod([len(c) for c in cuts])) <= MAX_TAP_REGIONS
+                and products(list(cuts)) <= TAP_SPLIT_WORK * products(whole)):
             plans.append((cost(list(cuts)), len(plans), list(cuts)))
     best = min(plans)[2]
     full = [(0, int(y.shape[2 + i]), 0, ks[i], pads[i], pads[nsp + i], 0, int(x.shape[2 + i]))
@@ -406,7 +416,7 @@ def _cut_conv(graph: Graph, n: Node, w: np.ndarray, plan: list[list[Band]],
         name = n.name if single else f"{n.name}::{op.lower()}{k}"
         graph.add_node(Node(name=name, op_type=op, inputs=inputs, outputs=(out,),
                             attrs=dict(attrs) if op != "Conv" else {**n.attrs, **attrs},
-                            opset=n.opset if op == "Conv" else graph.opsets.get("", 13)),
+                            opset=n.opset if op == "Conv" else max(13, graph.opsets.get("", 13))),
                        order=order if single else order - 0.5 + k * 1e-4)
         return out
 
