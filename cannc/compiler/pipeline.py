@@ -45,6 +45,7 @@ PIPELINES: dict[str, list[str]] = {
         "remove_identities",          # Identity / inference Dropout: read the source directly
         "legalize_matmul_broadcast",
         "legalize_attention",
+        "legalize_einsum",            # an Einsum that is a batched matrix product -> MatMul
         "fold_conv_bn",               # BatchNormalization after Conv folded into its weights
         "prune_conv_taps",            # Conv taps that only ever read padding dropped
         "fuse_layernorm",             # decomposed LayerNorm (older exporters) -> one op

@@ -160,3 +160,101 @@ def _attention_cache_shapes_ok(graph: Graph, n: Node, ins: list[str], past: bool
                     or np.dtype(pt.dtype) != np.dtype(xt.dtype):
                 return False
     return not past or graph.values[ins[4]].shape[2] == graph.values[ins[5]].shape[2]
+
+
+@graph_pass("legalize_einsum")
+def legalize_einsum(graph: Graph, ctx: PassContext) -> bool:
+    """A two-operand float32 Einsum that is a (batched) matrix product -- every letter in
+    both operands and the output (batch), in both operands only (summed), or in one
+    operand and the output (free) -- becomes Transposes and Reshapes around a MatMul,
+    which runs on the GEMM instead of Einsum's scalar loop nest (MaxViT's attention:
+    'BGHID,BGHJD->BGHIJ' is Q @ Kᵀ). Other equations keep the loop nest."""
+    changed = False
+    for n in list(graph.nodes()):
+        if n.op_type == "Einsum" and len(n.inputs) == 2:
+            changed |= _einsum_as_matmul(graph, n)
+    return changed
+
+
+def _einsum_as_matmul(graph: Graph, n: Node) -> bool:
+    from ..ir.ops.misc import parse_einsum
+
+    ts = [graph.values.get(v) for v in n.inputs]
+    yt = graph.values.get(n.outputs[0])
+    if (any(t is None or not t.is_static or np.dtype(t.dtype) != np.float32 for t in ts)
+            or yt is None or not yt.is_static):
+        return False
+    eq = n.attrs.get("equation", "")
+    eq = eq.decode() if isinstance(eq, bytes) else eq
+    parsed = parse_einsum(eq, [len(t.shape) for t in ts])
+    if isinstance(parsed, str):
+        return False
+    (ta, tb), out = parsed
+    if any(len(set(t)) != len(t) for t in (ta, tb, out)):
+        return False                       # diagonals
+    size: dict[str, int] = {}
+    for t, ty in zip((ta, tb), ts):
+        for c, d in zip(t, ty.shape):
+            if size.setdefault(c, int(d)) != int(d):
+                return False               # broadcasting
+    batch = [c for c in out if c in ta and c in tb]
+    fa = [c for c in out if c in ta and c not in tb]
+    fb = [c for c in out if c in tb and c not in ta]
+    summed = [c for c in ta if c in tb and c not in out]
+    if set(ta) | set(tb) != set(batch + fa + fb + summed) or set(out) != set(batch + fa + fb):
+        return False                       # a letter summed within one operand
+    order = graph.g.nodes[n.name]["order"]
+    seq = iter(range(1, 1 << 20))
+    dt = ts[0].dtype
+
+    def add(op: str, inputs: tuple[str, ...], shape: list[int], out_name: str | None = None,
+            **attrs: object) -> str:
+        k = next(seq)
+        name = out_name or f"{n.name}::{op.lower()}{k}"
+        graph.values[name] = TensorType(dt, tuple(shape))
+        graph.add_node(Node(name=f"{n.name}::{op.lower()}{k}", op_type=op, inputs=inputs,
+                            outputs=(name,), attrs=dict(attrs),
+                            opset=max(13, graph.opsets.get("", 13))),
+                       order=order - 0.5 + k * 1e-4)
+        return name
+
+    def arrange(v: str, term: str, letters: list[str], m: list[str], k: list[str]) -> str:
+        """operand v (subscripts term) as batch + [prod(m), prod(k)]."""
+        perm = [term.index(c) for c in letters + m + k]
+        if perm != list(range(len(term))):
+            v = add("Transpose", (v,), [size[c] for c in letters + m + k], perm=perm)
+        shape = [size[c] for c in letters] + [_prod(size[c] for c in m),
+                                               _prod(size[c] for c in k)]
+        if [int(d) for d in graph.values[v].shape] != shape:
+            sname = f"{n.name}::shape{next(seq)}"
+            graph.set_constant(sname, np.array(shape, dtype=np.int64))
+            v = add("Reshape", (v, sname), shape)
+        return v
+
+    graph.remove_node(n.name)
+    a = arrange(n.inputs[0], ta, batch, fa, summed)
+    b = arrange(n.inputs[1], tb, batch, summed, fb)
+    bsz = [size[c] for c in batch]
+    mm_shape = bsz + [_prod(size[c] for c in fa), _prod(size[c] for c in fb)]
+    produced = batch + fa + fb
+    final = [size[c] for c in produced]
+    perm = [produced.index(c) for c in out]
+    y = n.outputs[0]
+    last_mm = final == mm_shape and perm == list(range(len(out)))
+    v = add("MatMul", (a, b), mm_shape, y if last_mm else None)
+    if last_mm:
+        return True
+    if final != mm_shape:
+        sname = f"{n.name}::shape{next(seq)}"
+        graph.set_constant(sname, np.array(final, dtype=np.int64))
+        v = add("Reshape", (v, sname), final, y if perm == list(range(len(out))) else None)
+    if perm != list(range(len(out))):
+        add("Transpose", (v,), [int(d) for d in yt.shape], y, perm=perm)
+    return True
+
+
+def _prod(xs) -> int:
+    r = 1
+    for x in xs:
+        r *= int(x)
+    return r
