@@ -18,7 +18,8 @@ the issue measures against; the files are big (bert 418 MiB) and not committed.
 "more" (see the end of the file) exports a second set: nine torchvision CNNs and
 transformers (resnet50, efficientnet_b0, mobilenet_v3 large, convnext_tiny,
 shufflenet v2, regnet_y_800mf, vit_b16, squeezenet 1.1, densenet121) and two Hugging
-Face encoders (distilbert, a T5-small-sized encoder).
+Face encoders (distilbert, a T5-small-sized encoder); "third" a third set of sixteen
+torchvision models (THIRD_VISION at the end of the file).
 """
 import os
 import sys
@@ -216,3 +217,47 @@ if "t5_encoder" in which:
     export(_Encoder(T5EncoderModel(cfg)),
            (torch.randint(0, 30000, (1, 128)), torch.ones(1, 128, dtype=torch.int64)),
            ["input_ids", "attention_mask"], _TEXT_AXES, f"{out}/t5_encoder.onnx")
+
+# The third set (`... OUT_DIR third`, or any of its names): more torchvision architectures,
+# for the paths the first two sets do not take: grouped (ResNeXt, RegNetX) and wide convs,
+# inception branches, dilated convs (DeepLabV3's ASPP), a segmentation head with a
+# bilinear Resize (LR-ASPP), windowed attention written with Einsum (MaxViT), shifted
+# windows (Swin), and the plain VGG / AlexNet stacks.
+THIRD_VISION = {
+    "resnext50": ("resnext50_32x4d", {}, 224), "wide_resnet50": ("wide_resnet50_2", {}, 224),
+    "googlenet": ("googlenet", {"aux_logits": False, "init_weights": True}, 224),
+    "inception_v3": ("inception_v3", {"aux_logits": False, "init_weights": True}, 299),
+    "mnasnet": ("mnasnet1_0", {}, 224), "mobilenet_v3_small": ("mobilenet_v3_small", {}, 224),
+    "efficientnet_v2_s": ("efficientnet_v2_s", {}, 224),
+    "regnet_x_400mf": ("regnet_x_400mf", {}, 224), "swin_t": ("swin_t", {}, 224),
+    "maxvit_t": ("maxvit_t", {}, 224), "vgg11": ("vgg11", {}, 224),
+    "alexnet": ("alexnet", {}, 224), "shufflenet_x2": ("shufflenet_v2_x2_0", {}, 224),
+    "squeezenet11": ("squeezenet1_1", {}, 224),
+    "deeplabv3_mbv3": ("segmentation.deeplabv3_mobilenet_v3_large",
+                       {"weights_backbone": None, "aux_loss": False}, 224),
+    "lraspp": ("segmentation.lraspp_mobilenet_v3_large", {"weights_backbone": None}, 224),
+}
+
+
+class _Out(torch.nn.Module):
+    """The segmentation models' {'out': ...} as a tensor."""
+    def __init__(s, m):
+        super().__init__()
+        s.m = m
+    def forward(s, x):
+        y = s.m(x)
+        return y["out"] if isinstance(y, dict) else y
+
+
+if "third" in which:
+    which += list(THIRD_VISION)
+if any(k in which for k in THIRD_VISION):
+    torch.library.register_fake = lambda *a, **k: (lambda f: f)
+    import torchvision
+    for name, (fn, kw, hw) in THIRD_VISION.items():
+        if name in which:
+            ctor = torchvision.models
+            for part in fn.split("."):
+                ctor = getattr(ctor, part)
+            export(_Out(_randbn(ctor(weights=None, **kw))), (torch.randn(1, 3, hw, hw),),
+                   ["x"], {"x": {0: "batch"}, "out": {0: "batch"}}, f"{out}/{name}.onnx")
