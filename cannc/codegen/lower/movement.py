@@ -22,6 +22,7 @@ from ...ir.graph import Node
 from ...ir.ops.movement import _resize_attrs
 from ...native import emit
 from ...native.emit import I64, for_range, i64
+from ...native.target import host
 from ..kernel import LowerCtx
 from ..movement import (
     SMALL_ELEMS,
@@ -967,6 +968,77 @@ def _lower_resize(ctx: LowerCtx) -> None:
             return None
         return b.icmp_unsigned("!=", table_load(b, mtabs[d], i, emit.I8), ir.Constant(emit.I8, 0))
 
+    # the innermost dim a vector of outputs at a time, where each tap's sources for a block
+    # of outputs lie within a vector of the source row (upsampling): one (masked) vector
+    # load of the row from the block's first source, lanes permuted by a table of
+    # offsets (vpermps), weighted. Scalar loads cost a 1x21x14x14 -> 224x224 bilinear
+    # upsampling (DeepLabV3's last op) ~5 cycles an output on Zen 4, a gather ~3.
+    vw = 16 if host().has("avx512f") else 8 if host().has("avx2") else 0
+    perm = {16: "llvm.x86.avx512.permvar.sf.512", 8: "llvm.x86.avx2.permps"}.get(vw)
+    nin, nout = shp[-1], out[-1]
+    nblk = cdiv(nout, max(vw, 1))
+    vtabs: list[tuple[Any, Any, Any]] = []
+    if dt.itemsize == 4 and all(mk is None for mk in masks) and perm is not None:
+        for t, (idx, w) in enumerate(taps[r - 1]):
+            idx = np.concatenate([idx, np.full(nblk * vw - nout, idx[-1])]).reshape(nblk, vw)
+            base = idx.min(axis=1)
+            rel = idx - base[:, None]
+            if rel.max() >= vw:
+                vtabs = []
+                break
+            wt = None if w is None else const_table(
+                m, f"rs_vw{t}", np.concatenate([w.astype(dt), np.zeros(nblk * vw - nout + vw,
+                                                                          dt)]), fty)
+            vtabs.append((const_table(m, f"rs_vb{t}", base * ist[r - 1], I64),
+                          const_table(m, f"rs_vr{t}", rel.reshape(-1).astype(np.int32),
+                                      emit.I32), wt))
+    vec = bool(vtabs) and ist[r - 1] == 1
+    if vec:
+        fvt = ir.VectorType(ir.FloatType(), vw)
+        vty = ir.VectorType(ety, vw)
+        ity = ir.VectorType(I64, vw)
+        i32v = ir.VectorType(emit.I32, vw)
+        iota = ir.Constant(ity, list(range(vw)))
+
+        def splat(b: ir.IRBuilder, v: ir.Value, ty: ir.VectorType) -> ir.Value:
+            u = b.insert_element(ir.Constant(ty, ir.Undefined), v, ir.Constant(emit.I32, 0))
+            return b.shuffle_vector(u, ir.Constant(ty, ir.Undefined),
+                                    ir.Constant(ir.VectorType(emit.I32, vw), [0] * vw))
+
+        def vload(b: ir.IRBuilder, g: Any, i: ir.Value, ty: ir.VectorType) -> ir.Value:
+            ld = b.load(b.gep(g, [i64(0), i], source_etype=g.value_type), typ=ty)
+            ld.align = 4
+            return ld
+
+        def vec_row(b: ir.IRBuilder, combos: list, base: ir.Value, c0v: ir.Value,
+                    nc: ir.Value) -> None:
+            ncv = splat(b, b.add(c0v, nc), ity)
+            with for_range(b, c0v, b.add(c0v, nc), step=vw, name="xv") as c:
+                mask = b.icmp_signed("<", b.add(splat(b, c, ity), iota), ncv)
+                blk = b.udiv(c, i64(vw))
+                inner = []
+                for bt, rt, wt in vtabs:
+                    src0 = table_load(b, bt, blk, I64)
+                    inrow = b.icmp_signed("<", iota, splat(b, b.sub(i64(nin), src0), ity))
+                    inner.append((src0, vload(b, rt, c, i32v), inrow,
+                                  None if wt is None else vload(b, wt, c, vty)))
+                acc = None
+                for off, w in combos:           # the scalar loop's order of the sums
+                    for src0, rel, inrow, wv in inner:
+                        win = emit.masked_load(b, emit.gep(b, x, b.add(off, src0), ety), inrow,
+                                               ir.Constant(vty, None))
+                        if vty != fvt:
+                            win = b.bitcast(win, fvt)
+                        v = emit.call_intrinsic(b, perm, [win, rel], fvt, overload=())
+                        if vty != fvt:
+                            v = b.bitcast(v, vty)
+                        if w is not None or wv is not None:
+                            ww = wv if w is None else (splat(b, w, vty) if wv is None
+                                                       else b.fmul(splat(b, w, vty), wv))
+                            v = b.fmul(v, ww)
+                        acc = v if acc is None else b.fadd(acc, v)
+                emit.masked_store(b, acc, emit.gep(b, dst, b.add(base, c), ety), mask)
+
     def body(b: ir.IRBuilder, dg: list, row: ir.Value, c0: Any, nc: Any) -> None:
         # combine the outer dims' taps: [(offset, weight)]
         combos: list[tuple[ir.Value, ir.Value | None]] = [(i64(0), None)]
@@ -983,6 +1055,8 @@ def _lower_resize(ctx: LowerCtx) -> None:
                 ok = f if ok is None else b.and_(ok, f)
         base = b.mul(row, i64(out[-1]))
         c0v = as_val(c0)
+        if vec:
+            return vec_row(b, combos, base, c0v, as_val(nc))
         with for_range(b, 0, as_val(nc), name="x") as j:
             c = b.add(j, c0v)
             inner = dim_taps(b, r - 1, c)
