@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..ir.epilogue import matmul_dims
@@ -15,6 +17,7 @@ from ..ir.ops.attention_op import (
     V_IN,
     feature_problem,
 )
+from ..ir.ops.misc import parse_einsum
 from ..ir.types import TensorType
 from .manager import PassContext, graph_pass
 
@@ -177,8 +180,6 @@ def legalize_einsum(graph: Graph, ctx: PassContext) -> bool:
 
 
 def _einsum_as_matmul(graph: Graph, n: Node) -> bool:
-    from ..ir.ops.misc import parse_einsum
-
     ts = [graph.values.get(v) for v in n.inputs]
     yt = graph.values.get(n.outputs[0])
     if (any(t is None or not t.is_static or np.dtype(t.dtype) != np.float32 for t in ts)
@@ -223,8 +224,8 @@ def _einsum_as_matmul(graph: Graph, n: Node) -> bool:
         perm = [term.index(c) for c in letters + m + k]
         if perm != list(range(len(term))):
             v = add("Transpose", (v,), [size[c] for c in letters + m + k], perm=perm)
-        shape = [size[c] for c in letters] + [_prod(size[c] for c in m),
-                                               _prod(size[c] for c in k)]
+        shape = [size[c] for c in letters] + [math.prod(size[c] for c in m),
+                                               math.prod(size[c] for c in k)]
         if [int(d) for d in graph.values[v].shape] != shape:
             sname = f"{n.name}::shape{next(seq)}"
             graph.set_constant(sname, np.array(shape, dtype=np.int64))
@@ -235,7 +236,7 @@ def _einsum_as_matmul(graph: Graph, n: Node) -> bool:
     a = arrange(n.inputs[0], ta, batch, fa, summed)
     b = arrange(n.inputs[1], tb, batch, summed, fb)
     bsz = [size[c] for c in batch]
-    mm_shape = bsz + [_prod(size[c] for c in fa), _prod(size[c] for c in fb)]
+    mm_shape = bsz + [math.prod(size[c] for c in fa), math.prod(size[c] for c in fb)]
     produced = batch + fa + fb
     final = [size[c] for c in produced]
     perm = [produced.index(c) for c in out]
@@ -251,10 +252,3 @@ def _einsum_as_matmul(graph: Graph, n: Node) -> bool:
     if perm != list(range(len(out))):
         add("Transpose", (v,), [int(d) for d in yt.shape], y, perm=perm)
     return True
-
-
-def _prod(xs) -> int:
-    r = 1
-    for x in xs:
-        r *= int(x)
-    return r
