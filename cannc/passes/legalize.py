@@ -242,7 +242,8 @@ def _einsum_as_matmul(graph: Graph, n: Node) -> bool:
     perm = [produced.index(c) for c in out]
     y = n.outputs[0]
     last_mm = final == mm_shape and perm == list(range(len(out)))
-    v = add("MatMul", (a, b), mm_shape, y if last_mm else None)
+    v = add("MatMul", (a, b), mm_shape, y if last_mm else None,
+            fused_from=list(n.attrs.get("fused_from", [n.name])), fused_ops=["Einsum"])
     if last_mm:
         return True
     if final != mm_shape:

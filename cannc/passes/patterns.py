@@ -400,7 +400,8 @@ def _cut_conv(graph: Graph, n: Node, w: np.ndarray, plan: list[list[Band]],
               dil: list[int]) -> None:
     """The conv as one Conv per product of the dims' bands (its crop of the input, its
     taps and pads), the regions joined by Concats along each spatial dim, innermost
-    first; one region keeps the node's name and input."""
+    first. One region keeps the node's name and input; several each stand for the ONNX
+    node (fused_from: the precision policy, keep_fp32 and the profiles name it)."""
     nsp = len(plan)
     x, y = n.inputs[0], n.outputs[0]
     xt, yt = graph.values[x], graph.values[y]
@@ -435,7 +436,9 @@ def _cut_conv(graph: Graph, n: Node, w: np.ndarray, plan: list[list[Band]],
         graph.set_constant(wname, w[(slice(None), slice(None),
                                      *(slice(b[2], b[3]) for b in reg))])
         shape = [int(yt.shape[0]), int(yt.shape[1])] + [b[1] - b[0] for b in reg]
-        return add("Conv", (src, wname, *n.inputs[2:]), out, shape,
+        origin = {} if single else {"fused_from": list(n.attrs.get("fused_from", [n.name])),
+                                    "fused_ops": list(n.attrs.get("fused_ops", ["Conv"]))}
+        return add("Conv", (src, wname, *n.inputs[2:]), out, shape, **origin,
                    kernel_shape=[b[3] - b[2] for b in reg],
                    pads=[b[4] for b in reg] + [b[5] for b in reg],
                    dilations=[1 if b[3] - b[2] == 1 else dil[i] for i, b in enumerate(reg)])

@@ -146,3 +146,15 @@ def test_bands_in_an_old_opset_model(cut_favoured):
     assert "Slice" in {t for k in sess.inspect()["kernels"] for t in k["op_types"]}
     np.testing.assert_allclose(sess.run(None, {"x": x})[0], ort_run(m, {"x": x})[0],
                                rtol=1e-4, atol=1e-5)
+
+
+def test_the_bands_stand_for_the_conv(cut_favoured):
+    # every band's Conv names the ONNX node: its precision, keep_fp32, the profiles
+    m = _model((1, 32, 14, 14), (16, 32, 3, 3), dilations=[12, 12], pads=[12, 12, 12, 12])
+    x = R.standard_normal((1, 32, 14, 14)).astype(F32)
+    for keep, want in (((), "bf16"), (("conv",), "fp32")):
+        sess = cannc.compile(m, cores=1, precision="bf16", keep_fp32=keep)
+        sess.run(None, {"x": x})
+        assert sess.precision_map()["conv"] == want
+        convs = [k for k in sess.inspect()["kernels"] if "Conv" in k["op_types"]]
+        assert len(convs) == 9 and all("conv" in k["nodes"] for k in convs)

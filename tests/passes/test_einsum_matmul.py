@@ -67,3 +67,18 @@ def test_other_equations_keep_the_loop_nest(eq, sa, sb):
 
 def test_integer_einsum_keeps_the_loop_nest():
     assert "Einsum" in _check("ij,jk->ik", (3, 4), (4, 5), dtype=np.int32)
+
+
+def test_the_matmul_stands_for_the_einsum():
+    # the precision policy, keep_fp32 and the profiles name the ONNX node, not the MatMul
+    m = model_of([_node("bij,bjk->bik")],
+                 [helper.make_tensor_value_info("a", 1, [2, 32, 64]),
+                  helper.make_tensor_value_info("b", 1, [2, 64, 48])],
+                 [helper.make_tensor_value_info("y", 1, None)])
+    feeds = {"a": R.standard_normal((2, 32, 64)).astype(F32),
+             "b": R.standard_normal((2, 64, 48)).astype(F32)}
+    for keep, want in (((), "bf16"), (("es",), "fp32")):
+        sess = cannc.compile(m, cores=1, precision="bf16", keep_fp32=keep)
+        sess.run(None, feeds)
+        assert sess.precision_map() == {"es": want}
+        assert [k["nodes"] for k in sess.inspect()["kernels"]] == [["es"]]
