@@ -680,8 +680,14 @@ def const_table(module: ir.Module, name: str, values: Sequence[Any] | np.ndarray
     return g
 
 
-def table_load(b: ir.IRBuilder, g: ir.GlobalVariable, i: ir.Value, ty: ir.Type) -> ir.Value:
-    return b.load(b.gep(g, [i64(0), i], source_etype=g.value_type), typ=ty)
+def table_load(b: ir.IRBuilder, g: ir.GlobalVariable, i: ir.Value, ty: ir.Type,
+               align: int | None = None) -> ir.Value:
+    """Element i of table g as ty (a vector type: the elements from i on, `align` the
+    alignment the load may assume)."""
+    ld = b.load(b.gep(g, [i64(0), i], source_etype=g.value_type), typ=ty)
+    if align is not None:
+        ld.align = align
+    return ld
 
 
 def emit_table_rows(ctx: LowerCtx, in_shape: Sequence[int], tables: Sequence[np.ndarray],

@@ -353,6 +353,8 @@ def _prune_conv(graph: Graph, n: Node) -> bool:
     pads = [int(v) for v in n.attrs.get("pads", [0] * (2 * nsp))]
     if len(strides) != nsp or len(dil) != nsp or len(pads) != 2 * nsp:
         return False
+    if not any(pads):               # without padding every tap reads the input everywhere
+        return False
     opts = []
     for i in range(nsp):
         o = _dim_options(int(x.shape[2 + i]), int(y.shape[2 + i]), ks[i], strides[i], dil[i],
@@ -383,9 +385,10 @@ def _prune_conv(graph: Graph, n: Node) -> bool:
 
     whole = [o[0] for o in opts]
     plans = [(cost(whole), 0, whole)]
+    limit = TAP_SPLIT_WORK * products(whole)
     for cuts in itertools.product(*[[o[0]] + ([o[1]] if o[1] else []) for o in opts]):
         if (int(np.prod([len(c) for c in cuts])) <= MAX_TAP_REGIONS
-                and products(list(cuts)) <= TAP_SPLIT_WORK * products(whole)):
+                and products(list(cuts)) <= limit):
             plans.append((cost(list(cuts)), len(plans), list(cuts)))
     best = min(plans)[2]
     full = [(0, int(y.shape[2 + i]), 0, ks[i], pads[i], pads[nsp + i], 0, int(x.shape[2 + i]))

@@ -989,10 +989,10 @@ def _lower_resize(ctx: LowerCtx) -> None:
             wt = None if w is None else const_table(
                 m, f"rs_vw{t}", np.concatenate([w.astype(dt), np.zeros(nblk * vw - nout + vw,
                                                                           dt)]), fty)
-            vtabs.append((const_table(m, f"rs_vb{t}", base * ist[r - 1], I64),
+            vtabs.append((const_table(m, f"rs_vb{t}", base, I64),
                           const_table(m, f"rs_vr{t}", rel.reshape(-1).astype(np.int32),
                                       emit.I32), wt))
-    vec = bool(vtabs) and ist[r - 1] == 1
+    vec = bool(vtabs)                      # (the innermost dim is contiguous: stride 1)
     if vec:
         fvt = ir.VectorType(ir.FloatType(), vw)
         vty = ir.VectorType(ety, vw)
@@ -1000,28 +1000,18 @@ def _lower_resize(ctx: LowerCtx) -> None:
         i32v = ir.VectorType(emit.I32, vw)
         iota = ir.Constant(ity, list(range(vw)))
 
-        def splat(b: ir.IRBuilder, v: ir.Value, ty: ir.VectorType) -> ir.Value:
-            u = b.insert_element(ir.Constant(ty, ir.Undefined), v, ir.Constant(emit.I32, 0))
-            return b.shuffle_vector(u, ir.Constant(ty, ir.Undefined),
-                                    ir.Constant(ir.VectorType(emit.I32, vw), [0] * vw))
-
-        def vload(b: ir.IRBuilder, g: Any, i: ir.Value, ty: ir.VectorType) -> ir.Value:
-            ld = b.load(b.gep(g, [i64(0), i], source_etype=g.value_type), typ=ty)
-            ld.align = 4
-            return ld
-
         def vec_row(b: ir.IRBuilder, combos: list, base: ir.Value, c0v: ir.Value,
                     nc: ir.Value) -> None:
-            ncv = splat(b, b.add(c0v, nc), ity)
+            ncv = emit.splat(b, b.add(c0v, nc), vw)
             with for_range(b, c0v, b.add(c0v, nc), step=vw, name="xv") as c:
-                mask = b.icmp_signed("<", b.add(splat(b, c, ity), iota), ncv)
+                mask = b.icmp_signed("<", b.add(emit.splat(b, c, vw), iota), ncv)
                 blk = b.udiv(c, i64(vw))
                 inner = []
                 for bt, rt, wt in vtabs:
                     src0 = table_load(b, bt, blk, I64)
-                    inrow = b.icmp_signed("<", iota, splat(b, b.sub(i64(nin), src0), ity))
-                    inner.append((src0, vload(b, rt, c, i32v), inrow,
-                                  None if wt is None else vload(b, wt, c, vty)))
+                    inrow = b.icmp_signed("<", iota, emit.splat(b, b.sub(i64(nin), src0), vw))
+                    inner.append((src0, table_load(b, rt, c, i32v, align=4), inrow,
+                                  None if wt is None else table_load(b, wt, c, vty, align=4)))
                 acc = None
                 for off, w in combos:           # the scalar loop's order of the sums
                     for src0, rel, inrow, wv in inner:
@@ -1033,8 +1023,8 @@ def _lower_resize(ctx: LowerCtx) -> None:
                         if vty != fvt:
                             v = b.bitcast(v, vty)
                         if w is not None or wv is not None:
-                            ww = wv if w is None else (splat(b, w, vty) if wv is None
-                                                       else b.fmul(splat(b, w, vty), wv))
+                            ww = wv if w is None else (emit.splat(b, w, vw) if wv is None
+                                                       else b.fmul(emit.splat(b, w, vw), wv))
                             v = b.fmul(v, ww)
                         acc = v if acc is None else b.fadd(acc, v)
                 emit.masked_store(b, acc, emit.gep(b, dst, b.add(base, c), ety), mask)
