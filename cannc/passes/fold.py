@@ -194,13 +194,34 @@ def _onnx_infer_node(graph: Graph, n: Node, proto: onnx.NodeProto) -> list[Tenso
             raise ShapeError(f"cannot infer the shape of '{v}' produced by {n.op_type} "
                              f"at node '{n.name}' (data-dependent shape?)")
         dims = []
-        for d in tp.tensor_type.shape.dim:
-            if not d.HasField("dim_value"):
+        for i, d in enumerate(tp.tensor_type.shape.dim):
+            if d.HasField("dim_value"):
+                dims.append(int(d.dim_value))
+            elif (z := _resize_zero_dim(graph, n, i)) is not None:
+                dims.append(z)
+            else:
                 raise ShapeError(f"the shape of '{v}' produced by {n.op_type} at node "
                                  f"'{n.name}' depends on data")
-            dims.append(int(d.dim_value))
         types.append(TensorType(np_dtype(tp.tensor_type.elem_type), tuple(dims)))
     return types
+
+
+def _resize_zero_dim(graph: Graph, n: Node, i: int) -> int | None:
+    """Dim i of a Resize's output that ONNX's inference leaves unset because it is 0 (an
+    empty batch through a segmentation head: its sizes input, computed from Shape ops,
+    holds a 0, or its scales meet a 0 dim of X). onnxruntime runs such a model and
+    returns an empty output, so cannc must know the 0."""
+    if n.op_type not in ("Resize", "Upsample") or not n.inputs or not n.inputs[0]:
+        return None
+    if any(a == "axes" for a in n.attrs):
+        return None     # (sizes / scales then cover some dims only)
+    x = graph.values[n.inputs[0]]
+    if i >= len(x.shape):
+        return None
+    sizes = graph.constants.get(n.inputs[3]) if len(n.inputs) > 3 and n.inputs[3] else None
+    if sizes is not None and sizes.size:
+        return 0 if int(sizes.reshape(-1)[i]) == 0 else None
+    return 0 if x.shape[i] == 0 else None
 
 
 def shape_fold(op: OpDef | None) -> FoldFn | None:

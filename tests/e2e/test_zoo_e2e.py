@@ -96,3 +96,45 @@ def test_empty_batch_gives_empty_outputs(name):
     feeds = {k: v[:0] for k, v in zoo.example_inputs(model, batch=2).items()}
     for g, e in zip(sess.run(None, feeds), ort_run(model, feeds)):
         assert g.shape == e.shape and g.dtype == e.dtype and g.size == 0
+
+
+def _resize_head(by: str):
+    """x -> Conv -> Resize back to x's height and width, as torchvision's LR-ASPP and
+    DeepLabV3 heads export it: the sizes are Concat(Shape(conv)[:2], Shape(x)[2:]);
+    or (``by='scales'``) a constant 2x upsampling."""
+    from onnx import TensorProto, helper
+    rng = np.random.default_rng(0)
+    w = helper.make_tensor("w", TensorProto.FLOAT, [4, 3, 3, 3],
+                           rng.standard_normal(108).astype(np.float32))
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], strides=[2, 2], pads=[1, 1, 1, 1])]
+    inits = [w]
+    if by == "sizes":
+        nodes += [helper.make_node("Shape", ["c"], ["sc"]),
+                  helper.make_node("Slice", ["sc", "s0", "s2"], ["nc"]),
+                  helper.make_node("Shape", ["x"], ["sx"]),
+                  helper.make_node("Slice", ["sx", "s2", "s4"], ["hw"]),
+                  helper.make_node("Concat", ["nc", "hw"], ["sizes"], axis=0),
+                  helper.make_node("Resize", ["c", "", "", "sizes"], ["y"], mode="linear")]
+        inits += [helper.make_tensor(n, TensorProto.INT64, [1], [v])
+                  for n, v in (("s0", 0), ("s2", 2), ("s4", 4))]
+    else:
+        nodes += [helper.make_node("Resize", ["c", "", "scales"], ["y"], mode="nearest")]
+        inits += [helper.make_tensor("scales", TensorProto.FLOAT, [4], [1, 1, 2, 2])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, ["batch", 3, 8, 8])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("by", ["sizes", "scales"])
+def test_empty_batch_through_resize(by):
+    """ONNX's shape inference leaves a Resize's output dim unset where it is 0 (sizes
+    computed from the Shape of an empty batch): cannc said 'depends on data' where
+    onnxruntime returns an empty output (LR-ASPP, DeepLabV3 at batch 0)."""
+    model = _resize_head(by)
+    sess = cannc.compile(model, cores=1)
+    x = np.random.default_rng(1).standard_normal((2, 3, 8, 8)).astype(np.float32)
+    for feeds in ({"x": x[:0]}, {"x": x}):
+        (got,), (want,) = sess.run(None, feeds), ort_run(model, feeds)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
