@@ -213,7 +213,7 @@ def _resize_zero_dim(graph: Graph, n: Node, i: int) -> int | None:
     returns an empty output, so cannc must know the 0."""
     if n.op_type not in ("Resize", "Upsample") or not n.inputs or not n.inputs[0]:
         return None
-    if any(a == "axes" for a in n.attrs):
+    if "axes" in n.attrs:
         return None     # (sizes / scales then cover some dims only)
     x = graph.values[n.inputs[0]]
     if i >= len(x.shape):
