@@ -896,7 +896,8 @@ def example_inputs(model_or_name: str | onnx.ModelProto, batch: int = 1, seq: in
     * ``*mask*`` int inputs: right-padded 0/1 masks, each row has >= 1 one and
       row 0 is all ones;
     * float inputs: standard normal (images, features).
-    Symbolic dims named "batch" / "seq" take ``batch`` / ``seq``.
+    Symbolic dims named "batch" / "seq" (or "b" / "s", and the like) take ``batch`` /
+    ``seq``.
     """
     model = build(model_or_name) if isinstance(model_or_name, str) else model_or_name
     if batch < 1 or seq < 1:
@@ -916,9 +917,9 @@ def example_inputs(model_or_name: str | onnx.ModelProto, batch: int = 1, seq: in
         for d in tt.shape.dim:
             if d.HasField("dim_value"):
                 shape.append(d.dim_value)
-            elif d.dim_param in ("batch", "batch_size", "N"):
+            elif d.dim_param in ("batch", "batch_size", "N", "b", "B"):
                 shape.append(batch)
-            elif d.dim_param in ("seq", "sequence", "sequence_length", "seq_len"):
+            elif d.dim_param in ("seq", "sequence", "sequence_length", "seq_len", "s", "S"):
                 shape.append(seq)
             else:
                 raise ValueError(f"input {inp.name!r}: unknown symbolic dim {d.dim_param!r}")

@@ -350,3 +350,23 @@ def test_cli_writes_all_models(tmp_path):
     r = subprocess.run([sys.executable, "-m", "models.zoo", "--out", str(one), "--name", "gpt"],
                        cwd=ROOT, env=env, check=True, capture_output=True, text=True)
     assert [p.name for p in one.iterdir()] == ["gpt.onnx"] and "gpt.onnx" in r.stdout
+
+
+def test_example_inputs_dim_names():
+    """Exporters name the symbolic dims differently (Hugging Face exports: "b", "s");
+    an unknown name is an error that names it."""
+    from onnx import TensorProto, helper
+    x = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"])
+    px = helper.make_tensor_value_info("pixels", TensorProto.FLOAT, ["B", 3, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "s", 4])
+    emb = helper.make_tensor("emb", TensorProto.FLOAT, [50, 4], np.zeros(200, np.float32))
+    g = helper.make_graph([helper.make_node("Gather", ["emb", "input_ids"], ["y"])], "g",
+                          [x, px], [y], [emb])
+    feeds = zoo.example_inputs(helper.make_model(g), batch=3, seq=5)
+    assert feeds["input_ids"].shape == (3, 5) and feeds["input_ids"].max() < 50
+    assert feeds["pixels"].shape == (3, 3, 8, 8)
+    bad = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "tokens"])
+    g2 = helper.make_graph([helper.make_node("Gather", ["emb", "input_ids"], ["y"])], "g",
+                           [bad], [y], [emb])
+    with pytest.raises(ValueError, match="unknown symbolic dim 'tokens'"):
+        zoo.example_inputs(helper.make_model(g2))
