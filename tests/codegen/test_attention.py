@@ -559,6 +559,28 @@ def test_tile_ranges():
     case.check(O)
 
 
+def test_merged_heads_prefetches():
+    """Merged-heads Q, K, V, O ([B,S,H,D], rows H*D apart) turn on the prefetches of the
+    next tile's query rows, the tile's output rows and the next head's key rows. They
+    read ahead of the tile (the next tile, the next head: past the range's end and past
+    the last head they are skipped), and change no result: the same output bit for bit
+    as without them, over every split of the tile range."""
+    spec = bert_layout(2, 3, 37, 37, 32, scale=1 / np.sqrt(32))
+    plan = attention_plan(spec)
+    assert plan.prefetch_q and plan.prefetch_o and plan.prefetch_k
+    dense_plan = attention_plan(dense(2, 3, 37, 37, 32, scale=0.2))
+    assert not (dense_plan.prefetch_q or dense_plan.prefetch_o or dense_plan.prefetch_k)
+    case = Case(spec)
+    kernel = build(spec)
+    off = {"prefetch_q": False, "prefetch_o": False, "prefetch_k": False}
+    ref = run_split(build(spec, off), case, off)
+    case.check(ref)
+    T = attention_num_tiles(spec)
+    for splits in ([0, T], [0, 1, T], [0, T - 1, T], list(range(T + 1)), [0, 3, 3, 7, T]):
+        O = run_split(kernel, case, splits=splits)
+        np.testing.assert_array_equal(O, ref)
+
+
 def test_two_threads_concurrently():
     """Both halves of the tile range at the same time (the JIT functions release
     the GIL), each with its own workspace, as the runtime calls them."""
