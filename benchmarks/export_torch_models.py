@@ -19,7 +19,8 @@ the issue measures against; the files are big (bert 418 MiB) and not committed.
 transformers (resnet50, efficientnet_b0, mobilenet_v3 large, convnext_tiny,
 shufflenet v2, regnet_y_800mf, vit_b16, squeezenet 1.1, densenet121) and two Hugging
 Face encoders (distilbert, a T5-small-sized encoder); "third" a third set of sixteen
-torchvision models (THIRD_VISION at the end of the file).
+torchvision models (THIRD_VISION at the end of the file); "hf" eight Hugging Face
+architectures (HF_TEXT, HF_VISION at the end of the file).
 """
 import os
 import sys
@@ -261,3 +262,56 @@ if any(k in which for k in THIRD_VISION):
                 ctor = getattr(ctor, part)
             export(_Out(_randbn(ctor(weights=None, **kw))), (torch.randn(1, 3, hw, hw),),
                    ["x"], {"x": {0: "batch"}, "out": {0: "batch"}}, f"{out}/{name}.onnx")
+
+# The Hugging Face set (`... OUT_DIR hf`, or any of its names): eight more transformer
+# architectures from `transformers` (random weights, eager attention), each exported as
+# its base model's last hidden state: encoders with input_ids / attention_mask [batch,
+# seq] (RoBERTa, ALBERT, ELECTRA and DeBERTa-v2 with its disentangled attention), and
+# CLIP's vision tower, HF's own Swin, wav2vec2 (raw audio [batch, 16000]) and Whisper's
+# encoder (log-mel [batch, 80, 3000]) on one input tensor "x".
+HF_TEXT = {
+    "roberta": ("RobertaConfig", "RobertaModel", {"attn_implementation": "eager"}),
+    "albert": ("AlbertConfig", "AlbertModel", {"attn_implementation": "eager"}),
+    "electra": ("ElectraConfig", "ElectraModel", {"attn_implementation": "eager"}),
+    "deberta": ("DebertaV2Config", "DebertaV2Model",
+                {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 6,
+                 "intermediate_size": 1536}),
+}
+HF_VISION = {
+    "clip_vision": ("CLIPVisionConfig", "CLIPVisionModel", {"attn_implementation": "eager"},
+                    (1, 3, 224, 224)),
+    "swin_hf": ("SwinConfig", "SwinModel", {}, (1, 3, 224, 224)),
+    "wav2vec2": ("Wav2Vec2Config", "Wav2Vec2Model", {"attn_implementation": "eager"},
+                 (1, 16000)),
+    "whisper_enc": ("WhisperConfig", "WhisperModel",
+                    {"d_model": 384, "encoder_layers": 4, "encoder_attention_heads": 6,
+                     "decoder_layers": 1, "encoder_ffn_dim": 1536,
+                     "attn_implementation": "eager"}, (1, 80, 3000)),
+}
+
+
+class _Hidden(torch.nn.Module):
+    """A vision or audio model's last hidden state, from one tensor."""
+    def __init__(s, m):
+        super().__init__()
+        s.m = m
+    def forward(s, x): return s.m(x).last_hidden_state
+
+
+if "hf" in which:
+    which += list(HF_TEXT) + list(HF_VISION)
+if any(k in which for k in list(HF_TEXT) + list(HF_VISION)):
+    import transformers
+    for name, (cfg, cls, kw) in HF_TEXT.items():
+        if name in which:
+            m = getattr(transformers, cls)(getattr(transformers, cfg)(**kw))
+            export(_Encoder(m), (torch.randint(0, 1000, (1, 128)),
+                                 torch.ones(1, 128, dtype=torch.int64)),
+                   ["input_ids", "attention_mask"], _TEXT_AXES, f"{out}/{name}.onnx")
+    for name, (cfg, cls, kw, shape) in HF_VISION.items():
+        if name in which:
+            m = getattr(transformers, cls)(getattr(transformers, cfg)(**kw))
+            if name == "whisper_enc":
+                m = m.encoder
+            export(_Hidden(m), (torch.randn(*shape),), ["x"],
+                   {"x": {0: "batch"}, "out": {0: "batch"}}, f"{out}/{name}.onnx")
