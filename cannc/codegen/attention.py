@@ -862,16 +862,16 @@ class _Gen(VecBuilder):
     def exp_nonpos(self, x):
         """e^x for x <= 0 or NaN (the softmax's s - max), <16 x float>.
 
-        vmath's range reduction (k = round(x / ln2), r = x - k ln2 in two
-        parts) and polynomial (< 1 ulp), 2^k added into the exponent bits, and
-        none of vmath.exp's overflow / denormal / NaN special cases. Results below
-        2^-126 (x < -87.3) are flushed to 0 (numpy gives denormals there: an
-        absolute difference < 1.2e-38 per weight); NaN propagates.
+        On AVX-512: x clamped at -104 (NaN kept), vmath's range reduction and
+        degree-5 polynomial (rel. error 1.9e-7), and 2^k applied by vscalefps, which
+        makes the denormal results (0 below 2^-150) at full speed: 11 instructions
+        against 15 below. With D = 32 the exponentials were ~10% of the kernel.
 
-        On AVX-512: x clamped at -104 (NaN kept), vmath's degree-5 polynomial (rel.
-        error 1.9e-7) and 2^k applied by vscalefps, which makes the denormal results
-        (0 below 2^-150) at full speed: 11 instructions against 15. With D = 32 the
-        exponentials are ~10% of the kernel.
+        Elsewhere: vmath's range reduction (k = round(x / ln2), r = x - k ln2 in two
+        parts) and polynomial (< 1 ulp), 2^k added into the exponent bits, and none
+        of vmath.exp's overflow / denormal / NaN special cases. Results below 2^-126
+        (x < -87.3) are flushed to 0 (numpy gives denormals there: an absolute
+        difference < 1.2e-38 per weight); NaN propagates.
         """
         e = vmath._E(self.b, VF)
         if e.has_scalef():
