@@ -984,9 +984,9 @@ class _Gen(VecBuilder):
                 with self.if_then(b.icmp_signed("<", tn, te)):
                     bn, hn, qbn, _, _ = coords(tn)
                     q0n = self.mul(qbn, p.MQ)
-                    self.prefetch_rows(base(Q, qst, ety["q"], bn, hn), q0n,
+                    self.prefetch_rows("q", base(Q, qst, ety["q"], bn, hn), q0n,
                                        self.smin(b.sub(self.v(self.Sq), q0n), p.MQ),
-                                       qst, s.D, ety["q"], write=False)
+                                       write=False)
 
             if p.prefetch_k:
                 # the next head's key rows into L2, a share of them per tile of this head
@@ -999,8 +999,8 @@ class _Gen(VecBuilder):
                     per = b.sdiv(per, self.v(nq)) if nq != 1 else per
                     r0 = b.mul(u, per)
                     nr = self.smin(b.sub(self.v(self.Sk), r0), per)
-                    self.prefetch_rows(base(K, kst, ety["k"], bn, hn), r0, nr, kst, s.D,
-                                       ety["k"], write=False, locality=2)
+                    self.prefetch_rows("k", base(K, kst, ety["k"], bn, hn), r0, nr,
+                                       write=False, locality=2)
 
             Q_bh = base(Q, qst, ety["q"])
             K_bh = base(K, kst, ety["k"])
@@ -1081,18 +1081,17 @@ class _Gen(VecBuilder):
     def prefetch_out(self, O_bh, q0, mq):
         """Write-prefetch the tile's output rows: they are stored at the end of
         the tile, and miss the caches when they are not contiguous (merged heads)."""
-        self.prefetch_rows(O_bh, q0, mq, self.st["o_strides"], self.s.Dv, self.ety["o"],
-                           write=True)
+        self.prefetch_rows("o", O_bh, q0, mq, write=True)
 
-    def prefetch_rows(self, base, r0, nrows, st, n: int, ety, write: bool, locality: int = 3):
-        """Prefetch rows r0..r0+nrows of n elements (row stride st[2]; nothing unless
-        the elements are contiguous, st[3] == 1) into L1 (locality 3) or L2 (2)."""
-        b = self.b
+    def prefetch_rows(self, op: str, base, r0, nrows, write: bool, locality: int = 3):
+        """Prefetch rows r0..r0+nrows of operand ``op`` ('q', 'k', 'o') from its (b, h)
+        base into L1 (locality 3) or L2 (2); nothing unless its elements are contiguous
+        (d stride 1)."""
+        b, st, ety = self.b, self.st[f"{op}_strides"], self.ety[op]
         if st[3] != 1:
             return
-        size = ety.width // 8 if isinstance(ety, ir.IntType) else (
-            2 if isinstance(ety, ir.HalfType) else 4)
-        per = 64 // size
+        n = self.s.Dv if op == "o" else self.s.D
+        per = 64 // (4 if self.dt[op] == "float32" else 2)
         lines = _cdiv(n, per) + 1  # rows need not be 64-byte aligned
         with self.loop(0, nrows, 1, "pfr") as r:
             row = self.gep(base, self.mul(b.add(r0, r), st[2]), ety)

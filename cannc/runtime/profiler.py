@@ -13,6 +13,7 @@ they contain, so a user finds their own layer.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -28,21 +29,20 @@ from .program import Program, RunTimes
 _peaks: dict[str, float] | None = None
 
 
-def _stamp(prog: Any) -> tuple[int, float, float]:
-    """(counter, the clock around it, how wide that bracket is): the narrowest of a few
-    tries. A thread descheduled between reading the counter and reading the clock (a
-    busy 2-vCPU guest) would otherwise pair them milliseconds apart."""
-    best = None
+def _stamp(prog: Any) -> tuple[int, float]:
+    """(counter, the clock in the middle of the narrowest of a few brackets around it).
+    A thread descheduled between reading the counter and reading the clock (a busy
+    2-vCPU guest) would otherwise pair them milliseconds apart."""
+    best = (0, 0.0, math.inf)
     for _ in range(8):
         a = time.perf_counter()
         c = prog.cycles()
         z = time.perf_counter()
-        if best is None or z - a < best[2]:
+        if z - a < best[2]:
             best = (c, (a + z) / 2, z - a)
         if z - a < 20e-6:
             break
-    assert best is not None
-    return best
+    return best[0], best[1]
 
 
 def _cycle_rate(prog: Any, interval: float = 0.02) -> float:
@@ -53,9 +53,9 @@ def _cycle_rate(prog: Any, interval: float = 0.02) -> float:
     117 GFLOP/s peak); the median of three measurements guards against the rest."""
     rates = []
     for _ in range(3):
-        c0, t0, _w0 = _stamp(prog)
+        c0, t0 = _stamp(prog)
         time.sleep(interval)
-        c1, t1, _w1 = _stamp(prog)
+        c1, t1 = _stamp(prog)
         rates.append((c1 - c0) / (t1 - t0))
     return float(np.median(rates))
 
