@@ -660,6 +660,40 @@ def test_pool(op, xs, attrs):
     check_op(op, [rnd(*xs)], **TOL, **attrs)
 
 
+# rows of 2 .. pool.UNROLL_CHUNKS column chunks take one step per chunk at constant
+# columns, wider ones a runtime loop; the column edges (padding, the last chunk's lanes
+# past the row) are where the two differ
+WINDOW_CHUNKS = [
+    ("MaxPool", (1, 2, 6, 190), dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])),
+    ("MaxPool", (1, 2, 5, 1100), dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])),
+    ("Conv", (1, 3, 6, 190), dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1], group=3)),
+    ("Conv", (1, 2, 5, 1100), dict(kernel_shape=[3, 3], pads=[1, 2, 1, 0], group=2)),
+]
+
+
+def window_chunks_case(op, xs, attrs):
+    """check_op of a WINDOW_CHUNKS case; asserts which column form its plan takes."""
+    from cannc.codegen import pool
+    C, H, W = xs[1:]
+    pt, pl, pb_, pr = attrs["pads"]
+    oh, ow = H + pt + pb_ - 2, W + pl + pr - 2
+    plan = pool.plan_window(pool.WindowSpec(
+        kind="dw" if op == "Conv" else "max", N=1, C=C, M=C, isz=(1, H, W), osz=(1, oh, ow),
+        k=(1, 3, 3), pb=(0, pt, pl)))
+    assert plan.chunks > 1 and not plan.s2
+    wide = W > 1000
+    assert (plan.chunks > pool.UNROLL_CHUNKS) == wide, (plan.chunks, W)
+    if op == "Conv":
+        check_op("Conv", conv_inputs(xs, (C, 1, 3, 3)), const_inputs=(1, 2), **TOL, **attrs)
+    else:
+        check_op(op, [rnd(*xs)], **TOL, **attrs)
+
+
+@pytest.mark.parametrize("op,xs,attrs", WINDOW_CHUNKS, ids=[_pool_id(c) for c in WINDOW_CHUNKS])
+def test_window_column_chunks(op, xs, attrs):
+    window_chunks_case(op, xs, attrs)
+
+
 @pytest.mark.parametrize("attrs", [
     dict(kernel_shape=[3, 3], dilations=[2, 2], pads=[1, 1, 1, 1]),
     dict(kernel_shape=[3, 3], dilations=[2, 2], pads=[1, 1, 1, 1], count_include_pad=1,

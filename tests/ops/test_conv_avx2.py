@@ -21,10 +21,12 @@ from tests.ops.test_conv import (
     POOL_CASES,
     SWAP_TAPS,
     TOL,
+    WINDOW_CHUNKS,
     _case_id,
     _pool_id,
     conv_inputs,
     rnd,
+    window_chunks_case,
 )
 
 
@@ -65,6 +67,11 @@ AVX2_POOL = [c for i, c in enumerate(POOL_CASES) if i % 2 == 0]
 @pytest.mark.parametrize("op,xs,attrs", AVX2_POOL, ids=[_pool_id(c) for c in AVX2_POOL])
 def test_pool_avx2(op, xs, attrs):
     check_op(op, [rnd(*xs)], **TOL, **attrs)
+
+
+@pytest.mark.parametrize("op,xs,attrs", WINDOW_CHUNKS, ids=[_pool_id(c) for c in WINDOW_CHUNKS])
+def test_window_column_chunks_avx2(op, xs, attrs):
+    window_chunks_case(op, xs, attrs)
 
 
 # depthwise convs on small planes computed flat (pool.FlatPlane: masked loads split into
