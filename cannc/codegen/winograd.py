@@ -448,7 +448,6 @@ class _WinoGen:
             ih0 = b.sub(b.mul(th, i64(2)), i64(g.pb[1]))
             x_n = v.gep(self.Xi, b.mul(c0, i64(HW)))
             with v.loop(tw_lo, tw_hi, 16, "tseg") as tw0:
-                st_mask = v.lanes_lt(i64(0), b.sub(tw_hi, tw0))
                 iw0 = b.sub(b.mul(tw0, i64(2)), i64(g.pb[2]))
                 # masks[i][s][h]: lanes of the load at column iw0 + 2s + 16h of patch row i
                 colm = [[b.icmp_unsigned("<", b.add(v.splat_i(b.add(iw0, i64(2 * s + 16 * h))),
@@ -461,23 +460,44 @@ class _WinoGen:
                     rows.append((b.mul(b.select(ok, ih, i64(0)), i64(W)),
                                  [[v.mask_and(colm[s][h], ok) for h in range(2)]
                                   for s in range(2)]))
-                v_q = v.gep(self.V, b.sub(b.add(rs, tw0), q0))
-                with v.loop(i64(0), cb, 1, "ci") as ci:
-                    xc = v.gep(x_n, b.add(b.mul(ci, i64(HW)), iw0))
-                    d = []
-                    for roff, mk in rows:
-                        xr = v.gep(xc, roff)
-                        drow = []
-                        for s in range(2):
-                            lo = v.mload(v.gep(xr, 2 * s), mk[s][0])
-                            hi = v.mload(v.gep(xr, 2 * s + 16), mk[s][1])
-                            drow += [b.shuffle_vector(lo, hi, even), b.shuffle_vector(lo, hi, odd)]
-                        d.append(drow)
-                    t = self.transform2d(self.BT, d)
-                    vc = v.gep(v_q, b.mul(ci, i64(p.PTP)))
-                    for k in range(a):
-                        for l in range(a):
-                            v.mstore(t[k][l], v.gep(vc, (k * a + l) * p.VXS), st_mask)
+                q_loc = b.sub(b.add(rs, tw0), q0)
+                v_q = v.gep(self.V, q_loc)
+
+                def channels(st_mask):
+                    with v.loop(i64(0), cb, 1, "ci") as ci:
+                        xc = v.gep(x_n, b.add(b.mul(ci, i64(HW)), iw0))
+                        d = []
+                        for roff, mk in rows:
+                            xr = v.gep(xc, roff)
+                            drow = []
+                            for s in range(2):
+                                lo = v.mload(v.gep(xr, 2 * s), mk[s][0])
+                                hi = v.mload(v.gep(xr, 2 * s + 16), mk[s][1])
+                                drow += [b.shuffle_vector(lo, hi, even),
+                                         b.shuffle_vector(lo, hi, odd)]
+                            d.append(drow)
+                        t = self.transform2d(self.BT, d)
+                        vc = v.gep(v_q, b.mul(ci, i64(p.PTP)))
+                        for k in range(a):
+                            for l in range(a):
+                                v.store_v(t[k][l], v.gep(vc, (k * a + l) * p.VXS), st_mask)
+
+                if wide_registers():
+                    channels(v.lanes_lt(i64(0), b.sub(tw_hi, tw0)))
+                else:
+                    # AVX2 has no cheap masked store (vmaskmovps): a segment shorter than
+                    # 16 tiles writes whole vectors where they stay inside this channel's
+                    # row of V (PTP). The lanes past the segment land on tiles whose
+                    # values later segments write (these run in tile order, all channels
+                    # each) or that the GEMM's rows past npix ignore. Zen 4 under
+                    # CANNC_ISA=avx2, 64 -> 64 channels on 56x56 (28 tiles a row: 16 + 12):
+                    # 1436 -> 1232-1350 us
+                    inside = b.icmp_signed("<=", b.add(q_loc, i64(16)), i64(p.PTP))
+                    with b.if_else(inside, likely=True) as (then, otherwise):
+                        with then:
+                            channels(None)
+                        with otherwise:
+                            channels(v.lanes_lt(i64(0), b.sub(tw_hi, tw0)))
 
     def input_transform_gather(self, q0, npix, c0, cb):
         """Any m: 16 consecutive tiles per vector, the patch read with masked gathers."""

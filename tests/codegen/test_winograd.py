@@ -21,7 +21,7 @@ from cannc import config
 from cannc.codegen import winograd as wg
 from cannc.codegen.conv import ConvGeom, Slots
 from cannc.native.target import jit_kernel, new_module
-from tests.helpers import aligned, ort_run, run_splits, single_node_model
+from tests.helpers import aligned, ort_run, restrict_host_to_avx2, run_splits, single_node_model
 
 RNG = np.random.default_rng(7)
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -115,8 +115,12 @@ FORCED = [
 
 @pytest.mark.parametrize("tuning", FORCED, ids=[",".join(f"{k}={v}" for k, v in t.items())
                                                 for t in FORCED])
-@pytest.mark.parametrize("xs", [(2, 20, 9, 13), (1, 20, 21, 34)], ids=["gather", "rows"])
-def test_winograd_forced_plans(monkeypatch, tuning, xs):
+@pytest.mark.parametrize("xs,isa", [((2, 20, 9, 13), "host"), ((1, 20, 21, 34), "host"),
+                                    ((1, 20, 21, 34), "avx2")],
+                         ids=["gather", "rows", "rows-avx2"])
+def test_winograd_forced_plans(monkeypatch, tuning, xs, isa):
+    if isa == "avx2":
+        restrict_host_to_avx2(monkeypatch)
     monkeypatch.setattr(wg, "FORCE_TUNING", tuning)
     sess = run_conv(conv_inputs(xs, (70, 20, 3, 3)), pads=[1, 2, 1, 0])
     path = conv_path(sess)
@@ -203,9 +207,13 @@ def _run(g, plan, inputs, epilogue=None, splits=None):
     return y
 
 
-def test_winograd_tile_ranges_and_workspace():
+@pytest.mark.parametrize("isa", ["host", "avx2"])
+def test_winograd_tile_ranges_and_workspace(monkeypatch, isa):
     """Any split of [0, num_tiles) gives the same result; nothing is written outside the
-    workspace (guards) and every output element is written (Y starts as NaN)."""
+    workspace (guards) and every output element is written (Y starts as NaN). Under AVX2
+    the input transform writes whole vectors past short segments (inside V's rows)."""
+    if isa == "avx2":
+        restrict_host_to_avx2(monkeypatch)
     x, w, bias = conv_inputs((2, 21, 12, 19), (37, 21, 3, 3))
     g = ConvGeom(N=2, C=21, M=37, G=1, isz=(1, 12, 19), osz=(1, 12, 19), k=(1, 3, 3),
                  pb=(0, 1, 1), bias=True)
