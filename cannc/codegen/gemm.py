@@ -832,10 +832,14 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
     unroll = tun.get("unroll", 4 if MR * NV <= 8 else
                      gemm_k_unroll(accumulators=MR * NV) if isa == "avx512" else 1)
     # (the stream rides on an unrolled k loop, see pf_next: where one FMA issues a cycle
-    # the loop is not unrolled and a B from memory keeps up, Zen 4 +-1% with it forced)
+    # the loop is not unrolled and a B from memory keeps up, Zen 4 +-1% with it forced.)
+    # AVX-512's full panels, and AVX2's half panels (NV 1, its 6 x 16 tile, unrolled 4x):
+    # Zen 4 under CANNC_ISA=avx2, 1 core, B cycled through 12 copies, in-process A/B:
+    # 128 x 3072 x 768 x0.92, 128 x 768 x 3072 x0.93, 128 x 2304 x 768 x0.93,
+    # 128 x 768 x 768 x0.97, 128 x 384 x 1536 x0.98
     pf_b = unroll > 1 and tun.get(
-        "pf_b", b_mode == "prepacked" and not dp and not f32p and NV >= 2
-        and spec.compute == "f32" and isa == "avx512"
+        "pf_b", b_mode == "prepacked" and not dp and not f32p
+        and (NV >= 2 if isa == "avx512" else NV == 1) and spec.compute == "f32"
         and _prepacked_batch(spec) * _cdiv(N, PANEL) * PANEL * K * 4 >= PF_B_MIN_BYTES)
     return GemmPlan(
         MR=MR,
@@ -1551,9 +1555,10 @@ class _Gen(VecBuilder):
         t = b.urem(b.udiv(ir_, i64(p.MR)), UDNV)
         line = b.urem(t, i64(NV))
         panel = b.add(b.sdiv(n_next, i64(PANEL)), b.udiv(line, i64(2)))
+        # (NV 1, AVX2's half panels: the next micro-panel may be a panel's second half)
+        half = b.mul(b.urem(line, i64(2)), i64(16)) if NV > 1 else b.srem(n_next, i64(PANEL))
         off = b.add(b.mul(panel, i64(s.K * PANEL)),
-                    b.add(b.mul(b.add(k_next, b.udiv(t, i64(NV))), i64(PANEL)),
-                          b.mul(b.urem(line, i64(2)), i64(16))))
+                    b.add(b.mul(b.add(k_next, b.udiv(t, i64(NV))), i64(PANEL)), half))
         return self.gep(B_b, off, self.tw), U * PANEL, d
 
     def col_tiles(self, nc, body):
