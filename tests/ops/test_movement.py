@@ -54,6 +54,20 @@ def test_transpose_dtypes(dtype):
     check_op("Transpose", [rand((2, 3, 4), dtype)], perm=[2, 0, 1], opset=13)
 
 
+@pytest.mark.parametrize("shape,perm", [
+    ((37, 45), [1, 0]), ((64, 48), [1, 0]), ((1, 20, 9, 7), [0, 2, 3, 1]),
+    ((2, 32, 40, 8), [0, 3, 1, 2]), ((4, 64, 8, 16), [0, 2, 1, 3])])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, np.int8])
+def test_transpose_avx2(monkeypatch, shape, perm, dtype):
+    """Transposes in register blocks of 32 bytes' rows (8 floats), the AVX2 kernels."""
+    from cannc.codegen import movement
+    from tests.helpers import restrict_host_to_avx2
+    restrict_host_to_avx2(monkeypatch)
+    plan = movement._Plan(movement.transpose_piece(shape, perm), 4096, np.dtype(dtype).itemsize)
+    assert plan.k == min(16, 32 // np.dtype(dtype).itemsize)
+    check_op("Transpose", [rand(shape, dtype)], perm=perm)
+
+
 @pytest.mark.parametrize("opset", [7, 13, 21])
 def test_transpose_opsets_large(opset):
     # several tiles, both cores
