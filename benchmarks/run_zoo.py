@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import sys
 import time
@@ -227,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     out = {"machine": platform.processor() or platform.machine(), "cpu_model": model_name(),
            "llvm_cpu": host().cpu, "cpu_family_model": family_model(),
            "engines": "each in its own process",
+           # instruction-set limits the engines ran under (inherited by their processes):
+           # cannc's CANNC_ISA, oneDNN's (OpenVINO's CPU plugin) ONEDNN_MAX_CPU_ISA;
+           # onnxruntime has none
+           "isa_limits": {k: os.environ[k] for k in ("CANNC_ISA", "ONEDNN_MAX_CPU_ISA")
+                          if os.environ.get(k)},
            "cannc": cannc.__version__, "rows": rows, "geomean_ratio": geo,
            "geomean_ratio_openvino": geo_ov, "gemm": gemm,
            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
