@@ -1358,13 +1358,14 @@ class _Gen(VecBuilder):
                 first = b.icmp_signed("==", c0, i64(0))
                 kstart = b.add(kb0, c0)
 
-                def chunk(nv):
-                    """The micro-kernel on nv vectors of keys (-inf scores after them)."""
+                def chunk(nv, kmasks=masks):
+                    """The micro-kernel on nv vectors of keys (-inf scores after them);
+                    K^T rows loaded under kmasks (None: whole vectors)."""
 
                     def step(accs, kp, qps, u):
                         kv = [
                             self.load_v(self.gep(kp, self.iadd(self.imul(u, ldk), 16 * v)),
-                                        masks[v])
+                                        kmasks[v] if kmasks else None)
                             for v in range(nv)
                         ]
                         new = []
@@ -1406,23 +1407,39 @@ class _Gen(VecBuilder):
                             mx = b.select(first, mx, self.fmax(mx, old))
                         self.store_v(mx, x_ptrs[r])
 
-                if self.poly and NV > 1:
-                    # a form does not know Sk: the last chunk of keys (a short sequence)
-                    # runs the micro-kernel on just the vectors it needs
-                    nvt = self.smin(b.ashr(b.add(left, i64(15)), i64(4)), NV)
-                    blocks = {k: self.fn.append_basic_block(self.name(f"sc{k}"))
-                              for k in range(1, NV + 1)}
-                    done = self.fn.append_basic_block(self.name("sc.done"))
-                    sw = b.switch(nvt, blocks[NV])
-                    for k in range(1, NV):
-                        sw.add_case(i64(k), blocks[k])
-                    for k, blk in blocks.items():
-                        b.position_at_end(blk)
-                        chunk(k)
-                        b.branch(done)
-                    b.position_at_end(done)
+                if not wide_registers():
+                    # AVX2 has no mask registers: a masked load is a vmaskmovps. Chunks of
+                    # 16 * NV keys or more (all but a block's last) load whole vectors
+                    whole = b.icmp_signed(">=", left, i64(16 * NV))
+                    with b.if_else(whole, likely=True) as (then, otherwise):
+                        with then:
+                            chunk(NV, None)
+                        with otherwise:
+                            self.score_chunks(chunk, left, NV)
                 else:
-                    chunk(NV)
+                    self.score_chunks(chunk, left, NV)
+
+    def score_chunks(self, chunk, left, NV):
+        """chunk(nv) on the vectors of keys a chunk needs: NV, or where a form's last chunk
+        of keys (a short sequence) needs fewer, just those."""
+        b = self.b
+        if self.poly and NV > 1:
+            # a form does not know Sk: the last chunk of keys (a short sequence)
+            # runs the micro-kernel on just the vectors it needs
+            nvt = self.smin(b.ashr(b.add(left, i64(15)), i64(4)), NV)
+            blocks = {k: self.fn.append_basic_block(self.name(f"sc{k}"))
+                      for k in range(1, NV + 1)}
+            done = self.fn.append_basic_block(self.name("sc.done"))
+            sw = b.switch(nvt, blocks[NV])
+            for k in range(1, NV):
+                sw.add_case(i64(k), blocks[k])
+            for k, blk in blocks.items():
+                b.position_at_end(blk)
+                chunk(k)
+                b.branch(done)
+            b.position_at_end(done)
+        else:
+            chunk(NV)
 
     def score_epilogue(self, raw, M_bh, i, kstart, valid):
         """Scores of row i, keys kstart + 16v + lane, from the raw q.k vectors."""

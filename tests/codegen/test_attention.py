@@ -730,6 +730,28 @@ def test_form_bert_layout(mask):
     assert form.k_strides[2:] == (96, 1) and form.v_strides[2:] == (96, 1)
 
 
+@pytest.mark.parametrize("kt", [False, True], ids=["k", "kt"])
+def test_avx2_whole_and_short_key_chunks(monkeypatch, kt):
+    """The AVX2 kernels (the host restricted as CANNC_ISA=avx2 does): chunks of keys that
+    fill the micro-kernel's vectors load K^T unmasked, a block's short last chunk under
+    masks; static specs and the polymorphic form, every layout of K."""
+    from cannc.codegen import attention as attn_mod
+    from tests.helpers import restrict_host_to_avx2
+    restrict_host_to_avx2(monkeypatch)
+    attn_mod._plan.cache_clear()      # (plans are cached per spec, not per ISA)
+    try:
+        for shape in ((1, 2, 13, 13, 33, 33), (2, 1, 33, 150, 16, 48),
+                      (1, 1, 129, 130, 64, 64), (4, 3, 1, 200, 64, 64)):
+            B, H, Sq, Sk, D, Dv = shape
+            spec = dense(B, H, Sq, Sk, D, Dv, k_transposed=kt, scale=1.0 / np.sqrt(D))
+            assert attention_plan(spec).NV_s == 1
+            check_spec(spec, seed=sum(shape))
+        check_form([dense(B, 2, S, S, 40, k_transposed=kt, scale=0.2) for B, S in RUNTIME_SIZES])
+        check_form([bert_layout(B, 3, S, S, 32, scale=1 / np.sqrt(32)) for B, S in RUNTIME_SIZES])
+    finally:
+        attn_mod._plan.cache_clear()
+
+
 def test_form_cross_attention_and_masks():
     """Sq != Sk; masks [B,1,Sq,Sk], [1,1,Sq,Sk] and [B,H,Sq,Sk] (outer strides at run time)."""
     sizes = [(1, 1, 1), (2, 7, 30), (3, 33, 5), (1, 1, 129), (2, 80, 80)]
