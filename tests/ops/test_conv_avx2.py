@@ -113,3 +113,43 @@ def test_swapped_taps_read_x_avx2(monkeypatch, xs, ws, attrs, tuning):
     from cannc.codegen import conv as conv_codegen
     monkeypatch.setattr(conv_codegen, "FORCE_TUNING", tuning)
     check_op("Conv", conv_inputs(xs, ws), const_inputs=(1, 2), **TOL, **attrs)
+
+
+@pytest.mark.parametrize("xs,ws,attrs", [
+    ((1, 16, 40, 30), (16, 16, 1, 1), {}),                          # tiles of 6 + 6 + 4
+    ((2, 8, 13, 11), (22, 8, 3, 3), dict(pads=[1, 1, 1, 1])),        # 6 x 3 + 4
+    ((1, 12, 9, 9), (7, 12, 1, 1), {}),                              # 4 + 3
+])
+def test_residual_add_on_short_channel_tiles_avx2(xs, ws, attrs):
+    """Conv + Add fused (the residual read in the epilogue) where the last tile of
+    channels has fewer rows than the micro-kernel: those rows skip the epilogue and the
+    store on AVX2 (conv._NormalIO.store_final)."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    import cannc
+    from tests.helpers import ort_run
+
+    rng = np.random.default_rng(sum(xs) + sum(ws))
+    x = rng.standard_normal(xs).astype(np.float32)
+    w = (rng.standard_normal(ws) * 0.2).astype(np.float32)
+    bias = rng.standard_normal(ws[0]).astype(np.float32)
+    pads = attrs.get("pads", [0, 0, 0, 0])
+    ys = [xs[0], ws[0], xs[2] + pads[0] + pads[2] - ws[2] + 1,
+          xs[3] + pads[1] + pads[3] - ws[3] + 1]
+    g = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w", "b"], ["c"], **attrs),
+         helper.make_node("Add", ["c", "r"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(xs)),
+         helper.make_tensor_value_info("r", TensorProto.FLOAT, ys)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ys)],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(bias, "b")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    feeds = {"x": x, "r": rng.standard_normal(ys).astype(np.float32)}
+    sess = cannc.compile(model, cores=2, shapes={k: v.shape for k, v in feeds.items()})
+    (path,) = [k.notes["path"] for s in sess.specializations for k in s.kernels
+               if "path" in k.notes]
+    mr = int(path.split(" MR")[1].split()[0])
+    assert "swapped" not in path and ws[0] % mr, path      # channels in rows, a short tile
+    (got,) = sess.run(None, feeds)
+    np.testing.assert_allclose(got, ort_run(model, feeds)[0], **TOL)
