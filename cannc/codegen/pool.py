@@ -191,8 +191,19 @@ def plan_window(spec: WindowSpec, cores: int = 2) -> WindowPlan:
     nvec = cdiv(OW, 16)
     # accumulators: 8 <16 x float> with AVX-512; with AVX2 (two ymm each) half the budget
     # of a GEMM tile, since a depthwise conv also keeps its KH*KW weight splats
-    acc = 8 if wide_registers() else ACC_BUDGET_AVX2 // 2
-    if nvec <= acc:
+    wide = wide_registers()
+    acc = 8 if wide else ACC_BUDGET_AVX2 // 2
+    if not wide and not (spec.s[2] == 2 and spec.k[2] < 5):
+        # AVX2: one vector a row (more chunks, unrolled up to UNROLL_CHUNKS), so the step
+        # takes up to 3 rows, which share their input rows' loads and each weight's
+        # broadcast (16 ymm hold neither 25 weights nor 2 vectors x 3 rows and their
+        # inputs). Zen 4 under CANNC_ISA=avx2, depthwise alone, 1 core, two runs:
+        # 5x5 stride 2 on 56x56 (144 channels) 266-387 -> 163-171 us, 5x5 on 28x28 (240)
+        # 223-302 -> 174-184, 5x5 on 14x14 (672) 202 -> 142-159, 3x3 on 56x56 (144)
+        # 143-168 -> 100-110. Stride-2 3x3 windows (by column phase, s2_rows) keep theirs
+        V = min(acc, cdiv(nvec, UNROLL_CHUNKS))
+        chunks = cdiv(nvec, V)
+    elif nvec <= acc:
         V, chunks = nvec, 1
     else:
         V = min(range(max(1, acc // 2), acc + 1), key=lambda v: (rup(nvec, v) - nvec, -v))

@@ -153,3 +153,20 @@ def test_residual_add_on_short_channel_tiles_avx2(xs, ws, attrs):
     assert "swapped" not in path and ws[0] % mr, path      # channels in rows, a short tile
     (got,) = sess.run(None, feeds)
     np.testing.assert_allclose(got, ort_run(model, feeds)[0], **TOL)
+
+
+@pytest.mark.parametrize("xs,ws,attrs", [
+    ((1, 6, 17, 40), (6, 1, 5, 5), dict(group=6, pads=[2, 2, 2, 2])),
+    ((1, 5, 30, 56), (5, 1, 5, 5), dict(group=5, pads=[2, 2, 2, 2], strides=[2, 2])),
+    ((2, 3, 13, 56), (3, 1, 3, 3), dict(group=3, pads=[1, 1, 1, 1])),
+])
+def test_depthwise_one_vector_a_row_avx2(xs, ws, attrs):
+    """AVX2 depthwise steps of one vector a row and up to 3 rows (pool.plan_window)."""
+    from cannc.codegen import pool
+    s = attrs.get("strides", [1, 1])[0]
+    o = [(xs[i] + 2 * attrs["pads"][0] - ws[i]) // s + 1 for i in (2, 3)]
+    plan = pool.plan_window(pool.WindowSpec(
+        kind="dw", N=1, C=xs[1], M=ws[0], isz=(1,) + xs[2:], osz=(1, *o), k=(1,) + ws[2:],
+        s=(1, s, s), pb=(0, attrs["pads"][0], attrs["pads"][1])))
+    assert plan.flat is None and plan.V == 1 and plan.R > 1 and plan.chunks > 1
+    check_op("Conv", conv_inputs(xs, ws), const_inputs=(1, 2), **TOL, **attrs)
