@@ -1058,10 +1058,19 @@ def test_b_prefetch_stream(small_pf_min, tiles):
     blocks (the panel after a block's last one is the next K block's), edge columns, two
     cores cut at a tile boundary -- and the dynamic kernel's k loop holds one L2 prefetch
     an iteration and no spills (but the prefetch cadence, _no_spills_but_the_cadence)."""
+    _check_b_prefetch_stream(tiles)
+
+
+def _check_b_prefetch_stream(tiles: dict, tile: tuple | None = None) -> None:
+    """The products of streamed plans (static and dynamic M, one and several K blocks,
+    edge columns, a split at a tile boundary) and the dynamic kernel's hot loop: one L2
+    prefetch an iteration, no spills but the cadence. ``tile``: the (MR, NV, isa) the
+    plans must have."""
     for K, KC in ((100, None), (600, 256)):
         spec = GemmSpec(131, 200, K, b_prepacked=True)
         tuning = dict(tiles, **({"KC": KC} if KC else {}))
-        assert gemm_plan(spec, tuning).pf_b
+        plan = gemm_plan(spec, tuning)
+        assert plan.pf_b and (tile is None or (plan.MR, plan.NV, plan.isa) == tile)
         case, kernel = check_spec(spec, tuning=tuning)
         T = gemm_num_tiles(spec, tuning)
         case.check(run_split(kernel, case, tuning, splits=[0, T // 2, T]))
@@ -1079,33 +1088,13 @@ def test_b_prefetch_stream(small_pf_min, tiles):
 
 def test_b_prefetch_stream_avx2(avx2_host, monkeypatch):
     """AVX2's stream over half panels (16 columns, NV 1; the next micro-panel may be a
-    panel's second half): the products of the reference -- static and dynamic M, one and
-    several K blocks, edge columns, two cores cut at a tile boundary -- and one L2
-    prefetch an iteration of the k loop, no spills."""
+    panel's second half), checked as test_b_prefetch_stream checks AVX-512's."""
     import cannc.codegen.gemm as gemm_mod
 
     monkeypatch.setattr(gemm_mod, "PF_B_MIN_BYTES", 64 << 10)
     gemm_mod._plan.cache_clear()
     try:
-        for K, KC in ((100, None), (600, 256)):
-            spec = GemmSpec(131, 200, K, b_prepacked=True)
-            tuning = {"KC": KC} if KC else {}
-            plan = gemm_plan(spec, tuning)
-            assert plan.pf_b and (plan.MR, plan.NV, plan.isa) == (6, 1, "avx2")
-            case, kernel = check_spec(spec, tuning=tuning)
-            T = gemm_num_tiles(spec, tuning)
-            case.check(run_split(kernel, case, tuning, splits=[0, T // 2, T]))
-        spec = GemmSpec(64, 200, 600, b_prepacked=True)
-        dspec, kernel = build_dynamic(spec)
-        assert gemm_plan(dspec).pf_b
-        for i, M in enumerate((1, 7, 64, 131)):
-            run_dynamic(kernel, dspec, _dyn_spec(spec, M), seed=i)
-        module = ir.Module()
-        emit_gemm(module, "gemm_pf", dspec, dims_slot=3)
-        hot = max(_asm_blocks(module).values(),
-                  key=lambda lines: sum("vfmadd" in ln for ln in lines))
-        assert sum("prefetcht1" in ln for ln in hot) == 1
-        assert _no_spills_but_the_cadence(hot), hot
+        _check_b_prefetch_stream({}, (6, 1, "avx2"))
     finally:
         gemm_mod._plan.cache_clear()
 
