@@ -209,8 +209,15 @@ class _E:
     def clamp_keep_nan(self, a, lo: float | None, hi: float | None):
         """min(max(a, lo), hi) with NaN lanes kept: x86 vmaxps / vminps return their
         second operand where either is NaN, so the constant goes first. One instruction
-        a bound, against a compare and a blend (min_c / max_c). Only where has_scalef()
-        (a <16 x float> on an AVX-512 CPU)."""
+        a bound, against a compare and a blend (min_c / max_c): where has_scalef() (a
+        <16 x float> on an AVX-512 CPU) the AVX-512 intrinsics, elsewhere selects that
+        LLVM matches to the same vmaxps / vminps."""
+        if not self.has_scalef():
+            for bound, op in ((lo, ">"), (hi, "<")):
+                if bound is not None:
+                    c = self.c(bound)
+                    a = self.sel(self.cmp(op, c, a), c, a)
+            return a
         for name, bound in (("max", lo), ("min", hi)):
             if bound is None:
                 continue
@@ -261,14 +268,6 @@ class _E:
         r0 = self.b.shuffle_vector(halves[0], halves[1],
                                    ir.Constant(ir.VectorType(idx, 16), list(range(16))))
         return self.fma(r0, self.fma(self.neg(a), r0, self.c(1.0)), r0)
-
-    def clamp_keep_nan_sel(self, a, lo: float, hi: float):
-        """min(max(a, lo), hi), NaN kept, as selects LLVM matches to one vmaxps and one
-        vminps (x86 returns the second operand, here a, where either is NaN)."""
-        c = self.c(lo)
-        a = self.sel(self.cmp(">", c, a), c, a)
-        c = self.c(hi)
-        return self.sel(self.cmp("<", c, a), c, a)
 
     def has_scalef(self) -> bool:
         """vscalefps applies (a <16 x float> on an AVX-512 CPU)."""
@@ -401,7 +400,8 @@ def _exp_reduced_f32(e: _E, xc: ir.Value, xlo: ir.Value | None = None,
 
 
 def _exp_f32(e: _E, x: ir.Value, xlo: ir.Value | None = None,
-             special: bool = True, bounded: bool = False, scalef: bool = True) -> ir.Value:
+             special: bool = True, bounded: bool = False, scalef: bool = True,
+             coeffs: Sequence[float] = _EXP_P) -> ir.Value:
     """e^(x + xlo); ``xlo`` is an optional tiny low part (|xlo| << ulp(1)).
 
     Results below 2^-150 (x < -103.97) are 0. Producing a denormal or an
@@ -411,6 +411,7 @@ def _exp_f32(e: _E, x: ir.Value, xlo: ir.Value | None = None,
 
     ``bounded``: the caller guarantees -87 <= x <= 88 or NaN, so no clamping,
     no special cases (NaN propagates by itself) and a single scaling.
+    ``coeffs``: the polynomial of the reduced argument (_EXP_P, or the cheaper _EXP_P5).
     """
     if scalef and e.has_scalef() and (bounded or xlo is None):
         # vscalefps applies 2^k with one rounding (denormal results, 0 below 2^-150 and
@@ -419,7 +420,7 @@ def _exp_f32(e: _E, x: ir.Value, xlo: ir.Value | None = None,
         # (A low part of a clamped argument could be anything: those take the selects
         # below.)
         xc = x if bounded else e.clamp_keep_nan(x, -104.0, 89.0)
-        p, kf, _ = _exp_reduced_f32(e, xc, xlo)
+        p, kf, _ = _exp_reduced_f32(e, xc, xlo, coeffs)
         return e.scalef(p, kf)
     if bounded:
         below = None
@@ -429,7 +430,7 @@ def _exp_f32(e: _E, x: ir.Value, xlo: ir.Value | None = None,
         # above 89 the result overflows to inf by itself (no penalty); NaN is
         # clamped here and restored at the end
         xc = e.sel(below, e.c(0.0), e.min_c(x, 89.0))
-    p, kf, t = _exp_reduced_f32(e, xc, xlo)
+    p, kf, t = _exp_reduced_f32(e, xc, xlo, coeffs)
     ki = e.isub(e.bits(t), e.ci(_MAGIC32_BITS))    # k in [-150, 128]
     if bounded:                                    # k in [-126, 127]
         return e.mul(p, e.from_bits(e.ishl(e.iadd(ki, e.ci(127)), 23)))
@@ -594,10 +595,8 @@ def _sigmoid_f32(e: _E, x: ir.Value, xlo: ir.Value | None = None) -> ir.Value:
         # 0 (vrcpps flushes 1/a < 2^-126). Zen 4 under CANNC_ISA=avx2: 0.96 -> 2.90 Gelem/s
         # (test_vmath's table, L2-resident); EfficientNet-B0 x0.86 at 1 core (with
         # pool.UNROLL_CHUNKS), its SiLUs following every conv
-        xc = e.clamp_keep_nan_sel(e.neg(x), -87.3, 88.0)
-        p, kf, t = _exp_reduced_f32(e, xc, coeffs=_EXP_P5)
-        ki = e.isub(e.bits(t), e.ci(_MAGIC32_BITS))
-        ex = e.mul(p, e.from_bits(e.ishl(e.iadd(ki, e.ci(127)), 23)))
+        ex = _exp_f32(e, e.clamp_keep_nan(e.neg(x), -87.3, 88.0), bounded=True,
+                      coeffs=_EXP_P5)
         return e.recip_fast(e.add(e.c(1.0), ex))
     # t = e^-|x|;  x >= 0: 1/(1+t),  x < 0: t/(1+t)  (no overflow, no cancellation)
     if xlo is None:

@@ -448,6 +448,7 @@ class _WinoGen:
             ih0 = b.sub(b.mul(th, i64(2)), i64(g.pb[1]))
             x_n = v.gep(self.Xi, b.mul(c0, i64(HW)))
             with v.loop(tw_lo, tw_hi, 16, "tseg") as tw0:
+                st_mask = v.lanes_lt(i64(0), b.sub(tw_hi, tw0))
                 iw0 = b.sub(b.mul(tw0, i64(2)), i64(g.pb[2]))
                 # masks[i][s][h]: lanes of the load at column iw0 + 2s + 16h of patch row i
                 colm = [[b.icmp_unsigned("<", b.add(v.splat_i(b.add(iw0, i64(2 * s + 16 * h))),
@@ -483,7 +484,7 @@ class _WinoGen:
                                 v.store_v(t[k][l], v.gep(vc, (k * a + l) * p.VXS), st_mask)
 
                 if wide_registers():
-                    channels(v.lanes_lt(i64(0), b.sub(tw_hi, tw0)))
+                    channels(st_mask)
                 else:
                     # AVX2 has no cheap masked store (vmaskmovps): a segment shorter than
                     # 16 tiles writes whole vectors where they stay inside this channel's
@@ -497,7 +498,7 @@ class _WinoGen:
                         with then:
                             channels(None)
                         with otherwise:
-                            channels(v.lanes_lt(i64(0), b.sub(tw_hi, tw0)))
+                            channels(st_mask)
 
     def input_transform_gather(self, q0, npix, c0, cb):
         """Any m: 16 consecutive tiles per vector, the patch read with masked gathers."""
