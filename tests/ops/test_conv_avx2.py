@@ -128,7 +128,7 @@ def test_residual_add_on_short_channel_tiles_avx2(xs, ws, attrs):
     from onnx import TensorProto, helper, numpy_helper
 
     import cannc
-    from tests.helpers import ort_run
+    from tests.helpers import check_session, model_of
 
     rng = np.random.default_rng(sum(xs) + sum(ws))
     x = rng.standard_normal(xs).astype(np.float32)
@@ -137,22 +137,20 @@ def test_residual_add_on_short_channel_tiles_avx2(xs, ws, attrs):
     pads = attrs.get("pads", [0, 0, 0, 0])
     ys = [xs[0], ws[0], xs[2] + pads[0] + pads[2] - ws[2] + 1,
           xs[3] + pads[1] + pads[3] - ws[3] + 1]
-    g = helper.make_graph(
+    model = model_of(
         [helper.make_node("Conv", ["x", "w", "b"], ["c"], **attrs),
-         helper.make_node("Add", ["c", "r"], ["y"])], "g",
+         helper.make_node("Add", ["c", "r"], ["y"])],
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(xs)),
          helper.make_tensor_value_info("r", TensorProto.FLOAT, ys)],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ys)],
         [numpy_helper.from_array(w, "w"), numpy_helper.from_array(bias, "b")])
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     feeds = {"x": x, "r": rng.standard_normal(ys).astype(np.float32)}
     sess = cannc.compile(model, cores=2, shapes={k: v.shape for k, v in feeds.items()})
     (path,) = [k.notes["path"] for s in sess.specializations for k in s.kernels
                if "path" in k.notes]
     mr = int(path.split(" MR")[1].split()[0])
     assert "swapped" not in path and ws[0] % mr, path      # channels in rows, a short tile
-    (got,) = sess.run(None, feeds)
-    np.testing.assert_allclose(got, ort_run(model, feeds)[0], **TOL)
+    check_session(sess, model, feeds)
 
 
 @pytest.mark.parametrize("xs,ws,attrs", [
