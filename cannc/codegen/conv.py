@@ -72,7 +72,7 @@ from ..native.emit import (
     masked_load,
     masked_store,
 )
-from ..schedule.machine import fma_pipes, gemm_wide_tile, l1d_sets, l2_bytes
+from ..schedule.machine import fma_pipes, gemm_wide_tile, l1d_bytes, l1d_sets, l2_bytes
 from ..schedule.split import claim_chunks, split_even
 from .plancache import persistent
 from .vec import VF, VI32, VM, VPTR, VecBuilder, abi_function, wide_registers
@@ -417,6 +417,16 @@ SWAP_TAPS = True             # KxK convs may take the swapped orientation readin
 DIRECT_PREFETCH = True
 KC_MAX = 256         # reduction rows per block (B micro-panel 32*KC*4 bytes)
 KC_MAX_DIRECT = 512  # direct mode: the block of A (Mg x KC) should stay in L2
+# AVX2, swapped orientation: a micro-tile's k loop reads its KC x 16 weight panel and KC
+# lines of X or of the col buffer (MR pixels of a channel, broadcast one at a time: per FMA
+# twice the AVX-512 tile's broadcasts), and the next micro-tile reads them all again; at
+# KC 256 that is the whole of a 32 KiB L1 and the broadcasts wait on L2. The rows of a
+# block are kept to half of L1 (KC 128 on 32 KiB). Zen 4 under CANNC_ISA=avx2, 1 core,
+# 1x1 convs against KC 256 (or the whole reduction): 2048->512 at 7x7 75 -> 106 GF/s,
+# 512->2048 74 -> 99, 1152->192 78 -> 94, 320->1280 60 -> 75, 1024->256 at 14x14 84 -> 90,
+# 384->96 78 -> 89; 576->96 level. KC 192 gained a third as much; AVX-512 (twice the
+# FMAs per broadcast) level or 1-2% slower at KC 128
+SWAP_KC_L1_SHARE = 0.5
 P_MAX = 256          # pixels per block
 # output channel rows a tile of the normal orientation writes at a time where a fused
 # epilogue reads a tensor of the output's shape (a residual Add): the micro-tiles walk
@@ -782,6 +792,8 @@ def _plan_conv(geom: ConvGeom, const_weights: bool, cores: int, tun: dict,
         return _plan_conv(geom, const_weights, cores, {**tun, **force}, reads)
     # reduction blocks of whole input channels
     kcmax = tun.get("KC", KC_MAX_DIRECT if direct and not swap else KC_MAX)
+    if swap and not wide and "KC" not in tun:
+        kcmax = min(kcmax, swap_kc_avx2(16 * NV))
     if ("KC" not in tun and direct and geom.pointwise and 4 * geom.DHW >= FAR_PLANES_BYTES
             and K > 2 * FAR_PLANES_KC):
         kcmax = FAR_PLANES_KC
@@ -823,6 +835,13 @@ ROWS_OUTER_MIN_PIXELS = 2048
 # 192->32 at 28x28 0.062 -> 0.072. The swapped orientation's choices (14x14, 7x7) beat
 # panels everywhere they were measured (256->1024 at 14x14 0.591 vs 0.724)
 PANELS_MIN_M = 64
+
+
+def swap_kc_avx2(NR: int) -> int:
+    """Reduction rows of a swapped AVX2 block whose weight panel (NR floats a row) and
+    lines of X (one a row) fill SWAP_KC_L1_SHARE of L1, in multiples of 16."""
+    line = l1d_sets()[1]
+    return max(16, int(l1d_bytes() * SWAP_KC_L1_SHARE) // (4 * NR + line) // 16 * 16)
 
 
 def rows_outer_default(geom: ConvGeom, nkb: int, KC: int, CH: int) -> bool:

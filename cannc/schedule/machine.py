@@ -247,6 +247,12 @@ def gemm_wide_tile(pipes: int | None = None) -> bool:
 
 
 @lru_cache(maxsize=1)
+def l1d_bytes() -> int:
+    """This core's L1 data cache (32 KiB where sysfs does not say)."""
+    return cache_sizes().get(1, 32 << 10)
+
+
+@lru_cache(maxsize=1)
 def l2_bytes() -> int:
     """This core's L2 (1 MiB where sysfs does not say): read once, planners ask often."""
     return cache_sizes().get(2, 1 << 20)

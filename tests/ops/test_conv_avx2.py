@@ -168,3 +168,23 @@ def test_depthwise_one_vector_a_row_avx2(xs, ws, attrs):
         s=(1, s, s), pb=(0, attrs["pads"][0], attrs["pads"][1])))
     assert plan.flat is None and plan.V == 1 and plan.R > 1 and plan.chunks > 1
     check_op("Conv", conv_inputs(xs, ws), const_inputs=(1, 2), **TOL, **attrs)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["reads-x", "im2col"])
+def test_swapped_reduction_blocks_fit_half_of_l1_avx2(monkeypatch, direct):
+    """AVX2's swapped micro-tiles reduce in blocks whose weight panel and lines of X fill
+    half of L1 (conv.swap_kc_avx2: 128 rows on 32 KiB): a 7x7 1x1 conv of 300 input
+    channels takes 3 blocks, their partial sums carried through the workspace."""
+    from cannc.codegen import conv as conv_codegen
+    monkeypatch.setattr(conv_codegen, "l1d_bytes", lambda: 32 << 10)
+    assert conv_codegen.swap_kc_avx2(16) == 128
+    monkeypatch.setattr(conv_codegen, "l1d_bytes", lambda: 48 << 10)
+    assert conv_codegen.swap_kc_avx2(16) == 192
+    monkeypatch.setattr(conv_codegen, "l1d_bytes", lambda: 32 << 10)
+    tuning = dict(swap=True, MR=6, direct=direct)
+    g = conv_codegen.ConvGeom(N=1, C=300, M=40, G=1, isz=(1, 7, 7), osz=(1, 7, 7),
+                              k=(1, 1, 1))
+    plan = conv_codegen.plan_conv(g, tuning=tuning)
+    assert plan.swap and plan.direct == direct and plan.KC == 100 and plan.nkb == 3, plan
+    monkeypatch.setattr(conv_codegen, "FORCE_TUNING", tuning)
+    check_op("Conv", conv_inputs((1, 300, 7, 7), (40, 300, 1, 1)), const_inputs=(1, 2), **TOL)
