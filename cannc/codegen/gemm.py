@@ -791,7 +791,10 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
 
     # N blocking: the KC x NC block of B stays in L2 next to the MC x KC block of A
     # while the row panels of A stream past it (1024^3: +10% over NC = N)
-    NC = _nc_for(KC, NR) if b_mode != "dot" else 4096
+    # (in whole B panels that fit the block: AVX2's 16-column tile reads half panels, and
+    # a block rounded up to the next panel overflowed it: 1024^3 NC 64 -> 32 x0.97-0.99,
+    # as gemm_dims chooses for a dynamic kernel)
+    NC = _nc_for(KC, _grid_nr(NR, b_mode)) if b_mode != "dot" else 4096
     if dp:
         NC *= 2  # (bf16 panels: half the bytes)
     if cvt_a:
