@@ -301,7 +301,8 @@ def test_two_cores_keep_to_their_own_lines_of_y():
     assert cc.split_reads(g, 2, 102, 1, 2) == 0
     assert cc.split_reads(g, 2, 102, 2, 2) == 0                    # tiles 0-1 | 2-3
     p = cc.plan_conv(g)
-    assert p.swap and cc.shared_lines(g, p.PB, p.P, p.MB, 2) == 0, p
+    # (AVX2 keeps the normal orientation here: SWAP_OUT_COST_AVX2)
+    assert p.swap == cc.wide_registers() and cc.shared_lines(g, p.PB, p.P, p.MB, 2) == 0, p
     g = geom(384, 64, 14)
     p = cc.plan_conv(g)
     assert cc.split_reads(g, p.PB, p.P, p.MB, 2) == 0, p
@@ -501,7 +502,9 @@ def test_window_plans_pad_rows_where_masks_cost_most():
         return pool.plan_window(pool.WindowSpec(kind="dw", N=1, C=c, M=c, isz=(1, hw, hw),
                                                 osz=(1, o, o), k=(1, k, k), s=(1, s, s),
                                                 pb=(0, k // 2, k // 2)))
-    assert plan(14, 5, 1).padded and plan(14, 3, 1).padded
+    # (AVX2's steps of R <= 3 rows leave most of a 14x14 plane's steps inside it: its 3x3
+    # windows read X in place; padded was 5% faster alone, up to 20% slower in MobileNetV2)
+    assert plan(14, 5, 1).padded and plan(14, 3, 1).padded == pool.wide_registers()
     assert plan(28, 7, 1).padded and plan(56, 5, 1).padded
     assert not plan(56, 3, 1).padded and not plan(56, 3, 1).s2
     assert not plan(7, 5, 1).padded                 # one step per plane
@@ -509,6 +512,11 @@ def test_window_plans_pad_rows_where_masks_cost_most():
     assert big.padded and 0 < big.ws_bytes <= pool.PAD_BYTES and big.nrb > 1
     for hw, k in ((56, 5), (56, 3), (28, 3), (14, 3), (300, 5)):
         p = plan(hw, k, 2)
+        if (hw, k) == (56, 5) and not pool.wide_registers():
+            # (AVX2: 5x5 stride 2 on 56x56 steps one vector a row, padded: see
+            # test_depthwise_one_vector_a_row_avx2)
+            assert p.V == 1 and not p.s2 and p.padded, (hw, k)
+            continue
         assert p.s2 and not p.padded and p.ws_bytes == 0, (hw, k)
     assert not plan(14, 5, 2).s2                    # 7 columns, 25 taps: per tap
     assert not pool.plan_window(pool.WindowSpec(
