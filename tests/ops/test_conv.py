@@ -502,9 +502,9 @@ def test_window_plans_pad_rows_where_masks_cost_most():
         return pool.plan_window(pool.WindowSpec(kind="dw", N=1, C=c, M=c, isz=(1, hw, hw),
                                                 osz=(1, o, o), k=(1, k, k), s=(1, s, s),
                                                 pb=(0, k // 2, k // 2)))
-    # (AVX2's steps of R <= 3 rows leave most of a 14x14 plane's steps inside it: its 3x3
-    # windows read X in place; padded was 5% faster alone, up to 20% slower in MobileNetV2)
-    assert plan(14, 5, 1).padded and plan(14, 3, 1).padded == pool.wide_registers()
+    # (AVX2 steps one padded row at a time over rows narrower than a vector)
+    assert plan(14, 5, 1).padded and plan(14, 3, 1).padded
+    assert pool.wide_registers() or plan(14, 3, 1).R == 1
     assert plan(28, 7, 1).padded and plan(56, 5, 1).padded
     assert not plan(56, 3, 1).padded and not plan(56, 3, 1).s2
     assert not plan(7, 5, 1).padded                 # one step per plane

@@ -42,6 +42,8 @@ AVX2_CONV = [c for i, c in enumerate(CONV_CASES) if i % 3 == 0] + [
     ((1, 16, 19, 21), (24, 16, 3, 3), dict(pads=[1, 1, 1, 1])),
     ((2, 8, 33, 17), (12, 8, 5, 5), dict(pads=[2, 2, 2, 2])),
     ((1, 32, 14, 14), (32, 1, 3, 3), dict(group=32, pads=[1, 1, 1, 1])),
+    # rows narrower than a vector: one padded row a step (pool.plan_window), uneven pads
+    ((2, 6, 13, 15), (6, 1, 3, 3), dict(group=6, pads=[0, 1, 2, 0])),
     # stride 2 by column phase (pool.s2_rows): the even/odd splits and lane rotations
     ((1, 3, 9, 300), (3, 1, 5, 5), dict(group=3, pads=[2, 2, 2, 2], strides=[2, 2])),
     ((2, 5, 23, 45), (5, 1, 3, 3), dict(group=5, pads=[1, 0, 2, 1], strides=[2, 2])),
