@@ -42,8 +42,6 @@ AVX2_CONV = [c for i, c in enumerate(CONV_CASES) if i % 3 == 0] + [
     ((1, 16, 19, 21), (24, 16, 3, 3), dict(pads=[1, 1, 1, 1])),
     ((2, 8, 33, 17), (12, 8, 5, 5), dict(pads=[2, 2, 2, 2])),
     ((1, 32, 14, 14), (32, 1, 3, 3), dict(group=32, pads=[1, 1, 1, 1])),
-    # rows narrower than a vector: one padded row a step (pool.plan_window), uneven pads
-    ((2, 6, 13, 15), (6, 1, 3, 3), dict(group=6, pads=[0, 1, 2, 0])),
     # stride 2 by column phase (pool.s2_rows): the even/odd splits and lane rotations
     ((1, 3, 9, 300), (3, 1, 5, 5), dict(group=3, pads=[2, 2, 2, 2], strides=[2, 2])),
     ((2, 5, 23, 45), (5, 1, 3, 3), dict(group=5, pads=[1, 0, 2, 1], strides=[2, 2])),
@@ -190,3 +188,24 @@ def test_swapped_reduction_blocks_fit_half_of_l1_avx2(monkeypatch, direct):
     assert plan.swap and plan.direct == direct and plan.KC == 100 and plan.nkb == 3, plan
     monkeypatch.setattr(conv_codegen, "FORCE_TUNING", tuning)
     check_op("Conv", conv_inputs((1, 300, 7, 7), (40, 300, 1, 1)), const_inputs=(1, 2), **TOL)
+
+
+@pytest.mark.parametrize("xs,ws,attrs,padded", [
+    ((1, 6, 14, 14), (6, 1, 3, 3), dict(group=6, pads=[1, 1, 1, 1]), True),
+    ((2, 6, 13, 15), (6, 1, 3, 3), dict(group=6, pads=[0, 1, 2, 0]), True),
+    ((1, 5, 14, 14), (5, 1, 5, 5), dict(group=5, pads=[2, 2, 2, 2], strides=[2, 2]), True),
+    ((1, 7, 14, 13), (7, 1, 3, 3), dict(group=7, pads=[1, 1, 1, 1], strides=[2, 2]), False),
+])
+def test_depthwise_narrow_rows_one_row_a_step_avx2(xs, ws, attrs, padded):
+    """AVX2 depthwise convs over input rows narrower than a vector step one output row
+    at a time (pool.plan_window): 3x3 at stride 1 from padded rows, stride 2 as its plan
+    reads them (5x5 padded, 3x3 by column phase)."""
+    from cannc.codegen import pool
+    s = attrs.get("strides", [1, 1])[0]
+    p = attrs["pads"]
+    o = [(xs[2 + i] + p[i] + p[i + 2] - ws[2 + i]) // s + 1 for i in (0, 1)]
+    plan = pool.plan_window(pool.WindowSpec(
+        kind="dw", N=1, C=xs[1], M=ws[0], isz=(1,) + xs[2:], osz=(1, *o), k=(1,) + ws[2:],
+        s=(1, s, s), pb=(0, p[0], p[1])))
+    assert plan.R == 1 and plan.V == 1 and plan.padded == padded, plan
+    check_op("Conv", conv_inputs(xs, ws), const_inputs=(1, 2), **TOL, **attrs)
