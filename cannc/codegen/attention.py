@@ -449,15 +449,16 @@ def attention_precision_note(spec, tuning: dict | None = None) -> str:
 
 
 @lru_cache(maxsize=256)
-def _plan(spec: AttnSpec | AttnForm, tuning: tuple = ()) -> AttnPlan:
+def _plan(spec: AttnSpec | AttnForm, tuning: tuple = (), wide: bool = True) -> AttnPlan:
     """The plan of a static spec, or of a form (runtime B, Sq, Sk: ``nq`` = 0, and
     with ``scope='bh'`` K^T is packed in panels of KB keys, ``ldk`` = KB, with V
-    after it at a runtime offset; ``ws_bytes`` is then the fixed part)."""
+    after it at a runtime offset; ``ws_bytes`` is then the fixed part), for AVX-512's
+    32 registers (``wide``) or AVX2's 16 (a key of the cache: a process whose target
+    changes, as the AVX2 tests make it, gets the plans of each)."""
     tun = dict(tuning)
     poly = isinstance(spec, AttnForm)
     Sq = 1 << 30 if poly else spec.Sq   # a form plans for long sequences
     nvd = _cdiv(spec.Dv, 16)
-    wide = wide_registers()
     v_chunks = tun.get("v_chunks")
     if v_chunks is None:
         v_chunks = _chunks(nvd, tun.get("NV_v", 6 if wide else 2))
@@ -639,7 +640,7 @@ def attention_plan(spec: AttnSpec, tuning: dict | None = None) -> AttnPlan:
     """Blocking decisions for ``spec``; ``tuning`` overrides them (MQ, KB, MR_s,
     NV_s, MR_v, NV_v, v_chunks, k_mode, v_mode, scope, zigzag, unroll_d, unroll_j,
     prefetch_q, prefetch_o, prefetch_k)."""
-    return _plan(spec, _tuning_key(tuning))
+    return _plan(spec, _tuning_key(tuning), wide_registers())
 
 
 def attention_num_tiles(spec: AttnSpec, tuning: dict | None = None) -> int:

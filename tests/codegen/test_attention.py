@@ -737,19 +737,20 @@ def test_avx2_whole_and_short_key_chunks(monkeypatch, kt):
     masks; static specs and the polymorphic form, every layout of K."""
     from cannc.codegen import attention as attn_mod
     from tests.helpers import restrict_host_to_avx2
+    spec = dense(1, 12, 128, 128, 32, scale=0.2)
+    wide_plan = attention_plan(spec)
     restrict_host_to_avx2(monkeypatch)
-    attn_mod._plan.cache_clear()      # (plans are cached per spec, not per ISA)
-    try:
-        for shape in ((1, 2, 13, 13, 33, 33), (2, 1, 33, 150, 16, 48),
-                      (1, 1, 129, 130, 64, 64), (4, 3, 1, 200, 64, 64)):
-            B, H, Sq, Sk, D, Dv = shape
-            spec = dense(B, H, Sq, Sk, D, Dv, k_transposed=kt, scale=1.0 / np.sqrt(D))
-            assert attention_plan(spec).NV_s == 1
-            check_spec(spec, seed=sum(shape))
-        check_form([dense(B, 2, S, S, 40, k_transposed=kt, scale=0.2) for B, S in RUNTIME_SIZES])
-        check_form([bert_layout(B, 3, S, S, 32, scale=1 / np.sqrt(32)) for B, S in RUNTIME_SIZES])
-    finally:
-        attn_mod._plan.cache_clear()
+    # (the plans are cached per spec and register file: AVX2's are its own)
+    assert attention_plan(spec) is attn_mod._plan(spec, (), False)
+    assert attention_plan(spec).NV_s == 1 < wide_plan.NV_s
+    for shape in ((1, 2, 13, 13, 33, 33), (2, 1, 33, 150, 16, 48),
+                  (1, 1, 129, 130, 64, 64), (4, 3, 1, 200, 64, 64)):
+        B, H, Sq, Sk, D, Dv = shape
+        spec = dense(B, H, Sq, Sk, D, Dv, k_transposed=kt, scale=1.0 / np.sqrt(D))
+        assert attention_plan(spec).NV_s == 1
+        check_spec(spec, seed=sum(shape))
+    check_form([dense(B, 2, S, S, 40, k_transposed=kt, scale=0.2) for B, S in RUNTIME_SIZES])
+    check_form([bert_layout(B, 3, S, S, 32, scale=1 / np.sqrt(32)) for B, S in RUNTIME_SIZES])
 
 
 def test_form_cross_attention_and_masks():
