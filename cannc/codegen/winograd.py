@@ -209,6 +209,12 @@ SCATTER_COST = 400.0     # one 16-lane scatter (output)
 # Zen 3) and its gathers are two ymm gathers
 SCATTER_COST_AVX2 = 5 * SCATTER_COST
 GATHER_COST_AVX2 = 2 * GATHER_COST
+# F(2,3) writes its outputs by 16 x 16 transposes (output_transform_rows), not scatters:
+# with AVX2 they took 1.8x AVX-512's time (Zen 4, 64->64 at 56x56, the output transform
+# patched out: 146 against 82 us). Charged as 5 scatters, the 3x3 convs of 512 channels
+# at 7x7 (ResNet-18's, -50's) took the implicit GEMM, which ran them 1.36x slower alone
+# (Zen 4 under CANNC_ISA=avx2: 2.49 ms, Winograd 1.84)
+OUT_ROWS_COST_AVX2 = 2 * SCATTER_COST
 VOP_COST = 30.0          # one vector add / fma / load / store
 TILE_COST = 3000.0       # per kernel tile
 # workspace per core (V + Z) at most the core's L2 (Zen 4, 1 MiB: workspaces of 914-962
@@ -250,7 +256,7 @@ def _plan_winograd(geom: ConvGeom, cores: int, tun: dict) -> WinoPlan:
     best = None
     mrs = [tun["MR"]] if "MR" in tun else ([8, 7, 6, 5] if wide else [6, 5, 4])
     gather = GATHER_COST if wide else GATHER_COST_AVX2
-    scatter = SCATTER_COST if wide else SCATTER_COST_AVX2
+    scatter = SCATTER_COST if wide else OUT_ROWS_COST_AVX2 if m == 2 else SCATTER_COST_AVX2
     ws_max = int(WS_L2_SHARE * l2_bytes())
     for MR in mrs:
         # (fewer rows a micro-tile run slower, as in the conv planner's MR_EFFICIENCY)
