@@ -45,7 +45,11 @@ STEM_MAX_TAPS = 121
 STEM_ROW_TILES = 14      # an image's output rows are cut in about this many tiles
 STEM_MAX_R = 8           # output rows a tile at most
 STEM_MR, STEM_NV = 4, 4  # micro-tile: output channels x vectors of 16 pixels (plan_stem)
-STEM_MR_AVX2, STEM_NV_AVX2 = 2, 2   # (16 ymm registers, a <16 x float> taking two)
+# AVX2 (16 ymm registers, a <16 x float> taking two): 2 x 3, 12 ymm accumulators. Zen 4
+# under CANNC_ISA=avx2, 1 core, against 2 x 2: 7x7/2 3->64 2680-2747 -> 2483-2569 us,
+# 3x3/2 3->32 244.6 -> 232.1 (4 x 1 230.7, but 2681 on the 7x7; 3 x 2 and 2 x 4 spill,
+# 10-25% slower)
+STEM_MR_AVX2, STEM_NV_AVX2 = 2, 3
 
 STEM_PREFETCH_NEXT_ROW = True
 STEM_PREFETCH_X = True

@@ -160,8 +160,14 @@ def test_stem_conv_fused_epilogue_dynamic_batch(forced):
 
 
 def test_stem_conv_avx2(forced, monkeypatch):
+    """AVX2's 2 x 3 micro-tiles: rows of 2-5 vectors (blocks of 3 and the rest, a
+    masked last vector), 1-2 channels past the last whole tile."""
     restrict_host_to_avx2(monkeypatch)
-    for xs, ws, attrs in CASES[:3]:
+    g = ConvGeom(N=1, C=3, M=64, G=1, isz=(1, 224, 224), osz=(1, 112, 112), k=(1, 7, 7),
+                 s=(1, 2, 2), pb=(0, 3, 3))
+    p = stemconv.plan_stem(g, {})
+    assert (p.MR, p.NV) == (2, 3), p
+    for xs, ws, attrs in CASES[:3] + [CASES[5], CASES[7]]:
         m, feeds = single_node_model("Conv", _inputs(xs, ws), const_inputs=(1, 2), **attrs)
         assert_matches_ort(m, feeds, rtol=1e-4, atol=1e-5)
 
