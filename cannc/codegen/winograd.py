@@ -67,6 +67,7 @@ from .conv import (
     distinct_splits,
     rup,
     store_channel_columns,
+    swap_kc_avx2,
 )
 from .plancache import persistent
 from .vec import VF, VPTR, abi_function, wide_registers
@@ -251,7 +252,11 @@ def _plan_winograd(geom: ConvGeom, cores: int, tun: dict) -> WinoPlan:
     wide = wide_registers()
     NV = tun.get("NV", default_nv(M, wide))
     NR = 16 * NV
-    nkb = cdiv(C, tun.get("CB", 256))
+    # reduction blocks: AVX2's point GEMMs broadcast from V as the swapped conv does from
+    # X, and keep their blocks to half of L1 likewise (conv.swap_kc_avx2). Zen 4 under
+    # CANNC_ISA=avx2, plans otherwise equal: 256->256 at 14x14 CB 256 -> 128 1165 -> 1110
+    # us, 512->512 at 7x7 1557 -> 1527; ResNet-18 / -50 x0.99 (quiet guest)
+    nkb = cdiv(C, tun.get("CB", 256 if wide else min(256, swap_kc_avx2(NR))))
     CB = cdiv(C, nkb)
     best = None
     mrs = [tun["MR"]] if "MR" in tun else ([8, 7, 6, 5] if wide else [6, 5, 4])

@@ -229,6 +229,20 @@ def test_winograd_tile_ranges_and_workspace(monkeypatch, isa):
     np.testing.assert_allclose(a, ort_run(m, feeds)[0], **TOL)
 
 
+def test_avx2_reduction_blocks_fit_half_of_l1(monkeypatch):
+    """AVX2 plans reduce in blocks of at most conv.swap_kc_avx2 channels (128 on a
+    32 KiB L1), as the swapped conv does; AVX-512 keeps blocks of 256."""
+    from cannc.codegen import conv as conv_codegen
+    g = ConvGeom(N=1, C=256, M=256, G=1, isz=(1, 14, 14), osz=(1, 14, 14), k=(1, 3, 3),
+                 pb=(0, 1, 1))
+    if wg.wide_registers():
+        assert wg._plan_winograd(g, 2, {}).CB == 256
+    restrict_host_to_avx2(monkeypatch)
+    monkeypatch.setattr(conv_codegen, "l1d_bytes", lambda: 32 << 10)
+    p = wg._plan_winograd(g, 2, {})
+    assert (p.CB, p.nkb) == (128, 2), p
+
+
 # ---------------------------------------------------------------------------
 # selection
 # ---------------------------------------------------------------------------
