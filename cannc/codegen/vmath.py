@@ -595,8 +595,18 @@ def _sigmoid_f32(e: _E, x: ir.Value, xlo: ir.Value | None = None) -> ir.Value:
         # 0 (vrcpps flushes 1/a < 2^-126). Zen 4 under CANNC_ISA=avx2: 0.96 -> 2.90 Gelem/s
         # (test_vmath's table, L2-resident); EfficientNet-B0 x0.86 at 1 core (with
         # pool.UNROLL_CHUNKS), its SiLUs following every conv
-        ex = _exp_f32(e, e.clamp_keep_nan(e.neg(x), -87.3, 88.0), bounded=True,
-                      coeffs=_EXP_P5)
+        # e^-x without negating x: the reduction's constants negated (k = round(-x/ln2),
+        # r = -x - k ln2 by vfnmsub), one instruction fewer a ymm half
+        xc = e.clamp_keep_nan(x, -88.0, 87.3)
+        t = e.fma(xc, e.c(-_LOG2E), e.c(_MAGIC32))     # magic + round(-x / ln2)
+        kf = e.sub(t, e.c(_MAGIC32))
+        r = e.fma(kf, e.c(-_LN2_HI), e.neg(xc))
+        r = e.fma(kf, e.c(-_LN2_LO), r)
+        p = e.horner(r, _EXP_P5)
+        p = e.fma(p, r, e.c(1.0))
+        p = e.fma(p, r, e.c(1.0))
+        ki = e.isub(e.bits(t), e.ci(_MAGIC32_BITS))    # k in [-126, 127]
+        ex = e.mul(p, e.from_bits(e.ishl(e.iadd(ki, e.ci(127)), 23)))
         return e.recip_fast(e.add(e.c(1.0), ex))
     # t = e^-|x|;  x >= 0: 1/(1+t),  x < 0: t/(1+t)  (no overflow, no cancellation)
     if xlo is None:
