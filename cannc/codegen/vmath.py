@@ -384,12 +384,13 @@ _SQRT_HALF_BITS64 = 0x3FE6A09E667F3BCD
 # ---------------------------------------------------------------------------
 
 def _exp_reduced_f32(e: _E, xc: ir.Value, xlo: ir.Value | None = None,
-                     coeffs: Sequence[float] = _EXP_P):
+                     coeffs: Sequence[float] = _EXP_P, negate: bool = False):
     """(p, k, magic + k): e^(xc + xlo) = p * 2^k, k = round(xc / ln2) as a float, p the
-    polynomial of the reduced argument (in [sqrt(1/2), sqrt(2)])."""
-    t = e.fma(xc, e.c(_LOG2E), e.c(_MAGIC32))      # magic + round(x / ln2)
+    polynomial of the reduced argument (in [sqrt(1/2), sqrt(2)]). ``negate``: of e^-xc
+    instead, the reduction's constants negated (the negation folds into a vfnmsub)."""
+    t = e.fma(xc, e.c(-_LOG2E if negate else _LOG2E), e.c(_MAGIC32))  # magic + round(x/ln2)
     kf = e.sub(t, e.c(_MAGIC32))
-    r = e.fma(kf, e.c(-_LN2_HI), xc)               # exact
+    r = e.fma(kf, e.c(-_LN2_HI), e.neg(xc) if negate else xc)         # exact
     r = e.fma(kf, e.c(-_LN2_LO), r)
     if xlo is not None:
         r = e.add(r, xlo)
@@ -401,7 +402,7 @@ def _exp_reduced_f32(e: _E, xc: ir.Value, xlo: ir.Value | None = None,
 
 def _exp_f32(e: _E, x: ir.Value, xlo: ir.Value | None = None,
              special: bool = True, bounded: bool = False, scalef: bool = True,
-             coeffs: Sequence[float] = _EXP_P) -> ir.Value:
+             coeffs: Sequence[float] = _EXP_P, negate: bool = False) -> ir.Value:
     """e^(x + xlo); ``xlo`` is an optional tiny low part (|xlo| << ulp(1)).
 
     Results below 2^-150 (x < -103.97) are 0. Producing a denormal or an
@@ -412,7 +413,9 @@ def _exp_f32(e: _E, x: ir.Value, xlo: ir.Value | None = None,
     ``bounded``: the caller guarantees -87 <= x <= 88 or NaN, so no clamping,
     no special cases (NaN propagates by itself) and a single scaling.
     ``coeffs``: the polynomial of the reduced argument (_EXP_P, or the cheaper _EXP_P5).
+    ``negate``: e^-x instead (bounded only, with -x within the bounds above).
     """
+    assert bounded or not negate
     if scalef and e.has_scalef() and (bounded or xlo is None):
         # vscalefps applies 2^k with one rounding (denormal results, 0 below 2^-150 and
         # inf above the range included) and NaN propagates through it: only the
@@ -420,7 +423,7 @@ def _exp_f32(e: _E, x: ir.Value, xlo: ir.Value | None = None,
         # (A low part of a clamped argument could be anything: those take the selects
         # below.)
         xc = x if bounded else e.clamp_keep_nan(x, -104.0, 89.0)
-        p, kf, _ = _exp_reduced_f32(e, xc, xlo, coeffs)
+        p, kf, _ = _exp_reduced_f32(e, xc, xlo, coeffs, negate)
         return e.scalef(p, kf)
     if bounded:
         below = None
@@ -430,7 +433,7 @@ def _exp_f32(e: _E, x: ir.Value, xlo: ir.Value | None = None,
         # above 89 the result overflows to inf by itself (no penalty); NaN is
         # clamped here and restored at the end
         xc = e.sel(below, e.c(0.0), e.min_c(x, 89.0))
-    p, kf, t = _exp_reduced_f32(e, xc, xlo, coeffs)
+    p, kf, t = _exp_reduced_f32(e, xc, xlo, coeffs, negate)
     ki = e.isub(e.bits(t), e.ci(_MAGIC32_BITS))    # k in [-150, 128]
     if bounded:                                    # k in [-126, 127]
         return e.mul(p, e.from_bits(e.ishl(e.iadd(ki, e.ci(127)), 23)))
@@ -589,24 +592,15 @@ def _sigmoid_f32(e: _E, x: ir.Value, xlo: ir.Value | None = None) -> ir.Value:
         p, kf, _ = _exp_reduced_f32(e, e.neg(xc), coeffs=_EXP_P5)
         return e.div(e.c(1.0), e.add(e.c(1.0), e.scalef(p, kf)))
     if xlo is None and e.ty == _V16F and not _has_avx512():
-        # AVX2: 1 / (1 + e^-x) as above, e^-x by the bounded exp (one scaling: -x clamped
-        # to [-87.3, 88], NaN kept) and the reciprocal by vrcpps and a Newton step, not
-        # vdivps. Below x = -87.3 the result is denormal in exact arithmetic; here it is
-        # 0 (vrcpps flushes 1/a < 2^-126). Zen 4 under CANNC_ISA=avx2: 0.96 -> 2.90 Gelem/s
-        # (test_vmath's table, L2-resident); EfficientNet-B0 x0.86 at 1 core (with
-        # pool.UNROLL_CHUNKS), its SiLUs following every conv
-        # e^-x without negating x: the reduction's constants negated (k = round(-x/ln2),
-        # r = -x - k ln2 by vfnmsub), one instruction fewer a ymm half
-        xc = e.clamp_keep_nan(x, -88.0, 87.3)
-        t = e.fma(xc, e.c(-_LOG2E), e.c(_MAGIC32))     # magic + round(-x / ln2)
-        kf = e.sub(t, e.c(_MAGIC32))
-        r = e.fma(kf, e.c(-_LN2_HI), e.neg(xc))
-        r = e.fma(kf, e.c(-_LN2_LO), r)
-        p = e.horner(r, _EXP_P5)
-        p = e.fma(p, r, e.c(1.0))
-        p = e.fma(p, r, e.c(1.0))
-        ki = e.isub(e.bits(t), e.ci(_MAGIC32_BITS))    # k in [-126, 127]
-        ex = e.mul(p, e.from_bits(e.ishl(e.iadd(ki, e.ci(127)), 23)))
+        # AVX2: 1 / (1 + e^-x) as above, e^-x by the bounded exp (one scaling: x clamped
+        # to [-88, 87.3], NaN kept; the reduction negates its constants, not x, one
+        # instruction fewer a ymm half) and the reciprocal by vrcpps and a Newton step,
+        # not vdivps. Below x = -87.3 the result is denormal in exact arithmetic; here it
+        # is 0 (vrcpps flushes 1/a < 2^-126). Zen 4 under CANNC_ISA=avx2: 0.96 -> 2.90
+        # Gelem/s (test_vmath's table, L2-resident); EfficientNet-B0 x0.86 at 1 core
+        # (with pool.UNROLL_CHUNKS), its SiLUs following every conv
+        ex = _exp_f32(e, e.clamp_keep_nan(x, -88.0, 87.3), bounded=True, coeffs=_EXP_P5,
+                      negate=True)
         return e.recip_fast(e.add(e.c(1.0), ex))
     # t = e^-|x|;  x >= 0: 1/(1+t),  x < 0: t/(1+t)  (no overflow, no cancellation)
     if xlo is None:
