@@ -214,18 +214,15 @@ def plan_window(spec: WindowSpec, cores: int = 2) -> WindowPlan:
     rmax = max(1, min(rows, acc // V))
     R = min(range(max(1, rmax // 2 + 1), rmax + 1), key=lambda r: (rup(rows, r), -r))
     # AVX2 depthwise over input rows narrower than a vector (14x14): one output row a
-    # step, where every in-place load of the one-vector steps is a vmaskmovps. 3x3 at
-    # stride 1 from padded rows (pad_rows), so that no load is masked. Zen 4 under
-    # CANNC_ISA=avx2, depthwise alone, 1 core, against two rows a step: 3x3 384 channels
-    # 40.0 -> 35.0 us, 576 59.5 -> 51.6 (two padded rows 38.0 / 56.4); stride 2 (7x7
-    # out) 3x3 576 60.6 -> 43.7, 5x5 672 114 -> 86 and 210 -> 125. 5x5 at stride 1 keeps
-    # two rows (480: 139 -> 150 with one). Three rows were slower wherever they waste one
-    narrow = (not wide and spec.kind == "dw" and spec.k[0] == 1 and spec.osz[0] == 1
-              and spec.isz[2] < 16 and spec.osz[1] > 1
-              and (spec.s[2] == 2 or (spec.s[2] == 1 and spec.k[2] <= 3)))
-    if narrow:
+    # step, where every in-place load of the one-vector steps is a vmaskmovps (3x3 at
+    # stride 1 from padded rows, pad_rows). Zen 4 under CANNC_ISA=avx2, depthwise alone,
+    # 1 core, against two rows a step: 3x3 384 channels 40.0 -> 35.0 us, 576 59.5 -> 51.6
+    # (two padded rows 38.0 / 56.4); stride 2 (7x7 out) 3x3 576 60.6 -> 43.7, 5x5 672
+    # 114 -> 86 and 210 -> 125. 5x5 at stride 1 keeps two rows (480: 139 -> 150 with
+    # one). Three rows were slower wherever they waste one
+    if (narrow_rows(spec) and spec.osz[0] == 1 and spec.osz[1] > 1
+            and (spec.s[2] == 2 or (spec.s[2] == 1 and spec.k[2] <= 3))):
         R = 1
-    pad_narrow = narrow and spec.s[2] == 1 and PAD_ROWS
     planes = spec.N * spec.M
     # enough tiles for the cores to balance, each at least ~2 KFLOP of work
     per_row = OW * spec.KK
@@ -237,7 +234,7 @@ def plan_window(spec: WindowSpec, cores: int = 2) -> WindowPlan:
     nrb = cdiv(rows, RB)
     plan = WindowPlan(V=V, chunks=chunks, R=R, RB=RB, nrb=nrb, num_tiles=planes * nrb,
                       s2=s2_rows(spec, V))
-    if not plan.s2 and (pad_narrow or pad_rows(spec, plan)):
+    if not plan.s2 and pad_rows(spec, plan):
         # row blocks whose copy stays in L1 (PAD_BYTES), R rows at a time
         while RB > R and PaddedRows.of(spec, RB, R, chunks * V * 16).nbytes(spec) > PAD_BYTES:
             RB -= R
@@ -246,6 +243,13 @@ def plan_window(spec: WindowSpec, cores: int = 2) -> WindowPlan:
         plan = replace(plan, RB=RB, nrb=nrb, num_tiles=planes * nrb, pad=pr,
                        ws_bytes=pr.nbytes(spec))
     return plan
+
+
+def narrow_rows(spec: WindowSpec) -> bool:
+    """An AVX2 depthwise window of one 2-D plane whose input rows are narrower than a
+    vector: its one-vector steps load every row under a mask (vmaskmovps)."""
+    return (not wide_registers() and spec.kind == "dw" and spec.k[0] == 1
+            and spec.isz[2] < 16)
 
 
 def pad_rows(spec: WindowSpec, plan: WindowPlan) -> bool:
@@ -265,6 +269,8 @@ def pad_rows(spec: WindowSpec, plan: WindowPlan) -> bool:
         return True
     if spec.s[2] == 2:
         return False
+    if narrow_rows(spec) and spec.k[2] <= 3:
+        return True     # (one row a step, see plan_window: no load of a step is masked)
     OH, sh, dh, ph, H = spec.osz[1], spec.s[1], spec.d[1], spec.pb[1], spec.isz[1]
     steps = cdiv(OH, plan.R)
     inner = sum(1 for r0 in range(0, OH, plan.R)
