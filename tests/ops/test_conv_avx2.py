@@ -74,6 +74,17 @@ def test_window_column_chunks_avx2(op, xs, attrs):
     window_chunks_case(op, xs, attrs)
 
 
+def _dw_plan(xs, ws, attrs):
+    """pool.plan_window of the depthwise Conv of input shape xs, weights ws, ONNX attrs."""
+    from cannc.codegen import pool
+    s = attrs.get("strides", [1, 1])[0]
+    p = attrs["pads"]
+    o = [(xs[2 + i] + p[i] + p[i + 2] - ws[2 + i]) // s + 1 for i in (0, 1)]
+    return pool.plan_window(pool.WindowSpec(
+        kind="dw", N=1, C=xs[1], M=ws[0], isz=(1,) + xs[2:], osz=(1, *o), k=(1,) + ws[2:],
+        s=(1, s, s), pb=(0, p[0], p[1])))
+
+
 # depthwise convs on small planes computed flat (pool.FlatPlane: masked loads split into
 # ymm halves), and 1x1 convs whose swapped micro-kernel reads X itself (MR 4 divides
 # 14x14's 196 pixels; AVX2 micro-tiles are 6, 5 or 4 pixels)
@@ -82,11 +93,7 @@ def test_window_column_chunks_avx2(op, xs, attrs):
     ((1, 6, 4, 4), (12, 1, 3, 3), dict(group=6, pads=[1, 1, 1, 1])),
 ])
 def test_flat_depthwise_avx2(xs, ws, attrs):
-    from cannc.codegen import pool
-    spec = pool.WindowSpec(kind="dw", N=1, C=xs[1], M=ws[0], isz=(1,) + xs[2:],
-                           osz=(1,) + xs[2:], k=(1,) + ws[2:],
-                           pb=(0, attrs["pads"][0], attrs["pads"][1]))
-    assert pool.plan_window(spec).flat is not None
+    assert _dw_plan(xs, ws, attrs).flat is not None
     check_op("Conv", conv_inputs(xs, ws), const_inputs=(1, 2), **TOL, **attrs)
 
 
@@ -160,12 +167,7 @@ def test_residual_add_on_short_channel_tiles_avx2(xs, ws, attrs):
 ])
 def test_depthwise_one_vector_a_row_avx2(xs, ws, attrs):
     """AVX2 depthwise steps of one vector a row and up to 3 rows (pool.plan_window)."""
-    from cannc.codegen import pool
-    s = attrs.get("strides", [1, 1])[0]
-    o = [(xs[i] + 2 * attrs["pads"][0] - ws[i]) // s + 1 for i in (2, 3)]
-    plan = pool.plan_window(pool.WindowSpec(
-        kind="dw", N=1, C=xs[1], M=ws[0], isz=(1,) + xs[2:], osz=(1, *o), k=(1,) + ws[2:],
-        s=(1, s, s), pb=(0, attrs["pads"][0], attrs["pads"][1])))
+    plan = _dw_plan(xs, ws, attrs)
     assert plan.flat is None and plan.V == 1 and plan.R > 1 and plan.chunks > 1
     check_op("Conv", conv_inputs(xs, ws), const_inputs=(1, 2), **TOL, **attrs)
 
@@ -200,12 +202,6 @@ def test_depthwise_narrow_rows_one_row_a_step_avx2(xs, ws, attrs, padded):
     """AVX2 depthwise convs over input rows narrower than a vector step one output row
     at a time (pool.plan_window): 3x3 at stride 1 from padded rows, stride 2 as its plan
     reads them (5x5 padded, 3x3 by column phase)."""
-    from cannc.codegen import pool
-    s = attrs.get("strides", [1, 1])[0]
-    p = attrs["pads"]
-    o = [(xs[2 + i] + p[i] + p[i + 2] - ws[2 + i]) // s + 1 for i in (0, 1)]
-    plan = pool.plan_window(pool.WindowSpec(
-        kind="dw", N=1, C=xs[1], M=ws[0], isz=(1,) + xs[2:], osz=(1, *o), k=(1,) + ws[2:],
-        s=(1, s, s), pb=(0, p[0], p[1])))
+    plan = _dw_plan(xs, ws, attrs)
     assert plan.R == 1 and plan.V == 1 and plan.padded == padded, plan
     check_op("Conv", conv_inputs(xs, ws), const_inputs=(1, 2), **TOL, **attrs)
