@@ -399,6 +399,19 @@ def _nv_for(rows: int, N: int, b_mode: str, isa: str = "avx512") -> int:
     return min(nv, 2 * _cdiv(N, 32))
 
 
+def _small_tile_unroll(MR: int, NV: int, isa: str) -> int:
+    """k steps per iteration of the k loop of a micro-tile of at most 8 <16 x float>
+    accumulators: 4, a loop body long enough for its FMAs. But 2 for an AVX2 tile whose
+    accumulators, B vectors (each used by every row) and a broadcast fill more than the
+    16 ymm registers -- the 3 x 32 tile, 12 + 4 + 1: four unrolled k steps spilled
+    accumulators in every iteration, two spill fewer (a Zen 3, alternating in one process:
+    3 x 768 x 768 with B in cache x0.86-0.89, from memory x0.92-1.01; the remainder strip
+    of M = 9 x0.91-0.96, M = 21 x0.97-0.98; static and dynamic kernels alike)."""
+    if isa == "avx2" and MR > 1 and 2 * NV * (MR + 1) + 1 > 16:
+        return 2
+    return 4
+
+
 def _rows_padding_least(M: int, many: int) -> int:
     """The rows of the AVX-512 micro-kernel for a product of M rows (M known when it is
     compiled): of the measured choice (gemm_micro_rows) and 8, the one that pads M to
@@ -832,7 +845,7 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
                 and spec.c_type == "float32")
     # big tiles: the k loop body is long enough (and compiles faster) where one FMA
     # issues a cycle; where two do, 2-4 by the accumulators (gemm_k_unroll)
-    unroll = tun.get("unroll", 4 if MR * NV <= 8 else
+    unroll = tun.get("unroll", _small_tile_unroll(MR, NV, isa) if MR * NV <= 8 else
                      gemm_k_unroll(accumulators=MR * NV) if isa == "avx512" else 1)
     # (the stream rides on an unrolled k loop, see pf_next: where one FMA issues a cycle
     # the loop is not unrolled and a B from memory keeps up, Zen 4 +-1% with it forced.)
@@ -1807,7 +1820,8 @@ class _Gen(VecBuilder):
         (pointer, floats an advance, see pf_next)."""
         p = self.p
         MR, NV = MR or p.MR, NV or p.NV
-        U = p.unroll if (MR, NV) == (p.MR, p.NV) else (4 if MR * NV <= 8 else 1)
+        U = p.unroll if (MR, NV) == (p.MR, p.NV) else (
+            _small_tile_unroll(MR, NV, p.isa) if MR * NV <= 8 else 1)
         colmask, masks, c_rows, accs = self.tile_setup(c_ptr, mr, nr, MR, NV)
         self.prefetch_epilogue(last, m0, n0, MR, NV)
         self.micro_k(a_ptrs, b_base, b_pstride, kc, c_ptr, mr, nr, first, last, m0, n0,
@@ -2058,7 +2072,8 @@ class _Gen(VecBuilder):
         A[i,k], A[i,k+1] per row (bf16 A in place, or the block convert_a wrote); an odd
         kc ends with a pair A[i,k], 0 (B's pad row is zero)."""
         p, b = self.p, self.b
-        U = p.unroll if (MR, NV) == (p.MR, p.NV) else (4 if MR * NV <= 8 else 1)
+        U = p.unroll if (MR, NV) == (p.MR, p.NV) else (
+            _small_tile_unroll(MR, NV, p.isa) if MR * NV <= 8 else 1)
         colmask, masks, c_rows, accs = self.tile_setup(c_ptr, mr, nr, MR, NV)
         dp = self.intr("llvm.x86.avx512bf16.dpbf16ps.512", VF, [VF, V32BF, V32BF])
         b_ptrs = [b_base] + [self.gep(b_base, b.mul(b_pstride, i64(q)), I16)

@@ -809,6 +809,11 @@ def test_avx2_plans_fit_16_registers(avx2_host):
         assert 2 * q.MR * q.NV <= 12
     d = gemm_plan(GemmSpec(300, 4, 100, b_prepacked=True))    # dot products
     assert d.b_mode == "dot" and d.MR * d.NR <= 6
+    # the 3 x 32 tile (12 accumulators + 4 B vectors + a broadcast: 17 ymm) unrolls k
+    # twice, not four times (it spilled); the others four times
+    unrolls = {M: gemm_plan(GemmSpec(M, 200, 100, b_prepacked=True)).unroll
+               for M in range(1, 7)}
+    assert unrolls[3] == 2 and all(unrolls[M] == 4 for M in (1, 2, 4, 5, 6)), unrolls
 
 
 @pytest.mark.parametrize("shape", [(1, 300, 257), (3, 70, 33), (5, 33, 65), (13, 100, 30),
