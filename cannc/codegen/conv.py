@@ -1074,7 +1074,8 @@ class _ConvGen:
                 else:
                     segs = [(a_base, p.MR, b_jr, p.NR if p.panels else p.NCP, kc, None)]
                 c_ptr = v.gep(y_ng, b.add(b.mul(ir_, i64(g.OHW)), b.add(p0, jr)))
-                io = _NormalIO(self, c_ptr, mr, colmask, b.add(ch0, ir_))
+                io = _NormalIO(self, c_ptr, mr, colmask, b.add(ch0, ir_),
+                               full=b.icmp_signed(">=", b.sub(npix, jr), i64(p.NR)))
                 pf = []
                 if DIRECT_PREFETCH and p.direct and g.KK == 1:
                     # the next pixel panel of X's channel rows into L2: reading KC
@@ -1600,8 +1601,9 @@ class _MicroIO:
 class _NormalIO(_MicroIO):
     """Micro-tile of MR output channels (rows) x 16*NV pixels, stored to Y in place."""
 
-    def __init__(self, gen, c_ptr, mr, colmask, ch, ldc=None, raw=False):
+    def __init__(self, gen, c_ptr, mr, colmask, ch, ldc=None, raw=False, full=None):
         self.gen, self.v, self.p = gen, gen.v, gen.p
+        self.full = full
         v, b = self.v, gen.v.b
         self.ch = ch
         self.mr = mr
@@ -1620,9 +1622,32 @@ class _NormalIO(_MicroIO):
                 self.v.prefetch_w(self.v.gep(self.rows[r], 16 * j))
 
     def store_final(self, accs):
-        v, gen = self.v, self.gen
+        v = self.v
         if self.raw:
             return self.store_partial(accs)
+        if not wide_registers() and self.full is not None:
+            # AVX2: a tile of every row and column stores (and its epilogue reads) with
+            # constant all-true masks -- plain stores and loads in one block, where
+            # masked_store tests each vector's mask at run time and branches. Zen 3, one
+            # core, kernels alternating in one process: EfficientNet-B0 x0.980 / x0.987,
+            # MobileNetV2 x0.977, ResNet-18 x0.995, ResNet-50 x0.996
+            b = v.b
+            whole = self.full
+            if not isinstance(self.mr, int):
+                whole = b.and_(whole, b.icmp_signed("==", self.mr, i64(self.p.MR)))
+            ones = [ir.Constant(VM, [1] * 16)] * self.p.NV
+            with b.if_else(whole, likely=True) as (fast, slow):
+                with fast:
+                    for r in range(self.p.MR):
+                        self.store_row(accs, r, ones)
+                with slow:
+                    self.store_masked(accs)
+            return
+        self.store_masked(accs)
+
+    def store_masked(self, accs):
+        """store_final's stores under the tile's row and column masks."""
+        v, gen = self.v, self.gen
         if wide_registers() or gen.epilogue is None or isinstance(self.mr, int):
             for r in range(self.p.MR):
                 self.store_row(accs, r)
@@ -1644,8 +1669,9 @@ class _NormalIO(_MicroIO):
                     with v.if_then(self.rowok[r]):
                         self.store_row(accs, r)
 
-    def store_row(self, accs, r):
+    def store_row(self, accs, r, masks=None):
         v, b, gen = self.v, self.v.b, self.gen
+        masks = self.masks[r] if masks is None else masks
         if gen.Bias is not None:
             m = b.add(self.ch, i64(r)) if r else self.ch
             mm = b.select(b.icmp_signed("<", i64(r), self.mr), m, self.ch) if r else m
@@ -1656,8 +1682,8 @@ class _NormalIO(_MicroIO):
                 val = b.fadd(val, bias)
             ptr = v.gep(self.rows[r], 16 * j)
             if gen.epilogue is not None:
-                val = gen.epilogue(b, val, v.flat_index(ptr, gen.Y), 1, self.masks[r][j])
-            v.mstore(val, ptr, self.masks[r][j])
+                val = gen.epilogue(b, val, v.flat_index(ptr, gen.Y), 1, masks[j])
+            v.mstore(val, ptr, masks[j])
 
 
 class _SwapIO(_MicroIO):
