@@ -1813,6 +1813,15 @@ class _Gen(VecBuilder):
         self.store_final(red, c_rows, masks, m0, n0)
 
     # -- micro-kernel ----------------------------------------------------------
+    def k_unroll(self, MR, NV):
+        """k steps per iteration of the k loop of an MR x 16*NV micro-tile: the plan's
+        for its own tile; for another (a strip's) _small_tile_unroll's, and none past 8
+        accumulators."""
+        p = self.p
+        if (MR, NV) == (p.MR, p.NV):
+            return p.unroll
+        return _small_tile_unroll(MR, NV, p.isa) if MR * NV <= 8 else 1
+
     def micro(self, a_ptrs, b_base, b_pstride, kc, c_ptr, mr, nr, first, last, m0, n0,
               MR=None, NV=None, pf=None):
         """An MR x 16*NV micro-tile (default: the plan's) of which mr rows (an i64, or
@@ -1820,8 +1829,7 @@ class _Gen(VecBuilder):
         (pointer, floats an advance, see pf_next)."""
         p = self.p
         MR, NV = MR or p.MR, NV or p.NV
-        U = p.unroll if (MR, NV) == (p.MR, p.NV) else (
-            _small_tile_unroll(MR, NV, p.isa) if MR * NV <= 8 else 1)
+        U = self.k_unroll(MR, NV)
         colmask, masks, c_rows, accs = self.tile_setup(c_ptr, mr, nr, MR, NV)
         self.prefetch_epilogue(last, m0, n0, MR, NV)
         self.micro_k(a_ptrs, b_base, b_pstride, kc, c_ptr, mr, nr, first, last, m0, n0,
@@ -2071,9 +2079,8 @@ class _Gen(VecBuilder):
         k-pair B panel (each lane B[k,n], B[k+1,n]) and one broadcast 32-bit pair
         A[i,k], A[i,k+1] per row (bf16 A in place, or the block convert_a wrote); an odd
         kc ends with a pair A[i,k], 0 (B's pad row is zero)."""
-        p, b = self.p, self.b
-        U = p.unroll if (MR, NV) == (p.MR, p.NV) else (
-            _small_tile_unroll(MR, NV, p.isa) if MR * NV <= 8 else 1)
+        b = self.b
+        U = self.k_unroll(MR, NV)
         colmask, masks, c_rows, accs = self.tile_setup(c_ptr, mr, nr, MR, NV)
         dp = self.intr("llvm.x86.avx512bf16.dpbf16ps.512", VF, [VF, V32BF, V32BF])
         b_ptrs = [b_base] + [self.gep(b_base, b.mul(b_pstride, i64(q)), I16)
