@@ -1635,7 +1635,7 @@ class _NormalIO(_MicroIO):
             whole = self.full
             if not isinstance(self.mr, int):
                 whole = b.and_(whole, b.icmp_signed("==", self.mr, i64(self.p.MR)))
-            ones = [ir.Constant(VM, [1] * 16)] * self.p.NV
+            ones = [v.ones_m] * self.p.NV
             with b.if_else(whole, likely=True) as (fast, slow):
                 with fast:
                     for r in range(self.p.MR):
