@@ -139,12 +139,21 @@ def _load_viewed(path: Path) -> LoadedModel | None:
     return LoadedModel(proto, str(path.parent), weights)
 
 
+# madvise(2)'s MADV_POPULATE_WRITE (Linux 5.14; Python names it from 3.13 only)
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
 def _read_buffer(size: int) -> np.ndarray:
     """Memory for a model file's bytes, on small pages. The weights are read from it once
     (packed or copied into device memory), and a first touch of huge pages, which numpy
     advises from 4 MiB on, can cost several times more: on the Sapphire Rapids guest
     measured, BERT-base's 435 MB took 0.3-1.7 s to read into numpy's memory, 0.2-0.4 s
-    into this (the kernel compacts memory to find huge pages on a fault)."""
+    into this (the kernel compacts memory to find huge pages on a fault).
+
+    On Linux the pages are made in one call (MADV_POPULATE_WRITE) before the read, not
+    one fault at a time as it writes them: BERT-base's 418 MB on the Zen 4 guest, mapped
+    and read, 0.22-0.45 s -> 0.16-0.18 s. (A kernel older than 5.14 refuses the advice:
+    the read faults the pages in as before.)"""
     try:
         m = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError:                 # (address space or map count): numpy's memory
@@ -153,6 +162,11 @@ def _read_buffer(size: int) -> np.ndarray:
         m.madvise(mmap.MADV_NOHUGEPAGE)
     except (AttributeError, OSError):       # a kernel without transparent huge pages
         pass
+    if sys.platform == "linux":
+        try:
+            m.madvise(_MADV_POPULATE_WRITE)
+        except OSError:                     # (older kernel: EINVAL; no memory: ENOMEM)
+            pass
     return np.frombuffer(m, np.uint8)[:size]
 
 
