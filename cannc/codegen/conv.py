@@ -138,10 +138,12 @@ class VB(VecBuilder):
             return x, i64(0)
         return self.b.udiv(x, i64(d)), self.b.urem(x, i64(d))
 
-    def flat_index(self, ptr, base):
-        """(ptr - base) / 4: the float index of ptr in the tensor at base."""
+    def flat_index(self, ptr, base, esize: int = 4):
+        """(ptr - base) / esize: the index of ptr in the tensor at base (of float32
+        elements, or of 2-byte ones with ``esize`` 2)."""
         b = self.b
-        return b.ashr(b.sub(b.ptrtoint(ptr, I64), b.ptrtoint(base, I64)), i64(2))
+        return b.ashr(b.sub(b.ptrtoint(ptr, I64), b.ptrtoint(base, I64)),
+                      i64(esize.bit_length() - 1))
 
 
 WAKE_COST = 1.0e6    # a worker core starts late: ~10 us, in flop units (~100 GFLOP/s)
@@ -940,6 +942,7 @@ class _ConvGen:
         self.a_prepacked = a_prepacked
         self.tl = transposed_layout
         self.epilogue = epilogue
+        self.late = False       # the epilogue applied to each tile after its sums (late_pass)
 
     def load_args(self, args):
         self.X, self.W, self.Bias, self.Y = conv_args(self.v, args, self.slots, self.g.bias)
@@ -1103,6 +1106,29 @@ class _ConvGen:
                 body(kb, first, last)
         if p.swap:
             self.swap_out(ch0, y_ng, p0, npix, m_lo, m_hi)
+        elif self.late:
+            self.late_pass(y_ng, p0, npix, m_lo, m_hi)
+
+    def late_pass(self, y_ng, p0, npix, m_lo, m_hi):
+        """The epilogue applied in place to a tile's stored values: pixels p0 .. p0+npix-1
+        of channels m_lo .. m_hi-1 (see late_epilogue), whole vectors, then the last one
+        of each channel under a mask."""
+        v, g = self.v, self.g
+        b = v.b
+        whole = b.sub(npix, b.srem(npix, i64(16)))
+
+        def apply(row, off, m):
+            ptr = v.gep(row, off)
+            val = self.epilogue(b, v.load_v(ptr, m), v.flat_index(ptr, self.Y), 1,
+                                m if m is not None else v.ones_m)
+            v.store_v(val if val.type == VF else b.fpext(val, VF), ptr, m)
+
+        with v.loop(m_lo, m_hi, 1, "late.m") as m:
+            row = v.gep(y_ng, b.add(b.mul(m, i64(g.OHW)), p0))
+            with v.loop(i64(0), whole, 16, "late") as off:
+                apply(row, off, None)
+            with v.if_then(b.icmp_signed("<", whole, npix)):
+                apply(row, whole, v.lanes_lt(whole, npix))
 
     def swap_taps(self, x_ng, c0, cb, b_base, q, io, first, last):
         """The swapped micro-tile of output pixels q .. q+MR-1 (one output row: OW is a
@@ -1681,7 +1707,7 @@ class _NormalIO(_MicroIO):
             if gen.Bias is not None:
                 val = b.fadd(val, bias)
             ptr = v.gep(self.rows[r], 16 * j)
-            if gen.epilogue is not None:
+            if gen.epilogue is not None and not gen.late:
                 val = gen.epilogue(b, val, v.flat_index(ptr, gen.Y), 1, masks[j])
             v.mstore(val, ptr, masks[j])
 
@@ -1968,9 +1994,42 @@ def emit_conv(module: ir.Module, name: str, geom: ConvGeom, plan: ConvPlan,
     Tiles: ``plan.num_tiles``; workspace: ``plan.ws_bytes`` per core.
     """
     fn = abi_function(module, name)
-    _ConvGen(module, fn, geom, plan, slots, a_prepacked, transposed_layout, epilogue).emit()
+    gen = _ConvGen(module, fn, geom, plan, slots, a_prepacked, transposed_layout, epilogue)
+    gen.late = late_epilogue(plan, epilogue)
+    gen.emit()
     mark_vector_code(module)
     return fn
+
+
+LATE_EPILOGUES = True      # costly epilogues applied in a pass of their own (costly_epilogue)
+# ... those of at least this many flops an element (a fused Sigmoid is 12, Relu 1)
+LATE_EPILOGUE_FLOPS = 8
+
+
+def costly_epilogue(epilogue: Epilogue | None) -> bool:
+    """Whether, on an AVX2 target, a conv or depthwise kernel stores its sums first and
+    applies ``epilogue`` in a pass of its own over each tile it wrote (still in L1 or L2),
+    rather than to each vector of sums as it stores it: an epilogue of many operations
+    (``epilogue.cost``, flops an element, which the fused lowering sets: a SiLU's
+    sigmoid). Applied to the accumulators, its constants and temporaries compete for AVX2's
+    16 ymm registers with the accumulators and the weights. Zen 4 under CANNC_ISA=avx2,
+    EfficientNet-B0 at 1 core: with the SiLU fused as before, its Conv+SiLU kernels took
+    longer than the conv and a SiLU kernel apart (depthwise 2.98 against 2.25 ms, 1x1
+    expansions 1.74 against 1.51); see late_epilogue and pool.late_epilogue for the
+    effect. With AVX-512's 32 registers the fused epilogue measured level with a pass of
+    its own (depthwise 1.62-1.66 against 1.64-1.68 ms): not taken there."""
+    return (LATE_EPILOGUES and epilogue is not None and not wide_registers()
+            and getattr(epilogue, "cost", 0) >= LATE_EPILOGUE_FLOPS)
+
+
+def late_epilogue(plan: ConvPlan, epilogue: Epilogue | None) -> bool:
+    """Whether an implicit-GEMM conv kernel with channels as rows applies its epilogue to
+    each tile after the tile's last K block (_ConvGen.late_pass; costly_epilogue). Zen 4
+    under CANNC_ISA=avx2, EfficientNet-B0 at 1 core: its 1x1 Conv+SiLU kernels of
+    channels as rows, 1.69-1.70 -> 1.51 ms (panels by rows) and 2.04 -> 1.96 (panels),
+    the model 11.59-11.64 -> 11.25-11.42 ms. The swapped orientation applies it after its
+    transposes, with no sums held in registers (a pass of its own measured 1-2% slower)."""
+    return not plan.swap and costly_epilogue(epilogue)
 
 
 # ---------------------------------------------------------------------------

@@ -864,3 +864,118 @@ def test_window_and_convtranspose_epilogue_offsets():
                       tplan.num_tiles, tplan.ws_bytes, [x, wp, bias], ref.shape)
     np.testing.assert_allclose(got, ref + np.arange(ref.size).reshape(ref.shape), rtol=1e-4,
                                atol=1e-3)
+
+
+# ---------------------------------------------------------------------------
+# costly epilogues applied in a pass of their own (conv.costly_epilogue): AVX2 code
+# ---------------------------------------------------------------------------
+
+@pytest.fixture
+def avx2_code(monkeypatch):
+    """AVX2 kernels: the host's own on an AVX2 machine, else the host restricted to AVX2."""
+    from cannc.native import target
+    from tests.helpers import restrict_host_to_avx2
+    h = target.host()
+    if h.has("avx512f"):
+        restrict_host_to_avx2(monkeypatch)
+    elif not (h.has("avx2") and h.has("fma")):
+        pytest.skip("the host lacks AVX2/FMA")
+
+
+def _costly_index_epilogue(b, val, offset, stride, mask):
+    return _index_epilogue(b, val, offset, stride, mask)
+
+
+_costly_index_epilogue.cost = conv_codegen.LATE_EPILOGUE_FLOPS
+
+
+def _late_kernel(emit, n_tiles, ws_bytes, inputs, out_shape):
+    """_run_kernel's output and whether the kernel has the late epilogue pass."""
+    text = []
+
+    def emit_and_keep(module, name):
+        emit(module, name)
+        text.append(str(module))
+
+    out = _run_kernel(emit_and_keep, n_tiles, ws_bytes, inputs, out_shape)
+    return out, '"late' in text[0] or "late." in text[0]
+
+
+@pytest.mark.parametrize("xs,ws,attrs", [
+    ((2, 6, 19, 21), (6, 1, 3, 3), dict(pads=[1, 1, 1, 1])),                 # in place
+    ((1, 5, 17, 40), (5, 1, 5, 5), dict(pads=[2, 2, 2, 2])),                 # padded rows
+    ((1, 4, 23, 45), (4, 1, 3, 3), dict(pads=[1, 0, 2, 1], strides=[2, 2])),  # column phases
+    ((1, 3, 60, 60), (3, 1, 3, 3), dict(pads=[1, 1, 1, 1])),                 # row blocks
+])
+def test_depthwise_late_epilogue_offsets(avx2_code, xs, ws, attrs):
+    """A depthwise kernel whose epilogue is costly stores its sums and then applies the
+    epilogue to each row block it wrote (pool.late_epilogue): every element once, at its
+    own flat offset (a vector's tail under a mask)."""
+    from cannc.codegen import pool as pool_codegen
+    from tests.helpers import ort_run
+    C = xs[1]
+    x, w, bias = conv_inputs(xs, ws)
+    m, feeds = single_node_model("Conv", [x, w, bias], const_inputs=(1, 2), group=C, **attrs)
+    ref = ort_run(m, feeds)[0]
+    s, p = attrs.get("strides", [1, 1])[0], attrs["pads"]
+    spec = pool_codegen.WindowSpec(kind="dw", N=xs[0], C=C, M=C, isz=(1,) + xs[2:],
+                                   osz=(1,) + ref.shape[2:], k=(1,) + ws[2:], s=(1, s, s),
+                                   pb=(0, p[0], p[1]), bias=True)
+    plan = pool_codegen.plan_window(spec)
+    assert plan.flat is None and pool_codegen.late_epilogue(spec, _costly_index_epilogue)
+    got, late = _late_kernel(
+        lambda mod, name: pool_codegen.emit_window(mod, name, spec, plan,
+                                                   slots=conv_codegen.Slots(),
+                                                   epilogue=_costly_index_epilogue),
+        plan.num_tiles, plan.ws_bytes, [x, w.reshape(C, -1), bias], ref.shape)
+    assert late
+    np.testing.assert_allclose(got, ref + np.arange(ref.size).reshape(ref.shape),
+                               rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("k,tuning", [(3, dict(swap=False)), (3, dict(swap=False, direct=False)),
+                                      (3, dict(swap=False, KC=45)),
+                                      (1, dict(swap=False, direct=False))],
+                         ids=["direct", "im2col", "k-blocks", "panels"])
+def test_conv_late_epilogue_offsets(avx2_code, k, tuning):
+    """The same for an implicit-GEMM conv with channels as rows (conv.late_epilogue): the
+    pass over each tile after its last K block."""
+    C = 24 if k == 1 else 12
+    x, w, bias = conv_inputs((2, C, 9, 10), (40, C, k, k))
+    pad = k // 2
+    m, feeds = single_node_model("Conv", [x, w, bias], const_inputs=(1, 2), pads=[pad] * 4)
+    from tests.helpers import ort_run
+    ref = ort_run(m, feeds)[0]
+    g = conv_codegen.ConvGeom(N=2, C=C, M=40, G=1, isz=(1, 9, 10), osz=(1, 9, 10),
+                              k=(1, k, k), pb=(0, pad, pad), bias=True)
+    plan = conv_codegen.plan_conv(g, tuning=tuning)
+    assert not plan.swap and conv_codegen.late_epilogue(plan, _costly_index_epilogue)
+    assert plan.nkb > 1 if "KC" in tuning else plan.panels == (k == 1)
+    wp = conv_codegen.pack_weights(g, plan, w.reshape(40, C, 1, k, k))
+    got, late = _late_kernel(
+        lambda mod, name: conv_codegen.emit_conv(mod, name, g, plan,
+                                                 epilogue=_costly_index_epilogue),
+        plan.num_tiles, plan.ws_bytes, [x, wp, bias], ref.shape)
+    assert late
+    np.testing.assert_allclose(got, ref + np.arange(ref.size, dtype=np.float32).reshape(
+        ref.shape), rtol=1e-4, atol=1e-3)
+
+
+def test_cheap_or_avx512_epilogues_stay_in_the_store(monkeypatch):
+    """A cheap epilogue (a Relu: 1 flop) is applied as the sums are stored; so is every
+    epilogue with AVX-512's 32 registers."""
+    from cannc.codegen import vec
+    plan = conv_codegen.plan_conv(conv_codegen.ConvGeom(
+        N=1, C=12, M=40, G=1, isz=(1, 9, 10), osz=(1, 9, 10), k=(1, 3, 3), pb=(0, 1, 1)),
+        tuning=dict(swap=False))
+
+    def cheap(b, val, offset, stride, mask):
+        return val
+
+    cheap.cost = 1
+    for wide in (False, True):
+        monkeypatch.setattr(conv_codegen, "wide_registers", lambda wide=wide: wide)
+        monkeypatch.setattr(vec, "wide_registers", lambda wide=wide: wide)
+        assert not conv_codegen.late_epilogue(plan, cheap)
+        assert conv_codegen.late_epilogue(plan, _costly_index_epilogue) == (not wide)
+    assert not conv_codegen.late_epilogue(plan, None)

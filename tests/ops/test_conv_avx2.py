@@ -205,3 +205,36 @@ def test_depthwise_narrow_rows_one_row_a_step_avx2(xs, ws, attrs, padded):
     plan = _dw_plan(xs, ws, attrs)
     assert plan.R == 1 and plan.V == 1 and plan.padded == padded, plan
     check_op("Conv", conv_inputs(xs, ws), const_inputs=(1, 2), **TOL, **attrs)
+
+
+def test_silu_fused_late_avx2():
+    """Conv + SiLU chains as EfficientNet has them (a 1x1 expansion, a depthwise 3x3 and a
+    stride-2 depthwise 5x5, each followed by x * sigmoid(x)): the SiLU fused into each
+    conv and applied in a pass of its own after the sums (conv.costly_epilogue)."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    import cannc
+    from tests.helpers import check_session, model_of
+
+    rng = np.random.default_rng(7)
+    nodes, inits, cur = [], [], "x"
+    for i, (cout, k, s, g) in enumerate([(24, 1, 1, 1), (24, 3, 1, 24), (24, 5, 2, 24)]):
+        cin = 8 if i == 0 else 24
+        w = (rng.standard_normal((cout, cin // g, k, k)) / np.sqrt(cin // g * k * k))
+        inits += [numpy_helper.from_array(w.astype(np.float32), f"w{i}"),
+                  numpy_helper.from_array(rng.standard_normal(cout).astype(np.float32), f"b{i}")]
+        nodes += [helper.make_node("Conv", [cur, f"w{i}", f"b{i}"], [f"c{i}"], group=g,
+                                   strides=[s, s], pads=[k // 2] * 4),
+                  helper.make_node("Sigmoid", [f"c{i}"], [f"s{i}"]),
+                  helper.make_node("Mul", [f"c{i}", f"s{i}"], [f"y{i}"])]
+        cur = f"y{i}"
+    model = model_of(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                           [1, 8, 37, 45])],
+                     [helper.make_tensor_value_info(cur, TensorProto.FLOAT, None)], inits)
+    feeds = {"x": rng.standard_normal((1, 8, 37, 45)).astype(np.float32)}
+    sess = cannc.compile(model, cores=2)
+    fused = [k for s in sess.specializations for k in s.kernels
+             if k.op_types[:1] == ["Conv"] and "Sigmoid" in k.op_types]
+    assert len(fused) == 3, [k.op_types for s in sess.specializations for k in s.kernels]
+    check_session(sess, model, feeds)
