@@ -1110,25 +1110,13 @@ class _ConvGen:
             self.late_pass(y_ng, p0, npix, m_lo, m_hi)
 
     def late_pass(self, y_ng, p0, npix, m_lo, m_hi):
-        """The epilogue applied in place to a tile's stored values: pixels p0 .. p0+npix-1
-        of channels m_lo .. m_hi-1 (see late_epilogue), whole vectors, then the last one
-        of each channel under a mask."""
-        v, g = self.v, self.g
+        """The epilogue applied in place to a tile's stored values (see late_epilogue):
+        pixels p0 .. p0+npix-1 of channels m_lo .. m_hi-1."""
+        v = self.v
         b = v.b
-        whole = b.sub(npix, b.srem(npix, i64(16)))
-
-        def apply(row, off, m):
-            ptr = v.gep(row, off)
-            val = self.epilogue(b, v.load_v(ptr, m), v.flat_index(ptr, self.Y), 1,
-                                m if m is not None else v.ones_m)
-            v.store_v(val if val.type == VF else b.fpext(val, VF), ptr, m)
-
         with v.loop(m_lo, m_hi, 1, "late.m") as m:
-            row = v.gep(y_ng, b.add(b.mul(m, i64(g.OHW)), p0))
-            with v.loop(i64(0), whole, 16, "late") as off:
-                apply(row, off, None)
-            with v.if_then(b.icmp_signed("<", whole, npix)):
-                apply(row, whole, v.lanes_lt(whole, npix))
+            lo = v.flat_index(v.gep(y_ng, b.add(b.mul(m, i64(self.g.OHW)), p0)), self.Y)
+            epilogue_in_place(v, self.Y, self.epilogue, lo, b.add(lo, npix))
 
     def swap_taps(self, x_ng, c0, cb, b_base, q, io, first, last):
         """The swapped micro-tile of output pixels q .. q+MR-1 (one output row: OW is a
@@ -2013,22 +2001,43 @@ def costly_epilogue(epilogue: Epilogue | None) -> bool:
     (``epilogue.cost``, flops an element, which the fused lowering sets: a SiLU's
     sigmoid). Applied to the accumulators, its constants and temporaries compete for AVX2's
     16 ymm registers with the accumulators and the weights. Zen 4 under CANNC_ISA=avx2,
-    EfficientNet-B0 at 1 core: with the SiLU fused as before, its Conv+SiLU kernels took
-    longer than the conv and a SiLU kernel apart (depthwise 2.98 against 2.25 ms, 1x1
-    expansions 1.74 against 1.51); see late_epilogue and pool.late_epilogue for the
-    effect. With AVX-512's 32 registers the fused epilogue measured level with a pass of
-    its own (depthwise 1.62-1.66 against 1.64-1.68 ms): not taken there."""
+    EfficientNet-B0 at 1 core: with the SiLU applied to the sums, its Conv+SiLU kernels
+    took longer than the conv and a SiLU kernel apart (depthwise 2.98 against 2.25 ms,
+    1x1 expansions 1.74 against 1.51); with the late passes (late_epilogue,
+    pool.late_epilogue) the model 12.19-12.21 -> 11.38-11.62 ms, at 2 cores 6.44-6.56 ->
+    6.08-6.26 (alternating processes). With AVX-512's 32 registers the fused epilogue
+    measured level with a pass of its own (depthwise 1.62-1.66 against 1.64-1.68 ms):
+    not taken there."""
     return (LATE_EPILOGUES and epilogue is not None and not wide_registers()
             and getattr(epilogue, "cost", 0) >= LATE_EPILOGUE_FLOPS)
+
+
+def epilogue_in_place(v: VB, Y: ir.Value, epilogue: Epilogue, lo: ir.Value,
+                      hi: ir.Value) -> None:
+    """``epilogue`` applied in place to the float32 elements lo .. hi-1 (flat offsets) of
+    Y: whole vectors, then the last one under a mask (a late pass, costly_epilogue)."""
+    b = v.b
+    n = b.sub(hi, lo)
+    whole = b.add(lo, b.sub(n, b.srem(n, i64(16))))
+
+    def apply(off, m):
+        ptr = v.gep(Y, off)
+        val = epilogue(b, v.load_v(ptr, m), off, 1, v.ones_m if m is None else m)
+        v.store_v(val if val.type == VF else b.fpext(val, VF), ptr, m)
+
+    with v.loop(lo, whole, 16, "late") as off:
+        apply(off, None)
+    with v.if_then(b.icmp_signed("<", whole, hi)):
+        apply(whole, v.lanes_lt(0, b.sub(hi, whole)))
 
 
 def late_epilogue(plan: ConvPlan, epilogue: Epilogue | None) -> bool:
     """Whether an implicit-GEMM conv kernel with channels as rows applies its epilogue to
     each tile after the tile's last K block (_ConvGen.late_pass; costly_epilogue). Zen 4
     under CANNC_ISA=avx2, EfficientNet-B0 at 1 core: its 1x1 Conv+SiLU kernels of
-    channels as rows, 1.69-1.70 -> 1.51 ms (panels by rows) and 2.04 -> 1.96 (panels),
-    the model 11.59-11.64 -> 11.25-11.42 ms. The swapped orientation applies it after its
-    transposes, with no sums held in registers (a pass of its own measured 1-2% slower)."""
+    channels as rows, 1.69-1.70 -> 1.51 ms (panels by rows) and 2.04 -> 1.96 (panels).
+    The swapped orientation applies it after its transposes, with no sums held in
+    registers (a pass of its own measured 1-2% slower there)."""
     return not plan.swap and costly_epilogue(epilogue)
 
 

@@ -36,6 +36,7 @@ from .conv import (
     cdiv,
     costly_epilogue,
     elem_type,
+    epilogue_in_place,
     rup,
     sload_dt,
     vgather_dt,
@@ -248,11 +249,11 @@ def plan_window(spec: WindowSpec, cores: int = 2) -> WindowPlan:
 
 def late_epilogue(spec: WindowSpec, epilogue: Epilogue | None) -> bool:
     """Whether a depthwise kernel applies its epilogue to each row block after storing
-    the block's sums (_WindowGen.late_pass; conv.costly_epilogue): planes computed by
+    the block's sums (conv.epilogue_in_place, conv.costly_epilogue): planes computed by
     rows into a float32 Y (a flat plane's few vectors stay in registers: a pass of its
     own measured slower there). Zen 4 under CANNC_ISA=avx2, EfficientNet-B0 at 1 core:
     its twelve depthwise Conv+SiLU kernels by rows 2.50 -> 2.09 ms (each as fast as the
-    conv and a SiLU kernel apart), the model 12.14-12.21 -> 11.84-11.87 ms."""
+    conv and a SiLU kernel apart)."""
     return (spec.kind == "dw" and spec.dts[3] == "float32" and not flat_plane(spec)
             and costly_epilogue(epilogue))
 
@@ -368,25 +369,6 @@ class _WindowGen:
                 self.row_blocks(x_p, y_p, rb, wts, init)
         b.ret_void()
 
-    def late_pass(self, lo, hi):
-        """The epilogue of output elements lo .. hi-1 (flat offsets into Y), applied in
-        place to the sums the tile stored there (see late_epilogue): whole vectors, then
-        the last one under a mask."""
-        v = self.v
-        b = v.b
-        n = b.sub(hi, lo)
-        whole = b.add(lo, b.sub(n, b.srem(n, i64(16))))
-
-        def apply(off, m):
-            ptr = v.gep(self.Y, off)
-            val = self.epilogue(b, v.load_v(ptr, m), off, 1, m if m is not None else v.ones_m)
-            v.store_v(val if val.type == VF else b.fpext(val, VF), ptr, m)
-
-        with v.loop(lo, whole, 16, "late") as off:
-            apply(off, None)
-        with v.if_then(b.icmp_signed("<", whole, hi)):
-            apply(whole, v.lanes_lt(0, b.sub(hi, whole)))
-
     def row_blocks(self, x_p, y_p, rb, wts, init):
         """Row block rb of a plane, R rows a step."""
         v, s, p = self.v, self.s, self.p
@@ -406,10 +388,11 @@ class _WindowGen:
                         self.steps(x_p, y_p, r0, r_hi, wts, init, True)
                     with otherwise:
                         self.steps(x_p, y_p, r0, r_hi, wts, init, False)
-        if self.late:
+        if self.late:     # (the row block's outputs are contiguous in Y)
             base = v.flat_index(y_p, self.Y)
             OW = s.osz[2]
-            self.late_pass(b.add(base, b.mul(r_lo, i64(OW))), b.add(base, b.mul(r_hi, i64(OW))))
+            epilogue_in_place(v, self.Y, self.epilogue, b.add(base, b.mul(r_lo, i64(OW))),
+                              b.add(base, b.mul(r_hi, i64(OW))))
 
     def flat_tile(self, x_p, y_p, wts, init):
         """One plane computed flat (FlatPlane): every tap one (masked) load and FMA a

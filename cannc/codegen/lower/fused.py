@@ -380,7 +380,7 @@ def _lower_fused_conv(ctx: LowerCtx) -> None:
         eval_body(E, epi, env, types, consts)
         return env[final].v
 
-    # (flops an element: kernels may apply a costly epilogue apart, pool.late_epilogue)
+    # (flops an element: kernels may apply a costly epilogue apart, conv.costly_epilogue)
     epilogue.cost = sum(_flops_per_elem(lookup(n.op_type, n.domain)) for n in epi)
     # the conv's own tiling key (any batch: the epilogue's indices are flat offsets into
     # the output, or channels of it, which do not depend on N)
