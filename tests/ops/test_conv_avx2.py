@@ -238,3 +238,36 @@ def test_silu_fused_late_avx2():
              if k.op_types[:1] == ["Conv"] and "Sigmoid" in k.op_types]
     assert len(fused) == 3, [k.op_types for s in sess.specializations for k in s.kernels]
     check_session(sess, model, feeds)
+
+
+@pytest.mark.parametrize("op,xs,ws,attrs", [
+    ("Conv", (1, 8, 28, 30), (8, 1, 3, 3), dict(group=8, pads=[1, 1, 1, 1])),    # tail 14
+    ("Conv", (2, 5, 20, 20), (5, 1, 3, 3), dict(group=5, pads=[1, 1, 1, 1])),    # tail 4
+    ("Conv", (1, 6, 56, 56), (6, 1, 5, 5), dict(group=6, pads=[2, 2, 2, 2],
+                                               strides=[2, 2])),                 # padded rows
+    ("Conv", (1, 4, 45, 99), (4, 1, 3, 3), dict(group=4, pads=[1, 0, 1, 2],
+                                               strides=[2, 2])),                 # column phases
+    ("AveragePool", (1, 3, 28, 28), None, dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])),
+    ("MaxPool", (1, 3, 21, 27), None, dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])),
+])
+def test_overlapped_last_chunk_avx2(op, xs, ws, attrs):
+    """Rows of several chunks whose last chunk ends inside a ymm half: it starts at
+    OW - 16*V, computing some of the chunk before's columns again (pool.overlap_last_chunk)."""
+    from cannc.codegen import pool
+    if op == "Conv":
+        plan = _dw_plan(xs, ws, attrs)
+        s = attrs.get("strides", [1, 1])[0]
+        spec_ow = (xs[3] + attrs["pads"][1] + attrs["pads"][3] - ws[3]) // s + 1
+        inputs, const = conv_inputs(xs, ws), (1, 2)
+    else:
+        kind = "avg" if op == "AveragePool" else "max"
+        k, p = attrs["kernel_shape"], attrs["pads"]
+        o = [(xs[2 + i] + p[i] + p[i + 2] - k[i]) + 1 for i in (0, 1)]
+        plan = pool.plan_window(pool.WindowSpec(kind=kind, N=1, C=xs[1], M=xs[1],
+                                                isz=(1,) + xs[2:], osz=(1, *o), k=(1, *k),
+                                                pb=(0, p[0], p[1])))
+        spec_ow = o[1]
+        inputs, const = [rnd(*xs)], ()
+    assert plan.flat is None and plan.chunks > 1
+    assert (spec_ow - (plan.chunks - 1) * plan.V * 16) % 8, (spec_ow, plan)
+    check_op(op, inputs, const_inputs=const, **TOL, **attrs)
