@@ -942,7 +942,9 @@ class _ConvGen:
         self.a_prepacked = a_prepacked
         self.tl = transposed_layout
         self.epilogue = epilogue
-        self.late = False       # the epilogue applied to each tile after its sums (late_pass)
+        # the epilogue applied to each tile after its sums (late_pass): emit_conv sets it;
+        # never a ConvTranspose (_ConvTGen), whose GEMM stores raw sums for its col2im
+        self.late = False
 
     def load_args(self, args):
         self.X, self.W, self.Bias, self.Y = conv_args(self.v, args, self.slots, self.g.bias)
