@@ -44,6 +44,9 @@ class Kernel:
     # elements once, before it writes the output's element at the same offset, and reads
     # no other (a conv's residual, read by the epilogue of its only K block)
     overwrites: str = ""
+    # the library modules its code calls (native.target.library_needs): (symbol, object
+    # key); their objects are in the specialisation's objects under their symbols
+    needs: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

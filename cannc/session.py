@@ -656,13 +656,13 @@ class Session:
             z.writestr("model.onnx", model)
             for prog in self._programs.values():
                 for k in prog.spec.kernels:
-                    key = k.object_key
-                    if key in manifest["objects"]:
-                        continue
-                    obj = prog.spec.objects[k.symbol]
-                    z.writestr(f"objects/{key}.o", obj)
-                    manifest["objects"].append(key)
-                    manifest.setdefault("sha256", {})[key] = hashlib.sha256(obj).hexdigest()
+                    for sym, key in ((k.symbol, k.object_key), *k.needs):
+                        if key in manifest["objects"]:
+                            continue
+                        obj = prog.spec.objects[sym]
+                        z.writestr(f"objects/{key}.o", obj)
+                        manifest["objects"].append(key)
+                        manifest.setdefault("sha256", {})[key] = hashlib.sha256(obj).hexdigest()
             z.writestr("manifest.json", json.dumps(manifest, indent=1))
 
 

@@ -62,6 +62,8 @@ class MemoEntry:
     flops: int
     notes: dict[str, Any] = field(default_factory=dict)
     baked: tuple[int, ...] = ()        # constant inputs whose content is in the key
+    # the library modules its code calls (native.target.library_needs): (symbol, object key)
+    needs: tuple[tuple[str, str], ...] = ()
 
 
 _array_digests: dict[int, tuple[Any, str]] = {}
@@ -243,6 +245,9 @@ def _well_formed(e: Any) -> bool:
                 and isinstance(e.dropped, tuple) and all(isinstance(i, int) for i in e.dropped)
                 and isinstance(e.recipes, dict) and isinstance(e.notes, dict)
                 and isinstance(e.baked, tuple) and all(isinstance(i, int) for i in e.baked)
+                and isinstance(e.needs, tuple) and all(
+                    isinstance(n, tuple) and len(n) == 2 and all(isinstance(x, str) for x in n)
+                    for n in e.needs)
                 and all(isinstance(getattr(e, f), int) and getattr(e, f) >= 0
                         for f in ("num_tiles", "workspace_bytes", "flops"))
                 and isinstance(e.single_core, bool))

@@ -3,7 +3,8 @@
 A node whose signature the memo holds is not lowered again: its constant
 recipes are replayed on this graph's weights; otherwise its lowering (registered
 onto the op by codegen) fills an LLVM module, which is compiled through the
-object cache.
+object cache, with the library modules it calls (native.target.library_needs: each
+once per program).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ..ir.graph import Graph, Node
 from ..ir.ops import lookup
 from ..ir.registry import Category, OpDef
 from ..native import target
-from ..native.target import ObjectBatch, ObjectCache, default_cache
+from ..native.target import ObjectBatch, ObjectCache, default_cache, library_ir, library_needs
 
 
 def lower_graph(g: Graph, cache: ObjectCache | None = None, memo: LoweringMemo | None = None,
@@ -149,7 +150,7 @@ class _Lowering:
                       # maps read and write element i together: an output may overwrite an input
                       inplace=op.inplace,
                       overwrites=root(n.inputs[notes["overwrites"]])
-                      if "overwrites" in notes else "")
+                      if "overwrites" in notes else "", needs=entry.needs)
 
     def _lookup(self, key: str, consts: list[np.ndarray | None]) -> MemoEntry | None:
         e = self.memo.get(key)
@@ -157,13 +158,21 @@ class _Lowering:
             e = self.memo.get(baked_key(key, consts, e.baked))
         if e is None:
             return None
-        if e.symbol not in self.objects and e.symbol not in self.modules:
-            obj = self.cache.get(e.object_key)
-            if obj is None:        # the object was evicted: lower and compile again
-                return None
-            self.cache.hits += 1
-            self.objects[e.symbol] = obj
+        for sym, okey in ((e.symbol, e.object_key), *e.needs):
+            if sym not in self.objects and sym not in self.modules:
+                obj = self.cache.get(okey)
+                if obj is None:        # the object was evicted: lower and compile again
+                    return None
+                self.cache.hits += 1
+                self.objects[sym] = obj
         return e
+
+    def _add_module(self, symbol: str, text: str) -> None:
+        """A module to compile (submitted to the batch at once), unless it is here."""
+        if symbol not in self.objects and symbol not in self.modules:
+            self.modules[symbol] = text
+            if self.batch is not None:
+                self.batch.submit(symbol, text)
 
     def _lower(self, n: Node, op: OpDef, lowering: Lowering, in_types: list, out_types: list,
                consts: list[np.ndarray | None], tiling: Tiling | None, key: str) -> MemoEntry:
@@ -179,10 +188,12 @@ class _Lowering:
                                f"{type(e).__name__}: {e}") from e
         symbol, text = finish(ctx)
         okey = self.cache.key(text, 2)
-        if symbol not in self.objects and symbol not in self.modules:
-            self.modules[symbol] = text
-            if self.batch is not None:
-                self.batch.submit(symbol, text)
+        needs = []
+        for sym in library_needs(text):   # (library modules: one per program)
+            lib = library_ir(sym)
+            needs.append((sym, self.cache.key(lib, 2)))
+            self._add_module(sym, lib)
+        self._add_module(symbol, text)
         # a constant read without a recipe may be folded into the code
         baked = tuple(sorted(i for i in ctx.const_reads
                              if i not in ctx.recipes and consts[i] is not None))
@@ -190,7 +201,7 @@ class _Lowering:
                           recipes=dict(ctx.recipes), num_tiles=int(ctx.num_tiles),
                           workspace_bytes=int(ctx.workspace_bytes),
                           single_core=bool(ctx.single_core), flops=int(ctx.flops),
-                          notes=dict(ctx.notes), baked=baked)
+                          notes=dict(ctx.notes), baked=baked, needs=tuple(needs))
         if baked:
             self.memo.put(key, MemoEntry(symbol="", object_key="", dropped=(), recipes={},
                                          num_tiles=0, workspace_bytes=0, single_core=False,

@@ -251,6 +251,76 @@ def _dump(name: str, text: str, ext: str = ".ll") -> None:
 
 
 # ---------------------------------------------------------------------------
+# library modules: code that many kernels call (codegen registers the builders)
+#
+# A kernel module may declare (not define) a function whose name begins with
+# LIB_PREFIX: a library symbol. The module that defines it is made by the builder
+# registered for its prefix from the name alone, so its IR is the same for every
+# kernel that calls it: it is compiled once per program (and cached like any
+# module), and loaded into the same engine as the kernels that call it. GEMM's
+# remainder-row micro-kernels live there (codegen/gemm.py): inline, they were 80%
+# of every dynamic GEMM module's LLVM time.
+# ---------------------------------------------------------------------------
+
+LIB_PREFIX = "cannc_lib_"
+_libraries: dict[str, Callable[[str], ir.Module]] = {}
+_LIB_DECL = re.compile(r'^declare [^@\n]*@"?(' + LIB_PREFIX + r'[A-Za-z0-9_]+)', re.M)
+
+
+def register_library(prefix: str, build: Callable[[str], ir.Module]) -> None:
+    """``build(symbol)`` makes the module that defines each library symbol beginning
+    with ``prefix`` (itself beginning with LIB_PREFIX)."""
+    assert prefix.startswith(LIB_PREFIX), prefix
+    _libraries[prefix] = build
+
+
+def library_needs(module_ir: str) -> list[str]:
+    """The library symbols ``module_ir`` declares, sorted."""
+    if LIB_PREFIX not in module_ir:
+        return []
+    return sorted(set(_LIB_DECL.findall(module_ir)))
+
+
+_library_ir: dict[str, str] = {}
+_library_lock = threading.Lock()
+
+
+def library_ir(symbol: str) -> str:
+    """The IR of the module that defines the library symbol ``symbol`` (built once per
+    process and target)."""
+    key = f"{host().fingerprint}|{symbol}"
+    with _library_lock:
+        text = _library_ir.get(key)
+    if text is None:
+        build = next((f for p, f in _libraries.items() if symbol.startswith(p)), None)
+        if build is None:
+            raise CompileError(f"no library defines {symbol}")
+        text = str(build(symbol))
+        with _library_lock:
+            _library_ir[key] = text
+    return text
+
+
+_jit_library_objects: dict[str, bytes] = {}
+
+
+def _library_objects(module_ir: str, speed_level: int) -> list[bytes]:
+    """The objects of the library modules ``module_ir`` needs (jit_library: compiled
+    once per process)."""
+    out = []
+    for sym in library_needs(module_ir):
+        key = f"{host().fingerprint}|{sym}|{speed_level}"
+        with _library_lock:
+            obj = _jit_library_objects.get(key)
+        if obj is None:
+            obj = optimise_and_emit(library_ir(sym), sym, speed_level)
+            with _library_lock:
+                _jit_library_objects[key] = obj
+        out.append(obj)
+    return out
+
+
+# ---------------------------------------------------------------------------
 # object cache: content-addressed, checksummed, safe against damaged entries
 # ---------------------------------------------------------------------------
 
@@ -582,7 +652,7 @@ def jit_library(module: ir.Module | str, name: str = "jit", speed_level: int = 2
     ``keep_ir`` the optimised module text is kept as ``lib.optimised_ir``."""
     text = module if isinstance(module, str) else str(module)
     mod, tm = _optimise(text, name, speed_level)
-    lib = JitLibrary([tm.emit_object(mod)])
+    lib = JitLibrary([tm.emit_object(mod)] + _library_objects(text, speed_level))
     if keep_ir:
         lib.optimised_ir = str(mod)
     return lib
