@@ -245,3 +245,37 @@ def test_two_processes_compiling_into_one_cache_dir(tmp_path):
     assert third.returncode == 0, third.stderr.decode()[-800:]
     hits, misses, damaged = map(int, third.stdout.split()[-3:])
     assert misses == 0 and damaged == 0 and hits >= 4
+
+
+def test_evicted_library_object_lowers_the_kernel_again(cache_dir):
+    """A memo entry whose kernel calls library modules (a GEMM's shared strip kernels)
+    is used only while their objects are in the cache too: with one evicted, the kernel
+    is lowered again and the library module compiled again."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from cannc.compiler import codegen_counts
+    from tests.helpers import model_of
+
+    w = np.random.default_rng(1).standard_normal((64, 96)).astype(np.float32)
+    m = model_of([helper.make_node("MatMul", ["x", "w"], ["y"])],
+                 [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", 64])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                 [numpy_helper.from_array(w, "w")])
+    x = np.random.default_rng(2).standard_normal((5, 64)).astype(np.float32)
+
+    def compile_and_check():
+        memo_mod._memos.clear()
+        sess = cannc.compile(m, cores=1, shapes={"x": x.shape}, cache=ObjectCache(cache_dir))
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], x @ w, rtol=1e-4, atol=1e-5)
+        return sess
+
+    needs = {n for k in compile_and_check().specializations[0].kernels for n in k.needs}
+    assert needs and all(sym.startswith("cannc_lib_") for sym, _ in needs)
+    lowerings = codegen_counts()[0]
+    compile_and_check()                                  # all from the memo and the cache
+    assert codegen_counts()[0] == lowerings
+    for _, key in needs:
+        (cache_dir / key[:2] / f"{key}.o").unlink()
+    sess = compile_and_check()
+    assert codegen_counts()[0] > lowerings
+    assert {n for k in sess.specializations[0].kernels for n in k.needs} == needs

@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -92,13 +93,14 @@ from ..native.emit import (
     I32,
     I64,
     PTR,
+    VOID,
     i32,
     i64,
     mark_vector_code,
     masked_load,
     masked_store,
 )
-from ..native.target import host
+from ..native.target import LIB_PREFIX, host, new_module, register_library
 from ..runtime.memory import device_ready_empty
 from ..schedule.machine import (
     gemm_k_unroll,
@@ -112,7 +114,7 @@ from ..schedule.split import gemm_groups as _groups
 from ..schedule.split import region_chunks as _region_chunks
 from ..schedule.split import rup as _rup
 from .elementwise import bf16_bits_to_f32, f32_to_bf16_bits
-from .vec import VF, VI32, VI64, VM, VPTR, VecBuilder, abi_function
+from .vec import VF, VI32, VI64, VM, VPTR, VecBuilder, abi_function, declare
 
 try:
     import ml_dtypes as _mld
@@ -1157,6 +1159,7 @@ class _Gen(VecBuilder):
         self.ta, self.tb, self.tc = (_ety(t) for t in (spec.a_type, spec.b_type, spec.c_type))
         self.tw = _ety(self.wt)
         self.tbias = _ety(spec.bias_type)
+        self.c_ld = spec.ldc_   # C's row stride (an i64 value in a shared strip kernel)
         self.use_plan(plan)
         self._n = 0
 
@@ -1503,11 +1506,17 @@ class _Gen(VecBuilder):
                     if p.cvt_a:
                         self.convert_a(A_b, ic, mc, pc, kc)
 
-                    def tile(jr, ir_, mr, nr, MR, NV, A_b=A_b, B_b=B_b, ic=ic, jc=jc, pc=pc,
-                             kc=kc, first=first, last=last, pf_d=pf_d):
+                    def tile(jr, ir_, mr, nr, MR, NV, strip=False, A_b=A_b, B_b=B_b, ic=ic,
+                             jc=jc, pc=pc, kc=kc, first=first, last=last, pf_d=pf_d):
                         b_base, b_pstride = self.b_panel(B_b, jc, jr, pc, kc)
                         n0 = b.add(jc, jr)
                         m0 = b.add(ic, ir_)
+                        if strip and shared_strips(s, p):
+                            a0 = self.gep(A_b, b.add(b.mul(m0, i64(s.lda_)), pc), self.ta)
+                            c_ptr = self.gep(C_b, b.add(b.mul(m0, i64(s.ldc_)), n0), self.tc)
+                            self.call_strip(a0, b_base, b_pstride, kc, c_ptr, nr, first, last,
+                                            m0, n0, MR, NV)
+                            return
                         if p.pack_a:
                             a_ptrs = [self.gep(self.ws_a, b.mul(ir_, kc), self.tpw)]
                         elif p.cvt_a:
@@ -1616,7 +1625,7 @@ class _Gen(VecBuilder):
             if NV <= 2:
                 with self.loop(0, nc, 16 * NV, "jr") as jr:
                     nr = self.smin(b.sub(nc, jr), i64(16 * NV))
-                    tile(jr, mfull, rows, nr, rows, NV)
+                    tile(jr, mfull, rows, nr, rows, NV, strip=True)
             else:
                 # the wide micro-tile over whole widths, then 32 columns at a time: a
                 # block narrower than the wide tile (the grid's column blocks are often
@@ -1624,12 +1633,57 @@ class _Gen(VecBuilder):
                 wide = 16 * NV
                 nwide = b.sub(nc, b.srem(nc, i64(wide)))
                 with self.loop(0, nwide, wide, "jr") as jr:
-                    tile(jr, mfull, rows, i64(wide), rows, NV)
+                    tile(jr, mfull, rows, i64(wide), rows, NV, strip=True)
                 with self.loop(nwide, nc, PANEL, "jn") as jr:
                     nr = self.smin(b.sub(nc, jr), i64(PANEL))
-                    tile(jr, mfull, rows, nr, rows, 2)
+                    tile(jr, mfull, rows, nr, rows, 2, strip=True)
             b.branch(done)
         b.position_at_end(done)
+
+    def call_strip(self, a0, b_base, b_pstride, kc, c_ptr, nr, first, last, m0, n0, rows,
+                   NV):
+        """A strip's rows x 16*NV micro-tile by a call of the shared strip kernel
+        (`strip_module`), which leaves the block's sums in C; after the last K block
+        they are finished here (alpha, bias, epilogue) in a pass over the tile, which is
+        in L1."""
+        s, p, b = self.s, self.p, self.b
+        whole = isinstance(nr, ir.Constant) and nr.constant == 16 * NV
+        sym = strip_symbol(p.isa, rows, NV, p.KC > SUBCHAIN, p.prefetch_c, whole)
+        f = declare(self.m, sym, VOID, STRIP_ARGS)
+        b.call(f, [a0, i64(s.lda_), b_base, b_pstride if b_pstride is not None else i64(0),
+                   kc, c_ptr, i64(s.ldc_), nr,
+                   i64(1) if first is True else b.zext(first, I64)])
+        if last is True:
+            self.strip_final(c_ptr, m0, n0, rows, nr)
+        else:
+            with self.if_then(last):
+                self.strip_final(c_ptr, m0, n0, rows, nr)
+
+    def strip_final(self, c_ptr, m0, n0, rows, nr):
+        """The final values of a rows x nr tile of C that holds its sums."""
+        s, b = self.s, self.b
+        with self.loop(0, rows, 1, "sf") as r:
+            crow = self.gep(c_ptr, b.mul(r, i64(s.ldc_)), self.tc)
+            with self.loop(0, nr, 16, "sfn") as j:
+                mask = self.lane_mask(self.splat(b.sub(nr, j), VI64), 0)
+                ptr = self.gep(crow, j, self.tc)
+                self.store_final([[self.load_v(ptr, mask)]], [ptr], [[mask]],
+                                 b.add(m0, r), b.add(n0, j))
+
+    def emit_strip(self, whole: bool):
+        """The body of a shared strip kernel (`strip_module`): the plan's MR x 16*NV
+        micro-tile over kc, its sums (plus C's partial sums unless ``first``) stored;
+        ``whole``: all 16*NV columns (no masks: nr is not read)."""
+        p, b = self.p, self.b
+        a0, lda, b0, bps, kc, c, ldc, nr, first = self.fn.args
+        if whole:
+            nr = i64(16 * p.NV)
+        self.c_ld = ldc
+        a_ptrs = [a0] + [self.gep(a0, b.mul(lda, i64(r)), self.ta) for r in range(1, p.MR)]
+        colmask, masks, c_rows, accs = self.tile_setup(c, p.MR, nr, p.MR, p.NV)
+        self.micro_k(a_ptrs, b0, bps, kc, c, p.MR, nr, b.icmp_unsigned("!=", first, i64(0)),
+                     False, None, None, p.MR, p.NV, p.unroll, colmask, masks, c_rows, accs)
+        b.ret_void()
 
     # -- packing -------------------------------------------------------------
     def pack_a(self, A_b, ic, mc, pc, kc):
@@ -1853,7 +1907,7 @@ class _Gen(VecBuilder):
         """A micro-tile's column masks, row x vector store masks, C row pointers (with a
         write prefetch) and initial accumulators (0)."""
         s, p, b = self.s, self.p, self.b
-        ldc = s.ldc_
+        ldc = self.c_ld
         nr_s = self.splat(nr, VI64)
         colmask = [self.lane_mask(nr_s, 16 * v) for v in range(NV)]
         if isinstance(mr, int):
@@ -1868,7 +1922,8 @@ class _Gen(VecBuilder):
                 ]
                 for r in range(MR)
             ]
-        c_rows = [c_ptr] + [self.gep(c_ptr, r * ldc, self.tc) for r in range(1, MR)]
+        c_rows = [c_ptr] + [self.gep(c_ptr, r * ldc if isinstance(ldc, int) else
+                                     b.mul(ldc, i64(r)), self.tc) for r in range(1, MR)]
 
         if p.prefetch_c:
             for r in range(MR):
@@ -2069,6 +2124,9 @@ class _Gen(VecBuilder):
                 for v in range(NV):
                     self.store_v(accs[r][v], self.gep(c_rows[r], 16 * v), masks[r][v])
 
+        if last is False:   # (a shared strip kernel: its caller finishes the sums)
+            partial()
+            return
         self.finish_block(
             last, lambda: self.store_final(accs, c_rows, masks, m0, n0), partial, "st"
         )
@@ -2295,6 +2353,72 @@ class _Gen(VecBuilder):
                     if val.type != VF:  # an epilogue that ends in half precision
                         val = b.fpext(val, VF)
                 self.st16(val, self.gep(c_rows[r], 16 * v, self.tc), s.c_type, masks[r][v])
+
+
+# ---------------------------------------------------------------------------
+# strip micro-kernels shared between kernels
+#
+# The strips of a dynamic kernel (its last M mod MR rows, see _Gen.strips) are one
+# micro-kernel per row count, and inline they were 80% of the LLVM time of each
+# dynamic GEMM module (BERT-base, Zen 4: 0.3 of 0.36 s per module with AVX-512, 0.5 of
+# 0.62 s under CANNC_ISA=avx2), the same code in every GEMM of a model. Where a plan's
+# operands are float32 in the layouts below, they are functions of a library module
+# (native.target.register_library) instead, compiled once for the whole program:
+#
+#   void strip(ptr a, i64 lda, ptr b, i64 b_panel_stride, i64 kc, ptr c, i64 ldc,
+#              i64 nr, i64 first)
+#
+# a rows x 16*NV tile over kc: A row-major (rows lda apart), B in 32-column panels of
+# kc rows (b_panel_stride floats apart), the sums (plus the partial sums in C unless
+# ``first``) stored to nr columns of C. The caller finishes them after the last K
+# block (_Gen.strip_final): a few rows of C, still in L1.
+# ---------------------------------------------------------------------------
+
+STRIP_LIB = LIB_PREFIX + "gstrip_"
+SHARED_STRIPS = True     # (False: every kernel inlines its strips)
+STRIP_ARGS = (PTR, I64, PTR, I64, I64, PTR, I64, I64, I64)
+_STRIP_NAME = re.compile(STRIP_LIB + r"(avx2|avx512)_r(\d+)v(\d+)([ls])([pn])([wm])$")
+
+
+def shared_strips(spec: GemmSpec, plan: GemmPlan) -> bool:
+    """Whether the strips of ``plan`` call the shared strip kernels."""
+    return (SHARED_STRIPS and plan.strips and spec.compute == "f32"
+            and spec.a_type == spec.c_type == "float32" and not spec.trans_a
+            and plan.b_mode in ("prepacked", "pack")
+            and not (plan.pack_a or plan.cvt_a or plan.dp or plan.f32_panels))
+
+
+def strip_symbol(isa: str, rows: int, NV: int, long_k: bool, prefetch_c: bool,
+                 whole: bool) -> str:
+    """The shared strip kernel of a rows x 16*NV tile; long_k: K blocks longer than
+    SUBCHAIN (summed in chains, see _Gen.subchains); whole: of all its columns (the
+    loads and stores of a masked one, whose mask registers a wide tile spills in its k
+    loop, took 1.3x the time of a GEMV from memory)."""
+    return (f"{STRIP_LIB}{isa}_r{rows}v{NV}{'l' if long_k else 's'}"
+            f"{'p' if prefetch_c else 'n'}{'w' if whole else 'm'}")
+
+
+def strip_module(symbol: str) -> ir.Module:
+    """The module that defines the shared strip kernel ``symbol`` (see strip_symbol)."""
+    m = _STRIP_NAME.match(symbol)
+    if m is None:
+        raise ValueError(f"not a strip kernel: {symbol}")
+    isa, rows, NV = m[1], int(m[2]), int(m[3])
+    module = new_module(symbol)
+    fn = ir.Function(module, ir.FunctionType(VOID, list(STRIP_ARGS)), name=symbol)
+    fn.attributes.add("nounwind")
+    # (only its types and layout matter: M, N and K are the call's)
+    spec = GemmSpec(rows, 16 * NV, SUBCHAIN + (m[4] == "l"))
+    plan = GemmPlan(MR=rows, NV=NV, NR=16 * NV, KC=spec.K, MC=rows, NC=16 * NV,
+                    pack_a=False, b_mode="pack", prefetch_c=m[5] == "p", strips=False,
+                    unroll=_small_tile_unroll(rows, NV, isa) if rows * NV <= 8 else 1,
+                    isa=isa, mt=1, nt=1, MB=rows, NB=16 * NV, ws_a=0, ws_b=0, ws_bytes=0)
+    _Gen(module, fn, spec, plan, None).emit_strip(m[6] == "w")
+    mark_vector_code(module)
+    return module
+
+
+register_library(STRIP_LIB, strip_module)
 
 
 def emit_gemm(

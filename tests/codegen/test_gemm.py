@@ -23,8 +23,10 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 from llvmlite import ir
 
+from cannc.codegen import gemm as gemm_mod
 from cannc.codegen.gemm import (
     GEMM_DIMS,
+    STRIP_LIB,
     GemmSpec,
     dynamic_spec,
     emit_gemm,
@@ -39,7 +41,7 @@ from cannc.codegen.gemm import (
 )
 from cannc.codegen.vec import declare
 from cannc.native import emit
-from cannc.native.target import KernelFunction, jit_kernel, jit_library
+from cannc.native.target import KernelFunction, jit_kernel, jit_library, library_needs
 from cannc.schedule.machine import gemm_k_unroll, gemm_micro_rows, gemm_wide_tile, l2_b_block
 from tests.helpers import aligned, run_splits
 
@@ -719,6 +721,43 @@ def test_dynamic_epilogue_and_dims_slot():
     dspec, kernel = build_dynamic(spec, index_epilogue, dims_slot=6)
     for M in (1, 4, 5, 6, 13, 29):
         run_dynamic(kernel, dspec, _dyn_spec(spec, M), epilogue_ref=_index_ref, dims_slot=6)
+
+
+@pytest.mark.parametrize("isa", ["host", "avx2"])
+@pytest.mark.parametrize("spec", [
+    # K in several blocks; the one-row strip's wide tile and its masked tail
+    GemmSpec(1, 150, 2100, b_prepacked=True, bias=True, bias_col_stride=1),
+    GemmSpec(1, 45, 300),                   # B packed per block: the workspace's panels
+], ids=["prepacked", "pack"])
+def test_shared_strips_match_inline_ones(request, monkeypatch, isa, spec):
+    """The last M mod MR rows of a dynamic kernel call the shared strip kernels (library
+    modules, compiled once per program): the same sums in the same order as strips
+    inlined in the kernel, bit for bit, and the epilogue given the true (m, n) after the
+    last K block, for every remainder."""
+    if isa == "avx2":
+        request.getfixturevalue("avx2_host")
+    dspec = dynamic_spec(spec)
+    slot = 3 + spec.bias
+    kernels = {}
+    for shared in (False, True):
+        monkeypatch.setattr(gemm_mod, "SHARED_STRIPS", shared)
+        module = ir.Module()
+        emit_gemm(module, "g", dspec, index_epilogue, dims_slot=slot)
+        needs = library_needs(str(module))
+        assert bool(needs) == shared and all(n.startswith(STRIP_LIB) for n in needs), needs
+        kernels[shared] = jit_kernel(module, "g", speed_level=0)
+    for M in (1, 2, 3, 4, 5, 7, 8, 13, 37):
+        case = Case(_dyn_spec(spec, M), seed=M)
+        dims, T = gemm_dims(dspec, M)
+        outs = []
+        for shared in (False, True):
+            C = case.new_c()
+            vals = list(case.args(C)) + list(dims)
+            run_splits(kernels[shared], (ctypes.c_void_p * len(vals))(*vals), T,
+                       gemm_workspace_bytes(dspec), None, ws_fill=SENTINEL)
+            case.check(C, ref=_index_ref(case))
+            outs.append(C.copy())
+        assert np.array_equal(outs[0], outs[1]), M
 
 
 @pytest.mark.parametrize("dyn", [False, True])

@@ -4,6 +4,8 @@ generation (ABI.md "Runtime dimensions"), against onnxruntime."""
 
 from __future__ import annotations
 
+import zipfile
+
 import numpy as np
 import pytest
 from helpers import check_runtime_dims, model_of, single_node_model, with_dynamic_dims
@@ -227,3 +229,35 @@ def test_a_second_shape_generates_no_code():
     assert codegen_counts() == before
     w = numpy_helper.to_array(m.graph.initializer[0])
     np.testing.assert_allclose(y, x @ w, rtol=1e-4, atol=1e-4)
+
+
+# -- strip kernels shared between the GEMMs of a model -----------------------------------
+
+
+def test_gemms_share_strip_kernels(tmp_path):
+    """Two dynamic GEMMs call the same shared strip kernels: each library module is in
+    the program's objects once, and travels in a saved artifact, which loads and runs."""
+    K, N1, N2 = 64, 96, 80
+    w1, w2 = f32(K, N1), f32(N1, N2)
+    m = model_of([helper.make_node("MatMul", ["x", "w1"], ["h"]),
+                  helper.make_node("Relu", ["h"], ["r"]),
+                  helper.make_node("MatMul", ["r", "w2"], ["y"])],
+                 [vi("x", ["batch", "seq", K])], [vi("y", None)],
+                 [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+    feeds = [{"x": f32(b, s, K)} for b, s in SIZES[:5]]
+    sess = check_runtime_dims(m, feeds)
+    spec = sess.specializations[0]
+    ks = gemm_kernels(sess)[:2]
+    assert len({k.symbol for k in ks}) == 2
+    shared = set(ks[0].needs) & set(ks[1].needs)
+    assert shared, [k.needs for k in ks]
+    needs = {n for k in spec.kernels for n in k.needs}
+    assert all(sym.startswith("cannc_lib_") and spec.objects[sym] for sym, _ in needs)
+    path = tmp_path / "two.cnc"
+    sess.save(path)
+    with zipfile.ZipFile(path) as z:
+        assert {f"objects/{key}.o" for _, key in needs} <= set(z.namelist())
+    loaded = cannc.load(path, cores=1)
+    for f in feeds:
+        np.testing.assert_allclose(loaded.run(None, f)[0], sess.run(None, f)[0], rtol=1e-6,
+                                   atol=1e-6)
