@@ -62,6 +62,14 @@ OVERLAP_LAST_CHUNK = True  # (AVX2) the last chunk of a row ends at its end (ove
 S2_ROWS = True            # stride-2 2-D windows load each input row once, by phase (s2_rows)
 
 
+# AVX2 stride-2 steps (_WindowGen.taps_in_lane): phase q of the 32 input columns x0, x1
+# taken within 128-bit lanes (one vshufps a ymm), whose lane l holds output column
+# PHASE_ORDER[l] (an involution: the same shuffle puts the sums back in column order)
+PHASE_LANES = [ir.Constant(VI, [h + q + o for h in (0, 16) for o in (0, 2, 8, 10, 4, 6, 12, 14)])
+               for q in (0, 1)]
+PHASE_ORDER = ir.Constant(VI, [h + o for h in (0, 8) for o in (0, 1, 4, 5, 2, 3, 6, 7)])
+
+
 @dataclass(frozen=True)
 class WindowSpec:
     kind: str          # 'dw' | 'max' | 'avg' | 'lp'
@@ -196,14 +204,17 @@ def plan_window(spec: WindowSpec, cores: int = 2) -> WindowPlan:
     # of a GEMM tile, since a depthwise conv also keeps its KH*KW weight splats
     wide = wide_registers()
     acc = 8 if wide else ACC_BUDGET_AVX2 // 2
-    if not wide and not (spec.s[2] == 2 and spec.k[2] < 5):
+    if not wide:
         # AVX2: one vector a row (more chunks, unrolled up to UNROLL_CHUNKS), so the step
         # takes up to 3 rows, which share their input rows' loads and each weight's
         # broadcast (16 ymm hold neither 25 weights nor 2 vectors x 3 rows and their
         # inputs). Zen 4 under CANNC_ISA=avx2, depthwise alone, 1 core, two runs:
         # 5x5 stride 2 on 56x56 (144 channels) 266-387 -> 163-171 us, 5x5 on 28x28 (240)
         # 223-302 -> 174-184, 5x5 on 14x14 (672) 202 -> 142-159, 3x3 on 56x56 (144)
-        # 143-168 -> 100-110. Stride-2 3x3 windows (by column phase, s2_rows) keep theirs
+        # 143-168 -> 100-110. Stride-2 3x3 windows too, since their taps are taken within
+        # lanes (_WindowGen.taps_in_lane; before, each step split its input rows into
+        # both phases and rotated them, which more vectors a row amortised): 3x3 stride 2
+        # on 112x112 (96) 150 -> 131 us, on 56x56 (144) 78 -> 55, 28x28 level
         V = min(acc, cdiv(nvec, UNROLL_CHUNKS))
         chunks = cdiv(nvec, V)
     elif nvec <= acc:
@@ -318,9 +329,12 @@ def s2_rows(spec: WindowSpec, V: int) -> bool:
     depthwise alone, 1 core: 3x3 on 112x112 (96 channels) 142 -> 104 us, on 28x28 (240)
     38 -> 18; 5x5 on 56x56 (144) 146 -> 97 (it was padded). Not 5x5 windows of one
     vector a row: 5x5 on 14x14 (672) 54 -> 64-69 (32 registers of weights and
-    accumulators at 7 rows a step, fewer rows slower still)."""
+    accumulators at 7 rows a step, fewer rows slower still). With AVX2 (taps taken
+    within lanes, taps_in_lane) 5x5 windows of output rows wider than a vector: on 56x56
+    (144) 192 -> 144 us; 28x28 (144) 54 -> 73 and 14x14 (672) 92 -> 113 stay padded."""
     return (S2_ROWS and spec.s[2] == 2 and spec.k[0] == 1 and spec.osz[0] == 1
-            and spec.dts[0] == "float32" and (spec.k[2] < 5 or V >= 2))
+            and spec.dts[0] == "float32"
+            and (spec.k[2] < 5 or V >= 2 or (not wide_registers() and spec.osz[2] > 16)))
 
 
 def _global_array(module: ir.Module, name: str, values: Sequence[float]) -> ir.GlobalVariable:
@@ -609,6 +623,7 @@ class _WindowGen:
         odd = ir.Constant(VI, list(range(1, 32, 2)))
         top = b.sub(b.mul(r0, i64(sh)), i64(ph))
         accs = [[init] * V for _ in range(R)]
+        in_lane = not wide_registers()
         for u in range((R - 1) * sh + (KH - 1) * dh + 1):
             users = [(i, kh) for i in range(R) for kh in range(KH) if i * sh + kh * dh == u]
             if not users:
@@ -617,6 +632,9 @@ class _WindowGen:
             ok = None if inner else b.icmp_unsigned("<", ih, i64(H))
             src = v.gep(x_p, b.mul(ih if inner else b.select(ok, ih, i64(0)), i64(W)),
                         self.xt)
+            if in_lane:
+                self.taps_in_lane(src, ok, ow0, taps, users, accs, wts, W, const_cols, ident)
+                continue
             phase = {}
             for jj in range(jlo, jhi + 1):
                 first, masks = self.col_masks(ow0, jj, 0, 2, W, const_cols)
@@ -634,7 +652,33 @@ class _WindowGen:
                     for i, kh in users:
                         accs[i][j] = self.combine(accs[i][j], x,
                                                   wts[kh * KW + kw] if wts else None)
+        if in_lane:     # (the sums in PHASE_ORDER: back to column order)
+            accs = [[b.shuffle_vector(a, a, PHASE_ORDER) for a in row] for row in accs]
         self.finish(y_p, r0, r_hi, ow0, accs, inner)
+
+    def taps_in_lane(self, src, ok, ow0, taps, users, accs, wts, W, const_cols, ident):
+        """step_s2 with AVX2 (no lane-crossing two-source shuffle in one instruction): the
+        taps of one input row, each phase vector taken within 128-bit lanes (vshufps) from
+        two vectors of input loaded at its own offset, so its lanes hold the output
+        columns in PHASE_ORDER, as the step's sums do until finish. A tap at column offset
+        a = 2e + q reads the pair loaded at input column 2*(ow + e) (one pair per e) and
+        takes phase q of it: no rotation across vectors, no split into both phases."""
+        v, s, p = self.v, self.s, self.p
+        b = v.b
+        KW = s.k[2]
+        pairs = {}
+        for e in sorted({e for e, _ in taps}):
+            for j in range(p.V):
+                first, masks = self.col_masks(ow0, j, 2 * e, 2, W, const_cols)
+                masks = [v.mask_and(m, ok) for m in masks]
+                pairs[e, j] = (v.mload(v.gep(src, first), masks[0], ident),
+                               v.mload(v.gep(src, b.add(first, i64(16))), masks[1], ident))
+        for kw, (e, q) in enumerate(taps):
+            for j in range(p.V):
+                x0, x1 = pairs[e, j]
+                x = b.shuffle_vector(x0, x1, PHASE_LANES[q])
+                for i, kh in users:
+                    accs[i][j] = self.combine(accs[i][j], x, wts[kh * KW + kw] if wts else None)
 
     def col_masks(self, ow0, j, off, sw, W, const_cols):
         """(first input column, masks) of vector j for a tap at column offset `off`."""

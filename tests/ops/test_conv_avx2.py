@@ -207,6 +207,41 @@ def test_depthwise_narrow_rows_one_row_a_step_avx2(xs, ws, attrs, padded):
     check_op("Conv", conv_inputs(xs, ws), const_inputs=(1, 2), **TOL, **attrs)
 
 
+@pytest.mark.parametrize("op,xs,ws,attrs,s2", [
+    ("Conv", (1, 6, 60, 70), (6, 1, 3, 3), dict(group=6, pads=[1, 1, 1, 1], strides=[2, 2]),
+     True),
+    ("Conv", (2, 4, 33, 47), (8, 1, 3, 3), dict(group=4, pads=[0, 1, 2, 0], strides=[2, 2]),
+     True),
+    ("Conv", (1, 5, 40, 75), (5, 1, 5, 5), dict(group=5, pads=[2, 2, 2, 2], strides=[2, 2]),
+     True),
+    ("Conv", (1, 5, 30, 30), (5, 1, 5, 5), dict(group=5, pads=[2, 2, 2, 2], strides=[2, 2]),
+     False),                                           # one vector a row: padded rows
+    ("MaxPool", (1, 3, 41, 67), None, dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1],
+                                          strides=[2, 2]), True),
+    ("AveragePool", (1, 3, 40, 66), None, dict(kernel_shape=[3, 3], pads=[0, 1, 1, 0],
+                                              strides=[2, 2]), True),
+])
+def test_stride2_taps_within_lanes_avx2(op, xs, ws, attrs, s2):
+    """AVX2 stride-2 windows by column phase take each tap's phase within 128-bit lanes
+    from a pair of vectors loaded at its own offset (pool.taps_in_lane), their sums in
+    pool.PHASE_ORDER until the store; one vector a row (pool.plan_window), 5x5 windows so
+    where a row is wider than a vector."""
+    from cannc.codegen import pool
+    if op == "Conv":
+        plan = _dw_plan(xs, ws, attrs)
+        inputs, const = conv_inputs(xs, ws), (1, 2)
+    else:
+        k, p, s = attrs["kernel_shape"], attrs["pads"], attrs["strides"]
+        o = [(xs[2 + i] + p[i] + p[i + 2] - k[i]) // s[i] + 1 for i in (0, 1)]
+        plan = pool.plan_window(pool.WindowSpec(
+            kind="max" if op == "MaxPool" else "avg", N=1, C=xs[1], M=xs[1],
+            isz=(1,) + xs[2:], osz=(1, *o), k=(1, *k), s=(1, *s), pb=(0, p[0], p[1]),
+            count_rows=(1.0,) * o[0], count_cols=(1.0,) * o[1]))
+        inputs, const = [rnd(*xs)], ()
+    assert plan.V == 1 and plan.s2 == s2 and plan.padded != s2, plan
+    check_op(op, inputs, const_inputs=const, **TOL, **attrs)
+
+
 def test_silu_fused_late_avx2():
     """Conv + SiLU chains as EfficientNet has them (a 1x1 expansion, a depthwise 3x3 and a
     stride-2 depthwise 5x5, each followed by x * sigmoid(x)): the SiLU fused into each
@@ -243,8 +278,9 @@ def test_silu_fused_late_avx2():
 @pytest.mark.parametrize("op,xs,ws,attrs", [
     ("Conv", (1, 8, 28, 30), (8, 1, 3, 3), dict(group=8, pads=[1, 1, 1, 1])),    # tail 14
     ("Conv", (2, 5, 20, 20), (5, 1, 3, 3), dict(group=5, pads=[1, 1, 1, 1])),    # tail 4
+    ("Conv", (1, 6, 30, 30), (6, 1, 5, 5), dict(group=6, pads=[2, 2, 2, 2])),    # padded rows
     ("Conv", (1, 6, 56, 56), (6, 1, 5, 5), dict(group=6, pads=[2, 2, 2, 2],
-                                               strides=[2, 2])),                 # padded rows
+                                               strides=[2, 2])),                 # column phases
     ("Conv", (1, 4, 45, 99), (4, 1, 3, 3), dict(group=4, pads=[1, 0, 1, 2],
                                                strides=[2, 2])),                 # column phases
     ("AveragePool", (1, 3, 28, 28), None, dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])),
