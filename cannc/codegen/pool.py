@@ -11,7 +11,9 @@ once (``R*V`` independent accumulators), loading the input with masked vector
 loads: stride 1 directly, stride 2 as two loads and an even-lane shuffle, other
 strides as masked gathers. Stride-2 2-D windows load each input row of a step once
 instead, split into its even and odd columns (s2_rows), and every tap of every output
-row that reads the row takes a lane rotation of one of them. Padding and the window
+row that reads the row takes a lane rotation of one of them; with AVX2 each tap takes its
+phase within 128-bit lanes from the input loaded at its own offset (taps_in_lane), the
+sums in a lane order of their own until the store. Padding and the window
 parts outside the input are the load masks (the pass-through value is the reduction's
 identity), so no border special cases are needed. Depthwise convs on small planes
 (rows narrower than a vector, e.g. 7x7) take a tile per plane instead and compute it as
