@@ -43,8 +43,10 @@ M, the batch count, the tile grid, KC and NC (of a prepacked B) are runtime dims
 the static planner would. A block's full MR-row panels run the MR-row kernel,
 its last ``M mod MR`` rows a strip of micro-kernels of exactly that many rows
 (chosen at run time; wider for fewer rows), so few rows cost what they cost a
-kernel made for them. A B that is not prepacked gets a second plan for at most
-``SMALL_M`` rows (B read in place, or dot products), chosen per call.
+kernel made for them; with float32 operands those are functions of library modules
+that every GEMM of a program calls (`strip_module`), compiled once. A B that is not
+prepacked gets a second plan for at most ``SMALL_M`` rows (B read in place, or dot
+products), chosen per call.
 
 Reduced precision (``GemmSpec.compute`` "bf16" / "fp16", fp32 accumulation; A, B, bias
 and C each float32 or the narrow type, a float32 operand rounded to it where it is
