@@ -760,6 +760,23 @@ def test_shared_strips_match_inline_ones(request, monkeypatch, isa, spec):
         assert np.array_equal(outs[0], outs[1]), M
 
 
+def test_library_symbols():
+    """A module's library needs are the cannc_lib_* functions it declares; a library
+    symbol no registered builder makes is a CompileError, and a strip kernel's name is
+    the whole of what its module depends on."""
+    from cannc.errors import CompileError
+    from cannc.native.target import library_ir
+    text = ('declare void @"cannc_lib_gstrip_avx2_r1v4lpw"(ptr %".1")\n'
+            'declare <16 x float> @"llvm.fma.v16f32"(<16 x float>, <16 x float>, <16 x float>)\n'
+            'define void @"k"() {\n  ret void\n}\n')
+    assert library_needs(text) == ["cannc_lib_gstrip_avx2_r1v4lpw"]
+    assert library_needs('define void @"cannc_lib_x"() {\n  ret void\n}\n') == []
+    with pytest.raises(CompileError, match="no library defines cannc_lib_unknown_x"):
+        library_ir("cannc_lib_unknown_x")
+    sym = gemm_mod.strip_symbol("avx512", 3, 4, True, True, False)
+    assert library_ir(sym) == library_ir(sym) and f'define void @"{sym}"' in library_ir(sym)
+
+
 @pytest.mark.parametrize("dyn", [False, True])
 def test_mid_rows_k_blocks(dyn):
     """FEW_ROWS < M <= MID_ROWS rows over a prepacked B: K blocks of at least
