@@ -416,6 +416,12 @@ def _small_tile_unroll(MR: int, NV: int, isa: str) -> int:
     return 4
 
 
+def _strip_unroll(MR: int, NV: int, isa: str) -> int:
+    """k steps per iteration of the k loop of an MR x 16*NV micro-tile that is not the
+    plan's own (a strip's): _small_tile_unroll's, and none past 8 accumulators."""
+    return _small_tile_unroll(MR, NV, isa) if MR * NV <= 8 else 1
+
+
 def _rows_padding_least(M: int, many: int) -> int:
     """The rows of the AVX-512 micro-kernel for a product of M rows (M known when it is
     compiled): of the measured choice (gemm_micro_rows) and 8, the one that pads M to
@@ -1892,12 +1898,12 @@ class _Gen(VecBuilder):
     # -- micro-kernel ----------------------------------------------------------
     def k_unroll(self, MR, NV):
         """k steps per iteration of the k loop of an MR x 16*NV micro-tile: the plan's
-        for its own tile; for another (a strip's) _small_tile_unroll's, and none past 8
-        accumulators."""
+        for its own tile; for another (a strip's) _strip_unroll's, as a shared strip
+        kernel's plan has it (strip_module)."""
         p = self.p
         if (MR, NV) == (p.MR, p.NV):
             return p.unroll
-        return _small_tile_unroll(MR, NV, p.isa) if MR * NV <= 8 else 1
+        return _strip_unroll(MR, NV, p.isa)
 
     def micro(self, a_ptrs, b_base, b_pstride, kc, c_ptr, mr, nr, first, last, m0, n0,
               MR=None, NV=None, pf=None):
@@ -2434,7 +2440,7 @@ def strip_module(symbol: str) -> ir.Module:
     spec = GemmSpec(rows, 16 * NV, SUBCHAIN + (m[4] == "l"))
     plan = GemmPlan(MR=rows, NV=NV, NR=16 * NV, KC=spec.K, MC=rows, NC=16 * NV,
                     pack_a=False, b_mode="pack", prefetch_c=m[5] == "p", strips=False,
-                    unroll=_small_tile_unroll(rows, NV, isa) if rows * NV <= 8 else 1,
+                    unroll=_strip_unroll(rows, NV, isa),
                     isa=isa, mt=1, nt=1, MB=rows, NB=16 * NV, ws_a=0, ws_b=0, ws_bytes=0)
     _Gen(module, fn, spec, plan, None).emit_strip(m[6] == "w")
     mark_vector_code(module)
