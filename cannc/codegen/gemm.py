@@ -1658,8 +1658,7 @@ class _Gen(VecBuilder):
         whole = isinstance(nr, ir.Constant) and nr.constant == 16 * NV
         sym = strip_symbol(p.isa, rows, NV, p.KC > SUBCHAIN, p.prefetch_c, whole)
         f = declare(self.m, sym, VOID, STRIP_ARGS)
-        b.call(f, [a0, i64(s.lda_), b_base, b_pstride if b_pstride is not None else i64(0),
-                   kc, c_ptr, i64(s.ldc_), nr,
+        b.call(f, [a0, i64(s.lda_), b_base, b_pstride, kc, c_ptr, i64(s.ldc_), nr,
                    i64(1) if first is True else b.zext(first, I64)])
         if last is True:
             self.strip_final(c_ptr, m0, n0, rows, nr)
