@@ -359,9 +359,9 @@ def test_sigmoid_avx2(monkeypatch):
     assert np.isnan(j.run("sigmoid_f32", np.float32([np.nan] * 17))).all()
 
 
-def test_gelu_erf(jit):
+def _check_gelu_erf(j):
     x = np.concatenate([sweep(-12, 12), sweep(-1, 1, 200_000), random_bits(100_000, seed=3)])
-    got, ref = measure(jit, "gelu_erf", x)
+    got, ref = measure(j, "gelu_erf", x)
     with np.errstate(all="ignore"):
         np.testing.assert_array_equal(np.isnan(got), np.isnan(ref) | (x == -np.inf))
         fin = np.isfinite(got) & np.isfinite(ref)
@@ -371,6 +371,48 @@ def test_gelu_erf(jit):
     small = fin & (np.abs(ref) <= 1)
     assert np.abs(got[small] - ref[small]).max() <= 3e-7
     assert np.abs(got[fin & (x < -5.6)] - ref[fin & (x < -5.6)]).max() <= 5e-8
+    # (16 lanes each: shorter arrays take the scalar loop)
+    edge = j.run("gelu_erf_f32", np.repeat(np.float32([np.inf, -0.0, 5.6569, -5.6569, 6.0]), 16))
+    np.testing.assert_array_equal(edge[::16], np.float32([np.inf, -0.0, 5.6569, -0.0, 6.0]))
+    assert np.signbit(edge[16:32]).all()
+
+
+def test_gelu_erf(jit):
+    """The host's gelu_erf: with AVX-512 the vpermt2ps table of H = erfc(|x|/sqrt2)/2."""
+    if vmath._has_avx512():
+        assert "llvm.x86.avx512.vpermi2var.ps.512" in jit.optimised_ir
+    _check_gelu_erf(jit)
+
+
+def test_gelu_erf_avx2(monkeypatch):
+    """The gelu_erf of CPUs without AVX-512 (CANNC_ISA=avx2 or an AVX2-only host): erfc
+    from t P(t) e^(-a^2), as accurate as the table."""
+    from tests.helpers import restrict_host_to_avx2
+    restrict_host_to_avx2(monkeypatch)
+    m = ir.Module(name="vmath_avx2_gelu")
+    m.triple = llvm.get_process_triple()
+    _emit_kernel(m, "gelu_erf_f32", vmath.gelu_erf, F32, 1)
+    j = Jit(m, speed_level=3)
+    assert "avx512" not in j.optimised_ir
+    _check_gelu_erf(j)
+
+
+def test_gelu_erf_table():
+    """Each row of the AVX-512 table is H = erfc(u/sqrt2)/2 on its interval of u, evaluated
+    in float64 (the coefficients as the kernel's float32 constants): within 1.2e-7 relative
+    for u < 4, 6e-7 up to 4 sqrt2 (where gelu(-u) is ~4e-8)."""
+    tab, u_max = np.float32(vmath._GELU_TAB).astype(np.float64), vmath._GELU_TAB_U
+    scale = np.float32(len(tab) / np.float32(u_max))
+    worst = {True: 0.0, False: 0.0}
+    for i, (c, *coef) in enumerate(tab):
+        u = np.linspace(float(i / scale), float((i + 1) / scale), 513)
+        p = np.polynomial.polynomial.polyval(u - c, coef)
+        h = np.array([0.5 * math.erfc(v / math.sqrt(2)) for v in u])
+        for core in (True, False):
+            sel = (u < 4) == core
+            if sel.any():
+                worst[core] = max(worst[core], float(np.max(np.abs(p[sel] / h[sel] - 1))))
+    assert worst[True] < 1.2e-7 and worst[False] < 6e-7, worst
 
 
 def test_gelu_tanh(jit):
