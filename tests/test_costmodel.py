@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pytest
 
 from cannc.codegen.gemm import GemmSpec
@@ -188,3 +189,31 @@ def test_measured_fma_pipes_are_in_the_code_caches_salt(monkeypatch):
     one = memo.salt()
     monkeypatch.setattr(machine, "fma_pipes", lambda: 2)
     assert memo.salt() != one
+
+
+def test_gather_reads_the_rows_it_takes():
+    """A gather's (and a slice's) kernel reads as many elements of its data as it writes:
+    the traffic the profiler divides by and the cost model predicts from is not the whole
+    table (an embedding of 47 MB read 128 rows: 3800 GB/s, 13000% of the bandwidth)."""
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    import cannc
+    table = nh.from_array(np.arange(4096 * 64, dtype=np.float32).reshape(4096, 64), "table")
+    g = h.make_graph(
+        [h.make_node("Gather", ["table", "ids"], ["rows"]),
+         h.make_node("Slice", ["x", "st", "en"], ["part"])], "g",
+        [h.make_tensor_value_info("ids", T.INT64, [8]),
+         h.make_tensor_value_info("x", T.FLOAT, [1024, 64])],
+        [h.make_tensor_value_info("rows", T.FLOAT, [8, 64]),
+         h.make_tensor_value_info("part", T.FLOAT, [4, 64])],
+        [table, nh.from_array(np.int64([0]), "st"), nh.from_array(np.int64([4]), "en")])
+    s = cannc.compile(h.make_model(g, opset_imports=[h.make_opsetid("", 17)]).SerializeToString())
+    ids = np.int64([5, 0, 4095, 7, 7, 1, 2, 3])
+    x = np.ones((1024, 64), np.float32)
+    rows, part = s.run(None, {"ids": ids, "x": x})
+    np.testing.assert_array_equal(rows, nh.to_array(table)[ids])
+    kernels = {k.op_types[0]: k for k in next(iter(s.programs.values())).kernels}
+    assert kernels["Gather"].bytes_read == 8 * 64 * 4 + 8 * 8
+    assert kernels["Slice"].bytes_read == 4 * 64 * 4 + 2 * 8

@@ -128,7 +128,8 @@ class _Lowering:
                 inputs.append(cname)
             else:
                 inputs.append(root(v) if v else "")
-        br = sum(t.nbytes for t in in_types if t is not None)
+        br = (op.bytes_read(n, in_types, out_types) if op.bytes_read is not None
+              else sum(t.nbytes for t in in_types if t is not None))
         bw = sum(t.nbytes for t in out_types)
         if tiling is not None:
             num_tiles, ws, single = tiling.num_tiles, tiling.workspace_bytes, tiling.single_core

@@ -128,6 +128,9 @@ class OpDef:
     check: CheckFn | None = None              # extra support check, returns a reason or None
     value_check: ValueCheckFn | None = None   # support check on constant input values
     flops: FlopsFn | None = None
+    # bytes a kernel of the op reads, where that is less than all of every input (a gather
+    # reads the rows it takes); None: every input whole
+    bytes_read: FlopsFn | None = None
     reference: Callable[..., list[np.ndarray] | None] | None = None   # None: onnx.reference
     fusible: bool = False
     doc: str = ""

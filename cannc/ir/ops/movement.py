@@ -32,10 +32,16 @@ NUMERIC = FLOATS | INTS
 
 def _reg(name: str, dtypes: frozenset[str] = ALL, check: Any = None,
          min_opset: int = 1, doc: str = "", reference: Any = None,
-         value_inputs: tuple[int, ...] = ()) -> None:
+         value_inputs: tuple[int, ...] = (), bytes_read: Any = None) -> None:
     register(OpDef(name=name, category=Category.INJECTIVE, dtypes=dtypes,
                    check=check, min_opset=min_opset, doc=doc,
-                   reference=reference, value_inputs=value_inputs))
+                   reference=reference, value_inputs=value_inputs, bytes_read=bytes_read))
+
+
+def _reads_output_sized(n: Node, ins: list[Any], outs: list[Any]) -> int:
+    """Bytes read by an op that takes as many elements of its data (input 0) as it writes
+    (a gather, a slice), plus its other inputs (indices, starts, ...) whole."""
+    return sum(t.nbytes for t in outs) + sum(t.nbytes for t in ins[1:] if t is not None)
 
 
 _reg("Transpose", doc="strided copy; blocked in-register transpose")
@@ -66,7 +72,8 @@ def _split_check(n: Node, ins: list[Any], outs: list[Any]) -> str | None:
 _reg("Split", check=_split_check, doc="one copy per output, one kernel", value_inputs=(1,))
 
 
-_reg("Slice", doc="strided copy (negative steps walk backwards)", value_inputs=(1, 2, 3, 4))
+_reg("Slice", doc="strided copy (negative steps walk backwards)", value_inputs=(1, 2, 3, 4),
+     bytes_read=_reads_output_sized)
 _reg("Expand", doc="strided copy with stride-0 (broadcast) dims", value_inputs=(1,))
 _reg("Tile", min_opset=6, doc="strided copy over (repeat, dim) pairs", value_inputs=(1,))
 
@@ -148,7 +155,7 @@ def _gather_reference(n: Node, inputs: list) -> list[np.ndarray] | None:
 
 
 _reg("Gather", doc="runtime indices, checked natively (out of range: zeros)",
-     reference=_gather_reference)
+     reference=_gather_reference, bytes_read=_reads_output_sized)
 
 
 def _gather_elements_reference(n: Any, inputs: list) -> list[np.ndarray]:
@@ -165,10 +172,11 @@ def _gather_elements_reference(n: Any, inputs: list) -> list[np.ndarray]:
 
 
 _reg("GatherElements", doc="runtime indices, checked natively",
-     reference=_gather_elements_reference)
+     reference=_gather_elements_reference, bytes_read=_reads_output_sized)
 
 
-_reg("GatherND", doc="runtime index tuples, checked natively")
+_reg("GatherND", doc="runtime index tuples, checked natively",
+     bytes_read=_reads_output_sized)
 
 
 def _scatter_check(n: Node, ins: list[Any], outs: list[Any]) -> str | None:
