@@ -270,9 +270,13 @@ class _E:
                                    ir.Constant(ir.VectorType(idx, 16), list(range(16))))
         return self.fma(r0, self.fma(self.neg(a), r0, self.c(1.0)), r0)
 
+    def avx512_vector(self) -> bool:
+        """A <16 x float> on an AVX-512 CPU: its intrinsics (vscalefps, vpermt2ps) apply."""
+        return self.ty == _V16F and _has_avx512()
+
     def has_scalef(self) -> bool:
         """vscalefps applies (a <16 x float> on an AVX-512 CPU)."""
-        return self.ty == _V16F and _has_avx512()
+        return self.avx512_vector()
 
     def scalef(self, a, k):
         """a * 2^k for a float k holding an integer (vscalefps: one rounding, denormal
@@ -625,9 +629,10 @@ def _erf_f32(e: _E, x: ir.Value) -> ir.Value:
 def _gelu_erf_table_f32(e: _E, x: ir.Value) -> ir.Value:
     """gelu_erf of a <16 x float> with AVX-512: x (1 - H(|x|)) for x >= 0, x H(|x|) below,
     H = erfc(|x| / sqrt2) / 2 from _GELU_TAB, each lane's interval row picked by vpermt2ps
-    from two registers (32 entries). 8 multiplies or FMAs a vector where the exp-based
-    form below takes ~30: Zen 4 runs one zmm FMA a cycle, and in a GEMM's epilogue the
-    activation competes with the products for it. H is 0 from 4 sqrt2 on (gelu is then
+    from two registers (32 entries). 7 multiplies or FMAs and 7 vpermt2ps a vector where
+    the exp-based form below takes ~30 multiplies or FMAs: Zen 4 runs one zmm FMA (or
+    vpermt2ps) a cycle, and in a GEMM's epilogue the activation competes with the
+    products for it. H is 0 from 4 sqrt2 on (gelu is then
     -0 or x), for NaN (which the last product keeps) and for +-inf (gelu(-inf) is NaN,
     as the formula gives)."""
     i32 = ir.IntType(32)
@@ -657,7 +662,7 @@ def _gelu_erf_table_f32(e: _E, x: ir.Value) -> ir.Value:
 
 
 def _gelu_erf_f32(e: _E, x: ir.Value) -> ir.Value:
-    if e.has_scalef():          # a <16 x float> on an AVX-512 CPU: vpermt2ps tables
+    if e.avx512_vector():
         return _gelu_erf_table_f32(e, x)
     # 0.5 * x * (1 + erf(z)), z = x/sqrt2: the bracket is 2 - erfc(|z|) for z >= 0 and
     # erfc(|z|) for z < 0 (no cancellation in the left tail), so one branch-free
