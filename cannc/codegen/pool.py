@@ -62,6 +62,7 @@ FLAT_MAX_VECTORS = 8      # ... of at most this many vectors of output pixels
 UNROLL_CHUNKS = 8
 OVERLAP_LAST_CHUNK = True  # (AVX2) the last chunk of a row ends at its end (overlap_last_chunk)
 S2_ROWS = True            # stride-2 2-D windows load each input row once, by phase (s2_rows)
+S2_MIN_COLS = 8           # ... AVX-512 ones of 5x5 or more, one vector a row: rows wider
 
 
 # AVX2 stride-2 steps (_WindowGen.taps_in_lane): phase q of the 32 input columns x0, x1
@@ -329,14 +330,19 @@ def s2_rows(spec: WindowSpec, V: int) -> bool:
     padded): each input row loaded once a step and split into its even and odd columns,
     instead of two loads and a shuffle for every tap of every output row. Zen 4,
     depthwise alone, 1 core: 3x3 on 112x112 (96 channels) 142 -> 104 us, on 28x28 (240)
-    38 -> 18; 5x5 on 56x56 (144) 146 -> 97 (it was padded). Not 5x5 windows of one
-    vector a row: 5x5 on 14x14 (672) 54 -> 64-69 (32 registers of weights and
-    accumulators at 7 rows a step, fewer rows slower still). With AVX2 (taps taken
+    38 -> 18; 5x5 on 56x56 (144) 146 -> 97 (it was padded). 5x5 and 7x7 windows of one
+    vector a row only where it is more than half used (S2_MIN_COLS: the phase split reads
+    32 input columns for 16 outputs): 5x5 to 7x7 outputs (576, 672 channels) 56 -> 64
+    and 68 -> 81 us (32 registers of weights and accumulators at 7 rows a step, fewer
+    rows slower still), to 8x8 (200) level, but to 9x9 (480) 98 -> 88, 10x10 (160) 35 ->
+    29, 14x14 (240) 60-64 -> 49-56, 15x15 (96) 31 -> 26, 16x16 (120) 47 -> 31; 7x7 to
+    14x14 (96) 43 -> 35 (in-process A/Bs against the padded rows). With AVX2 (taps taken
     within lanes, taps_in_lane) 5x5 windows of output rows wider than a vector: on 56x56
     (144) 192 -> 144 us; 28x28 (144) 54 -> 73 and 14x14 (672) 92 -> 113 stay padded."""
     return (S2_ROWS and spec.s[2] == 2 and spec.k[0] == 1 and spec.osz[0] == 1
             and spec.dts[0] == "float32"
-            and (spec.k[2] < 5 or V >= 2 or (not wide_registers() and spec.osz[2] > 16)))
+            and (spec.k[2] < 5 or V >= 2
+                 or spec.osz[2] > (S2_MIN_COLS if wide_registers() else 16)))
 
 
 def _global_array(module: ir.Module, name: str, values: Sequence[float]) -> ir.GlobalVariable:

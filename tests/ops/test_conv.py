@@ -90,6 +90,9 @@ CONV_CASES = [
     ((1, 4, 17, 35), (8, 1, 3, 3), dict(group=4, pads=[2, 3, 1, 0], strides=[2, 2],
                                         dilations=[1, 2])),
     ((2, 5, 23, 45), (5, 1, 5, 5), dict(group=5, pads=[2, 1, 0, 2], strides=[2, 2])),
+    # ... one vector a row more than half used (AVX-512: pool.S2_MIN_COLS), 5x5 and 7x7
+    ((1, 6, 28, 28), (6, 1, 5, 5), dict(group=6, pads=[2, 2, 2, 2], strides=[2, 2])),
+    ((1, 3, 31, 29), (3, 1, 7, 7), dict(group=3, pads=[3, 3, 3, 3], strides=[2, 2])),
     # depthwise on small planes, computed flat (pool.FlatPlane): 7x7 with 3x3 / 5x5 / 7x7
     # windows, multiplier 2 with dilation and asymmetric pads, taps wholly outside a 2x2
     # plane, 8 vectors of pixels (11x11)
@@ -512,13 +515,13 @@ def test_window_plans_pad_rows_where_masks_cost_most():
     assert big.padded and 0 < big.ws_bytes <= pool.PAD_BYTES and big.nrb > 1
     for hw, k in ((56, 5), (56, 3), (28, 3), (14, 3), (300, 5)):
         p = plan(hw, k, 2)
-        if (hw, k) == (56, 5) and not pool.wide_registers():
-            # (AVX2: 5x5 stride 2 on 56x56 steps one vector a row, padded: see
-            # test_depthwise_one_vector_a_row_avx2)
-            assert p.V == 1 and not p.s2 and p.padded, (hw, k)
-            continue
+        # (AVX2 steps one vector a row, its taps by phase within lanes: see
+        # test_stride2_taps_within_lanes_avx2)
         assert p.s2 and not p.padded and p.ws_bytes == 0, (hw, k)
     assert not plan(14, 5, 2).s2                    # 7 columns, 25 taps: per tap
+    # 14 and 16 columns (of a vector's 16): by phase with AVX-512, padded with AVX2
+    for hw, k in ((28, 5), (32, 7)):
+        assert plan(hw, k, 2).s2 == pool.wide_registers(), (hw, k)
     assert not pool.plan_window(pool.WindowSpec(
         kind="dw", N=1, C=4, M=4, isz=(1, 28, 28), osz=(1, 14, 14), k=(1, 3, 3),
         s=(1, 2, 2), pb=(0, 1, 1), dts=("float16",) * 4)).s2
