@@ -287,11 +287,14 @@ class _E:
         return self.b.call(f, [a, k, self.c(0.0), ir.Constant(ir.IntType(16), -1),
                                ir.Constant(ir.IntType(32), 4)])
 
-    def horner(self, x, coeffs: Sequence[float]):
-        """c0 + c1*x + c2*x^2 + ... by Horner's rule with fma."""
-        acc = self.c(coeffs[-1])
+    def horner(self, x, coeffs: Sequence[float | ir.Value]):
+        """c0 + c1*x + c2*x^2 + ... by Horner's rule with fma (coefficients constants, or
+        values of x's type: a table's per-lane picks)."""
+        def cv(cf):
+            return cf if isinstance(cf, ir.Value) else self.c(cf)
+        acc = cv(coeffs[-1])
         for cf in reversed(coeffs[:-1]):
-            acc = self.fma(acc, x, self.c(cf))
+            acc = self.fma(acc, x, cv(cf))
         return acc
 
 
@@ -632,11 +635,9 @@ def _gelu_erf_table_f32(e: _E, x: ir.Value) -> ir.Value:
     from two registers (32 entries). 7 multiplies or FMAs and 7 vpermt2ps a vector where
     the exp-based form below takes ~30 multiplies or FMAs: Zen 4 runs one zmm FMA (or
     vpermt2ps) a cycle, and in a GEMM's epilogue the activation competes with the
-    products for it. H is 0 from 4 sqrt2 on (gelu is then
-    -0 or x), for NaN (which the last product keeps) and for +-inf (gelu(-inf) is NaN,
-    as the formula gives)."""
-    i32 = ir.IntType(32)
-    vi = ir.VectorType(i32, 16)
+    products for it. H is 0 from 4 sqrt2 on (gelu is then -0 or x), for NaN (which the
+    last product keeps) and for +-inf (gelu(-inf) is NaN, as the formula gives)."""
+    i32, vi = ir.IntType(32), e.ity
     cvt = e.b.module.declare_intrinsic(
         "llvm.x86.avx512.mask.cvttps2dq.512", fnty=ir.FunctionType(vi, [
             e.ty, vi, ir.IntType(16), i32]))
@@ -654,9 +655,7 @@ def _gelu_erf_table_f32(e: _E, x: ir.Value) -> ir.Value:
         return e.b.call(perm, [ir.Constant(e.ty, col[:16]), idx, ir.Constant(e.ty, col[16:])])
 
     r = e.sub(ax, column(0))
-    h = column(6)
-    for j in range(5, 0, -1):
-        h = e.fma(h, r, column(j))
+    h = e.horner(r, [column(j) for j in range(1, len(_GELU_TAB[0]))])
     h = e.sel(e.cmp("<", ax, e.c(_GELU_TAB_U)), h, e.c(0.0))
     return e.mul(x, e.sel(e.cmp(">=", x, e.c(0.0)), e.sub(e.c(1.0), h), h))
 
