@@ -445,6 +445,40 @@ _GELU_TAB = _rows(7, """
 5.568466  1.284958e-08  -7.373056e-08  2.0527004e-07
     -3.6881957e-07  4.836868e-07  -4.734394e-07
 """)
+# gelu_erf with AVX2 (_gelu_erf_table_f32): the same H on 8 intervals uniform in
+# y = u (1 + u/4) (narrower where H falls fastest relative to itself), each a degree-8
+# polynomial in r = u - c, so that one vpermps per ymm picks a coefficient (an 8-entry
+# permute; AVX2 has no two-register one). Fitted as _GELU_TAB; the index is trunc(y * scale),
+# the scale a little below 8 / y(4 sqrt2) (the last interval ends past 4 sqrt2: the largest
+# float32 below it still takes row 7). In the float32 evaluation the kernel does: 3.5e-7 for
+# u < 4, 3.7e-7 worst; degree 7 reached 7.6e-7.
+_GELU_TAB8_SCALE = 0.5857852697372437
+_GELU_TAB8 = _rows(10, """
+0.64532983  0.25935674  -0.32395074  0.104527265
+    0.031507604  -0.022500472  -0.0018287896
+    0.0031772184  -5.181237e-05  -2.9725116e-04
+1.7463344  0.04037643  -0.08683196  0.07581884
+    -0.029663058  3.13591e-04  0.004340755
+    -0.0013019224  -1.9792731e-04  1.7029422e-04
+2.575137  0.005010021  -0.014485552  0.01865114
+    -0.013595501  0.0056439955  -8.6711586e-04
+    -3.798523e-04  2.3918989e-04  -3.7517562e-05
+3.2720673  5.3382077e-04  -0.0018881633  0.0030890983
+    -0.003054549  0.001983845  -8.401875e-04
+    1.9331495e-04  1.1284848e-05  -2.3271497e-05
+3.8859038  5.097493e-05  -2.098615e-04  4.0775075e-04
+    -4.931828e-04  4.1115898e-04  -2.4558321e-04
+    1.0419056e-04  -2.8328286e-05  2.8093002e-06
+4.4409766  4.477576e-06  -2.0810035e-05  4.620845e-05
+    -6.493526e-05  6.439194e-05  -4.7448924e-05
+    2.6550855e-05  -1.1270237e-05  3.2635944e-06
+4.9515867  3.68054e-07  -1.8916821e-06  4.6834166e-06
+    -7.4148547e-06  8.398012e-06  -7.2029356e-06
+    4.8315505e-06  -2.598952e-06  1.0246124e-06
+5.427009  2.8653103e-08  -1.6047102e-07  4.354393e-07
+    -7.609695e-07  9.59827e-07  -9.2733274e-07
+    7.1231403e-07  -4.5110968e-07  2.1368548e-07
+""")
 # tanh(x) = x + x^3 * P(x^2), |x| < 0.625; rel. error 4.4e-9
 _TANH_T = 0.625
 _TANH_P = (-0.3333328068256378, 0.1333143562078476, -0.053739115595817566,
@@ -629,39 +663,72 @@ def _erf_f32(e: _E, x: ir.Value) -> ir.Value:
     return e.sel(e.isnan(x), x, res)
 
 
+def _table_picker(e: _E, t: ir.Value) -> Callable[[Sequence[float]], ir.Value]:
+    """For t >= 0 (a <16 x float>, each lane its row index plus a fraction): a function
+    from a table column to the vector of each lane's entry. With AVX-512, a column of 32
+    by vpermt2ps from two registers; with AVX2, of 8 by vpermps on each ymm half. Lanes
+    whose t is NaN, infinite or past the table pick some row (the caller replaces them):
+    cvttps2dq gives 0x80000000 there, and the permutes read only the low index bits."""
+    i32 = ir.IntType(32)
+    if e.avx512_vector():
+        vi = e.ity
+        cvt = e.b.module.declare_intrinsic(
+            "llvm.x86.avx512.mask.cvttps2dq.512", fnty=ir.FunctionType(vi, [
+                e.ty, vi, ir.IntType(16), i32]))
+        perm = e.b.module.declare_intrinsic(
+            "llvm.x86.avx512.vpermi2var.ps.512", fnty=ir.FunctionType(e.ty, [e.ty, vi, e.ty]))
+        idx = e.b.call(cvt, [t, ir.Constant(vi, None), ir.Constant(ir.IntType(16), -1),
+                             ir.Constant(i32, 4)])
+        return lambda col: e.b.call(perm, [ir.Constant(e.ty, list(col[:16])), idx,
+                                           ir.Constant(e.ty, list(col[16:]))])
+    v8, vi8 = ir.VectorType(F32, 8), ir.VectorType(i32, 8)
+    cvt = e.b.module.declare_intrinsic("llvm.x86.avx.cvtt.ps2dq.256",
+                                       fnty=ir.FunctionType(vi8, [v8]))
+    perm = e.b.module.declare_intrinsic("llvm.x86.avx2.permps",
+                                        fnty=ir.FunctionType(v8, [v8, vi8]))
+    halves = [ir.Constant(ir.VectorType(i32, 8), list(range(h, h + 8))) for h in (0, 8)]
+    idx = [e.b.call(cvt, [e.b.shuffle_vector(t, t, h)]) for h in halves]
+    whole = ir.Constant(ir.VectorType(i32, 16), list(range(16)))
+
+    def pick(col: Sequence[float]) -> ir.Value:
+        c = ir.Constant(v8, list(col))
+        lo, hi = (e.b.call(perm, [c, i]) for i in idx)
+        return e.b.shuffle_vector(lo, hi, whole)
+    return pick
+
+
 def _gelu_erf_table_f32(e: _E, x: ir.Value) -> ir.Value:
-    """gelu_erf of a <16 x float> with AVX-512: x (1 - H(|x|)) for x >= 0, x H(|x|) below,
-    H = erfc(|x| / sqrt2) / 2 from _GELU_TAB, each lane's interval row picked by vpermt2ps
-    from two registers (32 entries). 7 multiplies or FMAs and 7 vpermt2ps a vector where
-    the exp-based form below takes ~30 multiplies or FMAs: Zen 4 runs one zmm FMA (or
-    vpermt2ps) a cycle, and in a GEMM's epilogue the activation competes with the
-    products for it. H is 0 from 4 sqrt2 on (gelu is then -0 or x), for NaN (which the
-    last product keeps) and for +-inf (gelu(-inf) is NaN, as the formula gives)."""
-    i32, vi = ir.IntType(32), e.ity
-    cvt = e.b.module.declare_intrinsic(
-        "llvm.x86.avx512.mask.cvttps2dq.512", fnty=ir.FunctionType(vi, [
-            e.ty, vi, ir.IntType(16), i32]))
-    perm = e.b.module.declare_intrinsic(
-        "llvm.x86.avx512.vpermi2var.ps.512", fnty=ir.FunctionType(e.ty, [e.ty, vi, e.ty]))
+    """gelu_erf of a <16 x float> with AVX-512 or AVX2: x (1 - H(|x|)) for x >= 0, x H(|x|)
+    below, H = erfc(|x| / sqrt2) / 2 from a table of polynomials, each lane's interval row
+    picked by permutes (_table_picker): with AVX-512 _GELU_TAB (32 rows of degree 5: 7
+    multiplies or FMAs and 7 vpermt2ps a vector), with AVX2 _GELU_TAB8 (8 rows of degree 8:
+    10 vpermps and 9 FMAs a ymm), where the exp-based form below takes ~30 multiplies or
+    FMAs and a division. Zen 4 runs one zmm FMA (or vpermt2ps) a cycle, and in a GEMM's
+    epilogue the activation competes with the products for it. H is 0 from 4 sqrt2 on
+    (gelu is then -0 or x), for NaN (which the last product keeps) and for +-inf (gelu(-inf)
+    is NaN, as the formula gives)."""
     ax = e.fabs(x)
-    # (cvttps2dq is defined for every input: NaN and the infinities give 0x80000000, whose
-    # low five bits pick row 0, and those lanes are replaced by the select below)
-    idx = e.b.call(cvt, [e.mul(ax, e.c(len(_GELU_TAB) / _GELU_TAB_U)),
-                         ir.Constant(vi, None), ir.Constant(ir.IntType(16), -1),
-                         ir.Constant(i32, 4)])
-
-    def column(j: int) -> ir.Value:
-        col = [row[j] for row in _GELU_TAB]
-        return e.b.call(perm, [ir.Constant(e.ty, col[:16]), idx, ir.Constant(e.ty, col[16:])])
-
-    r = e.sub(ax, column(0))
-    h = e.horner(r, [column(j) for j in range(1, len(_GELU_TAB[0]))])
+    if e.avx512_vector():
+        tab = _GELU_TAB
+        pick = _table_picker(e, e.mul(ax, e.c(len(tab) / _GELU_TAB_U)))
+    else:
+        tab = _GELU_TAB8
+        y = e.fma(ax, e.mul(ax, e.c(0.25)), ax)            # u (1 + u/4)
+        pick = _table_picker(e, e.mul(y, e.c(_GELU_TAB8_SCALE)))
+    r = e.sub(ax, pick([row[0] for row in tab]))
+    h = e.horner(r, [pick([row[j] for row in tab]) for j in range(1, len(tab[0]))])
     h = e.sel(e.cmp("<", ax, e.c(_GELU_TAB_U)), h, e.c(0.0))
     return e.mul(x, e.sel(e.cmp(">=", x, e.c(0.0)), e.sub(e.c(1.0), h), h))
 
 
+def _has_table_permutes(e: _E) -> bool:
+    """The permutes _table_picker uses apply: a <16 x float> with AVX-512, or with AVX2."""
+    from ..native.target import host
+    return e.ty == _V16F and (host().has("avx512f") or host().has("avx2"))
+
+
 def _gelu_erf_f32(e: _E, x: ir.Value) -> ir.Value:
-    if e.avx512_vector():
+    if _has_table_permutes(e):
         return _gelu_erf_table_f32(e, x)
     # 0.5 * x * (1 + erf(z)), z = x/sqrt2: the bracket is 2 - erfc(|z|) for z >= 0 and
     # erfc(|z|) for z < 0 (no cancellation in the left tail), so one branch-free

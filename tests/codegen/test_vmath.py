@@ -378,41 +378,81 @@ def _check_gelu_erf(j):
 
 
 def test_gelu_erf(jit):
-    """The host's gelu_erf: with AVX-512 the vpermt2ps table of H = erfc(|x|/sqrt2)/2."""
+    """The host's gelu_erf: a table of H = erfc(|x|/sqrt2)/2, picked by vpermt2ps with
+    AVX-512, by vpermps with AVX2."""
     if vmath._has_avx512():
         assert "llvm.x86.avx512.vpermi2var.ps.512" in jit.optimised_ir
     _check_gelu_erf(jit)
 
 
-def test_gelu_erf_avx2(monkeypatch):
-    """The gelu_erf of CPUs without AVX-512 (CANNC_ISA=avx2 or an AVX2-only host): erfc
-    from t P(t) e^(-a^2), as accurate as the table."""
-    from tests.helpers import restrict_host_to_avx2
-    restrict_host_to_avx2(monkeypatch)
-    m = ir.Module(name="vmath_avx2_gelu")
+def _gelu_erf_jit(name: str) -> Jit:
+    m = ir.Module(name=name)
     m.triple = llvm.get_process_triple()
     _emit_kernel(m, "gelu_erf_f32", vmath.gelu_erf, F32, 1)
-    j = Jit(m, speed_level=3)
+    return Jit(m, speed_level=3)
+
+
+def test_gelu_erf_avx2(monkeypatch):
+    """The gelu_erf of CPUs without AVX-512 (CANNC_ISA=avx2 or an AVX2-only host): the
+    8-row table, one vpermps a coefficient and ymm, as accurate as the AVX-512 one."""
+    from tests.helpers import restrict_host_to_avx2
+    restrict_host_to_avx2(monkeypatch)
+    j = _gelu_erf_jit("vmath_avx2_gelu")
     assert "avx512" not in j.optimised_ir
+    assert "llvm.x86.avx2.permps" in j.optimised_ir
     _check_gelu_erf(j)
+
+
+def test_gelu_erf_without_permutes(monkeypatch):
+    """The exp-based gelu_erf (erfc from t P(t) e^(-a^2)), which vectors without the
+    tables' permutes take (other widths, a host without AVX2): as accurate as the tables."""
+    monkeypatch.setattr(vmath, "_has_table_permutes", lambda e: False)
+    j = _gelu_erf_jit("vmath_exp_gelu")
+    assert "permps" not in j.optimised_ir and "vpermi2var" not in j.optimised_ir
+    _check_gelu_erf(j)
+
+
+def _table_worst(tab, index_of, u_max, n_rows):
+    """The worst relative error of each row's polynomial (float32 coefficients, evaluated in
+    float64) against H = erfc(u/sqrt2)/2 over the u that pick that row (index_of(u), exactly
+    as the kernel computes it in float32), split at u = 4: {u < 4: err, u >= 4: err}."""
+    u = np.linspace(0, u_max, 400_001, dtype=np.float32)[:-1]
+    u = np.concatenate([u, np.nextafter(np.float32(u_max), np.float32(0))
+                        - np.arange(4096, dtype=np.float32) * np.float32(2 ** -21)])
+    idx = index_of(u)
+    assert idx.min() == 0 and idx.max() == n_rows - 1, "every u in [0, 4 sqrt2) picks a row"
+    t = np.float32(tab).astype(np.float64)
+    ud = u.astype(np.float64)
+    p = np.zeros_like(ud)
+    for j in range(t.shape[1] - 1, 0, -1):
+        p = p * (ud - t[idx, 0]) + t[idx, j]
+    h = 0.5 * np.array([math.erfc(v / math.sqrt(2)) for v in ud])
+    rel = np.abs(p / h - 1)
+    return {True: float(rel[u < 4].max()), False: float(rel[u >= 4].max())}
 
 
 def test_gelu_erf_table():
     """Each row of the AVX-512 table is H = erfc(u/sqrt2)/2 on its interval of u, evaluated
     in float64 (the coefficients as the kernel's float32 constants): within 1.2e-7 relative
     for u < 4, 6e-7 up to 4 sqrt2 (where gelu(-u) is ~4e-8)."""
-    tab, u_max = np.float32(vmath._GELU_TAB).astype(np.float64), vmath._GELU_TAB_U
+    tab, u_max = vmath._GELU_TAB, vmath._GELU_TAB_U
     scale = np.float32(len(tab) / np.float32(u_max))
-    worst = {True: 0.0, False: 0.0}
-    for i, (c, *coef) in enumerate(tab):
-        u = np.linspace(float(i / scale), float((i + 1) / scale), 513)
-        p = np.polynomial.polynomial.polyval(u - c, coef)
-        h = np.array([0.5 * math.erfc(v / math.sqrt(2)) for v in u])
-        for core in (True, False):
-            sel = (u < 4) == core
-            if sel.any():
-                worst[core] = max(worst[core], float(np.max(np.abs(p[sel] / h[sel] - 1))))
+    worst = _table_worst(tab, lambda u: (u * scale).astype(np.int32), u_max, len(tab))
     assert worst[True] < 1.2e-7 and worst[False] < 6e-7, worst
+
+
+def test_gelu_erf_table8():
+    """The AVX2 table: its rows are intervals of y = u (1 + u/4) (y computed by one fma in
+    float32, as the kernel does); within 2.5e-7 relative everywhere, and the largest float32
+    below 4 sqrt2 still picks the last row (vpermps reads the index modulo 8)."""
+    tab, u_max = vmath._GELU_TAB8, vmath._GELU_TAB_U
+    scale = np.float32(vmath._GELU_TAB8_SCALE)
+
+    def index_of(u):
+        y = (u.astype(np.float64) * (u * np.float32(0.25)) + u).astype(np.float32)  # the fma
+        return (y * scale).astype(np.int32)
+    worst = _table_worst(tab, index_of, u_max, len(tab))
+    assert worst[True] < 2.5e-7 and worst[False] < 2.5e-7, worst
 
 
 def test_gelu_tanh(jit):
