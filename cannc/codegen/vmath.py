@@ -28,8 +28,8 @@ the table; the tests bound each figure):
 - ``erf`` 1.8e-7, ``tanh`` 1.5e-7, ``sigmoid`` 2.4e-7 with AVX-512 (a degree-5
   exp polynomial; 0 below x = -88.72, where it is denormal), 1.7e-7 otherwise
   (absolute <= 1.3e-7);
-  ``softplus`` 1.7e-7; ``gelu_erf`` 4.6e-7 (with AVX-512 a table of erfc: 5.8e-7, 1.1e-7
-  for x >= -4); ``gelu_tanh`` 2.2e-7 (6.1e-7 where
+  ``softplus`` 1.7e-7; ``gelu_erf`` 4.6e-7 (from exp; with AVX-512 a table of erfc:
+  5.8e-7, 1.1e-7 for x >= -4; with AVX2 an 8-row one: 4.1e-7); ``gelu_tanh`` 2.2e-7 (6.1e-7 where
   the sigmoid inside is denormal). erf/tanh are relative-accurate near 0 and
   keep -0; the left tails of sigmoid, softplus and both gelus are computed
   without cancellation (erfc directly; the gelu_tanh argument as a float pair).
@@ -262,13 +262,19 @@ class _E:
         v8 = ir.VectorType(ir.FloatType(), 8)
         f = self.b.module.declare_intrinsic("llvm.x86.avx.rcp.ps.256",
                                             fnty=ir.FunctionType(v8, [v8]))
-        idx = ir.IntType(32)
-        halves = [self.b.call(f, [self.b.shuffle_vector(
-            a, a, ir.Constant(ir.VectorType(idx, 8), list(range(h, h + 8))))])
-            for h in (0, 8)]
-        r0 = self.b.shuffle_vector(halves[0], halves[1],
-                                   ir.Constant(ir.VectorType(idx, 16), list(range(16))))
+        r0 = self.joined(*(self.b.call(f, [h]) for h in self.halves(a)))
         return self.fma(r0, self.fma(self.neg(a), r0, self.c(1.0)), r0)
+
+    def halves(self, v) -> list[ir.Value]:
+        """The two 8-lane halves of a 16-lane vector (each one ymm, for AVX intrinsics)."""
+        return [self.b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, 8),
+                                                        list(range(h, h + 8))))
+                for h in (0, 8)]
+
+    def joined(self, lo, hi) -> ir.Value:
+        """The 16-lane vector of two 8-lane halves (the inverse of halves)."""
+        return self.b.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(I32, 16),
+                                                         list(range(16))))
 
     def avx512_vector(self) -> bool:
         """A <16 x float> on an AVX-512 CPU: its intrinsics (vscalefps, vpermt2ps) apply."""
@@ -686,14 +692,11 @@ def _table_picker(e: _E, t: ir.Value) -> Callable[[Sequence[float]], ir.Value]:
                                        fnty=ir.FunctionType(vi8, [v8]))
     perm = e.b.module.declare_intrinsic("llvm.x86.avx2.permps",
                                         fnty=ir.FunctionType(v8, [v8, vi8]))
-    halves = [ir.Constant(ir.VectorType(i32, 8), list(range(h, h + 8))) for h in (0, 8)]
-    idx = [e.b.call(cvt, [e.b.shuffle_vector(t, t, h)]) for h in halves]
-    whole = ir.Constant(ir.VectorType(i32, 16), list(range(16)))
+    idx = [e.b.call(cvt, [h]) for h in e.halves(t)]
 
     def pick(col: Sequence[float]) -> ir.Value:
         c = ir.Constant(v8, list(col))
-        lo, hi = (e.b.call(perm, [c, i]) for i in idx)
-        return e.b.shuffle_vector(lo, hi, whole)
+        return e.joined(*(e.b.call(perm, [c, i]) for i in idx))
     return pick
 
 
