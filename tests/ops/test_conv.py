@@ -544,7 +544,11 @@ def test_window_plans_flat_small_planes():
         p = plan(hw, k)
         assert p.flat is not None and p.V == -(-hw * hw // 16) and p.num_tiles == 8
         assert p.ws_bytes == 0
-    assert plan(12, 3).flat is None                 # 9 vectors
+    from cannc.codegen.vec import wide_registers
+    # 9 and 13 vectors: by rows with AVX-512; flat with AVX2 up to 3x3 taps
+    assert (plan(12, 3).flat is None) == wide_registers()
+    assert (plan(14, 3).flat is None) == wide_registers()
+    assert plan(14, 5).flat is None and plan(15, 3).flat is None      # 5x5; 15 vectors
     assert plan(7, 3, s=2).flat is None and plan(7, 3, kind="max").flat is None
     assert plan(7, 3, pw=0).flat is None            # OW = 5 != W
     assert plan(4, 3, w=20).flat is None            # rows of a vector or more

@@ -88,9 +88,13 @@ def _dw_plan(xs, ws, attrs):
 # depthwise convs on small planes computed flat (pool.FlatPlane: masked loads split into
 # ymm halves), and 1x1 convs whose swapped micro-kernel reads X itself (MR 4 divides
 # 14x14's 196 pixels; AVX2 micro-tiles are 6, 5 or 4 pixels)
+# (3x3 windows on planes of up to 13 vectors: 14x14, and 12x12 with a multiplier of 2 and
+# pads on one side of the rows)
 @pytest.mark.parametrize("xs,ws,attrs", [
     ((2, 24, 7, 7), (24, 1, 5, 5), dict(group=24, pads=[2, 2, 2, 2])),
     ((1, 6, 4, 4), (12, 1, 3, 3), dict(group=6, pads=[1, 1, 1, 1])),
+    ((2, 20, 14, 14), (20, 1, 3, 3), dict(group=20, pads=[1, 1, 1, 1])),
+    ((1, 6, 12, 12), (12, 1, 3, 3), dict(group=6, pads=[0, 1, 2, 1])),
 ])
 def test_flat_depthwise_avx2(xs, ws, attrs):
     assert _dw_plan(xs, ws, attrs).flat is not None
@@ -193,7 +197,7 @@ def test_swapped_reduction_blocks_fit_half_of_l1_avx2(monkeypatch, direct):
 
 
 @pytest.mark.parametrize("xs,ws,attrs,padded", [
-    ((1, 6, 14, 14), (6, 1, 3, 3), dict(group=6, pads=[1, 1, 1, 1]), True),
+    ((1, 6, 15, 15), (6, 1, 3, 3), dict(group=6, pads=[1, 1, 1, 1]), True),  # (14x14: flat)
     ((2, 6, 13, 15), (6, 1, 3, 3), dict(group=6, pads=[0, 1, 2, 0]), True),
     ((1, 5, 14, 14), (5, 1, 5, 5), dict(group=5, pads=[2, 2, 2, 2], strides=[2, 2]), True),
     ((1, 7, 14, 13), (7, 1, 3, 3), dict(group=7, pads=[1, 1, 1, 1], strides=[2, 2]), False),
