@@ -54,9 +54,9 @@ PAD_BYTES = 24 * 1024     # a tile's padded rows at most this (L1-resident): row
 FLAT_PLANES = True        # small depthwise planes computed as one flat row (FlatPlane)
 FLAT_MAX_VECTORS = 8      # ... of at most this many vectors of output pixels
 # ... and with AVX2, windows of at most 3x3 taps on planes of up to 13 vectors (14x14),
-# which by rows take one masked row a step (narrow_rows) from a padded copy. Their 13
-# accumulators do not fit 16 ymm registers, but the spills cost less than the copy and the
-# per-row steps. Zen 4 under CANNC_ISA=avx2, depthwise alone, 1 core, flat against rows
+# which by rows take one output row a step from a padded copy (narrow_rows, pad_rows).
+# Their 13 accumulators do not fit 16 ymm registers, but the spills cost less than the
+# copy and the per-row steps. Zen 4 under CANNC_ISA=avx2, depthwise alone, 1 core, flat against rows
 # (in-process, alternating): 3x3 on 14x14 with 240 / 384 / 480 / 576 channels 24.2 ->
 # 21.3, 56.1 -> 43.4, 45.4 -> 43.8, 57.5 -> 49.3 us, on 12x12 (256) 36.2 -> 21.2; 5x5
 # on 14x14 (480) 144 -> 150 and 7x7 (384) 165 -> 180 keep their rows. With AVX-512
