@@ -853,12 +853,11 @@ def _plan(spec: GemmSpec, tuning: tuple = (), isa: str = "avx512", small: bool =
         ws_bytes = max(ws_bytes, alt.ws_bytes)
     rt_block = (spec.dyn and b_mode == "prepacked" and not pack_a and not cvt_a
                 and spec.c_type == "float32")
-    # big tiles: the k loop body is long enough (and compiles faster) where one FMA
-    # issues a cycle; where two do, 2-4 by the accumulators (gemm_k_unroll)
+    # big tiles: 2-4 k steps an iteration, by the FMA pipes and accumulators
+    # (gemm_k_unroll)
     unroll = tun.get("unroll", _small_tile_unroll(MR, NV, isa) if MR * NV <= 8 else
                      gemm_k_unroll(accumulators=MR * NV) if isa == "avx512" else 1)
-    # (the stream rides on an unrolled k loop, see pf_next: where one FMA issues a cycle
-    # the loop is not unrolled and a B from memory keeps up, Zen 4 +-1% with it forced.)
+    # (the stream rides on an unrolled k loop, see pf_next.)
     # AVX-512's full panels, and AVX2's half panels (NV 1, its 6 x 16 tile, unrolled 4x):
     # Zen 4 under CANNC_ISA=avx2, 1 core, B cycled through 12 copies, in-process A/B:
     # 128 x 3072 x 768 x0.92, 128 x 768 x 3072 x0.93, 128 x 2304 x 768 x0.93,

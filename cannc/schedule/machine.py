@@ -217,19 +217,29 @@ def gemm_micro_rows(pipes: int | None = None) -> int:
 
 def gemm_k_unroll(pipes: int | None = None, accumulators: int = 16) -> int:
     """k steps per iteration of the k loop of an AVX-512 GEMM micro-kernel of more than 8
-    accumulators, from the measured FMA pipes (fma_pipes()). With one 512-bit FMA a
-    cycle a 6 x 32 or 8 x 32 tile's loop body runs 12-16 cycles and 1 is enough (Zen 4,
-    where the tiles were tuned); with two it runs 6-8 and its loads, pointer steps and
-    branch compete with the FMAs: 4 (a Sapphire Rapids guest, 1 core, both kernels timed
-    alternately in one process, two runs, static / dynamic-M kernel: 128x768x3072 +9%,
-    +9% / +5%, +7%; 128x3072x768 +7%, +8% / +8%, +8%; 512x768x768 +5%, +4% / +8%, +8%;
-    1024^3 +2%, +2% / +7%, +7%; 8 is level with 4, 2 is 5-7% short of it). More than 16
-    accumulators (the 24 of the 6 x 64 tile, gemm_wide_tile): 2 (kernel for any M, 1
-    core, against 2: 4 is 8-20% slower at 1024^3, 512 x 768 x 768 and 128 x 3072 x 768;
-    1 within -5..+2%)."""
+    accumulators, from the measured FMA pipes (fma_pipes()). With two 512-bit FMAs a
+    cycle the loop body runs 6-8 cycles and its loads, pointer steps and branch compete
+    with the FMAs: 4 (a Sapphire Rapids guest, 1 core, both kernels timed alternately in
+    one process, two runs, static / dynamic-M kernel: 128x768x3072 +9%, +9% / +5%, +7%;
+    128x3072x768 +7%, +8% / +8%, +8%; 512x768x768 +5%, +4% / +8%, +8%; 1024^3 +2%, +2% /
+    +7%, +7%; 8 is level with 4, 2 is 5-7% short of it). More than 16 accumulators (the 24
+    of the 6 x 64 tile, gemm_wide_tile): 2 (kernel for any M, 1 core, against 2: 4 is
+    8-20% slower at 1024^3, 512 x 768 x 768 and 128 x 3072 x 768; 1 within -5..+2%).
+
+    With one (Zen 4) the 6 x 32 and 8 x 32 loop bodies run 12-16 cycles, and the kernels
+    alone with B in cache are level at 1 and 2 (1024^3, 512 x 768 x 768 within 1%). In a
+    model, where B comes from memory (2 also turns on the B prefetch stream,
+    GemmPlan.pf_b), 2 is faster: Zen 4, 1 core, gemm_k_unroll patched to 1 or 2 before
+    each compile, sessions alternating in one process in the order 1, 2, 1, 2 (medians,
+    ms): ELECTRA 28.06 / 27.78 -> 27.13 / 27.04, MiniLM 28.45 / 28.37 -> 27.70 / 27.71,
+    BERT-base 222.6 / 223.8 -> 218.7 / 214.4, DeBERTa 27.73 / 27.98 -> 27.53 / 27.45,
+    ConvNeXt-T 93.2 / 92.8 -> 91.6 / 91.2, Swin 94.4 / 94.5 -> 94.2 / 92.8. The dynamic
+    kernels alone with B cycled through 200 copies (from memory): 128 x 256 x 256 and
+    128 x 1024 x 256 +2-4%. Advancing the stream every iteration (pf_div 1) measured
+    level with every other."""
     pipes = fma_pipes() if pipes is None else pipes
     if pipes < 2:
-        return 1
+        return 2
     return 2 if accumulators > 16 else 4
 
 

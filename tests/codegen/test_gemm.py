@@ -989,11 +989,11 @@ def test_dynamic_remainder_rows_of_a_narrow_block():
 
 def test_micro_kernel_rows_and_l2_block_follow_the_cpu():
     """8 x 32 tiles on cores that issue two 512-bit FMAs a cycle (their k loop unrolled
-    4 times), 6 x 32 on those that issue one (not unrolled); the B block scales with the
-    L2 (never below the 1 MiB-L2 figure)."""
+    4 times), 6 x 32 on those that issue one (unrolled twice); the B block scales with
+    the L2 (never below the 1 MiB-L2 figure)."""
     assert gemm_micro_rows(2) == 8 and gemm_micro_rows(1) == 6
-    assert gemm_k_unroll(2) == 4 and gemm_k_unroll(1) == 1
-    assert gemm_k_unroll(2, accumulators=24) == 2 and gemm_k_unroll(1, accumulators=24) == 1
+    assert gemm_k_unroll(2) == 4 and gemm_k_unroll(1) == 2
+    assert gemm_k_unroll(2, accumulators=24) == 2 and gemm_k_unroll(1, accumulators=24) == 2
     assert gemm_wide_tile(2) and not gemm_wide_tile(1)
     assert l2_b_block() >= 192 << 10
     p = gemm_plan(GemmSpec(480, 768, 768, b_prepacked=True))   # (6 and 8 rows: no padding)
@@ -1163,9 +1163,9 @@ def test_b_prefetch_stream_avx2(avx2_host, monkeypatch):
 def test_b_prefetch_for_weights_of_any_size_but_tiny(monkeypatch):
     """pf_b: a prepacked float32 B (a weight, which comes from memory in a model) of at
     least PF_B_MIN_BYTES, whether or not it fits in L2 (a 512 x 512 one does on every
-    core cannc has met); not for a tiny one, nor for a B packed per block; with AVX-512
-    only on a core of two FMA pipes, whose k loop is unrolled (the stream's cadence);
-    AVX2's 6 x 16 tile is unrolled on any core."""
+    core cannc has met); not for a tiny one, nor for a B packed per block; on cores of
+    one FMA pipe or two, whose k loops are unrolled (the stream's cadence: twice with
+    AVX-512 and one pipe, 4 times with two; AVX2's 6 x 16 tile 4 times on any core)."""
     import cannc.codegen.gemm as gemm_mod
     from cannc.codegen.gemm import PF_B_MIN_BYTES
 
@@ -1173,7 +1173,8 @@ def test_b_prefetch_for_weights_of_any_size_but_tiny(monkeypatch):
     monkeypatch.setattr("cannc.schedule.machine.fma_pipes", lambda: 1)
     gemm_mod._plan.cache_clear()
     plan = gemm_plan(GemmSpec(128, 2048, 2048, b_prepacked=True))
-    assert (not plan.pf_b and plan.unroll == 1) if avx512 else (plan.pf_b and plan.unroll == 4)
+    assert plan.pf_b and plan.unroll == (2 if avx512 else 4)
+    assert not gemm_plan(GemmSpec(128, 2048, 2048)).pf_b
     _two_fma_pipes(monkeypatch)
     gemm_mod._plan.cache_clear()
     assert gemm_plan(GemmSpec(128, 512, 512, b_prepacked=True)).pf_b
