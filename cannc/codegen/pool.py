@@ -56,11 +56,11 @@ FLAT_MAX_VECTORS = 8      # ... of at most this many vectors of output pixels
 # ... and with AVX2, windows of at most 3x3 taps on planes of up to 13 vectors (14x14),
 # which by rows take one output row a step from a padded copy (narrow_rows, pad_rows).
 # Their 13 accumulators do not fit 16 ymm registers, but the spills cost less than the
-# copy and the per-row steps. Zen 4 under CANNC_ISA=avx2, depthwise alone, 1 core, flat against rows
-# (in-process, alternating): 3x3 on 14x14 with 240 / 384 / 480 / 576 channels 24.2 ->
-# 21.3, 56.1 -> 43.4, 45.4 -> 43.8, 57.5 -> 49.3 us, on 12x12 (256) 36.2 -> 21.2; 5x5
-# on 14x14 (480) 144 -> 150 and 7x7 (384) 165 -> 180 keep their rows. With AVX-512
-# (rows of 14 in one vector) 3x3 on 14x14 measured level: 46.7 -> 45.7 us.
+# copy and the per-row steps. Zen 4 under CANNC_ISA=avx2, depthwise alone, 1 core, flat
+# against rows (in-process, alternating): 3x3 on 14x14 with 240 / 384 / 480 / 576
+# channels 24.2 -> 21.3, 56.1 -> 43.4, 45.4 -> 43.8, 57.5 -> 49.3 us, on 12x12 (256)
+# 36.2 -> 21.2; 5x5 on 14x14 (480) 144 -> 150 and 7x7 (384) 165 -> 180 keep their rows.
+# With AVX-512 (rows of 14 in one vector) 3x3 on 14x14 measured level: 46.7 -> 45.7 us.
 FLAT_MAX_VECTORS_AVX2_3X3 = 13
 # rows of at most this many column chunks take one step per chunk at constant columns
 # (constant masks: plain loads inside the row, masks folded at its edges), more in a

@@ -238,9 +238,7 @@ def gemm_k_unroll(pipes: int | None = None, accumulators: int = 16) -> int:
     128 x 1024 x 256 +2-4%. Advancing the stream every iteration (pf_div 1) measured
     level with every other."""
     pipes = fma_pipes() if pipes is None else pipes
-    if pipes < 2:
-        return 2
-    return 2 if accumulators > 16 else 4
+    return 4 if pipes >= 2 and accumulators <= 16 else 2
 
 
 def gemm_wide_tile(pipes: int | None = None) -> bool:
