@@ -1695,7 +1695,7 @@ class _Gen(VecBuilder):
                 mask = self.lane_mask(self.splat(b.sub(nr, j), VI64), 0)
                 ptr = self.gep(crow, j, self.tc)
                 self.store_final([[self.load_v(ptr, mask)]], [ptr], [[mask]],
-                                 b.add(m0, r), b.add(n0, j))
+                                 b.add(m0, r), b.add(n0, j), inline=True)
 
     def emit_strip(self, whole: bool):
         """The body of a shared strip kernel (`strip_module`): the plan's MR x 16*NV
@@ -2154,8 +2154,11 @@ class _Gen(VecBuilder):
         if last is False:   # (a shared strip kernel: its caller finishes the sums)
             partial()
             return
+        # (the plan's own tile inlines the epilogue: a call per vector spills its
+        # accumulators, see apply_epilogue)
+        own = (MR, NV) == (self.p.MR, self.p.NV)
         self.finish_block(
-            last, lambda: self.store_final(accs, c_rows, masks, m0, n0), partial, "st"
+            last, lambda: self.store_final(accs, c_rows, masks, m0, n0, own), partial, "st"
         )
 
     def micro_dp(self, a_ptrs, b_base, b_pstride, kc, c_ptr, mr, nr, first, last, m0, n0,
@@ -2307,11 +2310,12 @@ class _Gen(VecBuilder):
                     off = b.add(b.mul(q, b.mul(kp, i64(2 * PANEL))), i64(32 * v))
                     b.store(pair, self.gep(dst, off, I16), align=2)
 
-    def apply_epilogue(self, val, m, n):
+    def apply_epilogue(self, val, m, n, inline=False):
         """The epilogue of one output vector: inline in a static kernel; in a dynamic one
         (whose micro-kernel variants would each inline it MR x NV times) a call of one
-        internal function ``(ptr args, <16 x float>, i64 m, i64 n)`` that holds it."""
-        if not self.s.dyn:
+        internal function ``(ptr args, <16 x float>, i64 m, i64 n)`` that holds it,
+        unless ``inline``."""
+        if not self.s.dyn or inline:
             return self.epilogue(self.b, val, m, n)
         if getattr(self, "_epi_fn", None) is None:
             fnty = ir.FunctionType(VF, [PTR, VF, I64, I64])
@@ -2325,7 +2329,7 @@ class _Gen(VecBuilder):
             self._epi_fn = f
         return self.b.call(self._epi_fn, [self.fn.args[0], val, m, n])
 
-    def store_final(self, accs, c_rows, masks, m0, n0):
+    def store_final(self, accs, c_rows, masks, m0, n0, inline=False):
         s, b = self.s, self.b
         alpha = float(np.float32(s.alpha))
         beta = float(np.float32(s.beta))
@@ -2376,7 +2380,7 @@ class _Gen(VecBuilder):
                         val = self.fma(bv, self.splat_f(beta), val)
                 if self.epilogue is not None:
                     nv = b.add(n0, i64(16 * v)) if v else n0
-                    val = self.apply_epilogue(val, m, nv)
+                    val = self.apply_epilogue(val, m, nv, inline)
                     if val.type != VF:  # an epilogue that ends in half precision
                         val = b.fpext(val, VF)
                 self.st16(val, self.gep(c_rows[r], 16 * v, self.tc), s.c_type, masks[r][v])
