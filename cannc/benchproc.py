@@ -145,7 +145,8 @@ def _cannc(model: str, threads: int, precision: str, options: dict[str, Any],
                 break
             run()
         return {"core_choice": [p.core_choice.describe() for p in sess.programs.values()
-                                if getattr(p, "core_choice", None) is not None]}
+                                if getattr(p, "core_choice", None) is not None
+                                and not p.core_choice.unlaunched]}
 
     run.settle = settle  # type: ignore[attr-defined]
     return {"version": __version__, "cores": sess.cores}, names, run

@@ -526,11 +526,12 @@ class Session:
 
     @property
     def settled(self) -> bool:
-        """Whether every compiled program has chosen the cores its launches use (a
+        """Whether every program that has run has chosen the cores its launches use (a
         program on several cores times its first launches on every core and on core 0
-        alone: runtime/corechoice.py). Benchmarks time runs once this is true."""
+        alone: runtime/corechoice.py; one never run has nothing to choose from).
+        Benchmarks time runs once this is true."""
         return all(getattr(p, "core_choice", None) is None or p.core_choice.decided
-                   for p in list(self._programs.values()))
+                   or p.core_choice.unlaunched for p in list(self._programs.values()))
 
     def _default_shapes(self, shapes: Any) -> dict[str, tuple[int, ...]]:
         given = given_shapes(shapes)

@@ -100,6 +100,13 @@ class CoreChoice:
                                     and max(self._one) < min(self._all)):
                 self._decide(1 if one < MARGIN * every else self.cores, every, one, pairs)
 
+    @property
+    def unlaunched(self) -> bool:
+        """No launch has asked for its cores yet (a program compiled and never run: the
+        one `cannc.compile` makes for a model's default shapes, when the runs use
+        others)."""
+        return not self.decided and self._n == 0
+
     def _decide(self, use: int, every: float, one: float, pairs: int) -> None:
         self.use = use
         self.decided = True

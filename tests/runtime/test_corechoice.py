@@ -171,3 +171,21 @@ def test_a_fresh_program_times_itself_into_a_choice():
     assert prog.core_choice.decided and prog.core_choice.use in (1, 2)
     assert prog.core_choice.measured is not None and sess.settled
     assert cannc.compile(model, cores=1).settled
+
+
+def test_a_program_never_run_does_not_hold_settled_back():
+    """The program `compile` makes for the default shapes, when every run uses other
+    shapes, never launches, so never chooses: `settled` (which benchmarks wait for)
+    follows the programs that run (a Hugging Face DeBERTa: its 1x1 program kept it false
+    for good, and run_zoo's report named its trial as not finished)."""
+    model = zoo.build("bert")
+    feeds = zoo.example_inputs("bert", batch=1, seq=16)
+    sess = cannc.compile(model, cores=2, shapes={k: (1, 8) for k in feeds})
+    assert sess.settled            # one program, never run
+    idle = next(iter(sess.programs.values())).core_choice
+    assert idle.unlaunched and not idle.decided
+    sess.run(None, feeds)
+    assert not sess.settled        # the (1, 16) program is in its trial
+    for _ in range(cc.WARM + 2 * cc.BLOCK * cc.PAIRS):
+        sess.run(None, feeds)
+    assert sess.settled and idle.unlaunched and len(sess.programs) == 2
