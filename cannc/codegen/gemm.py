@@ -1678,13 +1678,12 @@ class _Gen(VecBuilder):
             fin.attributes.add("nounwind")
             fin.attributes.add("noinline")
             g = _Gen(self.m, fin, self.s, self.p, self.epilogue, self.dims_slot)
-            g._epi_fn = getattr(self, "_epi_fn", None)     # (one epilogue function)
             args, c, m, n, rs, ns, M = fin.args
             g.bias = g.arg(args, 2) if self.s.bias else None
             g.Mm1 = g.b.sub(M, i64(1))
             g.final_rows(c, m, n, rs, ns)
             g.b.ret_void()
-            self._epi_fn, self._fin_fn = g._epi_fn, fin
+            self._fin_fn = fin
         self.b.call(fin, [self.fn.args[0], c_ptr, m0, n0, i64(rows), nr, self.M])
 
     def final_rows(self, c_ptr, m0, n0, rows, nr):
@@ -2311,10 +2310,11 @@ class _Gen(VecBuilder):
                     b.store(pair, self.gep(dst, off, I16), align=2)
 
     def apply_epilogue(self, val, m, n, inline=False):
-        """The epilogue of one output vector: inline in a static kernel; in a dynamic one
-        (whose micro-kernel variants would each inline it MR x NV times) a call of one
-        internal function ``(ptr args, <16 x float>, i64 m, i64 n)`` that holds it,
-        unless ``inline``."""
+        """The epilogue of one output vector: inline in a static kernel, and in a dynamic
+        one where ``inline`` (the plan's own micro-tile, the strips' finishing pass);
+        the dynamic kernel's other micro-tiles, which are many and run rarely, call one
+        internal function ``(ptr args, <16 x float>, i64 m, i64 n)`` that holds it (a
+        call per vector spills the tile's accumulators around it)."""
         if not self.s.dyn or inline:
             return self.epilogue(self.b, val, m, n)
         if getattr(self, "_epi_fn", None) is None:
