@@ -377,7 +377,7 @@ class GemmPlan:
     rt_block: bool = False
     # the row tiles of each B micro-panel prefetch the next one into L2 (a prepacked
     # fp32 B of at least PF_B_MIN_BYTES: weights come from memory, see _Gen.pf_next; on
-    # an unrolled k loop only, so not where one FMA issues a cycle)
+    # an unrolled k loop only, as every big tile's is: gemm_k_unroll)
     pf_b: bool = False
     pf_div: int = 1  # ... advancing its stream every pf_div-th k-loop iteration
 

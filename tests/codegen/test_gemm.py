@@ -1028,8 +1028,8 @@ def test_micro_kernel_rows_and_l2_block_follow_the_cpu():
 
 def _two_fma_pipes(monkeypatch):
     """Plans as on a core that issues two 512-bit FMAs a cycle, whatever this one does
-    (fma_pipes is measured: on Zen 4, one, the micro-rows are 6, the k loop is not
-    unrolled and so carries no B prefetch stream, and these tests failed there)."""
+    (fma_pipes is measured: on Zen 4, one, the micro-rows are 6, the k loop is unrolled
+    twice rather than 4 times and there is no wide tile, and these tests failed there)."""
     import cannc.schedule.machine as machine
 
     monkeypatch.setattr(machine, "fma_pipes", lambda: 2)
