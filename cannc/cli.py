@@ -46,7 +46,6 @@ from .compiler.tune import gemm_items, tune_gemms
 from .config import fmt_bytes
 from .custom_op import load_ops_file
 from .errors import CacheError, CanncError, InputError, ModelError
-from .export import save_fused_graph
 from .passes.precision import PRECISIONS
 from .progress import show_progress
 from .schedule.machine import cpu_model, usable_cores
@@ -481,6 +480,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     # a loaded artifact is not recompiled without fusion for the with/without comparison
     rep = sess.inspect(dict(args.shape or []), without_fusion=not _is_artifact(args.model))
     if args.export_fused:
+        from .export import save_fused_graph  # (imports onnx: only for this option)
+
         save_fused_graph(sess.specialize(rep["input_shapes"]).spec, args.export_fused)
     if args.json:
         _print_json(rep)

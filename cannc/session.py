@@ -14,10 +14,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import onnx
 
 from ._version import __version__
 from .accuracy import accuracy_guard
@@ -34,7 +33,6 @@ from .compiler.shapes import (
 )
 from .config import check_size
 from .errors import CacheError, CanncError, CompileError, InputError, ModelError, ShapeError
-from .frontend import LoadedModel, import_model, load_model
 from .ir.graph import Graph
 from .ir.registry import Amp
 from .ir.types import onnx_type_string
@@ -45,6 +43,11 @@ from .runtime.device import shared_device
 from .runtime.profiler import Profile, profile
 from .runtime.program import Program, WeightPool, dispatcher_object
 from .runtime.stream import Event, is_pinned
+
+if TYPE_CHECKING:
+    import onnx
+
+    from .frontend import LoadedModel
 
 # Compiled specialisations kept per session for models with value-deciding inputs (one per
 # distinct value; the least recently used goes beyond this).
@@ -111,6 +114,8 @@ class Session:
         self._proto: LoadedModel | None = None       # serialised only when saved
         self._graph: Graph | None = None
         if snap is None:
+            from .frontend import import_model, load_model  # (imports onnx)
+
             loaded = load_model(model)
             self._proto = loaded
             self._graph, _ = import_model(loaded)
@@ -206,6 +211,8 @@ class Session:
                                  "session was created from its compiled program: it cannot "
                                  "be compiled for other shapes or inspected; create the "
                                  "session again")
+            from .frontend import import_model, load_model
+
             loaded = load_model(self._model_ref)
             graph, _ = import_model(loaded)
             amp = precision_pass_options(graph, *self._precision_args)
@@ -800,6 +807,8 @@ def load(path: str | Path, *, cores: int | None = None) -> Session:
     base = default_cache()
     cache = ObjectCache(base.root)
     cache.memory.update(objs)
+    import onnx
+
     try:
         proto = onnx.load_from_string(model)
     except Exception as e:

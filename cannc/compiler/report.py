@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 
 from ..errors import CanncError, CompileError
-from ..frontend import import_model
 from ..ir.graph import Graph, Node
 from ..ir.ops import lookup
 from ..ir.registry import Category
@@ -102,7 +101,12 @@ def support_report(model: Any, shapes: Shapes | None = None, pipeline: str = DEF
         raise CompileError(f"unknown pipeline {pipeline!r}; choose one of {', '.join(PIPELINES)}")
     if name is None and isinstance(model, (str, os.PathLike)):
         name = str(model)
-    graph = model if isinstance(model, Graph) else import_model(model)[0]
+    if isinstance(model, Graph):
+        graph = model
+    else:
+        from ..frontend import import_model
+
+        graph = import_model(model)[0]
     # What compilation will see: shapes bound, constants and shape chains folded, dead code
     # dropped. If that already fails, the nodes are checked on the symbolic graph instead.
     spec: Graph | None = None

@@ -34,6 +34,17 @@ class Node:
     def replace(self, **kw: Any) -> Node:
         return dataclasses.replace(self, **kw)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # `proto` is a cache of the node's ONNX form (passes.fold.node_proto rebuilds it),
+        # left out of pickles: unpickling one would import onnx (with ml_dtypes, ~0.6 s)
+        # into a process that loads a compiled program from the cache and never needs it.
+        # A control-flow node keeps it: ir.ops.control.own_inputs reads it.
+        state = dict(self.__dict__)
+        if state.get("proto") is not None and not any(isinstance(v, Graph)
+                                                       for v in self.attrs.values()):
+            state["proto"] = None
+        return state
+
     def attr(self, name: str, default: Any = None) -> Any:
         return self.attrs.get(name, default)
 

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
-import onnx
 
 Dim = int | str
 
-try:  # bfloat16 / float8 dtypes for numpy
-    import ml_dtypes as _mld
-except ImportError:  # pragma: no cover
-    _mld = None
 
-
-def _onnx_to_np() -> dict[int, np.dtype]:
+@functools.cache
+def onnx_to_np() -> dict[int, np.dtype]:
+    """ONNX element type -> numpy dtype, the ml_dtypes types (bfloat16, float8, ...)
+    included. Built at first use: it imports onnx and ml_dtypes, which cost most of
+    `import cannc` (ml_dtypes 0.7 alone ~0.6 s) and which a program loaded from the
+    cache never needs."""
     from onnx import TensorProto as T
 
     table = {
@@ -25,13 +25,31 @@ def _onnx_to_np() -> dict[int, np.dtype]:
         T.BOOL: np.bool_,
     }
     out = {k: np.dtype(v) for k, v in table.items()}
-    if _mld is not None:
-        out[T.BFLOAT16] = np.dtype(_mld.bfloat16)
-        for name, attr in _LOWP_ONNX.items():
-            code = getattr(T, name, None)
-            if code is not None and hasattr(_mld, attr):
-                out[code] = np.dtype(getattr(_mld, attr))
+    try:  # bfloat16 / float8 dtypes for numpy
+        import ml_dtypes as mld
+    except ImportError:  # pragma: no cover - onnx requires ml_dtypes
+        return out
+    out[T.BFLOAT16] = np.dtype(mld.bfloat16)
+    for name, attr in _LOWP_ONNX.items():
+        code = getattr(T, name, None)
+        if code is not None and hasattr(mld, attr):
+            out[code] = np.dtype(getattr(mld, attr))
     return out
+
+
+@functools.cache
+def np_to_onnx() -> dict[np.dtype, int]:
+    """numpy dtype -> ONNX element type (the inverse of `onnx_to_np`)."""
+    return {v: k for k, v in onnx_to_np().items()}
+
+
+def __getattr__(name: str) -> dict:
+    # ONNX_TO_NP / NP_TO_ONNX as module attributes, built when first asked for
+    if name == "ONNX_TO_NP":
+        return onnx_to_np()
+    if name == "NP_TO_ONNX":
+        return np_to_onnx()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ONNX element types below 16 bits and their ml_dtypes dtype: one element per byte, in
@@ -68,7 +86,9 @@ class SmallFloat:
 
     @property
     def max(self) -> float:
-        return float(_mld.finfo(np.dtype(getattr(_mld, self.name))).max)
+        import ml_dtypes
+
+        return float(ml_dtypes.finfo(np.dtype(getattr(ml_dtypes, self.name))).max)
 
 
 SMALL_FLOATS: dict[str, SmallFloat] = {f.name: f for f in (
@@ -108,15 +128,14 @@ def int_range(dt: np.dtype) -> tuple[int, int]:
     return int(info.min), int(info.max)
 
 
-ONNX_TO_NP: dict[int, np.dtype] = _onnx_to_np()
-NP_TO_ONNX: dict[np.dtype, int] = {v: k for k, v in ONNX_TO_NP.items()}
-
-
 def np_dtype(elem_type: int) -> np.dtype:
-    if elem_type not in ONNX_TO_NP:
-        name = onnx.TensorProto.DataType.Name(elem_type) if elem_type else "UNDEFINED"
+    table = onnx_to_np()
+    if elem_type not in table:
+        from onnx import TensorProto
+
+        name = TensorProto.DataType.Name(elem_type) if elem_type else "UNDEFINED"
         raise KeyError(name)
-    return ONNX_TO_NP[elem_type]
+    return table[elem_type]
 
 
 def dtype_key(dt: np.dtype) -> str:

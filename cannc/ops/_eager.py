@@ -12,11 +12,9 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import onnx
-from onnx import helper
 
 from ..errors import CanncError, InputError, ShapeError, UnsupportedOpError
 from ..ir.graph import Node
@@ -27,6 +25,9 @@ from ..passes.precision import narrow_dtype
 from ..session import Session
 from ._fast import FastLaunch
 from ._policy import current_precision, precision_name
+
+if TYPE_CHECKING:
+    import onnx
 
 DEFAULT_OPSET = 21
 # compiled signatures kept (the oldest compiled is dropped beyond this)
@@ -196,6 +197,8 @@ def _rethrow(e: CanncError, name: str) -> CanncError:
 
 # -- the one-node graph ------------------------------------------------------------------
 def _schema(op: str, opset: int, domain: str) -> Any:
+    import onnx  # here, not at the top: `import cannc` should not pay for onnx (ml_dtypes)
+
     try:
         return onnx.defs.get_schema(op, opset, domain)
     except Exception:
@@ -223,6 +226,9 @@ def build_model(op: str, domain: str, inputs: tuple, attrs: dict[str, Any], outp
                 arg_names: tuple[str, ...] | None) -> onnx.ModelProto:
     """The one-node graph of an eager call, checked: a wrong dtype, shape, attribute or
     argument count is a cannc error naming the op and the argument."""
+    import onnx
+    from onnx import helper
+
     try:
         precision = precision_name(precision)
     except CanncError as e:
@@ -433,6 +439,9 @@ def _infer_outputs(op: str, domain: str, opset: int, node: onnx.NodeProto, g_inp
                    inits: list, pre: list, name: str, names: list[str], op_types: list,
                    opdef: Any) -> list[tuple[np.dtype, tuple[int, ...]]]:
     """The op's output dtypes and shapes: ONNX's inference, else the registry's."""
+    import onnx
+    from onnx import helper
+
     desc = _describe(names, op_types)
     if domain == "" or _schema(op, opset, domain) is not None:
         outs = [onnx.ValueInfoProto(name=o) for o in node.output]

@@ -10,25 +10,31 @@ own semantics); folding uses the op's NumPy reference.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import onnx
-from onnx import helper, numpy_helper
 
 from ..config import check_size
 from ..errors import CanncError, ModelError, ShapeError
 from ..ir.graph import Graph, Node
 from ..ir.ops import lookup
 from ..ir.registry import MAP_CATEGORIES, Category, FoldFn, OpDef
-from ..ir.types import NP_TO_ONNX, TensorType, np_dtype
+from ..ir.types import TensorType, np_dtype, np_to_onnx
 from .manager import PassContext, graph_pass
+
+if TYPE_CHECKING:
+    import onnx
 
 FOLD_LIMIT_ELEMS = 1 << 26
 _SHAPE_INPUT_LIMIT = 1 << 16
 
 
 def node_proto(n: Node) -> onnx.NodeProto:
+    # onnx is imported where it is used: `import cannc` and a program loaded from the
+    # cache do not pay for it (with ml_dtypes, ~0.6 s)
+    import onnx
+    from onnx import helper, numpy_helper
+
     if n.proto is not None and tuple(n.proto.input) == n.inputs \
             and tuple(n.proto.output) == n.outputs:
         return n.proto
@@ -63,6 +69,8 @@ def reference_eval(graph: Graph, n: Node,
         return [np.reshape(o, ()) for o in outs]
     if n.op_type == "Constant" and not n.domain and isinstance(n.attrs.get("value"), np.ndarray):
         return [n.attrs["value"]]    # (the evaluator would round-trip it through a proto)
+    import onnx
+    from onnx import helper
     from onnx.reference import ReferenceEvaluator
 
     # A bare NodeProto would be evaluated at the newest opset (Unsqueeze-1's `axes`
@@ -82,7 +90,9 @@ def reference_eval(graph: Graph, n: Node,
 
 
 def _type_proto(t: TensorType) -> onnx.TypeProto:
-    return helper.make_tensor_type_proto(NP_TO_ONNX[np.dtype(t.dtype)], list(t.shape))
+    from onnx import helper
+
+    return helper.make_tensor_type_proto(np_to_onnx()[np.dtype(t.dtype)], list(t.shape))
 
 
 def infer_node(graph: Graph, n: Node) -> list[TensorType]:
@@ -96,6 +106,8 @@ def infer_node(graph: Graph, n: Node) -> list[TensorType]:
             raise ShapeError(f"{n.op_type} at node '{n.name}' rejects its inputs "
                              f"({shapes}): {reason}")
     own = op.infer if op is not None else None
+    import onnx
+
     if own is not None and op.domain and not onnx.defs.has(n.op_type, n.domain):
         # an op ONNX has no schema for (a custom op): its own inference only
         return own(n, [graph.values[v] if v else None for v in n.inputs])
@@ -114,7 +126,6 @@ def infer_node(graph: Graph, n: Node) -> list[TensorType]:
 # infers 1064 nodes per specialisation, ~60 us each). Failures are not kept.
 _INFER_MEMO: dict[tuple, tuple[TensorType | None, ...]] = {}
 _INFER_MEMO_MAX = 1 << 14
-_GRAPH_ATTRS = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 
 
 def _onnx_infer(graph: Graph, n: Node) -> list[TensorType]:
@@ -134,7 +145,9 @@ def _onnx_infer(graph: Graph, n: Node) -> list[TensorType]:
 
 def _infer_key(graph: Graph, n: Node, proto: onnx.NodeProto) -> tuple | None:
     """Everything ONNX's inference of n reads (None for a node with subgraphs: not kept)."""
-    if any(a.type in _GRAPH_ATTRS for a in proto.attribute):
+    from onnx import AttributeProto
+
+    if any(a.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS) for a in proto.attribute):
         return None
     ins: list[tuple | None] = []
     for v in n.inputs:
@@ -160,6 +173,9 @@ def _dtype_key(dt: Any) -> tuple[str, str]:
 
 
 def _onnx_infer_node(graph: Graph, n: Node, proto: onnx.NodeProto) -> list[TensorType]:
+    import onnx
+    from onnx import helper, numpy_helper
+
     try:
         schema = onnx.defs.get_schema(n.op_type, n.opset, n.domain or "")
     except onnx.defs.SchemaError as e:

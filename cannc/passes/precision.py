@@ -33,19 +33,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from onnx import TensorProto
 
 from ..errors import CompileError
 from ..ir.graph import Graph, Node
 from ..ir.ops import lookup
 from ..ir.registry import Amp, amp_class
-from ..ir.types import NP_TO_ONNX, TensorType
+from ..ir.types import TensorType, np_to_onnx
 from .manager import PassContext, graph_pass
-
-try:
-    import ml_dtypes as _mld
-except ImportError:  # pragma: no cover
-    _mld = None
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 ATTR = "cannc_precision"           # on a contraction: multiply narrow, convert on load/store
@@ -55,9 +49,11 @@ LIST_KINDS = ("allow", "deny", "follow")
 def narrow_dtype(precision: str) -> np.dtype:
     """The storage dtype of a reduced precision."""
     if precision == "bf16":
-        if _mld is None:  # pragma: no cover
-            raise CompileError("precision='bf16' needs the ml_dtypes package")
-        return np.dtype(_mld.bfloat16)
+        try:
+            import ml_dtypes
+        except ImportError as e:  # pragma: no cover - onnx requires ml_dtypes
+            raise CompileError("precision='bf16' needs the ml_dtypes package") from e
+        return np.dtype(ml_dtypes.bfloat16)
     if precision == "fp16":
         return np.dtype(np.float16)
     raise CompileError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
@@ -240,7 +236,7 @@ def _add_cast(graph: Graph, src: str, out: str, name: str, dtype: np.dtype,
     """A Cast node `name` writing `out`: `src` as `dtype` (float32, bfloat16, float16)."""
     graph.values[out] = TensorType(dtype, graph.values[src].shape)
     graph.add_node(Node(name=name, op_type="Cast", inputs=(src,), outputs=(out,),
-                        attrs={"to": NP_TO_ONNX[np.dtype(dtype)]},
+                        attrs={"to": np_to_onnx()[np.dtype(dtype)]},
                         opset=graph.opsets.get("", 13)), order=order)
     return out
 
@@ -266,6 +262,8 @@ def _cast_fusion(graph: Graph) -> None:
     """Casts into the contractions around them: a contraction marked ATTR reads the float32
     activation a Cast narrowed for it (convert on load), and writes float32 itself when a
     Cast to float32 is the only use of its output (convert on store, one rounding)."""
+    from onnx import TensorProto
+
     for n in list(graph.nodes()):
         if ATTR not in n.attrs:
             continue

@@ -49,3 +49,25 @@ def test_tensor_type():
     t = TensorType(F, (2, 3))
     assert t.numel == 6 and t.nbytes == 24 and t.is_static and str(t) == "float32[2x3]"
     assert not TensorType(F, ("b", 3)).is_static
+
+
+def test_a_pickled_node_leaves_its_onnx_proto_behind_unless_it_has_subgraphs():
+    """Node.proto is a cache of the node's ONNX form: a pickled program (the program
+    cache) must not carry it, or loading the program would import onnx; a control-flow
+    node keeps it (ir.ops.control.own_inputs reads its own input count from it)."""
+    import pickle
+
+    from onnx import helper
+
+    p = helper.make_node("Relu", ["x"], ["y"], name="r")
+    n = Node("r", "Relu", ("x",), ("y",), proto=p)
+    back = pickle.loads(pickle.dumps(n))
+    assert back.proto is None and back == n and back.attrs == n.attrs
+    assert n.proto is p                       # the original keeps it
+    body = Graph("body")
+    iff = Node("i", "If", ("c", "outer"), ("z",), attrs={"then_branch": body},
+               proto=helper.make_node("If", ["c"], ["z"], name="i"))
+    back = pickle.loads(pickle.dumps(iff))
+    assert list(back.proto.input) == ["c"]
+    from cannc.ir.ops.control import own_inputs
+    assert own_inputs(back) == ("c",)

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from onnx import TensorProto
 
 from ..graph import Node
 from ..registry import Category, OpDef, register
@@ -64,6 +63,8 @@ def feature_problem(n: Node, q_dtype: Any) -> str | None:
     if dt.name not in _LEGAL_DTYPES:
         return f"dtype {dt.name} (float32, float16 or bfloat16)"
     sp = n.attrs.get("softmax_precision")
+    from onnx import TensorProto  # here: `import cannc` does not import onnx
+
     if sp is not None and int(sp) not in (TensorProto.FLOAT, TensorProto.DOUBLE):
         # the kernel's softmax is float32: as exact as asked for float16/bfloat16 graphs
         # (whose reference rounds the softmax to T1), not narrower than float32
