@@ -65,15 +65,17 @@ CHILD = textwrap.dedent("""
 
 ORT_CHILD = textwrap.dedent("""
     import json, sys, time
-    import onnxruntime as ort
     t0 = time.perf_counter()
+    import onnxruntime as ort
+    t1 = time.perf_counter()
     ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
-    print(json.dumps({"compile_s": time.perf_counter() - t0}))
+    print(json.dumps({"import_s": t1 - t0, "compile_s": time.perf_counter() - t1}))
 """)
 
 
 GENERIC_CHILD = textwrap.dedent("""
     import json, sys, time
+    t0 = time.perf_counter()
     import numpy as np
     import cannc
     t1 = time.perf_counter()
@@ -81,7 +83,8 @@ GENERIC_CHILD = textwrap.dedent("""
     t2 = time.perf_counter()
     feeds = dict(np.load(sys.argv[1] + ".inputs.npz"))
     sess.run(None, feeds)
-    print(json.dumps({"compile_s": t2 - t1, "first_run_s": time.perf_counter() - t2}))
+    print(json.dumps({"import_s": t1 - t0, "compile_s": t2 - t1,
+                      "first_run_s": time.perf_counter() - t2}))
 """)
 
 
@@ -111,7 +114,7 @@ def zoo_rows(names: list[str], runs: int, tmp: str) -> dict[str, list[dict]]:
         med = {k: statistics.median(r[k]["compile_s"] for r in rows) for k in rows[0]}
         print(f"{name}: median cold {med['cold']:.2f} s, warm {med['warm']:.3f} s, objects "
               f"only {med['warm_objects']:.2f} s, ORT session {med['ort']:.3f} s: warm/ORT "
-              f"{med['warm'] / med['ort']:.2f}", flush=True)
+              f"{med['warm'] / med['ort']:.2f}; {_with_import(rows)}", flush=True)
     return out
 
 
@@ -176,12 +179,23 @@ def main(argv: list[str] | None = None) -> int:
               f"(+ {med('warm_objects', 'first_run_s'):.2f} s); ORT session "
               f"{med('ort', 'compile_s'):.2f} s; a new sequence length's first run"
               f" {med('warm_objects', 'new_seq_first_run_s'):.2f} s, a new batch's "
-              f"{med('warm_objects', 'new_batch_first_run_s'):.2f} s")
+              f"{med('warm_objects', 'new_batch_first_run_s'):.2f} s; {_with_import(rows)}")
         if args.json:
             Path(args.json).write_text(json.dumps(
                 {"model": Path(path).name, "model_mib": size / 2**20, **_machine(),
                  "rows": rows}, indent=1) + "\n")
     return 0
+
+
+def _with_import(rows: list[dict]) -> str:
+    """A fresh process's import + warm compile against import + ORT session creation:
+    what a user's script or `cannc run` waits for before its first run."""
+    def med(which: str, key: str) -> float:
+        return statistics.median(r[which][key] for r in rows)
+    return (f"import cannc {med('warm', 'import_s'):.2f} s + warm compile = "
+            f"{med('warm', 'import_s') + med('warm', 'compile_s'):.2f} s against import "
+            f"onnxruntime {med('ort', 'import_s'):.2f} s + session = "
+            f"{med('ort', 'import_s') + med('ort', 'compile_s'):.2f} s")
 
 
 def _machine() -> dict:
