@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import xxhash
 
 from ._version import __version__
 from .accuracy import accuracy_guard
@@ -642,7 +643,7 @@ class Session:
     def save(self, path: str | Path) -> None:
         """Write a .cnc artifact: the model, and the object code of every specialisation."""
         manifest = {
-            "format": "cannc-artifact", "version": 1, "cannc": __version__,
+            "format": "cannc-artifact", "version": 2, "cannc": __version__,
             "host": host().fingerprint, "cpu": host().cpu, "pipeline": self.options.pipeline,
             # the precision policy (with the nodes an accuracy guard kept in float32)
             "precision": {k: list(v) if isinstance(v, tuple) else v for k, v in
@@ -650,6 +651,7 @@ class Session:
             "accuracy": self.accuracy_report,     # what the guard did (None: no guard)
             "specializations": [list(map(list, k)) for k in self._programs
                                 if not self._value_inputs],
+            "inputs": list(self._io.inputs),      # the specializations' order (version 2)
             "objects": [],
         }
         try:
@@ -660,8 +662,10 @@ class Session:
     def _write_artifact(self, path: str | Path, manifest: dict[str, Any]) -> None:
         with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
             model = self._model_proto().SerializeToString()
-            manifest["model_sha256"] = hashlib.sha256(model).hexdigest()
-            z.writestr("model.onnx", model)
+            manifest["model_xxh3_128"] = _checksum(model)
+            # stored, not deflated: float weights shrink by ~7% for ~2 s of inflating at
+            # every load of a BERT-base-sized artifact (the objects compress well)
+            z.writestr("model.onnx", model, compress_type=zipfile.ZIP_STORED)
             for prog in self._programs.values():
                 for k in prog.spec.kernels:
                     for sym, key in ((k.symbol, k.object_key), *k.needs):
@@ -670,8 +674,22 @@ class Session:
                         obj = prog.spec.objects[sym]
                         z.writestr(f"objects/{key}.o", obj)
                         manifest["objects"].append(key)
-                        manifest.setdefault("sha256", {})[key] = hashlib.sha256(obj).hexdigest()
+                        manifest.setdefault("xxh3_128", {})[key] = _checksum(obj)
             z.writestr("manifest.json", json.dumps(manifest, indent=1))
+
+
+def _checksum(data: bytes) -> str:
+    """An artifact member's checksum (it finds damage; sha256, which artifacts before
+    version 2 carry and load still checks, took 0.25 s per 400 MB model)."""
+    return xxhash.xxh3_128(data).hexdigest()
+
+
+def _matches(data: bytes, xxh3: Any, sha256: Any) -> bool:
+    """Whether `data` has the checksum the manifest gives it: xxh3_128 since version 2,
+    sha256 before (no checksum: no match)."""
+    if xxh3 is not None:
+        return _checksum(data) == xxh3
+    return sha256 is not None and hashlib.sha256(data).hexdigest() == sha256
 
 
 def precision_pass_options(graph: Any, precision: Any, lists: Any,
@@ -772,16 +790,17 @@ def load(path: str | Path, *, cores: int | None = None) -> Session:
                 raise CacheError(f"{path} is not a cannc artifact (bad manifest)")
             model = z.read("model.onnx")
             keys = manifest.get("objects", [])
-            sums = manifest.get("sha256", {})
-            if not isinstance(keys, list) or not isinstance(sums, dict):
+            xsums, ssums = manifest.get("xxh3_128", {}), manifest.get("sha256", {})
+            if not isinstance(keys, list) or not isinstance(xsums, dict) \
+                    or not isinstance(ssums, dict):
                 raise CacheError(f"{path}: damaged manifest")
             objs = {}
-            model_sum = manifest.get("model_sha256")
-            if model_sum is not None and hashlib.sha256(model).hexdigest() != model_sum:
+            model_sums = manifest.get("model_xxh3_128"), manifest.get("model_sha256")
+            if model_sums != (None, None) and not _matches(model, *model_sums):
                 raise CacheError(f"{path}: the embedded model is damaged (checksum mismatch)")
             for k in keys:
                 data = z.read(f"objects/{k}.o")
-                if hashlib.sha256(data).hexdigest() != sums.get(k):
+                if not _matches(data, xsums.get(k), ssums.get(k)):
                     raise CacheError(f"{path}: object {k} is damaged (checksum mismatch)")
                 try:
                     elf_symbols(data)     # a malformed object never reaches the JIT
@@ -804,30 +823,35 @@ def load(path: str | Path, *, cores: int | None = None) -> Session:
         raise
     except Exception as e:  # zipfile, zlib, json, OSError, KeyError, ...
         raise CacheError(f"{path} is not a valid cannc artifact: {type(e).__name__}: {e}") from e
-    base = default_cache()
-    cache = ObjectCache(base.root)
-    cache.memory.update(objs)
-    import onnx
-
+    # The objects join the process's object cache (keyed by content: they are what a
+    # compile here would make). The session gets the model's bytes, so a program an
+    # earlier load (or compile) of the same bytes and options left in the program cache
+    # is read back as on any hit: nothing parsed, no pass run. Else the model is parsed
+    # and the passes run, and lowering finds every object here (no LLVM).
+    # The first specialisation is compiled (or read back) as the session is made: a hit
+    # of its entry gives the session its inputs and outputs without parsing the model.
+    names = manifest.get("inputs")
+    first = (dict(zip(names, specs[0])) if specs and isinstance(names, list)
+             and len(names) == len(specs[0]) and all(isinstance(n, str) for n in names)
+             else None)
+    default_cache().memory.update(objs)
     try:
-        proto = onnx.load_from_string(model)
-    except Exception as e:
-        raise CacheError(f"{path}: the embedded model is damaged: {e}") from e
-    try:
-        sess = Session(proto, cores=cores, pipeline=pipeline, eager=False, cache=cache,
-                       precision=amp.get("precision", "fp32"),
+        sess = Session(model, cores=cores, pipeline=pipeline, eager=first is not None,
+                       shapes=first, precision=amp.get("precision", "fp32"),
                        precision_lists={k: amp[k] for k in LIST_KINDS if amp.get(k)},
                        keep_fp32=amp.get("keep_fp32", ()))
+    except ModelError as e:
+        raise CacheError(f"{path}: the embedded model is damaged: {e}") from e
     except CanncError as e:
-        raise CacheError(f"{path}: damaged manifest (precision: {e})") from e
+        raise CacheError(f"{path}: damaged manifest ({type(e).__name__}: {e})") from e
     sess.source = str(path)
     acc = manifest.get("accuracy")
     sess.accuracy_report = acc if isinstance(acc, dict) else None
     for shp in specs:
-        if len(shp) != len(sess.graph.inputs):
+        if len(shp) != len(sess._io.inputs):
             raise CacheError(f"{path}: damaged manifest (specialization {shp})")
         try:
-            sess.specialize(dict(zip(sess.graph.inputs, [tuple(s) for s in shp])))
+            sess.specialize(dict(zip(sess._io.inputs, [tuple(s) for s in shp])))
         except InputError as e:
             raise CacheError(f"{path}: damaged manifest (specialization {shp}: {e})") from e
     return sess

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 
 import cannc
 from cannc.codegen import memo as memo_mod
@@ -193,16 +194,56 @@ def test_artifact_with_a_swapped_model_is_rejected(tmp_path, artifact):
 def test_artifact_with_consistent_but_malformed_objects_is_rejected(tmp_path, artifact):
     """Objects replaced by junk *and* their checksums updated (a hand-edit, a writer bug):
     refused before they reach MCJIT, which would crash on them."""
-    import hashlib
     man = json.loads(zipfile.ZipFile(io.BytesIO(artifact)).read("manifest.json"))
     junk = b"\x7fELF\x02\x01\x01" + b"\xab" * 64
-    man["sha256"] = {k: hashlib.sha256(junk).hexdigest() for k in man["objects"]}
+    man["xxh3_128"] = {k: xxhash.xxh3_128(junk).hexdigest() for k in man["objects"]}
     rep = {f"objects/{k}.o": junk for k in man["objects"]}
     rep["manifest.json"] = json.dumps(man).encode()
     p = tmp_path / "junk.cnc"
     p.write_bytes(_rezip(artifact, rep))
     with pytest.raises(cannc.CacheError, match="malformed ELF"):
         cannc.load(p)
+
+
+def test_artifact_model_is_stored_and_every_member_checksummed(artifact):
+    """The model is stored, not deflated (its float weights hardly shrink, and inflating
+    them took ~2 s of every BERT-base-sized load); the objects are deflated; the manifest
+    checksums each member and names the inputs its specialisations list shapes of."""
+    z = zipfile.ZipFile(io.BytesIO(artifact))
+    assert z.getinfo("model.onnx").compress_type == zipfile.ZIP_STORED
+    objs = [n for n in z.namelist() if n.startswith("objects/")]
+    assert objs and all(z.getinfo(n).compress_type == zipfile.ZIP_DEFLATED for n in objs)
+    man = json.loads(z.read("manifest.json"))
+    assert man["version"] == 2 and man["inputs"] == ["x"]
+    assert man["model_xxh3_128"] == xxhash.xxh3_128(z.read("model.onnx")).hexdigest()
+    assert man["xxh3_128"] == {k: xxhash.xxh3_128(z.read(f"objects/{k}.o")).hexdigest()
+                               for k in man["objects"]}
+
+
+def _as_version_1(artifact: bytes, objects: dict[str, bytes] | None = None) -> bytes:
+    """The artifact as version 1 wrote it: sha256 checksums, everything deflated, no
+    input names."""
+    import hashlib
+    z = zipfile.ZipFile(io.BytesIO(artifact))
+    man = json.loads(z.read("manifest.json"))
+    man.update(version=1, model_sha256=hashlib.sha256(z.read("model.onnx")).hexdigest(),
+               sha256={k: hashlib.sha256(z.read(f"objects/{k}.o")).hexdigest()
+                       for k in man["objects"]})
+    for k in ("inputs", "model_xxh3_128", "xxh3_128"):
+        del man[k]
+    return _rezip(artifact, {"manifest.json": json.dumps(man).encode(), **(objects or {})})
+
+
+def test_a_version_1_artifact_loads_and_its_checksums_still_count(tmp_path, artifact):
+    p = tmp_path / "v1.cnc"
+    p.write_bytes(_as_version_1(artifact))
+    _check(cannc.load(p, cores=1))
+    man = json.loads(zipfile.ZipFile(io.BytesIO(artifact)).read("manifest.json"))
+    k = man["objects"][0]
+    obj = zipfile.ZipFile(io.BytesIO(artifact)).read(f"objects/{k}.o")
+    p.write_bytes(_as_version_1(artifact, {f"objects/{k}.o": _flip(obj, len(obj) // 2)}))
+    with pytest.raises(cannc.CacheError, match="checksum mismatch"):
+        cannc.load(p, cores=1)
 
 
 @pytest.mark.parametrize("edit", [{"pipeline": "O9"}, {"specializations": [[[2, 16, 3]]]},

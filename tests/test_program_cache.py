@@ -179,6 +179,29 @@ def test_save_after_a_hit(progs, tmp_path):
     np.testing.assert_array_equal(loaded.run(None, feeds)[0], sess.run(None, feeds)[0])
 
 
+def test_an_artifact_loaded_again_parses_nothing(progs, tmp_path, monkeypatch):
+    """A .cnc loaded a second time reads its programs back from the program cache (the
+    first load compiled them with the artifact's objects and stored them): the model is
+    not parsed and no pass runs."""
+    path = _mlp(tmp_path / "m.onnx")
+    sess = cannc.compile(str(path), cores=2, shapes={"x": (3, 256)})
+    sess.run(None, _x(batch=5))
+    sess.save(tmp_path / "m.cnc")
+    first = cannc.load(tmp_path / "m.cnc", cores=2)
+    hits, stored = snapshot.stats.hits, snapshot.stats.stored
+    assert stored >= 2               # both specialisations, keyed by the artifact's model
+    with monkeypatch.context() as m:
+        _no_parse(m)
+        again = cannc.load(tmp_path / "m.cnc", cores=2)
+        assert again._graph is None
+        for b in (3, 5):
+            np.testing.assert_array_equal(again.run(None, _x(batch=b))[0],
+                                          first.run(None, _x(batch=b))[0])
+    assert snapshot.stats.hits == hits + 2 and snapshot.stats.stored == stored
+    np.testing.assert_allclose(again.run(None, _x(batch=3))[0], _ort(path, _x(batch=3))[0],
+                               rtol=1e-4, atol=1e-5)
+
+
 def _entry_files(progs: Path) -> tuple[list[Path], list[Path]]:
     metas = sorted(progs.glob("*/meta"))
     blobs = sorted((progs / "blobs").glob("*.w"))
