@@ -198,7 +198,7 @@ def _fusion_opt(args: argparse.Namespace) -> Any:
 
 
 def _specialize(sess: Any, given: Shapes) -> Any:
-    return sess.specialize(complete_input_shapes(sess.graph, given, list(sess.programs)))
+    return sess.specialize(complete_input_shapes(sess.io, given, list(sess.programs)))
 
 
 def _key_of(sess: Any, prog: Any) -> tuple:
@@ -219,7 +219,7 @@ def _make_feeds(sess: Any, files: list[tuple[str, str]], shapes: Shapes, seed: i
                 int_high: int) -> dict[str, np.ndarray]:
     """Inputs read from .npy files, the rest random (floats: standard normal; ints: uniform
     in [0, int_high) so ids and masks stay valid; bools: fair coin)."""
-    names = sess.graph.inputs
+    names = sess.io.inputs
     unknown = sorted({n for n, _ in files} - set(names))
     if unknown:
         raise InputError(f"--input given for unknown input(s) {unknown}; "
@@ -231,14 +231,14 @@ def _make_feeds(sess: Any, files: list[tuple[str, str]], shapes: Shapes, seed: i
         except (OSError, ValueError) as e:
             raise InputError(f"cannot read input '{name}' from {path}: {e}") from e
     given = {**shapes, **{n: a.shape for n, a in arrays.items()}}
-    full = complete_input_shapes(sess.graph, given, list(sess.programs))
+    full = complete_input_shapes(sess.io, given, list(sess.programs))
     rng = np.random.default_rng(seed)
     feeds = {}
     for name in names:
         if name in arrays:
             feeds[name] = arrays[name]
         else:
-            dt = np.dtype(sess.graph.values[name].dtype)
+            dt = np.dtype(sess.io.values[name].dtype)
             feeds[name] = _random_array(rng, dt, full[name], int_high)
     return feeds
 
@@ -317,7 +317,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     out = Path(args.output)
     sess.save(out)
     spec = prog.spec
-    shapes = dict(zip(sess.graph.inputs, _key_of(sess, prog)))
+    shapes = dict(zip(sess.io.inputs, _key_of(sess, prog)))
     plan = prog.plan
     print(f"compiled {args.model} -> {out}: {len(spec.kernels)} kernel(s) from "
           f"{sess.graph.num_nodes()} ONNX node(s) for {_fmt_shapes(shapes) or 'no inputs'} on "
@@ -389,13 +389,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     outs = sess.run(None, feeds)
     dt = time.perf_counter() - t0
-    key = tuple(tuple(int(d) for d in feeds[n].shape) for n in sess.graph.inputs)
+    key = tuple(tuple(int(d) for d in feeds[n].shape) for n in sess.io.inputs)
     compiled = key not in before
     print(f"{args.model}: inputs {_fmt_shapes({n: a.shape for n, a in feeds.items()})}; "
           f"{sess.cores} core(s); run {dt * 1e3:.2f} ms"
           + (f" (includes compiling, {sess.programs[key].spec.compile_seconds:.2f} s)"
              if compiled else ""))
-    names = sess.graph.outputs
+    names = sess.io.outputs
     print(_table(["output", "type", "stats"],
                  [[n, type_string(o.dtype, o.shape), _stats(o)] for n, o in zip(names, outs)]))
     if args.save_outputs:

@@ -195,6 +195,12 @@ class Session:
         return Program(spec, self.device, dispatcher_object(), pool=self._weights, adopt=True)
 
     @property
+    def io(self) -> Graph:
+        """The model's inputs and outputs with their types (a Graph without nodes): what
+        running needs, known without parsing the model after a program-cache hit."""
+        return self._io
+
+    @property
     def graph(self) -> Graph:
         """The model's graph as imported (parsed on first use after a program-cache hit)."""
         if self._graph is None:

@@ -202,6 +202,21 @@ def test_an_artifact_loaded_again_parses_nothing(progs, tmp_path, monkeypatch):
                                rtol=1e-4, atol=1e-5)
 
 
+def test_cannc_run_of_an_artifact_loaded_before_parses_nothing(progs, tmp_path, monkeypatch,
+                                                              capsys):
+    """`cannc run model.cnc` makes its inputs from the session's inputs and outputs (not
+    from the model's graph), so a run served by the program cache parses nothing."""
+    from cannc.cli import main
+    path = _mlp(tmp_path / "m.onnx")
+    cannc.compile(str(path), cores=2, shapes={"x": (3, 256)}).save(tmp_path / "m.cnc")
+    cannc.load(tmp_path / "m.cnc", cores=2)        # the first load stores the program
+    with monkeypatch.context() as m:
+        _no_parse(m)
+        assert main(["run", str(tmp_path / "m.cnc"), "--cores", "2",
+                     "--shape", "x=3x256"]) == 0
+    assert "logits  float32[3, 10]" in capsys.readouterr().out
+
+
 def _entry_files(progs: Path) -> tuple[list[Path], list[Path]]:
     metas = sorted(progs.glob("*/meta"))
     blobs = sorted((progs / "blobs").glob("*.w"))
