@@ -20,7 +20,8 @@ transformers (resnet50, efficientnet_b0, mobilenet_v3 large, convnext_tiny,
 shufflenet v2, regnet_y_800mf, vit_b16, squeezenet 1.1, densenet121) and two Hugging
 Face encoders (distilbert, a T5-small-sized encoder); "third" a third set of sixteen
 torchvision models (THIRD_VISION at the end of the file); "hf" eight Hugging Face
-architectures (HF_TEXT, HF_VISION at the end of the file).
+architectures (HF_TEXT, HF_VISION at the end of the file); "dynamo" thirteen models exported
+with torch.onnx.export's defaults (the dynamo exporter; DYNAMO_TEXT, DYNAMO_VISION).
 """
 import os
 import sys
@@ -315,3 +316,66 @@ if any(k in which for k in list(HF_TEXT) + list(HF_VISION)):
                 m = m.encoder
             export(_Hidden(m), (torch.randn(*shape),), ["x"],
                    {"x": {0: "batch"}, "out": {0: "batch"}}, f"{out}/{name}.onnx")
+
+# The dynamo set (`... OUT_DIR dynamo`): exported with torch.onnx.export's defaults since
+# torch 2.9 (the dynamo exporter, opset 20 graphs with LayerNormalization and Gelu ops,
+# weights in a .onnx.data file beside each model), dynamic batch (and sequence) as
+# torch.export Dims. Needs `pip install onnxscript`. Names carry a "dyn_" prefix: Hugging
+# Face BERT-base and GPT-2 (LM head), Llama- and Qwen2-style decoders (RMSNorm, rotary
+# embeddings, grouped-query attention, SiLU-gated MLP; 4 layers, hidden 512, vocab
+# 32000, logits out) and nine torchvision models.
+DYNAMO_TEXT = {
+    "dyn_bert": ("BertModel", "BertConfig", {}, True),
+    "dyn_gpt2": ("GPT2LMHeadModel", "GPT2Config", {}, False),
+    "dyn_llama": ("LlamaForCausalLM", "LlamaConfig",
+                  {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4,
+                   "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 32000},
+                  False),
+    "dyn_qwen": ("Qwen2ForCausalLM", "Qwen2Config",
+                 {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4,
+                  "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 32000},
+                 False),
+}
+DYNAMO_VISION = ["resnet18", "mobilenet_v2", "vit_b_16", "efficientnet_b0", "convnext_tiny",
+                 "swin_t", "mobilenet_v3_large", "densenet121", "regnet_y_400mf"]
+
+
+class _Logits(torch.nn.Module):
+    def __init__(s, m):
+        super().__init__()
+        s.m = m
+    def forward(s, ids): return s.m(input_ids=ids).logits
+
+
+if "dynamo" in which:
+    which += list(DYNAMO_TEXT) + [f"dyn_{n}" for n in DYNAMO_VISION]
+if any(k.startswith("dyn_") for k in which):
+    batch = torch.export.Dim("batch", min=1, max=64)
+    seq = torch.export.Dim("seq", min=2, max=512)
+
+    def export_dynamo(model, args, names, shapes, path):
+        model.eval()
+        torch.onnx.export(model, args, path, input_names=names, output_names=["out"],
+                          dynamic_shapes=shapes)
+        print("wrote", path)
+
+    import transformers
+    for name, (cls, cfg, kw, encoder) in DYNAMO_TEXT.items():
+        if name in which:
+            m = getattr(transformers, cls)(getattr(transformers, cfg)(**kw))
+            ids = torch.randint(0, 30000, (2, 128))
+            if encoder:
+                export_dynamo(_Encoder(m), (ids, torch.ones(2, 128, dtype=torch.int64)),
+                              ["input_ids", "attention_mask"],
+                              ({0: batch, 1: seq}, {0: batch, 1: seq}), f"{out}/{name}.onnx")
+            else:
+                export_dynamo(_Logits(m), (ids,), ["input_ids"], ({0: batch, 1: seq},),
+                              f"{out}/{name}.onnx")
+    if any(f"dyn_{n}" in which for n in DYNAMO_VISION):
+        torch.library.register_fake = lambda *a, **k: (lambda f: f)
+        import torchvision
+        for n in DYNAMO_VISION:
+            if f"dyn_{n}" in which:
+                export_dynamo(getattr(torchvision.models, n)(weights=None),
+                              (torch.randn(2, 3, 224, 224),), ["x"], ({0: batch},),
+                              f"{out}/dyn_{n}.onnx")
