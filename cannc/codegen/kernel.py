@@ -148,6 +148,20 @@ class LowerCtx:
         slot = emit.gep(b, self.args, n_ptrs + i, emit.I64)
         return b.load(slot, typ=emit.I64)
 
+    def rt_dim_at(self, b: ir.IRBuilder, i: ir.Value) -> ir.Value:
+        """Runtime dimension at a runtime index ``i`` (a loop over a table the tiling
+        function laid out in ``dims``; the table's layout keeps ``i`` in range)."""
+        assert self.tiling is not None
+        n_ptrs = len(self.node.inputs) - len(self.dropped) + len(self.node.outputs)
+        return b.load(emit.gep(b, self.args, b.add(i, emit.i64(n_ptrs)), emit.I64),
+                      typ=emit.I64)
+
+    def tensor_ptr_at(self, b: ir.IRBuilder, slot: ir.Value) -> ir.Value:
+        """The tensor pointer in argument slot ``slot``, a runtime index (the inputs'
+        slots come first, then the outputs'; no input dropped)."""
+        assert not self.dropped
+        return b.load(emit.gep(b, self.args, slot, emit.PTR), typ=emit.PTR)
+
     def drop_input(self, i: int) -> None:
         """The kernel does not read input i: it gets no slot in the argument array
         (call before emitting code that uses argument indices)."""

@@ -129,3 +129,46 @@ def test_pieces_tiling_key_holds_no_extent():
     a, c = pieces_tiling(pieces(2, 5), 4), pieces_tiling(pieces(7, 300), 4)
     assert a.key == c.key and a.dims != c.dims
     assert pieces_tiling(pieces(0, 5), 4) is None
+
+
+@pytest.mark.parametrize("axis", [1, 3])
+def test_concat_of_many_inputs_walks_one_loop(axis):
+    """DenseNet's concats: from LOOP_PIECES inputs on, one loop walks a table of the
+    pieces (their input and output slots included), so the code does not grow with the
+    number of inputs; every shape against onnxruntime, compiled once."""
+    from cannc.codegen.movement import LOOP_PIECES
+    chans = [64, 32, 32, 32, 32, 32, 32]
+    names = [f"x{i}" for i in range(len(chans))]
+    dims = (lambda c: ["batch", c, 7, 7]) if axis == 1 else (lambda c: ["batch", 5, 7, c])
+    nodes = [helper.make_node("Concat", names, ["out"], axis=axis)]
+    m = model_of(nodes, [vi(n, TensorProto.FLOAT, dims(c)) for n, c in zip(names, chans)],
+                 [vi("out", TensorProto.FLOAT, [None] * 4)])
+    shp = (lambda b, c: (b, c, 7, 7)) if axis == 1 else (lambda b, c: (b, 5, 7, c))
+    sess = check_runtime_dims(m, [{n: f32(*shp(b, c)) for n, c in zip(names, chans)}
+                                  for b in (2, 1, 5)])
+    (k,) = [k for k in sess.specializations[0].kernels if list(k.op_types) == ["Concat"]]
+    assert len(chans) >= LOOP_PIECES and "one loop" in str(k.notes.get("pieces")), k.notes
+
+
+def test_piece_loop_key_is_the_same_for_any_number_of_pieces():
+    def pieces(n):
+        out = (2, 32 * n, 7, 7)
+        ost = contiguous_strides(out)
+        return [Piece(shape=[2, 32, 7, 7], dst=0, dst_strides=ost, dst_base=i * 32 * 49, src=i,
+                      src_strides=contiguous_strides((2, 32, 7, 7))) for i in range(n)]
+
+    three, many = pieces_tiling(pieces(3), 4), pieces_tiling(pieces(25), 4)
+    assert three.key == many.key and three.key[0] == "piece_loop"
+    assert many.dims[0] == 25 and len(many.dims) == 1 + 25 * (len(three.dims) - 1) // 3
+    assert pieces_tiling(pieces(2), 4).key[0] == "pieces"      # below LOOP_PIECES: unrolled
+
+
+def test_split_into_many_outputs_walks_one_loop():
+    """The loop's table names each piece's output slot too: Split into five."""
+    m, _ = single_node_model("Split", [f32(2, 5, 40)], n_outputs=5, axis=2, num_outputs=5,
+                             opset=18)
+    m = dynamic(m, {"in0": {0: "batch", 1: "seq"}})
+    sess = check_runtime_dims(m, [{"in0": f32(b, s, 40)} for b, s in SIZES])
+    notes = [str(k.notes.get("pieces")) for spec in sess.specializations for k in spec.kernels
+             if list(k.op_types) == ["Split"]]
+    assert notes and all("one loop" in n for n in notes), notes
