@@ -829,18 +829,18 @@ def load(path: str | Path, *, cores: int | None = None) -> Session:
         raise
     except Exception as e:  # zipfile, zlib, json, OSError, KeyError, ...
         raise CacheError(f"{path} is not a valid cannc artifact: {type(e).__name__}: {e}") from e
-    # The objects join the process's object cache (keyed by content: they are what a
-    # compile here would make). The session gets the model's bytes, so a program an
-    # earlier load (or compile) of the same bytes and options left in the program cache
-    # is read back as on any hit: nothing parsed, no pass run. Else the model is parsed
-    # and the passes run, and lowering finds every object here (no LLVM).
-    # The first specialisation is compiled (or read back) as the session is made: a hit
-    # of its entry gives the session its inputs and outputs without parsing the model.
+    # The session gets the model's bytes, so the programs an earlier load of the same
+    # artifact (same options) left in the program cache are read back as on any hit:
+    # nothing parsed, no pass run. Else the model is parsed, the passes run, and
+    # lowering finds every object in the process's object cache, which the artifact's
+    # join (keyed by content: they are what a compile here would make): no LLVM.
+    default_cache().memory.update(objs)
+    # The first specialisation is made with the session (version 2 names the inputs):
+    # a hit of its entry gives the session its inputs and outputs without the model.
     names = manifest.get("inputs")
     first = (dict(zip(names, specs[0])) if specs and isinstance(names, list)
              and len(names) == len(specs[0]) and all(isinstance(n, str) for n in names)
              else None)
-    default_cache().memory.update(objs)
     try:
         sess = Session(model, cores=cores, pipeline=pipeline, eager=first is not None,
                        shapes=first, precision=amp.get("precision", "fp32"),
@@ -854,10 +854,10 @@ def load(path: str | Path, *, cores: int | None = None) -> Session:
     acc = manifest.get("accuracy")
     sess.accuracy_report = acc if isinstance(acc, dict) else None
     for shp in specs:
-        if len(shp) != len(sess._io.inputs):
+        if len(shp) != len(sess.io.inputs):
             raise CacheError(f"{path}: damaged manifest (specialization {shp})")
         try:
-            sess.specialize(dict(zip(sess._io.inputs, [tuple(s) for s in shp])))
+            sess.specialize(dict(zip(sess.io.inputs, [tuple(s) for s in shp])))
         except InputError as e:
             raise CacheError(f"{path}: damaged manifest (specialization {shp}: {e})") from e
     return sess
