@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import threading
@@ -9,7 +10,7 @@ import time
 import weakref
 import zipfile
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from os import PathLike
@@ -93,6 +94,8 @@ class Session:
         # the model's file (or the .cnc's, see load), named by reports
         self.source: str | None = str(model) if isinstance(model, (str, PathLike)) else None
         self._model_ref = model if isinstance(model, (str, PathLike, bytes)) else None
+        # where _model_ref's bytes can be read again instead of being kept (load: a .cnc)
+        self._reread: Callable[[], bytes] | None = None
         self._graph_lock = threading.RLock()
         self._precision_args = (precision, precision_lists, keep_fp32)
         pass_options = dict(pass_options or {})
@@ -212,15 +215,15 @@ class Session:
         with self._graph_lock:
             if self._graph is not None:
                 return
-            if self._digest is not None and snapshot.model_digest(self._model_ref) != \
-                    self._digest:
+            ref = self._reread() if self._reread is not None else self._model_ref
+            if self._digest is not None and snapshot.model_digest(ref) != self._digest:
                 raise ModelError(f"the model {self.source or '(bytes)'} changed after this "
                                  "session was created from its compiled program: it cannot "
                                  "be compiled for other shapes or inspected; create the "
                                  "session again")
             from .frontend import import_model, load_model
 
-            loaded = load_model(self._model_ref)
+            loaded = load_model(ref)
             graph, _ = import_model(loaded)
             amp = precision_pass_options(graph, *self._precision_args)
             if amp is not None:
@@ -684,6 +687,17 @@ class Session:
             z.writestr("manifest.json", json.dumps(manifest, indent=1))
 
 
+def _reread_model(path: str | PathLike) -> bytes:
+    """A loaded artifact's model, read again (Session._load_graph checks it is the same)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return z.read("model.onnx")
+    except Exception as e:  # zipfile, zlib, OSError, KeyError
+        raise ModelError(f"the artifact {path} can no longer be read ({type(e).__name__}: "
+                         f"{e}): this session cannot be compiled for other shapes or "
+                         "inspected; load it again") from e
+
+
 def _checksum(data: bytes) -> str:
     """An artifact member's checksum (it finds damage; sha256, which artifacts before
     version 2 carry and load still checks, took 0.25 s per 400 MB model)."""
@@ -851,6 +865,10 @@ def load(path: str | Path, *, cores: int | None = None) -> Session:
     except CanncError as e:
         raise CacheError(f"{path}: damaged manifest ({type(e).__name__}: {e})") from e
     sess.source = str(path)
+    if isinstance(path, (str, PathLike)):
+        # the model's bytes (as big as its weights) are read again from the artifact if
+        # the session ever needs its graph, not kept (its programs hold their weights)
+        sess._model_ref, sess._reread = None, functools.partial(_reread_model, path)
     acc = manifest.get("accuracy")
     sess.accuracy_report = acc if isinstance(acc, dict) else None
     for shp in specs:

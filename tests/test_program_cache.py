@@ -202,6 +202,31 @@ def test_an_artifact_loaded_again_parses_nothing(progs, tmp_path, monkeypatch):
                                rtol=1e-4, atol=1e-5)
 
 
+def test_a_loaded_artifact_reads_its_model_again_rather_than_keeping_it(progs, tmp_path):
+    """A session loaded from a .cnc file does not hold the model's bytes (as big as its
+    weights); it reads them again from the artifact for a shape it has no program for,
+    and says so clearly when the artifact has changed or gone."""
+    path = _mlp(tmp_path / "m.onnx")
+    cannc.compile(str(path), cores=2, shapes={"x": (3, 256)}).save(tmp_path / "m.cnc")
+    cannc.load(tmp_path / "m.cnc", cores=2)
+    sess = cannc.load(tmp_path / "m.cnc", cores=2)               # a hit
+    assert sess._graph is None and sess._model_ref is None
+    np.testing.assert_allclose(sess.run(None, _x(batch=7))[0], _ort(path, _x(batch=7))[0],
+                               rtol=1e-4, atol=1e-5)               # read again, compiled
+    changed = cannc.load(tmp_path / "m.cnc", cores=2)
+    _mlp(tmp_path / "other.onnx", seed=1)
+    cannc.compile(str(tmp_path / "other.onnx"), cores=2,
+                  shapes={"x": (3, 256)}).save(tmp_path / "m.cnc")
+    with pytest.raises(ModelError, match="changed after this session was created"):
+        changed.run(None, _x(batch=9))
+    cannc.load(tmp_path / "m.cnc", cores=2)
+    gone = cannc.load(tmp_path / "m.cnc", cores=2)               # a hit again
+    assert gone._graph is None
+    (tmp_path / "m.cnc").unlink()
+    with pytest.raises(ModelError, match="can no longer be read"):
+        gone.run(None, _x(batch=11))
+
+
 def test_cannc_run_of_an_artifact_loaded_before_parses_nothing(progs, tmp_path, monkeypatch,
                                                               capsys):
     """`cannc run model.cnc` makes its inputs from the session's inputs and outputs (not
