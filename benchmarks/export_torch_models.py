@@ -20,8 +20,8 @@ transformers (resnet50, efficientnet_b0, mobilenet_v3 large, convnext_tiny,
 shufflenet v2, regnet_y_800mf, vit_b16, squeezenet 1.1, densenet121) and two Hugging
 Face encoders (distilbert, a T5-small-sized encoder); "third" a third set of sixteen
 torchvision models (THIRD_VISION at the end of the file); "hf" eight Hugging Face
-architectures (HF_TEXT, HF_VISION at the end of the file); "dynamo" thirteen models exported
-with torch.onnx.export's defaults (the dynamo exporter; DYNAMO_TEXT, DYNAMO_VISION).
+architectures (HF_TEXT, HF_VISION at the end of the file); "dynamo" nineteen models exported
+with torch.onnx.export's defaults (the dynamo exporter; DYNAMO_TEXT, DYNAMO_VISION, DYNAMO_HF).
 """
 import os
 import sys
@@ -323,7 +323,7 @@ if any(k in which for k in list(HF_TEXT) + list(HF_VISION)):
 # torch.export Dims. Needs `pip install onnxscript`. Names carry a "dyn_" prefix: Hugging
 # Face BERT-base and GPT-2 (LM head), Llama- and Qwen2-style decoders (RMSNorm, rotary
 # embeddings, grouped-query attention, SiLU-gated MLP; 4 layers, hidden 512, vocab
-# 32000, logits out) and nine torchvision models.
+# 32000, logits out), nine torchvision models and six Hugging Face encoders (DYNAMO_HF).
 DYNAMO_TEXT = {
     "dyn_bert": ("BertModel", "BertConfig", {}, True),
     "dyn_gpt2": ("GPT2LMHeadModel", "GPT2Config", {}, False),
@@ -338,6 +338,21 @@ DYNAMO_TEXT = {
 }
 DYNAMO_VISION = ["resnet18", "mobilenet_v2", "vit_b_16", "efficientnet_b0", "convnext_tiny",
                  "swin_t", "mobilenet_v3_large", "densenet121", "regnet_y_400mf"]
+# Hugging Face encoders at transformers' defaults (SDPA attention where the model has it),
+# the Hugging Face set's sizes: input_ids / attention_mask, or one tensor "x". (HF's Swin
+# and T5's encoder do not export with torch 2.14's dynamo exporter.)
+DYNAMO_HF = {
+    "dyn_roberta": ("RobertaModel", "RobertaConfig", {}, None),
+    "dyn_deberta": ("DebertaV2Model", "DebertaV2Config",
+                    {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 6,
+                     "intermediate_size": 1536}, None),
+    "dyn_vit_hf": ("ViTModel", "ViTConfig", {}, (2, 3, 224, 224)),
+    "dyn_clip_vision": ("CLIPVisionModel", "CLIPVisionConfig", {}, (2, 3, 224, 224)),
+    "dyn_whisper_enc": ("WhisperModel", "WhisperConfig",
+                        {"d_model": 384, "encoder_layers": 4, "encoder_attention_heads": 6,
+                         "decoder_layers": 1, "encoder_ffn_dim": 1536}, (2, 80, 3000)),
+    "dyn_wav2vec2": ("Wav2Vec2Model", "Wav2Vec2Config", {}, (2, 16000)),
+}
 
 
 class _Logits(torch.nn.Module):
@@ -348,7 +363,7 @@ class _Logits(torch.nn.Module):
 
 
 if "dynamo" in which:
-    which += list(DYNAMO_TEXT) + [f"dyn_{n}" for n in DYNAMO_VISION]
+    which += list(DYNAMO_TEXT) + [f"dyn_{n}" for n in DYNAMO_VISION] + list(DYNAMO_HF)
 if any(k.startswith("dyn_") for k in which):
     batch = torch.export.Dim("batch", min=1, max=64)
     seq = torch.export.Dim("seq", min=2, max=512)
@@ -371,6 +386,17 @@ if any(k.startswith("dyn_") for k in which):
             else:
                 export_dynamo(_Logits(m), (ids,), ["input_ids"], ({0: batch, 1: seq},),
                               f"{out}/{name}.onnx")
+    for name, (cls, cfg, kw, shape) in DYNAMO_HF.items():
+        if name in which:
+            m = getattr(transformers, cls)(getattr(transformers, cfg)(**kw))
+            if shape is None:
+                export_dynamo(_Encoder(m), (torch.randint(0, 1000, (2, 128)),
+                                            torch.ones(2, 128, dtype=torch.int64)),
+                              ["input_ids", "attention_mask"],
+                              ({0: batch, 1: seq}, {0: batch, 1: seq}), f"{out}/{name}.onnx")
+            else:
+                export_dynamo(_Hidden(m.encoder if name == "dyn_whisper_enc" else m),
+                              (torch.randn(*shape),), ["x"], ({0: batch},), f"{out}/{name}.onnx")
     if any(f"dyn_{n}" in which for n in DYNAMO_VISION):
         torch.library.register_fake = lambda *a, **k: (lambda f: f)
         import torchvision
