@@ -144,17 +144,20 @@ class LowerCtx:
         argument array after the tensor pointers."""
         assert self.tiling is not None and 0 <= i < len(self.tiling.dims), \
             f"runtime dim {i} is not declared by the tiling function"
-        n_ptrs = len(self.node.inputs) - len(self.dropped) + len(self.node.outputs)
-        slot = emit.gep(b, self.args, n_ptrs + i, emit.I64)
+        slot = emit.gep(b, self.args, self._n_ptrs + i, emit.I64)
         return b.load(slot, typ=emit.I64)
 
     def rt_dim_at(self, b: ir.IRBuilder, i: ir.Value) -> ir.Value:
         """Runtime dimension at a runtime index ``i`` (a loop over a table the tiling
         function laid out in ``dims``; the table's layout keeps ``i`` in range)."""
         assert self.tiling is not None
-        n_ptrs = len(self.node.inputs) - len(self.dropped) + len(self.node.outputs)
-        return b.load(emit.gep(b, self.args, b.add(i, emit.i64(n_ptrs)), emit.I64),
+        return b.load(emit.gep(b, self.args, b.add(i, emit.i64(self._n_ptrs)), emit.I64),
                       typ=emit.I64)
+
+    @property
+    def _n_ptrs(self) -> int:
+        """Tensor pointers in the argument array (the runtime dims follow them)."""
+        return len(self.node.inputs) - len(self.dropped) + len(self.node.outputs)
 
     def tensor_ptr_at(self, b: ir.IRBuilder, slot: ir.Value) -> ir.Value:
         """The tensor pointer in argument slot ``slot``, a runtime index (the inputs'

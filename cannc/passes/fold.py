@@ -98,6 +98,8 @@ def _type_proto(t: TensorType) -> onnx.TypeProto:
 def infer_node(graph: Graph, n: Node) -> list[TensorType]:
     """Concrete output types of node n from its (concrete) input types and constants.
     ONNX's own inference first; an op may supply `infer` where ONNX has none."""
+    import onnx
+
     op = lookup(n.op_type, n.domain)
     if op is not None and op.shape_check is not None:
         reason = op.shape_check(n, [graph.values[v] if v else None for v in n.inputs])
@@ -106,8 +108,6 @@ def infer_node(graph: Graph, n: Node) -> list[TensorType]:
             raise ShapeError(f"{n.op_type} at node '{n.name}' rejects its inputs "
                              f"({shapes}): {reason}")
     own = op.infer if op is not None else None
-    import onnx
-
     if own is not None and op.domain and not onnx.defs.has(n.op_type, n.domain):
         # an op ONNX has no schema for (a custom op): its own inference only
         return own(n, [graph.values[v] if v else None for v in n.inputs])
