@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{objs['counts_after_first']} -> {objs['counts_end']}", flush=True)
 
         def med(which: str, key: str) -> float:
-            return statistics.median(r[which][key] for r in rows)
+            return _median(rows, which, key)
 
         print(f"model {Path(path).name} ({size / 2**20:.0f} MiB): median cold compile "
               f"{med('cold', 'compile_s'):.2f} s (+ first run {med('cold', 'first_run_s'):.2f} s), "
@@ -187,11 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _median(rows: list[dict], which: str, key: str) -> float:
+    """The median over the runs of one measurement of one process kind."""
+    return statistics.median(r[which][key] for r in rows)
+
+
 def _with_import(rows: list[dict]) -> str:
     """A fresh process's import + warm compile against import + ORT session creation:
     what a user's script or `cannc run` waits for before its first run."""
     def med(which: str, key: str) -> float:
-        return statistics.median(r[which][key] for r in rows)
+        return _median(rows, which, key)
     return (f"import cannc {med('warm', 'import_s'):.2f} s + warm compile = "
             f"{med('warm', 'import_s') + med('warm', 'compile_s'):.2f} s against import "
             f"onnxruntime {med('ort', 'import_s'):.2f} s + session = "
