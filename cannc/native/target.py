@@ -34,11 +34,11 @@ import xxhash
 from .. import config
 from ..errors import CompileError
 from . import llvm_procs
-from ._llvm_worker import optimise
+from ._llvm_worker import configure, optimise
 
 _init_lock = threading.Lock()
 _initialised = False
-CODEGEN_VERSION = "1"
+CODEGEN_VERSION = "2"   # 2: without Loop Strength Reduction (_llvm_worker.CODEGEN_OPTIONS)
 # (codemodel, reloc) of every TargetMachine: see the module docstring
 CODE_MODEL = ("large", "static")
 
@@ -49,6 +49,7 @@ def init() -> None:
         if not _initialised:
             llvm.initialize_native_target()
             llvm.initialize_native_asmprinter()
+            configure(llvm)
             _initialised = True
 
 
