@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import networkx as nx
 import numpy as np
 
 from .types import TensorType
@@ -49,10 +48,20 @@ class Node:
         return self.attrs.get(name, default)
 
 
+def _nx() -> Any:
+    """networkx, imported by the first graph built: a process that only runs programs
+    from the program cache never builds one (their graphs' structure is pickled
+    without networkx, see Graph.__getstate__), and importing networkx takes ~0.1 s."""
+    import networkx
+
+    return networkx
+
+
 class Graph:
     def __init__(self, name: str = "graph") -> None:
         self.name = name
-        self.g = nx.MultiDiGraph()
+        self._g: Any = _nx().MultiDiGraph()
+        self._rows: list[tuple[str, Node, float]] | None = None   # see __setstate__
         self._topo: list[str] | None = None     # node names in order (nodes())
         self.values: dict[str, TensorType] = {}
         self.constants: dict[str, np.ndarray] = {}
@@ -63,6 +72,36 @@ class Graph:
         self._producer: dict[str, str] = {}
         self._consumers: dict[str, set[str]] = {}
         self._counter = 0
+
+    @property
+    def g(self) -> Any:
+        """The networkx.MultiDiGraph of the nodes (built on first use after unpickling)."""
+        g = self._g
+        if g is None:
+            g = self._g = _nx().MultiDiGraph()
+            for name, node, order in self._rows or ():
+                g.add_node(name, node=node, order=order)
+            for name, node, _ in self._rows or ():
+                for v in node.inputs:
+                    p = self._producer.get(v) if v else None
+                    if p is not None and p != name:
+                        g.add_edge(p, name, key=v)
+            self._rows = None
+        return g
+
+    @g.setter
+    def g(self, g: Any) -> None:
+        self._g, self._rows = g, None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the nodes as (name, node, order) rows rather than a networkx graph, so that
+        # unpickling (a program-cache hit's specialisation) does not import networkx
+        state = dict(self.__dict__)
+        if self._g is not None:
+            state["_rows"] = [(n, d["node"], d.get("order", 0))
+                              for n, d in self._g.nodes(data=True)]
+        state["_g"] = None
+        return state
 
     # ---- construction -------------------------------------------------
     def add_node(self, node: Node, order: float | None = None) -> Node:
@@ -131,7 +170,7 @@ class Graph:
         # the order is kept until a node is added or removed (passes and lowering ask
         # for it thousands of times: 0.19 s of a warm MiniLM compile)
         if self._topo is None:
-            self._topo = list(nx.lexicographical_topological_sort(self.g, key=self._order_key))
+            self._topo = list(_nx().lexicographical_topological_sort(self.g, key=self._order_key))
         for n in self._topo:
             yield self.node(n)
 
@@ -217,6 +256,6 @@ def verify(graph: Graph) -> None:
     for o in graph.outputs:
         if o not in defined:
             raise AssertionError(f"graph output {o!r} is never defined")
-    if not nx.is_directed_acyclic_graph(graph.g):
+    if not _nx().is_directed_acyclic_graph(graph.g):
         raise AssertionError("graph has a cycle")
 

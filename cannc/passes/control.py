@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import networkx as nx
 import numpy as np
 
 from ..errors import CanncError, UnsupportedOpError
@@ -28,7 +27,9 @@ def _evaluate(graph: Graph, v: str, ctx: PassContext) -> np.ndarray | None:
     p = graph.producer(v)
     if p is None:
         return None                       # a graph input: known only at run time
-    cone = nx.ancestors(graph.g, p.name) | {p.name}
+    import networkx  # (imported by the graph already: not at this module's top, see ir.graph)
+
+    cone = networkx.ancestors(graph.g, p.name) | {p.name}
     for name in cone:
         op = lookup(graph.node(name).op_type, graph.node(name).domain)
         if op is None or op.subgraphs:

@@ -71,3 +71,27 @@ def test_a_pickled_node_leaves_its_onnx_proto_behind_unless_it_has_subgraphs():
     assert list(back.proto.input) == ["c"]
     from cannc.ir.ops.control import own_inputs
     assert own_inputs(back) == ("c",)
+
+
+def test_a_pickled_graph_rebuilds_the_same_structure_on_first_use():
+    """Graph pickles its nodes as rows, not as a networkx graph (unpickling one would
+    import networkx into a process that only runs cached programs); the first use of
+    `g` rebuilds nodes, orders and edges as they were, after removals and re-adds."""
+    import copy
+    import pickle
+
+    g = _chain()
+    g.values["w"] = g.values["v"] = TensorType(F, ("b", 4))
+    g.add_node(Node("n3", "Add", ("y", "z"), ("w",)), order=0.5)  # before n1 in order
+    g.add_node(Node("n4", "Mul", ("w", "w"), ("v",)))             # one value read twice
+    g.remove_node("n2")
+    g.add_node(Node("n2b", "Neg", ("y",), ("z",)))                # z's new producer
+    for back in (pickle.loads(pickle.dumps(g)), copy.deepcopy(g)):
+        assert back._g is None                                   # not built yet
+        assert sorted(back.g.edges(keys=True)) == sorted(g.g.edges(keys=True))
+        assert dict(back.g.nodes(data="order")) == dict(g.g.nodes(data="order"))
+        assert [n.name for n in back.nodes()] == [n.name for n in g.nodes()]
+        back.add_node(Node("n5", "Relu", ("v",), ("u",)))        # and it goes on working
+        assert back.consumers("v") == ["n5"] and ("n4", "n5", "v") in back.g.edges(keys=True)
+    g.outputs = ["v"]
+    verify(pickle.loads(pickle.dumps(g)))
