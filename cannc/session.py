@@ -108,10 +108,9 @@ class Session:
                 and self._model_ref is not None and snapshot.root() is not None:
             self._digest = snapshot.model_digest(model)
             if self._digest is not None:
-                self._snap_options = {
-                    "cores": shared_device(cores).cores, "pipeline": pipeline,
-                    "fusion": fusion, "pass_options": pass_options, "precision": precision,
-                    "precision_lists": precision_lists, "keep_fp32": keep_fp32}
+                self._snap_options = _snap_options(
+                    shared_device(cores).cores, pipeline, fusion, pass_options, precision,
+                    precision_lists, keep_fp32)
                 if eager:
                     snap = snapshot.load(self._snapshot_key(
                         "given", {k: list(v) for k, v in given_shapes(shapes).items()}))
@@ -189,6 +188,30 @@ class Session:
     def _snapshot_key(self, kind: str, shapes: Any) -> str:
         assert self._digest is not None and self._snap_options is not None
         return snapshot.program_key(self._digest, {**self._snap_options, kind: shapes})
+
+    def _store_for_artifact(self, model: bytes, manifest: dict[str, Any]) -> None:
+        """Leave this session's programs in the program cache under the entries a load()
+        of the artifact (`model`, `manifest`) looks up, so that even its first load runs
+        no pass and parses nothing (`cannc compile -o x.cnc` then `cannc run x.cnc`). Only
+        where that load compiles as this session did: its options are the manifest's, with
+        the default fusion and pass options, on as many cores as this session has."""
+        if self._snap_options is None or self._value_inputs \
+                or self._snap_options["fusion"] is not True or self._snap_options["pass_options"]:
+            return
+        digest = snapshot.model_digest(model)
+        kw = _artifact_options(json.loads(json.dumps(manifest)))   # as load() reads it
+        options = _snap_options(self.device.cores, kw["pipeline"], True, {}, kw["precision"],
+                                kw["precision_lists"], kw["keep_fp32"])
+        first = _first_shapes(manifest)
+        for i, (key, prog) in enumerate(self._programs.items()):
+            if not isinstance(prog, Program):
+                continue
+            entries = [("shapes", [list(s) for s in key])]
+            if i == 0 and first is not None:
+                entries.append(("given", {k: list(v) for k, v in given_shapes(first).items()}))
+            for kind, shapes in entries:
+                snapshot.store_later(snapshot.program_key(digest, {**options, kind: shapes}),
+                                     prog.spec, self._io, self._num_nodes)
 
     def _adopt(self, snap: snapshot.Snapshot) -> Program:
         """The program of a stored specialisation (its weights are the entry's mapped
@@ -663,14 +686,16 @@ class Session:
             "inputs": list(self._io.inputs),      # the specializations' order (version 2)
             "objects": [],
         }
+        model = self._model_proto().SerializeToString()
         try:
-            self._write_artifact(path, manifest)
+            self._write_artifact(path, model, manifest)
         except OSError as e:
             raise CacheError(f"cannot write the artifact {path}: {e}") from e
+        if snapshot.root() is not None:
+            self._store_for_artifact(model, manifest)
 
-    def _write_artifact(self, path: str | Path, manifest: dict[str, Any]) -> None:
+    def _write_artifact(self, path: str | Path, model: bytes, manifest: dict[str, Any]) -> None:
         with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
-            model = self._model_proto().SerializeToString()
             manifest["model_xxh3_128"] = _checksum(model)
             # stored, not deflated: float weights shrink by ~7% for ~2 s of inflating at
             # every load of a BERT-base-sized artifact (the objects compress well)
@@ -685,6 +710,36 @@ class Session:
                         manifest["objects"].append(key)
                         manifest.setdefault("xxh3_128", {})[key] = _checksum(obj)
             z.writestr("manifest.json", json.dumps(manifest, indent=1))
+
+
+def _snap_options(cores: int, pipeline: str, fusion: Any, pass_options: dict[str, Any],
+                  precision: Any, precision_lists: Any, keep_fp32: Any) -> dict[str, Any]:
+    """What a program-cache entry is keyed by besides the model and the shapes: the
+    session's options as given (pass_options copied: the session adds its precision
+    policy to its own later)."""
+    return {"cores": cores, "pipeline": pipeline, "fusion": fusion,
+            "pass_options": dict(pass_options), "precision": precision,
+            "precision_lists": precision_lists, "keep_fp32": keep_fp32}
+
+
+def _artifact_options(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The compile options of a session loaded from an artifact with this (checked)
+    manifest: load() compiles with them, save() keys the programs it leaves for it."""
+    amp = manifest.get("precision", {})
+    return {"pipeline": manifest.get("pipeline", "O1"),
+            "precision": amp.get("precision", "fp32"),
+            "precision_lists": {k: amp[k] for k in LIST_KINDS if amp.get(k)},
+            "keep_fp32": amp.get("keep_fp32", ())}
+
+
+def _first_shapes(manifest: dict[str, Any]) -> dict[str, list[int]] | None:
+    """The artifact's first specialisation's shapes by input name (None before version
+    2, whose manifest does not name the inputs): load() makes it with the session."""
+    names, specs = manifest.get("inputs"), manifest.get("specializations", [])
+    if specs and isinstance(names, list) and len(names) == len(specs[0]) \
+            and all(isinstance(n, str) for n in names):
+        return dict(zip(names, specs[0]))
+    return None
 
 
 def _reread_model(path: str | PathLike) -> bytes:
@@ -849,17 +904,13 @@ def load(path: str | Path, *, cores: int | None = None) -> Session:
     # lowering finds every object in the process's object cache, which the artifact's
     # join (keyed by content: they are what a compile here would make): no LLVM.
     default_cache().memory.update(objs)
-    # The first specialisation is made with the session (version 2 names the inputs):
-    # a hit of its entry gives the session its inputs and outputs without the model.
-    names = manifest.get("inputs")
-    first = (dict(zip(names, specs[0])) if specs and isinstance(names, list)
-             and len(names) == len(specs[0]) and all(isinstance(n, str) for n in names)
-             else None)
+    # The first specialisation is made with the session: a hit of its entry (which the
+    # session that saved the artifact left, see Session._store_for_artifact, or an earlier
+    # load) gives the session its inputs and outputs without the model.
+    first = _first_shapes(manifest)
     try:
-        sess = Session(model, cores=cores, pipeline=pipeline, eager=first is not None,
-                       shapes=first, precision=amp.get("precision", "fp32"),
-                       precision_lists={k: amp[k] for k in LIST_KINDS if amp.get(k)},
-                       keep_fp32=amp.get("keep_fp32", ()))
+        sess = Session(model, cores=cores, eager=first is not None, shapes=first,
+                       **_artifact_options(manifest))
     except ModelError as e:
         raise CacheError(f"{path}: the embedded model is damaged: {e}") from e
     except CanncError as e:

@@ -179,26 +179,50 @@ def test_save_after_a_hit(progs, tmp_path):
     np.testing.assert_array_equal(loaded.run(None, feeds)[0], sess.run(None, feeds)[0])
 
 
-def test_an_artifact_loaded_again_parses_nothing(progs, tmp_path, monkeypatch):
-    """A .cnc loaded a second time reads its programs back from the program cache (the
-    first load compiled them with the artifact's objects and stored them): the model is
-    not parsed and no pass runs."""
+def test_an_artifact_loads_without_parsing_even_the_first_time(progs, tmp_path, monkeypatch):
+    """Saving a .cnc leaves the session's programs in the program cache under the entries
+    a load of that artifact looks up (`cannc compile -o x.cnc`, then `cannc run x.cnc`):
+    its first load already parses nothing and runs no pass, nor does any later one."""
     path = _mlp(tmp_path / "m.onnx")
     sess = cannc.compile(str(path), cores=2, shapes={"x": (3, 256)})
     sess.run(None, _x(batch=5))
+    stored = snapshot.stats.stored
     sess.save(tmp_path / "m.cnc")
+    assert snapshot.stats.stored == stored + 3     # both shapes; the first also as given
+    hits = snapshot.stats.hits
+    with monkeypatch.context() as m:
+        _no_parse(m)
+        first = cannc.load(tmp_path / "m.cnc", cores=2)
+        again = cannc.load(tmp_path / "m.cnc", cores=2)
+        assert first._graph is None and again._graph is None
+        for b in (3, 5):
+            want = sess.run(None, _x(batch=b))[0]
+            np.testing.assert_array_equal(first.run(None, _x(batch=b))[0], want)
+            np.testing.assert_array_equal(again.run(None, _x(batch=b))[0], want)
+    assert snapshot.stats.hits == hits + 4 and snapshot.stats.stored == stored + 3
+    np.testing.assert_allclose(again.run(None, _x(batch=3))[0], _ort(path, _x(batch=3))[0],
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_an_artifact_of_other_options_than_a_load_gives_compiles_at_its_first_load(
+        progs, tmp_path, monkeypatch):
+    """A session whose programs a load would not make (here: compiled without fusion,
+    which the artifact does not record) leaves none for the load: the first load
+    compiles (with the artifact's objects) and stores its own, the second hits them."""
+    path = _mlp(tmp_path / "m.onnx")
+    sess = cannc.compile(str(path), cores=2, shapes={"x": (3, 256)}, fusion=False)
+    stored = snapshot.stats.stored
+    sess.save(tmp_path / "m.cnc")
+    assert snapshot.stats.stored == stored
     first = cannc.load(tmp_path / "m.cnc", cores=2)
-    hits, stored = snapshot.stats.hits, snapshot.stats.stored
-    assert stored >= 2               # both specialisations, keyed by the artifact's model
+    assert first._graph is not None                     # parsed and compiled
+    assert snapshot.stats.stored == stored + 2          # under its shapes, and as given
     with monkeypatch.context() as m:
         _no_parse(m)
         again = cannc.load(tmp_path / "m.cnc", cores=2)
-        assert again._graph is None
-        for b in (3, 5):
-            np.testing.assert_array_equal(again.run(None, _x(batch=b))[0],
-                                          first.run(None, _x(batch=b))[0])
-    assert snapshot.stats.hits == hits + 2 and snapshot.stats.stored == stored
-    np.testing.assert_allclose(again.run(None, _x(batch=3))[0], _ort(path, _x(batch=3))[0],
+        np.testing.assert_array_equal(again.run(None, _x(batch=3))[0],
+                                      first.run(None, _x(batch=3))[0])
+    np.testing.assert_allclose(first.run(None, _x(batch=3))[0], _ort(path, _x(batch=3))[0],
                                rtol=1e-4, atol=1e-5)
 
 
