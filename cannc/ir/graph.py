@@ -61,7 +61,7 @@ class Graph:
     def __init__(self, name: str = "graph") -> None:
         self.name = name
         self._g: Any = _nx().MultiDiGraph()
-        self._rows: list[tuple[str, Node, float]] | None = None   # see __setstate__
+        self._rows: list[tuple[str, Node, float]] | None = None   # unpickled: see g
         self._topo: list[str] | None = None     # node names in order (nodes())
         self.values: dict[str, TensorType] = {}
         self.constants: dict[str, np.ndarray] = {}
