@@ -250,7 +250,19 @@ def test_artifact_roundtrip(tmp_path, artifact, linear_sess):
 
 def _stored_model_flip(a: bytes) -> bytes:
     b = bytearray(_rezip(a, {}, compress=False))
-    b[200] ^= 0xFF                                   # inside model.onnx: the zip CRC catches it
+    b[200] ^= 0xFF      # inside model.onnx: its xxh3 checksum catches it (load maps the
+    return bytes(b)     # stored member rather than reading it, so zip's CRC-32 is not read)
+
+
+def _model_local_header(a: bytes, what: str) -> bytes:
+    """The artifact with model.onnx's local zip header damaged (load maps the member from
+    where that header says its data starts)."""
+    h = zipfile.ZipFile(io.BytesIO(a)).getinfo("model.onnx").header_offset
+    b = bytearray(a)
+    if what == "signature":
+        b[h:h + 4] = b"PK\x00\x00"
+    else:                                  # a name and extra field running past the end
+        b[h + 26:h + 30] = b"\xff\xff\xff\xff"
     return bytes(b)
 
 
@@ -262,14 +274,17 @@ def _stored_model_flip(a: bytes) -> bytes:
     (lambda a: _rezip(a, {"manifest.json": b"{not json"}), "not a valid cannc artifact"),
     (lambda a: _rezip(a, {"manifest.json": b'{"format": "zip"}'}), "is not a cannc artifact"),
     (lambda a: _rezip(a, {"model.onnx": None}), "not a valid cannc artifact"),
-    (_stored_model_flip, "Bad CRC-32"),
+    (_stored_model_flip, r"the embedded model is damaged \(checksum mismatch\)"),
+    (lambda a: _model_local_header(a, "signature"), "damaged zip"),
+    (lambda a: _model_local_header(a, "extra"), "damaged zip"),
 ], ids=["truncated", "empty", "junk", "no-manifest", "bad-json", "wrong-format", "no-model",
-        "bit-flip"])
+        "bit-flip", "model-header", "model-extra-field"])
 def test_damaged_artifact(tmp_path, artifact, damage, phrase):
     p = tmp_path / "damaged.cnc"
     p.write_bytes(damage(artifact))
     with pytest.raises(cannc.CacheError, match=phrase):
         cannc.load(p)
+    assert str(p) not in Path("/proc/self/maps").read_text(), "load left the file mapped"
 
 
 @pytest.mark.parametrize("damage", [

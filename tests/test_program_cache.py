@@ -195,6 +195,8 @@ def test_an_artifact_loads_without_parsing_even_the_first_time(progs, tmp_path, 
         first = cannc.load(tmp_path / "m.cnc", cores=2)
         again = cannc.load(tmp_path / "m.cnc", cores=2)
         assert first._graph is None and again._graph is None
+        # load maps the stored model rather than reading it, and unmaps it before it returns
+        assert str(tmp_path / "m.cnc") not in Path("/proc/self/maps").read_text()
         for b in (3, 5):
             want = sess.run(None, _x(batch=b))[0]
             np.testing.assert_array_equal(first.run(None, _x(batch=b))[0], want)
@@ -215,7 +217,8 @@ def test_an_artifact_of_other_options_than_a_load_gives_compiles_at_its_first_lo
     sess.save(tmp_path / "m.cnc")
     assert snapshot.stats.stored == stored
     first = cannc.load(tmp_path / "m.cnc", cores=2)
-    assert first._graph is not None                     # parsed and compiled
+    assert first._graph is not None                     # parsed (from a copy) and compiled
+    assert str(tmp_path / "m.cnc") not in Path("/proc/self/maps").read_text()
     assert snapshot.stats.stored == stored + 2          # under its shapes, and as given
     with monkeypatch.context() as m:
         _no_parse(m)
