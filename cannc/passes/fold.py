@@ -10,7 +10,7 @@ own semantics); folding uses the op's NumPy reference.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,7 +19,7 @@ from ..errors import CanncError, ModelError, ShapeError
 from ..ir.graph import Graph, Node
 from ..ir.ops import lookup
 from ..ir.registry import MAP_CATEGORIES, Category, FoldFn, OpDef
-from ..ir.types import TensorType, np_dtype, np_to_onnx
+from ..ir.types import TensorType, dtype_key, np_dtype, np_to_onnx
 from .manager import PassContext, graph_pass
 
 if TYPE_CHECKING:
@@ -158,18 +158,12 @@ def _infer_key(graph: Graph, n: Node, proto: onnx.NodeProto) -> tuple | None:
         c = graph.constants.get(v)
         data = None
         if c is not None and c.size <= _SHAPE_INPUT_LIMIT:
-            data = (_dtype_key(c.dtype), c.shape, np.ascontiguousarray(c).tobytes())
-        ins.append((_dtype_key(t.dtype), tuple(t.shape), data))
+            data = (dtype_key(c.dtype), c.shape, np.ascontiguousarray(c).tobytes())
+        ins.append((dtype_key(t.dtype), tuple(t.shape), data))
     return (n.op_type, n.domain or "", n.opset,
             tuple(a.SerializeToString() for a in proto.attribute),
             tuple(sorted(graph.opsets.items())), tuple(ins),
             tuple(bool(v) for v in n.outputs))
-
-
-def _dtype_key(dt: Any) -> tuple[str, str]:
-    # (the name too: ml_dtypes' narrow floats share a .str, '|V1' for every 8-bit one)
-    d = np.dtype(dt)
-    return d.name, d.str
 
 
 def _onnx_infer_node(graph: Graph, n: Node, proto: onnx.NodeProto) -> list[TensorType]:

@@ -107,10 +107,11 @@ class Groups:
         # nodes after n that are in no group cannot lead back to n's inputs, unless some
         # group holds nodes after n (the epilogue rules run once all groups are built)
         limit = max(self.order.get(n.name, 0), self.last)
+        succ = g.g.succ        # (an out_edges view per node cost 3x the walk itself)
         seen, stack = set(members), list(members)
         while stack:
             x = stack.pop()
-            for _, y in g.g.out_edges(x):
+            for y in succ[x]:
                 if y in seen:
                     continue
                 h = self.group_of.get(y)
