@@ -24,6 +24,7 @@ CANNC_CORE_CHOICE=0  every launch of a program on every AI core (default: a prog
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -117,7 +118,9 @@ MAX_RANK = 64
 _SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
+@functools.cache
 def _physical_memory() -> int:
+    # (kept: check_size asks for the budget ~1700 times a BERT-base specialisation)
     try:
         return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
