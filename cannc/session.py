@@ -877,14 +877,18 @@ def _stored_view(path: Any, z: zipfile.ZipFile, name: str, mapped: list[Any]
     """Member `name` of the artifact file at `path`, if it is stored (not deflated), as a
     view of the file mapped into memory: nothing read or copied until it is hashed or
     parsed (a BERT-base model: 0.45 s of reading and CRC on every load). Its xxh3 checksum
-    stands for the CRC. None for a compressed member or an artifact that is not a file."""
+    stands for the CRC. None for a compressed member, an artifact that is not a file, or a
+    file that cannot be mapped."""
     if not isinstance(path, (str, PathLike)):
         return None
     info = z.getinfo(name)
     if info.compress_type != zipfile.ZIP_STORED:
         return None
-    with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        with open(path, "rb") as f:
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):       # a file that cannot be mapped: read it
+        return None
     mapped.append(m)
     h = info.header_offset
     if m[h:h + 4] != b"PK\x03\x04":

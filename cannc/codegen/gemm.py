@@ -991,9 +991,10 @@ def gemm_dims(spec: GemmSpec, M: int, batch: int = 1,
 @lru_cache(maxsize=1024)
 def _gemm_dims(spec: GemmSpec, M: int, batch: int, tuning_key: tuple, isa: str,
                dpbf16: bool, l2: int) -> tuple[tuple[int, ...], int]:
-    tuning = dict(tuning_key)
+    """gemm_dims; `isa`, `dpbf16` and `l2` are what gemm_plan and the grid's cost read of
+    the host, passed for the cache's key only."""
     tun = dict(tuning_key)
-    p0 = gemm_plan(spec, tuning)
+    p0 = gemm_plan(spec, tun)
     # (the mid-rows variant has no strips for the last rows of a panel: their
     # micro-kernels, one per row count, cost more compile time than the variant itself,
     # BERT-base's cold compile 1.85 -> 2.55 s with them, 2.09 s without. So it runs
