@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -139,19 +138,14 @@ def np_dtype(elem_type: int) -> np.dtype:
     return table[elem_type]
 
 
-_DTYPE_KEYS: dict[Any, str] = {}
-
-
+@functools.cache
 def dtype_key(dt: np.dtype) -> str:
     """A string that tells dtypes apart, for cache keys: numpy's `dtype.str`, except
     for the ml_dtypes types, which all share one (`<V1` for every float8/float4/int4,
     `<V2` for bfloat16) and are told apart by name. (Kept per dtype: numpy computes
     `.name` in Python, and specialising BERT-base asks ~2000 times.)"""
-    k = _DTYPE_KEYS.get(dt)
-    if k is None:
-        d = np.dtype(dt)
-        k = _DTYPE_KEYS[dt] = d.str if d.kind != "V" and d.name not in SMALL_FLOATS else d.name
-    return k
+    dt = np.dtype(dt)
+    return dt.str if dt.kind != "V" and dt.name not in SMALL_FLOATS else dt.name
 
 
 def onnx_type_string(dt: np.dtype) -> str:
