@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -861,18 +862,13 @@ def _close_streams(streams: list[Any]) -> None:
 
 def load(path: str | Path, *, cores: int | None = None) -> Session:
     """Load a .cnc artifact written by Session.save (or `cannc compile`) without recompiling."""
-    mapped: list[Any] = []          # the artifact's file mapping and the model's view of it
-    try:
+    # the artifact's file mapping and the model's view of it are closed on return
+    # (nothing keeps the view: a miss parsed a copy)
+    with contextlib.ExitStack() as mapped:
         return _load(path, cores, mapped)
-    finally:
-        for m in reversed(mapped):    # (nothing keeps the view: a miss parsed a copy)
-            if isinstance(m, memoryview):
-                m.release()
-            else:
-                m.close()
 
 
-def _stored_view(path: Any, z: zipfile.ZipFile, name: str, mapped: list[Any]
+def _stored_view(path: Any, z: zipfile.ZipFile, name: str, mapped: contextlib.ExitStack
                  ) -> memoryview | None:
     """Member `name` of the artifact file at `path`, if it is stored (not deflated), as a
     view of the file mapped into memory: nothing read or copied until it is hashed or
@@ -886,10 +882,9 @@ def _stored_view(path: Any, z: zipfile.ZipFile, name: str, mapped: list[Any]
         return None
     try:
         with open(path, "rb") as f:
-            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            m = mapped.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
     except (OSError, ValueError):       # a file that cannot be mapped: read it
         return None
-    mapped.append(m)
     h = info.header_offset
     if m[h:h + 4] != b"PK\x03\x04":
         raise CacheError(f"{path}: damaged zip (no local header for {name})")
@@ -897,12 +892,10 @@ def _stored_view(path: Any, z: zipfile.ZipFile, name: str, mapped: list[Any]
     start = h + 30 + name_len + extra_len
     if start + info.file_size > len(m):
         raise CacheError(f"{path}: damaged zip ({name} runs past the end of the file)")
-    view = memoryview(m)[start:start + info.file_size]
-    mapped.append(view)
-    return view
+    return mapped.enter_context(memoryview(m)[start:start + info.file_size])
 
 
-def _load(path: str | Path, cores: int | None, mapped: list[Any]) -> Session:
+def _load(path: str | Path, cores: int | None, mapped: contextlib.ExitStack) -> Session:
     try:
         with zipfile.ZipFile(path) as z:
             manifest = json.loads(z.read("manifest.json"))
