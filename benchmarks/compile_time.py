@@ -195,12 +195,10 @@ def _median(rows: list[dict], which: str, key: str) -> float:
 def _with_import(rows: list[dict]) -> str:
     """A fresh process's import + warm compile against import + ORT session creation:
     what a user's script or `cannc run` waits for before its first run."""
-    def med(which: str, key: str) -> float:
-        return _median(rows, which, key)
-    return (f"import cannc {med('warm', 'import_s'):.2f} s + warm compile = "
-            f"{med('warm', 'import_s') + med('warm', 'compile_s'):.2f} s against import "
-            f"onnxruntime {med('ort', 'import_s'):.2f} s + session = "
-            f"{med('ort', 'import_s') + med('ort', 'compile_s'):.2f} s")
+    imp, warm = _median(rows, "warm", "import_s"), _median(rows, "warm", "compile_s")
+    ort_imp, ort = _median(rows, "ort", "import_s"), _median(rows, "ort", "compile_s")
+    return (f"import cannc {imp:.2f} s + warm compile = {imp + warm:.2f} s against import "
+            f"onnxruntime {ort_imp:.2f} s + session = {ort_imp + ort:.2f} s")
 
 
 def _machine() -> dict:
