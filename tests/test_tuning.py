@@ -254,3 +254,25 @@ def test_misspelt_runtime_switch_is_a_clear_error(tiny_mlp, monkeypatch, var):
         cannc.compile(m, cores=2)
     monkeypatch.setenv("CANNC_CORE_CHOICE", "False")
     assert not cannc.config.core_choice_enabled()
+
+
+def test_the_gemm_tiling_function_follows_the_entries_in_effect(cache_file, monkeypatch):
+    """gemm_tiling keeps its answers per GEMM and host (a model's layers repeat their
+    GEMMs); an entry stored for a shape afterwards still turns it into a tuned static
+    kernel (None), and another cache file without it into a dynamic one again."""
+    from cannc.codegen.lower.contraction import gemm_tiling
+    from cannc.ir.graph import Node
+    from cannc.ir.types import TensorType
+
+    n = Node(name="mm", op_type="MatMul", inputs=("a", "b"), outputs=("y",))
+    f32 = np.dtype(np.float32)
+    ts = [TensorType(f32, (1, 40, 128)), TensorType(f32, (128, 96))]
+    t = gemm_tiling(n, ts, [TensorType(f32, (1, 40, 96))])
+    assert t is not None and t.dims[0] == 40
+    assert gemm_tiling(n, ts, [TensorType(f32, (1, 40, 96))]) is t      # kept
+    tuning.store("gemm", t.notes["plan"]["signature"], {"KC": 64}, 1.0)
+    assert gemm_tiling(n, ts, [TensorType(f32, (1, 40, 96))]) is None
+    other = cache_file.with_name("other.json")
+    monkeypatch.setenv("CANNC_TUNING_CACHE", str(other))
+    again = gemm_tiling(n, ts, [TensorType(f32, (1, 40, 96))])
+    assert again is not None and again.key == t.key and again.dims == t.dims

@@ -148,6 +148,13 @@ def dtype_key(dt: np.dtype) -> str:
     return dt.str if dt.kind != "V" and dt.name not in SMALL_FLOATS else dt.name
 
 
+@functools.cache
+def dtype_name(dt: np.dtype) -> str:
+    """numpy's name of the dtype, kept per dtype: numpy computes `.name` in Python on
+    every read, and the GEMM tiling function reads four per node."""
+    return np.dtype(dt).name
+
+
 def onnx_type_string(dt: np.dtype) -> str:
     """The onnxruntime-style type string, e.g. 'tensor(float)'."""
     names = {
