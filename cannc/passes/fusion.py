@@ -107,7 +107,7 @@ class Groups:
         # nodes after n that are in no group cannot lead back to n's inputs, unless some
         # group holds nodes after n (the epilogue rules run once all groups are built)
         limit = max(self.order.get(n.name, 0), self.last)
-        succ = g.g.succ        # (an out_edges view per node cost 3x the walk itself)
+        succ = g.successors()   # (an out_edges view per node cost 3x the walk itself)
         seen, stack = set(members), list(members)
         while stack:
             x = stack.pop()

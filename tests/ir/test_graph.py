@@ -95,3 +95,29 @@ def test_a_pickled_graph_rebuilds_the_same_structure_on_first_use():
         assert back.consumers("v") == ["n5"] and ("n4", "n5", "v") in back.g.edges(keys=True)
     g.outputs = ["v"]
     verify(pickle.loads(pickle.dumps(g)))
+
+
+def test_a_copied_graph_has_the_same_structure_and_changes_alone():
+    """Graph.copy builds networkx's dicts itself (faster than networkx's copy): the same
+    nodes, orders, keyed edges both ways and successors as the original, and no dict
+    shared with it, so passes on the copy leave the original as it was."""
+    g = _chain()
+    g.values["w"] = g.values["v"] = TensorType(F, ("b", 4))
+    g.add_node(Node("n3", "Add", ("y", "z"), ("w",)), order=0.5)
+    g.add_node(Node("n4", "Mul", ("w", "w"), ("v",)))            # one value read twice
+    c = g.copy()
+    assert sorted(c.g.edges(keys=True, data=True)) == sorted(g.g.edges(keys=True, data=True))
+    assert sorted(c.g.in_edges(keys=True)) == sorted(g.g.in_edges(keys=True))
+    assert dict(c.g.nodes(data=True)) == dict(g.g.nodes(data=True))
+    assert {u: set(s) for u, s in c.successors().items()} == \
+        {u: set(s) for u, s in g.successors().items()} == \
+        {"n1": {"n2", "n3"}, "n2": {"n3"}, "n3": {"n4"}, "n4": set()}
+    assert [n.name for n in c.nodes()] == [n.name for n in g.nodes()]
+    verify(c)
+    before = (sorted(g.g.edges(keys=True)), dict(g.g.nodes(data="order")))
+    c.remove_node("n3")
+    c.add_node(Node("n3b", "Sub", ("y", "x"), ("w",)))
+    c.g.nodes["n1"]["order"] = 7
+    assert (sorted(g.g.edges(keys=True)), dict(g.g.nodes(data="order"))) == before
+    assert sorted(g.g.predecessors("n4")) == ["n3"]
+    assert sorted(c.g.predecessors("n4")) == ["n3b"] and ("n1", "n3b", "y") in c.g.edges(keys=True)
