@@ -142,7 +142,7 @@ class TuningCache:
         with self._lock:
             stamp = self._file_stamp()
             if stamp != self._stamp or stamp is None:
-                self._entries = self._read()
+                self._entries = self._read() if stamp is not None else {}
                 self._stamp = stamp
             return self._entries
 
@@ -197,11 +197,21 @@ class TuningCache:
 
 
 _caches: dict[Path, TuningCache] = {}
+_by_env: dict[tuple, TuningCache] = {}
 _caches_lock = threading.Lock()
 
 
 def cache(path: str | Path | None = None) -> TuningCache | None:
     """The cache at `path` (default: config.tuning_cache_path()); None without a path."""
+    # (the default one is found by the environment that names it and the working
+    # directory, not through pathlib: the GEMM tiling function asks at every node)
+    env = None
+    if path is None:
+        env = (os.environ.get("CANNC_TUNING_CACHE"), os.environ.get("CANNC_CACHE_DIR"),
+               os.environ.get("XDG_CACHE_HOME"), os.environ.get("HOME"), os.getcwd())
+        c = _by_env.get(env)
+        if c is not None:
+            return c
     p = Path(path) if path is not None else config.tuning_cache_path()
     if p is None:
         return None
@@ -210,6 +220,8 @@ def cache(path: str | Path | None = None) -> TuningCache | None:
         c = _caches.get(p)
         if c is None:
             c = _caches[p] = TuningCache(p)
+        if env is not None:
+            _by_env[env] = c
         return c
 
 
