@@ -42,7 +42,6 @@ from .compiler.pipeline import DEFAULT_PIPELINE, PIPELINES
 from .compiler.report import support_report
 from .compiler.shapes import Shapes, complete_input_shapes, type_string
 from .compiler.support import supported_ops
-from .compiler.tune import gemm_items, tune_gemms
 from .config import fmt_bytes
 from .custom_op import load_ops_file
 from .errors import CacheError, CanncError, InputError, ModelError
@@ -582,6 +581,9 @@ class _Progress:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    # (here: the search imports the code generators, which `cannc run x.cnc` never needs)
+    from .compiler.tune import gemm_items, tune_gemms
+
     path = Path(args.cache) if args.cache else config.tuning_cache_path()
     if path is None:
         raise CliError("no tuning cache file: give --cache PATH or set CANNC_TUNING_CACHE "

@@ -29,8 +29,6 @@ import numpy as np
 
 import cannc.te as te
 
-from .codegen.lower.base import register_lowering
-from .codegen.lower.te import te_lowering
 from .errors import CanncError, UnsupportedOpError
 from .ir.graph import Node
 from .ir.ops import lookup
@@ -81,6 +79,9 @@ class _CustomOp:
                            check=self._check, infer=self._infer, amp=Amp.DENY,
                            doc="custom op (cannc.te)")
         register(self.opdef)
+        from .codegen.lower.base import register_lowering  # (imports the code generators)
+        from .codegen.lower.te import te_lowering
+
         lower, tiling = te_lowering(self._trace_lower, self.label)
         register_lowering(name, domain=domain, tiling=tiling)(lower)
 

@@ -436,6 +436,7 @@ from pathlib import Path
 assert "onnx" not in sys.modules and "ml_dtypes" not in sys.modules, \
     "import cannc imported onnx/ml_dtypes (~0.6 s): import them where they are used"
 assert "networkx" not in sys.modules, "import cannc imported networkx (~0.1 s)"
+assert "cannc.codegen.lower" not in sys.modules, "import cannc imported the code generators"
 snapshot.root = lambda: Path({str(progs)!r})
 sess = cannc.compile({str(path)!r}, cores=2)
 x = np.load({str(tmp_path / 'x.npy')!r})
@@ -446,6 +447,8 @@ if sys.argv[1] == "warm":
     assert "onnx" not in sys.modules and "ml_dtypes" not in sys.modules, \
         "a program-cache hit imported onnx/ml_dtypes (the model parsed?)"
     assert "networkx" not in sys.modules, "a program-cache hit imported networkx"
+    assert "cannc.codegen.lower" not in sys.modules, \
+        "a program-cache hit imported the code generators (~35 ms)"
 """
     for which in ("cold", "warm"):
         r = subprocess.run([sys.executable, "-c", code, which], capture_output=True,
@@ -454,6 +457,19 @@ if sys.argv[1] == "warm":
     warm = np.load(tmp_path / "warm.npy")
     np.testing.assert_array_equal(warm, np.load(tmp_path / "cold.npy"))
     np.testing.assert_allclose(warm, _ort(path, feeds)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_the_salt_takes_the_switches_of_generators_not_imported_at_their_values():
+    """memo.salt() reads the codegen switches (FORCE_TUNING, ...) of the modules imported
+    and takes memo.SWITCHES' values for the others (a cache hit imports none of them):
+    those must be what the modules start with, or a hit would never find the programs a
+    compile stored."""
+    import importlib
+
+    from cannc.codegen import memo
+    for module, attr, default in memo.SWITCHES:
+        m = importlib.import_module(f"cannc.codegen.{module}")
+        assert getattr(m, attr) == default, f"{module}.{attr}"
 
 
 def test_compile_returns_before_its_program_is_written(progs, tmp_path, monkeypatch):

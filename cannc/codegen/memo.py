@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import sys
 import threading
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
@@ -42,8 +43,6 @@ from ..ir.ops import lookup
 from ..ir.types import TensorType, dtype_key
 from ..native.target import host, read_checksummed, source_digest, write_checksummed
 from ..schedule import machine, tuning
-from . import amx, amx_conv, conv, stemconv, winograd
-from .lower import conv as lower_conv
 
 _MAGIC = b"CNCMEMO1\n"
 # attributes that name where a node came from and never change its code
@@ -266,16 +265,38 @@ def default_memo() -> LoweringMemo:
     return _memos[k]
 
 
+# The codegen's module switches that tests and experiments set, with the values their
+# modules start with. salt() reads them where their modules are imported and takes these
+# values where not: a process that runs programs from the program cache never imports the
+# code generators (~35 ms), and its key must be the one of the process that compiled them.
+# (tests/codegen/test_memo_salt.py checks the values against the modules.)
+SWITCHES: tuple[tuple[str, str, Any], ...] = (
+    ("conv", "FORCE_TUNING", {}),
+    ("stemconv", "FORCE_TUNING", {}),
+    ("winograd", "FORCE_TUNING", {}),
+    ("lower.conv", "FORCE_LOWP_MODE", None),
+    ("amx", "OVERLAP_STORES", True),
+    ("amx_conv", "CB_CHUNK_MIN_P", 256),
+    ("amx_conv", "CB_OUTER_MIN_NCB", 2),
+)
+
+
+def _switch(module: str, attr: str, default: Any) -> Any:
+    m = sys.modules.get(f"{__package__}.{module}")
+    return getattr(m, attr) if m is not None else default
+
+
 def salt() -> str:
     """Everything global the generated code depends on: the host target, cannc's
     sources, the tuning cache in effect, the FMA pipes measured on this machine (they
     pick the GEMM's micro-kernel: a re-measurement that says otherwise must not find the
     other kernels) and the codegen switches (environment and the FORCE_TUNING overrides
     tests and experiments set)."""
-    switches = (f"wino={config.WINOGRAD}|conv={sorted(conv.FORCE_TUNING.items())!r}|"
-                f"stem={config.STEM_CONV},{sorted(stemconv.FORCE_TUNING.items())!r}|"
-                f"wg={sorted(winograd.FORCE_TUNING.items())!r}|"
-                f"lowp={lower_conv.FORCE_LOWP_MODE}|amx={amx.OVERLAP_STORES}|"
-                f"amxconv={amx_conv.CB_CHUNK_MIN_P},{amx_conv.CB_OUTER_MIN_NCB}")
+    sw = {f"{m}.{a}": _switch(m, a, default) for m, a, default in SWITCHES}
+    switches = (f"wino={config.WINOGRAD}|conv={sorted(sw['conv.FORCE_TUNING'].items())!r}|"
+                f"stem={config.STEM_CONV},{sorted(sw['stemconv.FORCE_TUNING'].items())!r}|"
+                f"wg={sorted(sw['winograd.FORCE_TUNING'].items())!r}|"
+                f"lowp={sw['lower.conv.FORCE_LOWP_MODE']}|amx={sw['amx.OVERLAP_STORES']}|"
+                f"amxconv={sw['amx_conv.CB_CHUNK_MIN_P']},{sw['amx_conv.CB_OUTER_MIN_NCB']}")
     return (f"{host().fingerprint}|{source_digest()}|{tuning.fingerprint()}|"
             f"pipes={machine.fma_pipes()}|{switches}")

@@ -7,10 +7,21 @@ support report of a whole model (`cannc check`), `inspect` builds the inspect re
 (`cannc inspect`, `Session.inspect`), `shapes` completes partly given input shapes.
 """
 
-from .lowering import codegen_counts, lower_graph, onnx_origin
+from typing import Any
+
 from .pipeline import DEFAULT_PIPELINE, PIPELINES, CompileOptions, specialize
 from .report import NodeSupport, SupportReport, support_report
 from .support import node_support, support_problems, unknown_ops
+
+
+def __getattr__(name: str) -> Any:
+    # the lowering's names, imported at first use: it imports the code generators
+    # (~35 ms), which a process that runs programs from the program cache never needs
+    if name in ("codegen_counts", "lower_graph", "onnx_origin"):
+        from . import lowering
+
+        return getattr(lowering, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["CompileOptions", "DEFAULT_PIPELINE", "NodeSupport", "PIPELINES", "SupportReport",
            "codegen_counts", "lower_graph", "node_support", "onnx_origin", "specialize",

@@ -24,7 +24,6 @@ from ..native.target import ObjectCache, default_cache
 from ..passes import control, fold, fusion, legalize, patterns  # noqa: F401  (registers passes)
 from ..passes.manager import PassContext, PassManager
 from ..schedule import costmodel
-from .lowering import compile_modules, lower_graph
 from .planning import concat_in_place, plan_memory
 from .support import support_problems, unknown_ops
 
@@ -97,6 +96,8 @@ def specialize(base: Graph, shapes: dict[str, tuple[int, ...]],
     (value specialisation, for inputs that decide shapes). ``while_llvm(graph, kernels,
     constants, memory plan)`` runs once the kernels are planned, while LLVM still
     compiles (the caller uploads the weights meanwhile)."""
+    from .lowering import compile_modules, lower_graph  # (imports the code generators)
+
     t0 = time.perf_counter()
     pm = options.pass_manager()
     unknown = unknown_ops(base)

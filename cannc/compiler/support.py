@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..codegen.lower import lowering_for
 from ..ir.graph import Graph, Node
 from ..ir.ops import all_ops, lookup
 
@@ -41,6 +40,8 @@ def node_support(graph: Graph, n: Node) -> str | None:
         return "no such op in cannc's registry"
     if n.opset < op.min_opset:
         return f"opset {n.opset} is older than supported ({op.min_opset})"
+    from ..codegen.lower import lowering_for  # (imports the code generators)
+
     if op.needs_kernel and lowering_for(op) is None:
         return "no native lowering yet"
     ins = [graph.values.get(v) if v else None for v in n.inputs]
