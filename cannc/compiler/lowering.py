@@ -108,6 +108,8 @@ class _Lowering:
         elif lowering.tiling_consts:
             tiling = lowering.tiling(n, in_types, out_types,
                                      consts=tuple(c is not None for c in consts))
+        elif lowering.tiling_values:
+            tiling = lowering.tiling(n, in_types, out_types, values=tuple(consts))
         else:
             tiling = lowering.tiling(n, in_types, out_types)
         key = node_key(n, in_types, out_types, consts, tiling.key if tiling else None, self.salt,

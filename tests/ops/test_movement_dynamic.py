@@ -73,6 +73,35 @@ def test_expand_and_tile_with_constant_shapes():
     check_runtime_dims(m, [{"x": f32(b, 1, H), "y": f32(b, s)} for b, s in SIZES])
 
 
+def test_slices_with_constant_parameters():
+    """Rotary embeddings' slices (constant starts/ends/axes/steps): the two halves of the
+    last axis, a [max_pos, D] cos table cut to the sequence length (its end from Shape: a
+    constant once specialised) and every other element of the last axis. Each runs at
+    every size with the code of the first; the two halves (different starts) share their
+    kernel. (A reversed axis keeps a static kernel per shape: runtime dims are
+    unsigned.)"""
+    D = 64
+    c = {k: numpy_helper.from_array(np.array(v, np.int64), k) for k, v in
+         {"zero": [0], "half": [D // 2], "big": [2 ** 62], "last": [-1], "one": [1],
+          "ax2": [2], "two": [2]}.items()}
+    nodes = [helper.make_node("Slice", ["x", "zero", "half", "last", "one"], ["x1"]),
+             helper.make_node("Slice", ["x", "half", "big", "last", "one"], ["x2"]),
+             helper.make_node("Shape", ["x"], ["shp"], start=1, end=2),
+             helper.make_node("Slice", ["cos", "zero", "shp"], ["cos_s"]),
+             helper.make_node("Slice", ["x", "one", "big", "ax2", "two"], ["odd"])]
+    m = model_of(nodes, [vi("x", TensorProto.FLOAT, ["batch", "seq", D]),
+                         vi("cos", TensorProto.FLOAT, [300, D])],
+                 [vi(o, TensorProto.FLOAT, None) for o in ("x1", "x2", "cos_s", "odd")],
+                 list(c.values()))
+    sizes = [(b, s) for b, s in SIZES if s <= 300]
+    sess = check_runtime_dims(m, [{"x": f32(b, s, D), "cos": f32(300, D)} for b, s in sizes])
+    kernels = [k for spec in sess.specializations for k in spec.kernels]
+    assert all(k.shape_polymorphic for k in kernels)
+    for spec in sess.specializations:
+        halves = {k.symbol for k in spec.kernels if k.outputs[0] in ("x1", "x2")}
+        assert len(halves) == 1, halves
+
+
 def test_gather_embedding_and_pooler():
     """Word embeddings (ids [B, S] into a constant [V, H] table, some out of range) and the
     pooler's first token (Gather of index 0 along axis 1)."""

@@ -206,6 +206,29 @@ def test_reduce_runtime_dims(case):
     assert len(kernel_symbols(sess)) == 1
 
 
+# the axes as a constant input (ReduceSum from opset 13, the others from 18: what current
+# exporters write): the tiling function reads its value, one kernel serves every shape
+AXES_INPUT = [
+    ("ReduceSum", 13, [1], 0, {0: "batch", 1: "seq"}),       # mean pooling's sum
+    ("ReduceMean", 18, [-1], 1, {0: "batch", 1: "seq"}),     # a decomposed RMSNorm's
+    ("ReduceMax", 18, [0, 1], 0, {0: "batch", 1: "seq", 2: "hidden"}),
+    ("ReduceL2", 18, [2, 0], 1, {0: "batch", 2: "hidden"}),  # unsorted, kept dims
+]
+
+
+@pytest.mark.parametrize("case", range(len(AXES_INPUT)))
+def test_reduce_axes_input_runtime_dims(case):
+    op, opset, axes, keepdims, dims = AXES_INPUT[case]
+    m, _ = single_node_model(op, [rnd(2, 16, 24), np.array(axes, np.int64)], opset=opset,
+                             const_inputs=[1], keepdims=keepdims)
+    m = with_dynamic_dims(m, {"in0": dims})
+    feeds = [{"in0": rnd(b if dims.get(0) else 2, s if dims.get(1) else 16,
+                         3 * s + 1 if dims.get(2) else 24)} for b, s in SIZES]
+    sess = check_runtime_dims(m, feeds)
+    assert len(kernel_symbols(sess)) == 1
+    assert all(k.shape_polymorphic for spec in sess.specializations for k in spec.kernels)
+
+
 @pytest.mark.parametrize("op", ["Softmax", "LogSoftmax"])
 def test_softmax_column_mode_runtime_dims(op):
     """Softmax over a middle axis (opset 13): vectors along the kept last axis, whose

@@ -36,6 +36,10 @@ class Lowering:
     # the tiling function also takes consts=(input i is a compile-time constant, ...): a
     # kernel whose form depends on it (an AMX GEMM needs its B prepacked) says so
     tiling_consts: bool = False
+    # the tiling function also takes values=(input i's constant array or None, ...): an
+    # op whose constant inputs say what it does (a Reduce's axes, a Slice's starts and
+    # ends) is shape-polymorphic in the rest, rather than one static kernel per shape
+    tiling_values: bool = False
 
 
 _LOWERINGS: dict[tuple[str, str], Lowering] = {}
@@ -43,16 +47,18 @@ _MAP_LOWERING: list[Lowering] = []     # the shared lowering of ops with an `exp
 
 
 def register_lowering(name: str, domain: str = "", tiling: TilingFn | None = None,
-                      tiling_consts: bool = False) -> Callable[[LowerFn], LowerFn]:
+                      tiling_consts: bool = False, tiling_values: bool = False
+                      ) -> Callable[[LowerFn], LowerFn]:
     """Decorator: `fn` lowers op `name` (in `domain`); `tiling` is its host tiling function
-    (`tiling_consts`: called with ``consts=`` too, see `Lowering`)."""
+    (`tiling_consts`, `tiling_values`: called with ``consts=`` or ``values=`` too, see
+    `Lowering`)."""
 
     def deco(fn: LowerFn) -> LowerFn:
         key = (domain, name)
         if key in _LOWERINGS:
             raise ValueError(f"lowering of {domain + '::' if domain else ''}{name} "
                              "registered twice")
-        _LOWERINGS[key] = Lowering(fn, tiling, tiling_consts)
+        _LOWERINGS[key] = Lowering(fn, tiling, tiling_consts, tiling_values)
         return fn
 
     return deco

@@ -186,38 +186,77 @@ def _split_pieces(n: Node, ins: list[Any], outs: list[Any]) -> list[Piece]:
 _lower_split, _split_tiling = _piece_op(_split_pieces)
 
 
-def _slice_params(ctx: LowerCtx, rank: int) -> tuple[list[int], list[int], list[int], list[int]]:
-    if ctx.opset < 10:
-        starts = list(ctx.attr("starts"))
-        ends = list(ctx.attr("ends"))
-        axes = ctx.attr("axes")
+def _slice_params(n: Node, consts: Sequence[np.ndarray | None], rank: int
+                  ) -> tuple[list[int], list[int], list[int], list[int]] | None:
+    """(starts, ends, axes, steps) of a Slice from its attributes (opset < 10) or its
+    constant inputs `consts` (None where starts or ends is not a constant)."""
+    if n.opset < 10:
+        starts = list(n.attrs["starts"])
+        ends = list(n.attrs["ends"])
+        axes = n.attrs.get("axes")
         axes = list(axes) if axes is not None else list(range(len(starts)))
         steps = [1] * len(starts)
     else:
-        starts = [int(v) for v in _need_const(ctx, 1, "starts").reshape(-1)]
-        ends = [int(v) for v in _need_const(ctx, 2, "ends").reshape(-1)]
-        a = _need_const(ctx, 3, "axes")
-        axes = [int(v) for v in a.reshape(-1)] if a is not None else list(range(len(starts)))
-        s = _need_const(ctx, 4, "steps")
-        steps = [int(v) for v in s.reshape(-1)] if s is not None else [1] * len(starts)
+        def given(i: int) -> np.ndarray | None:
+            present = i < len(n.inputs) and n.inputs[i]
+            return np.asarray(consts[i]).reshape(-1) if present and consts[i] is not None \
+                else None
+        if given(1) is None or given(2) is None \
+                or any(given(i) is None and i < len(n.inputs) and n.inputs[i] for i in (3, 4)):
+            return None
+        starts = [int(v) for v in given(1)]
+        ends = [int(v) for v in given(2)]
+        a, s = given(3), given(4)
+        axes = [int(v) for v in a] if a is not None else list(range(len(starts)))
+        steps = [int(v) for v in s] if s is not None else [1] * len(starts)
     return starts, ends, [_axis(int(a), rank) for a in axes], steps
 
 
-def _lower_slice(ctx: LowerCtx) -> None:
-    shp = _shape(ctx.in_types[0])
-    out = _shape(ctx.out_types[0])
-    if prod(out) == 0:
-        return _empty_kernel(ctx)
+def _slice_piece(n: Node, ins: list[Any], outs: list[Any],
+                 consts: Sequence[np.ndarray | None]) -> Piece | None:
+    """The one copy piece of a Slice (None where its parameters are not constants)."""
+    shp, out = _shape(ins[0]), _shape(outs[0])
     r = len(shp)
+    params = _slice_params(n, consts, r)
+    if params is None:
+        return None
     first, step = [0] * r, [1] * r
-    for st, en, ax, sp in zip(*_slice_params(ctx, r)):
+    for st, en, ax, sp in zip(*params):
         lo, hi, sp = slice(st, en, sp).indices(shp[ax])
         assert len(range(lo, hi, sp)) == out[ax], (shp, out, st, en, ax, sp)
         first[ax], step[ax] = lo, sp
     ist = contiguous_strides(shp)
-    piece = Piece(shape=out, dst=0, dst_strides=contiguous_strides(out), src=0,
-                  src_strides=[step[d] * ist[d] for d in range(r)],
-                  src_base=sum(first[d] * ist[d] for d in range(r)))
+    return Piece(shape=out, dst=0, dst_strides=contiguous_strides(out), src=0,
+                 src_strides=[step[d] * ist[d] for d in range(r)],
+                 src_base=sum(first[d] * ist[d] for d in range(r)))
+
+
+def _slice_tiling(n: Node, ins: list[Any], outs: list[Any],
+                  values: Sequence[np.ndarray | None] = ()) -> Any:
+    """Shape-polymorphic where the parameters are constants: the piece's extents,
+    strides and start are runtime dims, so a new input shape needs no code."""
+    if prod(_shape(outs[0])) == 0:
+        return None
+    piece = _slice_piece(n, ins, outs, list(values) + [None] * (len(n.inputs) - len(values)))
+    if piece is None or min(piece.src_strides, default=0) < 0:
+        return None     # (a reversed axis: runtime dims are unsigned; the static kernel)
+    return pieces_tiling([piece], np.dtype(outs[0].dtype).itemsize)
+
+
+def _lower_slice(ctx: LowerCtx) -> None:
+    if prod(_shape(ctx.out_types[0])) == 0:
+        return _empty_kernel(ctx)
+    n = ctx.node
+    if ctx.tiling is not None:
+        # the parameters are runtime dims: read, not folded into the code (no key)
+        consts: list[np.ndarray | None] = list(ctx.consts)
+    else:
+        consts = [None] * len(n.inputs)
+        for i in range(1, len(n.inputs)):
+            if n.inputs[i]:
+                consts[i] = _need_const(ctx, i, ("starts", "ends", "axes", "steps")[i - 1])
+    piece = _slice_piece(n, ctx.in_types, ctx.out_types, consts)
+    assert piece is not None
     emit_pieces(ctx, [piece], _isz(ctx))
 
 
@@ -1072,7 +1111,7 @@ def _lower_resize(ctx: LowerCtx) -> None:
 register_lowering("Transpose", tiling=_transpose_tiling)(_lower_transpose)
 register_lowering("Concat", tiling=_concat_tiling)(_lower_concat)
 register_lowering("Split", tiling=_split_tiling)(_lower_split)
-register_lowering("Slice")(_lower_slice)
+register_lowering("Slice", tiling=_slice_tiling, tiling_values=True)(_lower_slice)
 register_lowering("Expand", tiling=_expand_tiling)(_lower_expand)
 register_lowering("Tile", tiling=_tile_tiling)(_lower_tile)
 register_lowering("DepthToSpace", tiling=_d2s_tiling)(_lower_depth_to_space)

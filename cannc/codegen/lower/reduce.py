@@ -25,6 +25,7 @@ from ...ir.ops.reduce import (
     norm_axis,
     softmax_axes,
 )
+from ...ir.ops.reduce import reduce_axes as reduce_axes_of
 from ...ir.types import TensorType
 from .. import reduce as R
 from ..elementwise import TV, Expr, emit_map, map_tiling
@@ -81,11 +82,17 @@ def _make_reduce_tiling(kind: str, axes_input_from: int):
     npasses = 2 if kind == "logsumexp" else 1
     fpe = npasses * (10 if kind == "logsumexp" else 1)
 
-    def tiling(n: Node, ins: Types, outs: list[TensorType]) -> Tiling | None:
+    def tiling(n: Node, ins: Types, outs: list[TensorType],
+               values: Sequence[np.ndarray | None] = ()) -> Tiling | None:
         shape = _static_shape(ins[0])
         if shape is None:
             return None
         axes = node_reduce_axes(n, len(shape), axes_input_from)
+        if axes is None:          # the axes are an input: its constant value
+            value = values[1] if len(values) > 1 else None
+            if value is None:     # (a runtime input: the lowering says it is unsupported)
+                return None
+            axes = reduce_axes_of(n, len(shape), axes_input_from, value)
         plan = R.poly_layout(shape, axes) if axes else None
         if plan is None:          # nothing reduced
             return None
@@ -111,7 +118,7 @@ def _make_reduce(kind: str, axes_input_from: int):
 
 
 for _name, _kind, _dts, _from in REDUCES:
-    register_lowering(_name, tiling=_make_reduce_tiling(_kind, _from))(
+    register_lowering(_name, tiling=_make_reduce_tiling(_kind, _from), tiling_values=True)(
         _make_reduce(_kind, _from))
 
 
