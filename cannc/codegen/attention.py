@@ -66,7 +66,11 @@ Special values (numpy / onnxruntime semantics of the unfused graph):
   a row with *all* scores -inf gives NaN (0/0), as numpy and onnxruntime do;
   so does a row with no visible key at all (causal with Sq > Sk);
 * NaN anywhere in a row's scores makes the row NaN; a +inf score makes the
-  row NaN (inf - inf), as numpy.
+  row NaN (inf - inf), as numpy;
+* with ``zero_nan_rows`` (torch's export guards the probabilities with
+  ``Where(IsNaN(p), 0, p)``) those rows are 0 @ V instead: 0, or NaN in a column of
+  V holding NaN or inf, except after a NaN or +inf score, where the row is 0 (see
+  ``row_out``), and rows that see no key at all (causal), which are 0.
 
 The exponentials are ``exp(s - m)`` with ``m`` the running maximum (never
 overflowing; a row max of -inf is replaced by 0 so that blocks entirely at
@@ -222,6 +226,7 @@ class AttnForm:
     fill: float = -3.4028234663852886e38
     causal: bool = False
     score_bias_after_scale: bool = True
+    zero_nan_rows: bool = False
     scope: str = "bh"
     dtypes: tuple = ("float32",) * 4
     precision: str = "fp32"
@@ -283,6 +288,7 @@ def attention_form(spec: AttnSpec) -> tuple[AttnForm, tuple[int, ...]]:
     form = AttnForm(H=spec.H, D=spec.D, Dv=spec.Dv, scale=spec.scale, mask=spec.mask,
                     mask_dtype=spec.mask_dtype, fill=spec.fill, causal=spec.causal,
                     score_bias_after_scale=spec.score_bias_after_scale,
+                    zero_nan_rows=spec.zero_nan_rows,
                     dtypes=spec.dtypes, precision=spec.precision,
                     scope="bh" if bh_bytes <= PACK_BH_BYTES else "block", **forms)
     dims = (spec.B, spec.Sq, spec.Sk) + tuple(x for f in STRIDE_FIELDS for x in getattr(spec, f))
@@ -1683,15 +1689,12 @@ class _Gen(VecBuilder):
 
                 def final(accs=accs, rows=rows, cv0=cv0, nv=nv, omask=omask):
                     for k in range(MR):
-                        inv = b.fdiv(
-                            ir.Constant(F32, 1.0), self.load_f(self.gep(self.ws_l, rows[k]))
-                        )
-                        invs = self.splat(inv)
+                        out = self.row_out(self.load_f(self.gep(self.ws_l, rows[k])))
                         orow = self.gep(
                             O_bh, b.add(self.mul(b.add(q0, rows[k]), oi), self.mul(16 * cv0, od)),
                             self.ety["o"])
                         for v in range(nv):
-                            self.store_out(b.fmul(accs[k][v], invs), orow, 16 * v, omask[v])
+                            self.store_out(out(accs[k][v]), orow, 16 * v, omask[v])
 
                 self.finish_block(last, final, partial, "pv")
 
@@ -1816,14 +1819,29 @@ class _Gen(VecBuilder):
                     self.store_v(accs[v], self.gep(orow_acc, 16 * v))
 
             def final():
-                inv = self.splat(b.fdiv(ir.Constant(F32, 1.0),
-                                        self.load_f(self.gep(self.ws_l, r))))
+                out = self.row_out(self.load_f(self.gep(self.ws_l, r)))
                 orow = self.gep(O_bh, self.mul(b.add(q0, r), oi), self.ety["o"])
                 for v in range(nvd):
-                    self.store_out(b.fmul(accs[v], inv), orow, 16 * v,
-                                   omask[v])
+                    self.store_out(out(accs[v]), orow, 16 * v, omask[v])
 
             self.finish_block(last, final, partial, "am")
+
+    def row_out(self, l):
+        """acc -> the output vector of a row whose softmax denominator is ``l``: acc / l.
+        With ``zero_nan_rows`` the probabilities of a row that would be NaN are 0: where
+        every score is -inf (l is 0, and acc the sum of 0 * V: 0, or NaN where V holds
+        NaN or inf, as the guarded graph's 0 @ V) acc * 0; where a score is NaN or +inf
+        (l is NaN) 0, which differs from the guarded graph only where V holds NaN or
+        inf."""
+        b = self.b
+        inv = b.fdiv(ir.Constant(F32, 1.0), l)
+        if not self.s.zero_nan_rows:
+            invs = self.splat(inv)
+            return lambda acc: b.fmul(acc, invs)
+        zero = ir.Constant(F32, 0.0)
+        invs = self.splat(b.select(b.fcmp_ordered(">", l, zero), inv, zero))
+        nan = b.fcmp_unordered("uno", l, l)
+        return lambda acc: b.select(nan, self.zero_v, b.fmul(acc, invs))
 
     def store_out(self, val, orow, e0: int, mask):
         """O elements e0 + lane of the row at orow (mask: lanes inside Dv)."""
@@ -1838,9 +1856,10 @@ class _Gen(VecBuilder):
             self.scatter_cvt(val, ptrs, mask, dt)
 
     def store_nan_rows(self, O_bh, q0, mq):
-        """Rows that see no key at all (causal, Sq > Sk): softmax over nothing, 0/0."""
+        """Rows that see no key at all (causal, Sq > Sk): softmax over nothing, 0/0 (0
+        with ``zero_nan_rows``)."""
         s, b = self.s, self.b
-        nan = self.splat(float("nan"))
+        nan = self.zero_v if s.zero_nan_rows else self.splat(float("nan"))
         with self.loop(0, mq, 1, "nanr") as r:
             orow = self.gep(O_bh, self.mul(b.add(q0, r), self.st["o_strides"][2]), self.ety["o"])
             for v in range(_cdiv(s.Dv, 16)):

@@ -53,6 +53,8 @@ class AttnSpec:
         S = where(mask, S, fill)     mask="where" (bool, or float32: nonzero keeps)
         S[i, j] = -inf  where j > i + (Sk - Sq)     causal=True
 
+    then ``P = softmax(S)`` (NaN where ``zero_nan_rows``: 0) and ``O = P V``.
+
     With ``score_bias_after_scale=False`` the mask comes first:
     ``(Q @ K^T + mask) * scale`` or ``where(mask, Q @ K^T, fill) * scale``.
     ``mask_strides`` are element strides over (b, h, i, j) of the mask tensor
@@ -78,6 +80,10 @@ class AttnSpec:
     fill: float = -3.4028234663852886e38
     causal: bool = False
     score_bias_after_scale: bool = True
+    # rows whose probabilities are NaN (every score -inf, a NaN or a +inf score, no
+    # visible key) come out as 0, not NaN: torch's scaled_dot_product_attention export
+    # guards its softmax with Where(IsNaN(p), 0, p)
+    zero_nan_rows: bool = False
     # element types of Q, K, V, O ("float32", "bfloat16", "float16"): narrow operands are
     # converted on load / store; `precision` is the multiply precision ("fp32", "bf16",
     # "fp16"), always with float32 accumulation and a float32 softmax

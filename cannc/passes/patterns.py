@@ -671,6 +671,24 @@ def _attention_rewrite(graph: Graph, _: None, m) -> None:
 ATTENTION: Rule = Rule("attention", _attention_pattern, _attention_check, _attention_rewrite)
 
 
+def _nan_guard(graph: Graph, probs: str) -> list[Node]:
+    """[IsNaN, Where] of ``Where(IsNaN(p), 0, p)`` read by nothing else, as torch's
+    scaled_dot_product_attention export (dynamo) guards the softmax's probabilities p
+    (a fully masked row is NaN, then 0); [] where p is not guarded so."""
+    cons = [graph.node(c) for c in graph.consumers(probs)]
+    if len(cons) != 2 or probs in graph.outputs:
+        return []
+    isnan = next((n for n in cons if n.op_type == "IsNaN"), None)
+    where = next((n for n in cons if n.op_type == "Where"), None)
+    if isnan is None or where is None or _only_consumer(graph, isnan.outputs[0],
+                                                        ("Where",)) is not where:
+        return []
+    if where.inputs[0] != isnan.outputs[0] or where.inputs[2] != probs \
+            or _scalar_const(graph, where.inputs[1]) != 0.0:
+        return []
+    return [isnan, where]
+
+
 def _match_attention(graph: Graph, mm: Node):
     dts = {np.dtype(graph.values[v].dtype).name for v in mm.inputs}
     if len(dts) != 1 or not dts <= {"float32", "float16", "bfloat16"}:
@@ -727,8 +745,13 @@ def _match_attention(graph: Graph, mm: Node):
     if axis % rank != rank - 1:
         return (chain[-1].name, sm.name, "Softmax is not over the last axis")
     chain.append(sm)
-    pv = next_node(sm.outputs[0], ("MatMul",))
-    if pv is None or pv.inputs[0] != sm.outputs[0]:
+    probs = sm.outputs[0]
+    guard = _nan_guard(graph, probs)
+    if guard:
+        chain += guard
+        probs = guard[-1].outputs[0]
+    pv = next_node(probs, ("MatMul",))
+    if pv is None or pv.inputs[0] != probs:
         return (sm.name, "(attention)", "the probabilities do not feed a MatMul with V")
     chain.append(pv)
     for n in chain[:-1]:
@@ -775,7 +798,8 @@ def _match_attention(graph: Graph, mm: Node):
     spec = AttnSpec(B=B, H=H, Sq=Sq, Sk=Sk, D=D, Dv=Dv, q_strides=q4, k_strides=k4,
                     v_strides=v4, o_strides=o4, scale=float(scale * pre_scale), mask=mask_kind,
                     mask_strides=mstr, mask_dtype=mdt,
-                    fill=float(fill) if fill is not None else -3.4028234663852886e38)
+                    fill=float(fill) if fill is not None else -3.4028234663852886e38,
+                    zero_nan_rows=bool(guard))
     if negate:
         inv = f"{mask}::not"
         if inv not in graph.values:

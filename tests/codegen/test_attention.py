@@ -82,6 +82,8 @@ def reference(spec: AttnSpec, q, k, v, mask):
         m = s.max(-1, keepdims=True)
         e = np.exp(s - m)
         p = e / e.sum(-1, keepdims=True)
+        if spec.zero_nan_rows:      # torch's export: Where(IsNaN(p), 0, p)
+            p = np.where(np.isnan(p), 0.0, p)
         return p @ v
 
 
@@ -647,6 +649,63 @@ def test_nan_propagates_to_its_row():
     got = case.got(O)
     assert np.isnan(got[0, 0, 2]).all() and not np.isnan(got[0, 0, [0, 1, 3, 4, 5]]).any()
     case.check(O)
+
+
+def test_zero_nan_rows():
+    """zero_nan_rows (torch's Where(IsNaN(p), 0, p) after the softmax): a row whose
+    scores are all -inf (over several key blocks), or that holds a NaN or a +inf score,
+    comes out as 0, its neighbours as without it; without it those rows are NaN."""
+    B, H, Sq, Sk, D = 1, 2, 20, 150, 16
+
+    def fn(rng, n):
+        m = np.zeros((Sq, Sk), np.float32)
+        m[:, :70] = -np.inf
+        m[3, :] = -np.inf       # all -inf
+        m[5, 100:] = -np.inf
+        m[7, 20] = np.nan       # a NaN score
+        m[9, 120] = np.inf      # a +inf score
+        return m.reshape(-1)
+
+    bad = [3, 7, 9]
+    for zero in (True, False):
+        spec = dense(B, H, Sq, Sk, D, scale=0.25, mask="add", mask_strides=(0, 0, Sk, 1),
+                     zero_nan_rows=zero)
+        case, _ = check_spec(spec, mask_fn=fn)
+        assert (case.ref[:, :, bad] == 0).all() if zero else np.isnan(case.ref[:, :, bad]).all()
+        assert np.isfinite(np.delete(case.ref, bad, axis=2)).all()
+
+
+def test_zero_nan_rows_fully_masked_row_reads_nan_in_v():
+    """A fully masked row under zero_nan_rows is 0 @ V, as the guarded graph computes
+    it: NaN in the column where V holds a NaN, 0 elsewhere."""
+    B, H, Sq, Sk, D = 1, 1, 6, 40, 16
+    spec = dense(B, H, Sq, Sk, D, scale=0.25, mask="add", mask_strides=(0, 0, Sk, 1),
+                 zero_nan_rows=True)
+
+    def fn(rng, n):
+        m = np.zeros((Sq, Sk), np.float32)
+        m[2, :] = -np.inf
+        return m.reshape(-1)
+
+    case = Case(spec, mask_fn=fn)
+    case.bufs["v"][30 * D + 4] = np.nan                 # V[0,0,30,4]
+    case.ref = reference(spec, case.views["q"], case.views["k"], case.views["v"], case.mask)
+    O = run_split(build(spec), case)
+    got = case.got(O)
+    assert np.isnan(got[0, 0, :, 4]).all()
+    assert (np.delete(got[0, 0, 2], 4) == 0).all()
+    case.check(O)
+
+
+def test_form_zero_nan_rows_causal_rows_without_keys():
+    """The polymorphic kernel keeps zero_nan_rows in its form; causal rows that see no
+    key at all (Sq > Sk) are 0 under it instead of NaN."""
+    specs = [dense(B, 2, Sq, Sk, 24, scale=0.2, causal=True, zero_nan_rows=True)
+             for B, Sq, Sk in [(1, 40, 25), (2, 7, 7), (1, 9, 3)]]
+    form = check_form(specs)
+    assert form.zero_nan_rows
+    ref = reference(specs[0], *(np.ones((1, 2, n, 24)) for n in (40, 25, 25)), None)
+    assert (ref[0, :, :15] == 0).all() and np.isfinite(ref).all()
 
 
 def test_spec_validation():

@@ -304,8 +304,10 @@ def test_bn_affine_refuses_runtime_parameters():
 
 
 def _attention_model(mask="add", merge=True, scale_op="Div", k_layout="transpose", S=9, H=2,
-                     D=8, B=2):
-    """Head split (Reshape+Transpose), QKᵀ, scale, mask, Softmax, ·V, head merge."""
+                     D=8, B=2, nan_guard=False):
+    """Head split (Reshape+Transpose), QKᵀ, scale, mask, Softmax, ·V, head merge;
+    `nan_guard`: the probabilities through Where(IsNaN(p), 0, p), as torch's dynamo
+    export of scaled_dot_product_attention writes them."""
     I64 = TensorProto.INT64
     hid = H * D
     nodes, inits = [], [("shape4", np.array([B, S, H, D], np.int64))]
@@ -350,7 +352,13 @@ def _attention_model(mask="add", merge=True, scale_op="Div", k_layout="transpose
         extra_inputs.append(helper.make_tensor_value_info("mi", I64, [B, 1, 1, S]))
     else:
         nodes.append(helper.make_node("Identity", ["ss"], ["sm_in"]))
-    nodes.append(helper.make_node("Softmax", ["sm_in"], ["p"], axis=-1))
+    if nan_guard:
+        nodes.append(helper.make_node("Softmax", ["sm_in"], ["p0"], axis=-1))
+        nodes.append(helper.make_node("IsNaN", ["p0"], ["isnan"]))
+        nodes.append(helper.make_node("Where", ["isnan", "fzero", "p0"], ["p"]))
+        inits.append(("fzero", np.float32(0)))
+    else:
+        nodes.append(helper.make_node("Softmax", ["sm_in"], ["p"], axis=-1))
     nodes.append(helper.make_node("MatMul", ["p", "vh"], ["ctx"]))
     out_shape = [B, H, S, D]
     if merge:
@@ -384,6 +392,25 @@ def test_attention_is_one_kernel(mask, merge, scale_op, k_layout):
     assert len(att) == 1
     assert "Softmax" in att[0].op_types and att[0].op_types.count("MatMul") == 2
     assert ("Transpose" in att[0].op_types) and len(_kernels(fused)) <= 2
+
+
+def test_attention_with_torchs_nan_guard_is_one_kernel():
+    """torch.onnx.export(dynamo=True) of scaled_dot_product_attention: Q and Kᵀ scaled by
+    sqrt(scale) each, an additive mask, and Where(IsNaN(p), 0, p) after the Softmax. One
+    kernel; a batch item whose keys are all masked (-inf) gives 0, as onnxruntime
+    computes the graph, not NaN."""
+    B, S, H, D = 2, 9, 2, 8
+    m = _attention_model("add", True, "sqrt_qk", "transpose", S, H, D, B, nan_guard=True)
+    feeds = {n: R.standard_normal((B, S, H * D)).astype(np.float32) for n in "qkv"}
+    mask = np.where(R.random((B, 1, 1, S)) > 0.3, 0, -np.inf).astype(np.float32)
+    mask[0, ..., 0] = 0
+    mask[1] = -np.inf                   # batch item 1: every key masked
+    feeds["m"] = mask
+    fused, plain = _compare(m, feeds)
+    att = [k for k in _kernels(fused) if "attention" in k.notes]
+    assert len(att) == 1 and {"IsNaN", "Where", "Softmax"} <= set(att[0].op_types)
+    (y,) = fused.run(None, feeds)
+    assert (y[1] == 0).all() and np.isfinite(y).all()
 
 
 def test_attention_switch_off_logs_nothing_fused():
