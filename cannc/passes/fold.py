@@ -9,6 +9,7 @@ own semantics); folding uses the op's NumPy reference.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -277,6 +278,14 @@ def infer_and_fold(graph: Graph, ctx: PassContext) -> bool:
         types: list[TensorType | None] | None = None   # inferred and size-checked
         if _foldable(graph, n):
             ins = [graph.constants.get(v) if v else None for v in n.inputs]
+            kept = _kept_fold(n, ins)
+            if kept is not None:
+                graph.remove_node(n.name)
+                for v, o in zip(n.outputs, kept):
+                    if v and o is not None:
+                        graph.set_constant(v, o)
+                changed = True
+                continue
             if any(a is not None and a.size == 0 for a in ins) and \
                     _fold_empty(graph, n, infer_node(graph, n)):
                 changed = True
@@ -311,6 +320,7 @@ def infer_and_fold(graph: Graph, ctx: PassContext) -> bool:
                 for v, o in zip(n.outputs, outs):
                     if v and o is not None:
                         graph.set_constant(v, o)
+                _keep_fold(n, ins, [graph.constants.get(v) if v else None for v in n.outputs])
                 changed = True
                 continue
         if types is None:       # (a node left unfolded above was inferred there already)
@@ -324,6 +334,49 @@ def infer_and_fold(graph: Graph, ctx: PassContext) -> bool:
             continue
         changed |= _fold_const_outputs(graph, n, types)
     return changed
+
+
+# A node folded from large constants of the model itself (a tied embedding transposed for
+# the LM head: 154 MB for GPT-2) gives the same arrays at every specialisation, and the
+# same array objects let the packed weights made from them be shared too
+# (compiler.lowering._replay): GPT-2's new sequence lengths copied and packed that matrix
+# again, ~0.9 s each. Kept by node and input identity while the node, its inputs and its
+# results live (the sessions' specialisations hold them); constants are never changed in
+# place, the base graph's being shared by every specialisation already.
+_FOLDS: dict[tuple, tuple[list[weakref.ref | None], list[weakref.ref | None]]] = {}
+_BIG_FOLD = 1 << 20     # bytes of the largest input before a fold is kept
+
+
+def _fold_key(n: Node, ins: list[np.ndarray | None]) -> tuple | None:
+    if not any(a is not None and a.nbytes >= _BIG_FOLD for a in ins):
+        return None
+    return (id(n),) + tuple(id(a) for a in ins)
+
+
+def _kept_fold(n: Node, ins: list[np.ndarray | None]) -> list[np.ndarray | None] | None:
+    key = _fold_key(n, ins)
+    hit = _FOLDS.get(key) if key is not None else None
+    if hit is None:
+        return None
+    srcs, outs = hit
+    if any((r() if r is not None else None) is not a for r, a in zip(srcs, [n, *ins])):
+        return None
+    got = [r() if r is not None else None for r in outs]
+    if any(r is not None and g is None for r, g in zip(outs, got)):
+        return None
+    return got
+
+
+def _keep_fold(n: Node, ins: list[np.ndarray | None], outs: list[np.ndarray | None]) -> None:
+    key = _fold_key(n, ins)
+    if key is None:
+        return
+    if len(_FOLDS) >= 1024:
+        for k in [k for k, (_, o) in _FOLDS.items() if any(r is not None and r() is None
+                                                           for r in o)]:
+            del _FOLDS[k]
+    _FOLDS[key] = ([weakref.ref(x) if x is not None else None for x in [n, *ins]],
+                   [weakref.ref(o) if o is not None else None for o in outs])
 
 
 def _check_types(graph: Graph, n: Node, types: list[TensorType | None]) -> None:

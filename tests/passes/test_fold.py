@@ -139,3 +139,33 @@ def test_kept_inference_tells_narrow_float_types_apart(monkeypatch):
         PassManager(PIPELINES["O0"]).run(graph)
         got.append(np.dtype(graph.values["y"].dtype).name)
     assert got == ["float4_e2m1fn", "float8_e4m3fn"]
+
+
+def test_a_large_fold_is_the_same_array_at_every_specialisation():
+    """A tied embedding transposed for the LM head (GPT-2's dynamo export): the fold of
+    the model's own large constant is made once, and the same array serves every input
+    shape, so the GEMM's packed weights made from it are shared too (a new sequence length
+    copied and packed 154 MB again). A smaller model of the same form; outputs against
+    onnxruntime at each shape."""
+    import cannc
+    from onnx import numpy_helper
+    from tests.helpers import ort_run
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((700, 512)).astype(np.float32)       # 1.4 MB
+    nodes = [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]),
+             helper.make_node("MatMul", ["x", "wt"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, ["batch", "seq", 512])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, ["batch", "seq", 700])], [numpy_helper.from_array(w, "w")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 9
+    sess = cannc.compile(m, cores=1)
+    for s in (5, 9):
+        x = rng.standard_normal((1, s, 512)).astype(np.float32)
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], ort_run(m, {"x": x})[0],
+                                   rtol=1e-4, atol=1e-4)
+    specs = sess.specializations
+    assert len(specs) == 3            # the default shapes, then the two runs'
+    big = [{id(a) for a in sp.constants.values() if a.nbytes >= 1 << 20} for sp in specs]
+    assert big[0] and big[0] == big[1] == big[2], big
