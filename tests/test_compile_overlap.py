@@ -9,7 +9,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 import cannc
-from cannc.compiler import pipeline
+from cannc.compiler import lowering
 from cannc.runtime.device import shared_device
 from tests.helpers import ort_run
 
@@ -33,13 +33,13 @@ def _mlp() -> onnx.ModelProto:
 def test_weights_are_on_the_device_before_the_compile_waits_for_llvm(monkeypatch, tmp_path):
     monkeypatch.setenv("CANNC_CACHE_DIR", str(tmp_path))   # nothing cached: LLVM runs
     seen = []
-    real = pipeline.compile_modules
+    real = lowering.compile_modules   # (pipeline.specialize imports it when it runs)
 
     def spy(modules, cache, batch=None):
         seen.append((len(modules), shared_device(1).mem_info().get("weights_bytes", 0)))
         return real(modules, cache, batch)
 
-    monkeypatch.setattr(pipeline, "compile_modules", spy)
+    monkeypatch.setattr(lowering, "compile_modules", spy)
     before = shared_device(1).mem_info().get("weights_bytes", 0)
     model = _mlp()
     sess = cannc.compile(model.SerializeToString(), cores=1, shapes={"x": (5, 64)})
