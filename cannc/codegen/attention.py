@@ -1859,13 +1859,13 @@ class _Gen(VecBuilder):
         """Rows that see no key at all (causal, Sq > Sk): softmax over nothing, 0/0 (0
         with ``zero_nan_rows``)."""
         s, b = self.s, self.b
-        nan = self.zero_v if s.zero_nan_rows else self.splat(float("nan"))
+        val = self.zero_v if s.zero_nan_rows else self.splat(float("nan"))
         with self.loop(0, mq, 1, "nanr") as r:
             orow = self.gep(O_bh, self.mul(b.add(q0, r), self.st["o_strides"][2]), self.ety["o"])
             for v in range(_cdiv(s.Dv, 16)):
                 m = self.lanes_lt(s.Dv, 16 * v)
                 full = all(c.constant for c in m.constant)
-                self.store_out(nan, orow, 16 * v, None if full else m)
+                self.store_out(val, orow, 16 * v, None if full else m)
 
 
 def emit_attention(
