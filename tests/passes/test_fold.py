@@ -147,8 +147,9 @@ def test_a_large_fold_is_the_same_array_at_every_specialisation():
     shape, so the GEMM's packed weights made from it are shared too (a new sequence length
     copied and packed 154 MB again). A smaller model of the same form; outputs against
     onnxruntime at each shape."""
-    import cannc
     from onnx import numpy_helper
+
+    import cannc
     from tests.helpers import ort_run
 
     rng = np.random.default_rng(0)
