@@ -589,26 +589,77 @@ def _dense_strides(shape: tuple[int, ...]) -> list[int]:
     return st
 
 
-def _peel_transposes(graph: Graph, v: str, absorbed: list[Node]) -> tuple[str, list[int]]:
-    """v == transpose(base, perm) through a chain of single-use Transposes: returns
-    (base, perm); the peeled Transpose nodes are appended to `absorbed`."""
-    perm = list(range(len(graph.values[v].shape)))
-    cur = v
-    while True:
-        p = graph.producer(cur)
-        if p is None or p.op_type != "Transpose" or len(graph.consumers(cur)) != 1 \
-                or cur in graph.outputs:
-            return cur, perm
-        tp = p.attrs.get("perm") or list(range(len(perm)))[::-1]
-        perm = [int(tp[i]) for i in perm]
-        absorbed.append(p)
-        cur = p.inputs[0]
+def _reshaped_strides(shape: tuple[int, ...], strides: list[int],
+                      new: tuple[int, ...]) -> list[int] | None:
+    """The strides of a view (shape, strides) reshaped to `new` in place (row-major), or
+    None where the reshape would need a copy. Axes of size 1 take the stride they would
+    have if dense with the axes inside them."""
+    old = [(int(n), int(st)) for n, st in zip(shape, strides) if n != 1]
+    nd = [(k, int(n)) for k, n in enumerate(new) if n != 1]
+    out: list[int | None] = [None] * len(new)
+    i = j = 0
+    while i < len(old) and j < len(nd):
+        i2, j2, po, pn = i + 1, j + 1, old[i][0], nd[j][1]
+        while po != pn:
+            if po < pn and i2 < len(old):
+                po *= old[i2][0]
+                i2 += 1
+            elif pn < po and j2 < len(nd):
+                pn *= nd[j2][1]
+                j2 += 1
+            else:
+                return None
+        if any(old[k][1] != old[k + 1][0] * old[k + 1][1] for k in range(i, i2 - 1)):
+            return None             # the old axes merged here are not contiguous
+        st = old[i2 - 1][1]
+        for k in range(j2 - 1, j - 1, -1):
+            out[nd[k][0]] = st
+            st *= nd[k][1]
+        i, j = i2, j2
+    if i != len(old) or j != len(nd):
+        return None
+    inner = 1
+    for k in range(len(new) - 1, -1, -1):
+        if out[k] is None:
+            out[k] = inner
+        inner = out[k] * int(new[k])
+    return [int(x) for x in out]
 
 
 def _logical_strides(graph: Graph, v: str, absorbed: list[Node]) -> tuple[str, list[int]]:
-    base, perm = _peel_transposes(graph, v, absorbed)
-    bst = _dense_strides(tuple(graph.values[base].shape))
-    return base, [bst[p] for p in perm]
+    """v as a strided view of a value `base` (dense): through a chain of single-use
+    Transposes and Reshapes that keep it a view (the head split and merge, torch's
+    [B,H,S,D] -> [B*H,S,D] -> [B*H,D,S] -> [B,H,D,S] around a transposed K). Returns (base,
+    v's strides in base's elements); the nodes read through join `absorbed`."""
+    chain: list[Node] = []
+    cur = v
+    while True:
+        p = graph.producer(cur)
+        if p is None or p.op_type not in ("Transpose", "Reshape") \
+                or len(graph.consumers(cur)) != 1 or cur in graph.outputs:
+            break
+        chain.append(p)
+        cur = p.inputs[0]
+    base = cur
+    shape = tuple(int(d) for d in graph.values[base].shape)
+    strides = _dense_strides(shape)
+    kept: list[Node] = []
+    for p in reversed(chain):          # from the base out
+        out = tuple(int(d) for d in graph.values[p.outputs[0]].shape)
+        if p.op_type == "Transpose":
+            perm = p.attrs.get("perm") or list(range(len(shape)))[::-1]
+            strides = [strides[int(a) % len(shape)] for a in perm]
+        else:
+            st = _reshaped_strides(shape, strides, out)
+            if st is None:             # a copy: the view starts again from this value
+                base, strides, kept = p.outputs[0], _dense_strides(out), []
+                shape = out
+                continue
+            strides = st
+        shape = out
+        kept.append(p)
+    absorbed.extend(kept)
+    return base, strides
 
 
 def _as4(strides: list[int], shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -317,6 +317,13 @@ def _attention_model(mask="add", merge=True, scale_op="Div", k_layout="transpose
     nodes.append(helper.make_node("Transpose", ["v4"], ["vh"], perm=[0, 2, 1, 3]))
     if k_layout == "transpose":
         nodes.append(helper.make_node("Transpose", ["k4"], ["kt"], perm=[0, 2, 3, 1]))
+    elif k_layout == "bh3d":  # torch's dynamo export: through [B*H, S, D] and back
+        nodes.append(helper.make_node("Transpose", ["k4"], ["kh"], perm=[0, 2, 1, 3]))
+        nodes.append(helper.make_node("Reshape", ["kh", "shape3"], ["k3"]))
+        nodes.append(helper.make_node("Transpose", ["k3"], ["k3t"], perm=[0, 2, 1]))
+        nodes.append(helper.make_node("Reshape", ["k3t", "shape4t"], ["kt"]))
+        inits += [("shape3", np.array([B * H, S, D], np.int64)),
+                  ("shape4t", np.array([B, H, D, S], np.int64))]
     else:  # [B,H,S,D] then swap the last two
         nodes.append(helper.make_node("Transpose", ["k4"], ["kh"], perm=[0, 2, 1, 3]))
         nodes.append(helper.make_node("Transpose", ["kh"], ["kt"], perm=[0, 1, 3, 2]))
@@ -411,6 +418,59 @@ def test_attention_with_torchs_nan_guard_is_one_kernel():
     assert len(att) == 1 and {"IsNaN", "Where", "Softmax"} <= set(att[0].op_types)
     (y,) = fused.run(None, feeds)
     assert (y[1] == 0).all() and np.isfinite(y).all()
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_attention_reads_k_through_torchs_3d_transpose(B):
+    """torch's dynamo export transposes K as [B,H,S,D] -> [B*H,S,D] -> [B*H,D,S] ->
+    [B,H,D,S]. The attention reads K through those Reshapes and Transposes where they
+    stay views of one buffer: at B = 1 all of them (one kernel for the whole attention);
+    at B = 2 merging B and H of the head-split K would need a copy, so that Transpose
+    stays a kernel and the rest is read through."""
+    S, H, D = 9, 2, 8
+    m = _attention_model("add", True, "sqrt_qk", "bh3d", S, H, D, B, nan_guard=True)
+    feeds = {n: R.standard_normal((B, S, H * D)).astype(np.float32) for n in "qkv"}
+    feeds["m"] = np.where(R.random((B, 1, 1, S)) > 0.3, 0, -np.inf).astype(np.float32)
+    feeds["m"][..., 0] = 0
+    fused, _ = _compare(m, feeds)
+    ks = _kernels(fused)
+    (att,) = [k for k in ks if "attention" in k.notes]
+    # the head splits of Q, K and V (3 Reshapes), and K's way through [B*H, ...] (2)
+    assert att.op_types.count("Reshape") == (5 if B == 1 else 3)
+    assert len(ks) == (1 if B == 1 else 2), [k.op_types for k in ks]
+    if B == 2:
+        assert [k.op_types for k in ks if k is not att] == [["Transpose"]]
+
+
+def test_reshaped_strides_agree_with_numpy():
+    """patterns._reshaped_strides (a strided view reshaped in place, or None) against
+    numpy's own in-place reshape of transposed views, values compared through the
+    strides it gives."""
+    from cannc.passes.patterns import _reshaped_strides
+
+    rng = np.random.default_rng(5)
+    for _ in range(400):
+        shape = tuple(int(x) for x in rng.integers(1, 4, rng.integers(1, 5)))
+        a = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
+        v = a.transpose(rng.permutation(len(shape)))
+        n, new = v.size, []
+        while n > 1:
+            d = int(rng.choice([f for f in range(2, n + 1) if n % f == 0]))
+            new.append(d)
+            n //= d
+        if rng.random() < 0.5:
+            new.insert(int(rng.integers(0, len(new) + 1)), 1)
+        new = tuple(new) or (1,)
+        got = _reshaped_strides(v.shape, [s // 8 for s in v.strides], new)
+        try:
+            w = v.view()
+            w.shape = new          # numpy refuses where a copy is needed
+        except AttributeError:
+            assert got is None, (v.shape, v.strides, new)
+            continue
+        assert got is not None, (v.shape, v.strides, new)
+        x = np.lib.stride_tricks.as_strided(a, new, [g * 8 for g in got])
+        np.testing.assert_array_equal(x, v.reshape(new))
 
 
 def test_attention_switch_off_logs_nothing_fused():
