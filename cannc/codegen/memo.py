@@ -269,7 +269,7 @@ def default_memo() -> LoweringMemo:
 # modules start with. salt() reads them where their modules are imported and takes these
 # values where not: a process that runs programs from the program cache never imports the
 # code generators (~35 ms), and its key must be the one of the process that compiled them.
-# (tests/codegen/test_memo_salt.py checks the values against the modules.)
+# (tests/test_program_cache.py checks the values against the modules.)
 SWITCHES: tuple[tuple[str, str, Any], ...] = (
     ("conv", "FORCE_TUNING", {}),
     ("stemconv", "FORCE_TUNING", {}),

@@ -280,10 +280,7 @@ def infer_and_fold(graph: Graph, ctx: PassContext) -> bool:
             ins = [graph.constants.get(v) if v else None for v in n.inputs]
             kept = _kept_fold(n, ins)
             if kept is not None:
-                graph.remove_node(n.name)
-                for v, o in zip(n.outputs, kept):
-                    if v and o is not None:
-                        graph.set_constant(v, o)
+                _fold_to(graph, n, kept)
                 changed = True
                 continue
             if any(a is not None and a.size == 0 for a in ins) and \
@@ -316,10 +313,7 @@ def infer_and_fold(graph: Graph, ctx: PassContext) -> bool:
                                    f" (folded at node '{n.name}', {n.op_type})")
             if outs is not None and all(o is None or o.size <= ctx.options.limit_elems
                                         for o in outs):
-                graph.remove_node(n.name)
-                for v, o in zip(n.outputs, outs):
-                    if v and o is not None:
-                        graph.set_constant(v, o)
+                _fold_to(graph, n, outs)
                 _keep_fold(n, ins, [graph.constants.get(v) if v else None for v in n.outputs])
                 changed = True
                 continue
@@ -334,6 +328,14 @@ def infer_and_fold(graph: Graph, ctx: PassContext) -> bool:
             continue
         changed |= _fold_const_outputs(graph, n, types)
     return changed
+
+
+def _fold_to(graph: Graph, n: Node, outs: list[np.ndarray | None]) -> None:
+    """Node n goes; its outputs become these constants."""
+    graph.remove_node(n.name)
+    for v, o in zip(n.outputs, outs):
+        if v and o is not None:
+            graph.set_constant(v, o)
 
 
 # A node folded from large constants of the model itself (a tied embedding transposed for

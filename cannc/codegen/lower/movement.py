@@ -197,18 +197,15 @@ def _slice_params(n: Node, consts: Sequence[np.ndarray | None], rank: int
         axes = list(axes) if axes is not None else list(range(len(starts)))
         steps = [1] * len(starts)
     else:
-        def given(i: int) -> np.ndarray | None:
-            present = i < len(n.inputs) and n.inputs[i]
-            return np.asarray(consts[i]).reshape(-1) if present and consts[i] is not None \
-                else None
-        if given(1) is None or given(2) is None \
-                or any(given(i) is None and i < len(n.inputs) and n.inputs[i] for i in (3, 4)):
+        present = [i < len(n.inputs) and bool(n.inputs[i]) for i in range(5)]
+        got = [np.asarray(consts[i]).reshape(-1) if present[i] and consts[i] is not None
+               else None for i in range(5)]
+        if any(present[i] and got[i] is None for i in (1, 2, 3, 4)) or not all(present[1:3]):
             return None
-        starts = [int(v) for v in given(1)]
-        ends = [int(v) for v in given(2)]
-        a, s = given(3), given(4)
-        axes = [int(v) for v in a] if a is not None else list(range(len(starts)))
-        steps = [int(v) for v in s] if s is not None else [1] * len(starts)
+        starts = [int(v) for v in got[1]]
+        ends = [int(v) for v in got[2]]
+        axes = [int(v) for v in got[3]] if present[3] else list(range(len(starts)))
+        steps = [int(v) for v in got[4]] if present[4] else [1] * len(starts)
     return starts, ends, [_axis(int(a), rank) for a in axes], steps
 
 
