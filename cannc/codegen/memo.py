@@ -268,7 +268,8 @@ def default_memo() -> LoweringMemo:
 # The codegen's module switches that tests and experiments set, with the values their
 # modules start with. salt() reads them where their modules are imported and takes these
 # values where not: a process that runs programs from the program cache never imports the
-# code generators (~35 ms), and its key must be the one of the process that compiled them.
+# code generators (tens of ms), and its key must be the one of the process that compiled
+# them.
 # (tests/test_program_cache.py checks the values against the modules.)
 SWITCHES: tuple[tuple[str, str, Any], ...] = (
     ("conv", "FORCE_TUNING", {}),
