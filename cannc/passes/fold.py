@@ -9,6 +9,7 @@ own semantics); folding uses the op's NumPy reference.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -346,6 +347,7 @@ def _fold_to(graph: Graph, n: Node, outs: list[np.ndarray | None]) -> None:
 # results live (the sessions' specialisations hold them); constants are never changed in
 # place, the base graph's being shared by every specialisation already.
 _FOLDS: dict[tuple, tuple[list[weakref.ref | None], list[weakref.ref | None]]] = {}
+_FOLDS_LOCK = threading.Lock()   # (sessions specialise in threads of their own)
 _BIG_FOLD = 1 << 20     # bytes of the largest input before a fold is kept
 
 
@@ -357,7 +359,10 @@ def _fold_key(n: Node, ins: list[np.ndarray | None]) -> tuple | None:
 
 def _kept_fold(n: Node, ins: list[np.ndarray | None]) -> list[np.ndarray | None] | None:
     key = _fold_key(n, ins)
-    hit = _FOLDS.get(key) if key is not None else None
+    if key is None:
+        return None
+    with _FOLDS_LOCK:
+        hit = _FOLDS.get(key)
     if hit is None:
         return None
     srcs, outs = hit
@@ -373,12 +378,14 @@ def _keep_fold(n: Node, ins: list[np.ndarray | None], outs: list[np.ndarray | No
     key = _fold_key(n, ins)
     if key is None:
         return
-    if len(_FOLDS) >= 1024:
-        for k in [k for k, (_, o) in _FOLDS.items() if any(r is not None and r() is None
-                                                           for r in o)]:
-            del _FOLDS[k]
-    _FOLDS[key] = ([weakref.ref(x) if x is not None else None for x in [n, *ins]],
-                   [weakref.ref(o) if o is not None else None for o in outs])
+    entry = ([weakref.ref(x) if x is not None else None for x in [n, *ins]],
+             [weakref.ref(o) if o is not None else None for o in outs])
+    with _FOLDS_LOCK:
+        if len(_FOLDS) >= 1024:
+            for k in [k for k, (_, o) in _FOLDS.items() if any(r is not None and r() is None
+                                                               for r in o)]:
+                del _FOLDS[k]
+        _FOLDS[key] = entry
 
 
 def _check_types(graph: Graph, n: Node, types: list[TensorType | None]) -> None:
