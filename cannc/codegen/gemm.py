@@ -981,19 +981,9 @@ def gemm_dims(spec: GemmSpec, M: int, batch: int = 1,
     assert spec.dyn, "gemm_dims is for dynamic specs"
     if spec.batch == 1 and batch != 1:
         raise ValueError("this dynamic GEMM is not batched")
-    # (kept per spec, rows, batch and what the plans read of the host: a model's layers
-    # repeat their GEMMs, and a new input shape asked for each twice, fusion's epilogue
-    # check and the lowering: 72 calls, ~12 ms of specialising BERT-base again)
-    return _gemm_dims(spec, M, batch, _tuning_key(tuning), host_isa(),
-                      spec.compute == "bf16" and use_dpbf16(), l2_bytes())
-
-
-@lru_cache(maxsize=1024)
-def _gemm_dims(spec: GemmSpec, M: int, batch: int, tuning_key: tuple, isa: str,
-               dpbf16: bool, l2: int) -> tuple[tuple[int, ...], int]:
-    """gemm_dims; `isa`, `dpbf16` and `l2` are what gemm_plan and the grid's cost read of
-    the host, passed for the cache's key only."""
-    tun = dict(tuning_key)
+    # (its one caller in a compile, the GEMM tiling function, keeps its answers:
+    # codegen.lower.contraction._gemm_tiling)
+    tun = dict(_tuning_key(tuning))
     p0 = gemm_plan(spec, tun)
     # (the mid-rows variant has no strips for the last rows of a panel: their
     # micro-kernels, one per row count, cost more compile time than the variant itself,

@@ -30,7 +30,7 @@ from ...ir.types import TensorType, dtype_name
 from ...native import emit
 from ...native.emit import for_range, i64
 from ...native.target import host
-from ...schedule.machine import fma_pipes, l2_bytes
+from ...schedule import machine
 from ...schedule.tuning import fingerprint as tuning_fingerprint
 from ...schedule.tuning import gemm_signature
 from ..amx import (
@@ -479,7 +479,9 @@ def gemm_tiling(n: Node, ins: list[TensorType | None], outs: list[TensorType],
     canon, M, batch, _, full = d
     b_const = consts[1] if consts is not None and len(consts) > 1 else None
     return _gemm_tiling(canon, M, batch, full, epilogue, b_const, len(ins[1].shape) <= 2,
-                        (host(), tuning_fingerprint(), l2_bytes(), fma_pipes()))
+                        # (machine's read through it, as the planners read them)
+                        (host(), tuning_fingerprint(), machine.l2_bytes(),
+                         machine.fma_pipes()))
 
 
 @lru_cache(maxsize=1024)
